@@ -1,0 +1,31 @@
+# ckpt-controller: the two commands a fresh machine needs are `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  := torch==2.13.0
+
+.PHONY: install test test-slow demo clean
+
+install: $(STAMP)
+
+# torch first, pinned to the CPU wheel on disk: the project's own range would
+# otherwise let pip pick a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/ckptctl demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

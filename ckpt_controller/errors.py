@@ -1,0 +1,154 @@
+"""The error tree of ckpt-controller, sorted by what the caller does next.
+
+Every error carries the facts a person needs to act (engine, state, step, deadline, ...)
+in ``details`` and crosses the wire as ``(kind, message, details)``; ``from_wire`` turns it
+back into the same class on the other side. Neighbours: ``protocol`` carries errors as
+``ErrorReply``; ``cli`` maps ``exit_code`` to the process exit status.
+
+    CkptError                          base; never raised itself
+    +-- UsageError             exit 2  the caller asked for something malformed or impossible
+    |   +-- ConfigError                a bad configuration value
+    |   +-- InvalidTransitionError     a trigger not allowed in the current state
+    |   +-- BusyError                  another operation holds the engine
+    +-- ProtocolError          exit 2  a frame broke the wire contract
+    |   +-- VersionMismatchError       the peer speaks another protocol version
+    +-- RejectedError          exit 1  admission closed: retry after ``retry_after_s`` (temporary)
+    +-- OperationError         exit 1  an operation ran and failed (it was rolled back or FAILED)
+    |   +-- DrainError                 in-flight requests could not be drained as asked
+    |   +-- MemoryError_               releasing or re-waking memory failed
+    |   |   +-- ResidualOverBudgetError   memory left after release exceeds the budget
+    |   |   +-- VerificationError         re-woken weights differ from the release checksum
+    |   +-- EngineError                the engine's own callback raised
+    +-- DeadlineError          exit 3  a deadline passed (a failure, never a success)
+    +-- UnreachableError       exit 4  the peer did not answer (temporary: reconnect, retry)
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class CkptError(Exception):
+    """Base of every error this project raises on purpose."""
+
+    exit_code: ClassVar[int] = 1
+    #: True when the same request may succeed later without any change by the caller.
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details: dict[str, Any] = details
+
+    def __str__(self) -> str:
+        if not self.details:
+            return self.message
+        facts = ", ".join(f"{k}={v!r}" for k, v in self.details.items() if v is not None)
+        return f"{self.message} ({facts})" if facts else self.message
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
+
+    def __reduce__(self):  # pickling keeps details (multiprocessing, tests)
+        return (_rebuild, (self.kind, self.message, self.details))
+
+
+class UsageError(CkptError):
+    """Raised when a request is malformed or impossible as asked. Fix the request; do not retry."""
+
+    exit_code = 2
+
+
+class ConfigError(UsageError):
+    """Raised for a bad configuration value; ``details`` names the file, key and problem."""
+
+
+class InvalidTransitionError(UsageError):
+    """Raised when a trigger is not allowed in the current state; nothing changed.
+
+    ``details``: ``state``, ``trigger``, ``allowed`` (the triggers that are allowed now).
+    """
+
+
+class BusyError(UsageError):
+    """Raised when another operation holds the engine; ``details['holder']`` names it. Retry later."""
+
+    retryable = True
+
+
+class ProtocolError(CkptError):
+    """Raised when a frame breaks the wire contract (malformed, truncated, oversized, unknown type)."""
+
+    exit_code = 2
+
+
+class VersionMismatchError(ProtocolError):
+    """Raised when the peer speaks another protocol version; upgrade one side."""
+
+
+class RejectedError(CkptError):
+    """Raised by the admission gate: the engine is not RUNNING. Retry after ``retry_after_s``."""
+
+    retryable = True
+
+
+class OperationError(CkptError):
+    """Raised when an operation ran and failed; ``details`` names the step. The engine was
+    rolled back to RUNNING or is FAILED (``details['state']``)."""
+
+
+class DrainError(OperationError):
+    """Raised when in-flight requests could not be drained as the caller asked."""
+
+
+class MemoryError_(OperationError):  # noqa: N801 - the builtin MemoryError means something else
+    """Raised when releasing or re-waking registered memory failed."""
+
+
+class ResidualOverBudgetError(MemoryError_):
+    """Raised when the memory still held after release exceeds the configured budget."""
+
+
+class VerificationError(MemoryError_):
+    """Raised when re-woken weights differ from the checksum taken at release. Never ignored."""
+
+
+class EngineError(OperationError):
+    """Raised when one of the engine's own callbacks (abort, keep, pause, verify...) failed."""
+
+
+class DeadlineError(CkptError):
+    """Raised when a deadline passed. A timeout is a failure, never a success."""
+
+    exit_code = 3
+
+
+class UnreachableError(CkptError):
+    """Raised when the peer did not answer in time or its socket broke. Reconnect and retry."""
+
+    exit_code = 4
+    retryable = True
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_KIND: dict[str, type[CkptError]] = {c.__name__: c for c in _all_subclasses(CkptError)}
+
+
+def from_wire(kind: str, message: str, details: dict[str, Any] | None = None) -> CkptError:
+    """Rebuild an error that crossed the wire; an unknown kind becomes an ``OperationError``."""
+    cls = _BY_KIND.get(kind, OperationError)
+    err = cls(message, **(details or {}))
+    if cls is OperationError and kind != "OperationError":
+        err.details.setdefault("remote_kind", kind)
+    return err
+
+
+def _rebuild(kind: str, message: str, details: dict[str, Any]) -> CkptError:
+    return from_wire(kind, message, details)

@@ -1,0 +1,171 @@
+"""The lifecycle: one state enum and one transition table, and nothing else.
+
+The table is data (``TRANSITIONS``) fed to the ``transitions`` library with
+``auto_transitions=False``, so no ``to_<state>()`` shortcut can bypass it. The lifecycle knows
+no sockets, no torch and no engine: the agent (``ckpt_controller.agent``) fires triggers on it
+and publishes the recorded ``Transition`` values. States come from vLLM's ``CheckpointState``.
+
+    RUNNING --prepare--> PREPARING --prepared--> PREPARED --restore--> RESTORING --restored--> RUNNING
+    any state --fail--> FAILED;  FAILED --restore--> RESTORING (recovery)
+    PREPARING or PREPARED --rollback--> RESTORING (--restored--> RUNNING)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from transitions import Machine
+
+from ckpt_controller.clock import Clock
+from ckpt_controller.errors import InvalidTransitionError
+
+
+class CheckpointState(StrEnum):
+    """Where an engine stands in the checkpoint/restore cycle (wire value: lowercase name)."""
+
+    RUNNING = "running"  # serves requests
+    PREPARING = "preparing"  # drains, then releases what a checkpoint must not contain
+    PREPARED = "prepared"  # safe to capture
+    RESTORING = "restoring"  # brings back what preparing released
+    FAILED = "failed"
+
+    @property
+    def is_restored(self) -> bool:
+        """True when memory may wake and scheduling resume (RUNNING, RESTORING)."""
+        return self in (CheckpointState.RUNNING, CheckpointState.RESTORING)
+
+
+class Trigger(StrEnum):
+    """The verbs that move the lifecycle."""
+
+    PREPARE = "prepare"
+    PREPARED = "prepared"
+    RESTORE = "restore"
+    RESTORED = "restored"
+    ROLLBACK = "rollback"
+    FAIL = "fail"
+
+
+S, T = CheckpointState, Trigger
+
+#: The whole lifecycle: (trigger, sources, destination).
+TRANSITIONS: tuple[tuple[Trigger, tuple[CheckpointState, ...], CheckpointState], ...] = (
+    (T.PREPARE, (S.RUNNING,), S.PREPARING),
+    (T.PREPARED, (S.PREPARING,), S.PREPARED),
+    (T.RESTORE, (S.PREPARED, S.FAILED), S.RESTORING),
+    (T.RESTORED, (S.RESTORING,), S.RUNNING),
+    (T.ROLLBACK, (S.PREPARING, S.PREPARED), S.RESTORING),
+    (T.FAIL, tuple(S), S.FAILED),
+)
+
+#: States an engine must not be left in: something is working on it.
+TRANSITIONAL = frozenset({S.PREPARING, S.RESTORING})
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One recorded move. ``generation`` counts completed cycles after this move."""
+
+    trigger: Trigger
+    source: CheckpointState
+    dest: CheckpointState
+    generation: int
+    monotonic: float
+    wall: float
+    reason: str = ""
+
+
+class _Model:
+    """The object ``transitions`` attaches trigger methods and ``state`` to."""
+
+    state: str
+
+
+class Lifecycle:
+    """The authoritative state of one engine. Thread-safe; every move is recorded."""
+
+    def __init__(
+        self,
+        clock: Clock | None = None,
+        initial: CheckpointState = CheckpointState.RUNNING,
+        generation: int = 0,
+        history_limit: int = 1000,
+    ) -> None:
+        self._clock = clock or Clock()
+        self._lock = threading.RLock()
+        self._model = _Model()
+        self._machine = Machine(
+            model=self._model,
+            states=[s.value for s in CheckpointState],
+            transitions=[
+                {"trigger": t.value, "source": [s.value for s in src], "dest": dst.value}
+                for t, src, dst in TRANSITIONS
+            ],
+            initial=initial.value,
+            auto_transitions=False,
+            ignore_invalid_triggers=False,
+        )
+        self._generation = generation
+        self._restoring_cycle = False  # True while RESTORING came from PREPARED via restore
+        self._history: list[Transition] = []
+        self._history_limit = history_limit
+        self._listeners: list[Callable[[Transition], None]] = []
+
+    @property
+    def state(self) -> CheckpointState:
+        return CheckpointState(self._model.state)
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def history(self) -> list[Transition]:
+        with self._lock:
+            return list(self._history)
+
+    def allowed(self, state: CheckpointState | None = None) -> list[Trigger]:
+        """Triggers allowed in ``state`` (default: the current one), in table order."""
+        names = set(self._machine.get_triggers((state or self.state).value))
+        return [t for t in Trigger if t.value in names]
+
+    def subscribe(self, listener: Callable[[Transition], None]) -> None:
+        """Call ``listener(transition)`` after every move (under the lifecycle's lock)."""
+        self._listeners.append(listener)
+
+    def fire(self, trigger: Trigger | str, reason: str = "") -> Transition:
+        """Move by ``trigger`` or raise ``InvalidTransitionError`` and change nothing."""
+        with self._lock:
+            source = self.state
+            try:
+                trig = Trigger(trigger)
+            except ValueError:
+                trig = None
+            if trig is None or trig not in self.allowed(source):
+                raise InvalidTransitionError(
+                    f"cannot {trigger} an engine that is {source}",
+                    state=source.value,
+                    trigger=str(trigger),
+                    allowed=[t.value for t in self.allowed(source)],
+                )
+            getattr(self._model, trig.value)()
+            dest = self.state
+            if trig is Trigger.RESTORE:
+                self._restoring_cycle = source is CheckpointState.PREPARED
+            elif trig is Trigger.ROLLBACK:
+                self._restoring_cycle = False
+            elif trig is Trigger.RESTORED and self._restoring_cycle:
+                self._generation += 1
+                self._restoring_cycle = False
+            record = Transition(
+                trig, source, dest, self._generation,
+                self._clock.monotonic(), self._clock.wall(), reason,
+            )
+            self._history.append(record)
+            del self._history[: -self._history_limit]
+            for listener in list(self._listeners):
+                listener(record)
+            return record

@@ -1,0 +1,402 @@
+"""The wire protocol between a controller (or any client) and an engine's agent.
+
+Transport: pyzmq. The agent binds a ROUTER, clients connect a DEALER. Every message is two
+frames, ``[type, payload]`` (a ROUTER prepends the peer identity):
+
+- ``type`` is ONE byte (``RequestType`` from a client, ``ReplyType`` from the agent), so a
+  frame needs no extra encoding to be routed;
+- ``payload`` is a msgpack-encoded msgspec Struct. Every command carries ``version`` and a
+  ``call_id`` that the reply repeats, so a client can match replies and drop stale ones.
+
+Schema evolution: new fields only at the end and with defaults; a tag or a type byte never
+changes; a change that breaks old peers bumps ``PROTOCOL_VERSION``. This module knows no
+sockets and no torch: it only turns Structs into frames and frames into Structs or errors.
+Neighbours: ``agent.server`` and ``agent.client`` move the frames; ``errors`` is carried in
+``ErrorReply``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+import msgspec
+
+from ckpt_controller.errors import CkptError, ProtocolError, VersionMismatchError, from_wire
+
+PROTOCOL_VERSION = 1
+#: A frame larger than this is refused with a ``ProtocolError`` reply.
+MAX_PAYLOAD_BYTES = 1 << 20
+#: zmq drops (and disconnects) anything larger than this before we see it.
+HARD_MAX_MESSAGE_BYTES = 16 << 20
+
+
+class RequestType(bytes, enum.Enum):
+    """First frame of a message from a client."""
+
+    HANDSHAKE = b"\x00"
+    STATUS = b"\x01"
+    PREPARE = b"\x02"
+    RESTORE = b"\x03"
+    ROLLBACK = b"\x04"
+    HEARTBEAT = b"\x05"
+    SUBSCRIBE = b"\x06"
+    UNSUBSCRIBE = b"\x07"
+    FAIL = b"\x08"
+
+
+class ReplyType(bytes, enum.Enum):
+    """First frame of a message from the agent."""
+
+    REPLY = b"\x80"
+    ERROR = b"\x81"
+    EVENT = b"\x82"
+
+
+DrainMode = Literal["wait", "abort", "keep"]
+Escalation = Literal["abort", "keep", "fail"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+# ---------------------------------------------------------------- commands (client -> agent)
+
+
+class Command(msgspec.Struct, kw_only=True):
+    """Fields every command starts with."""
+
+    call_id: int
+    version: int = PROTOCOL_VERSION
+
+
+class Handshake(Command, kw_only=True):
+    client: str = ""
+
+
+class StatusCommand(Command, kw_only=True):
+    pass
+
+
+class HeartbeatCommand(Command, kw_only=True):
+    pass
+
+
+class SubscribeCommand(Command, kw_only=True):
+    pass
+
+
+class PrepareCommand(Command, kw_only=True):
+    """Drain, then release memory. ``level`` or ``tags`` (not both) say what to release."""
+
+    op_id: str
+    drain: DrainMode = "wait"
+    drain_timeout_s: float = 30.0
+    on_deadline: Escalation = "abort"
+    level: int | None = 1
+    tags: list[str] | None = None
+    residual_budget_bytes: int | None = None
+    deadline_s: float | None = None
+
+
+class RestoreCommand(Command, kw_only=True):
+    """Re-wake what was released, verify, resume scheduling, re-open admission."""
+
+    op_id: str
+    deadline_s: float | None = None
+
+
+class RollbackCommand(Command, kw_only=True):
+    """Return a PREPARING or PREPARED engine to RUNNING (same path as restore)."""
+
+    op_id: str
+    reason: str = ""
+    deadline_s: float | None = None
+
+
+class FailCommand(Command, kw_only=True):
+    """Mark the engine FAILED (e.g. a capture left it unusable)."""
+
+    op_id: str
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- results (agent -> client)
+
+
+class DrainReport(msgspec.Struct, kw_only=True):
+    mode: DrainMode
+    escalated_to: Escalation | None = None
+    in_flight_at_start: int = 0
+    completed: int = 0
+    aborted: int = 0
+    kept: int = 0
+    drain_s: float = 0.0
+
+
+class DeviceMemory(msgspec.Struct, kw_only=True):
+    """One device's numbers. CPU: process RSS. CUDA: torch allocator and ``mem_get_info``."""
+
+    device: str
+    before_bytes: int
+    after_bytes: int
+    freed_bytes: int
+    #: memory this process still holds on the device after the step
+    residual_bytes: int
+    note: str = ""
+
+
+class MemoryReport(msgspec.Struct, kw_only=True):
+    """What a release or re-wake did. ``tensor_bytes`` is what the registry moved."""
+
+    action: Literal["release", "rewake"]
+    level: int | None = None
+    tags: list[str] = []
+    tensor_bytes: int = 0
+    offloaded_bytes: int = 0
+    discarded_bytes: int = 0
+    freed_bytes: int = 0
+    residual_bytes: int = 0
+    budget_bytes: int | None = None
+    devices: list[DeviceMemory] = []
+    verified_tensors: int = 0
+    duration_s: float = 0.0
+
+
+class TransitionRecord(msgspec.Struct, kw_only=True):
+    trigger: str
+    source: str
+    dest: str
+    generation: int
+    monotonic: float
+    wall: float
+    reason: str = ""
+
+
+class HandshakeReply(msgspec.Struct, kw_only=True, tag=True):
+    protocol_version: int
+    engine: str
+    pid: int
+    incarnation: int
+    state: str
+
+
+class StatusReply(msgspec.Struct, kw_only=True, tag=True):
+    engine: str
+    pid: int
+    state: str
+    is_restored: bool
+    generation: int
+    in_flight: int
+    kept: int
+    released_tags: list[str]
+    registered_bytes: dict[str, int]
+    #: how many times this process was found restored from a checkpoint image
+    incarnation: int
+    restored_from_image: bool
+    current_op: str | None = None
+    last_transition: TransitionRecord | None = None
+
+
+class PrepareReply(msgspec.Struct, kw_only=True, tag=True):
+    op_id: str
+    state: str
+    drain: DrainReport
+    memory: MemoryReport
+    duration_s: float
+
+
+class RestoreReply(msgspec.Struct, kw_only=True, tag=True):
+    op_id: str
+    state: str
+    generation: int
+    memory: MemoryReport | None
+    duration_s: float
+    resumed_kept: int = 0
+
+
+class HeartbeatReply(msgspec.Struct, kw_only=True, tag=True):
+    state: str
+    seq: int
+    monotonic: float
+
+
+class Ack(msgspec.Struct, kw_only=True, tag=True):
+    pass
+
+
+Result = HandshakeReply | StatusReply | PrepareReply | RestoreReply | HeartbeatReply | Ack
+
+
+class Reply(msgspec.Struct, kw_only=True):
+    call_id: int
+    result: Result
+
+
+class ErrorReply(msgspec.Struct, kw_only=True):
+    """A typed error; ``kind`` is a class name from ``ckpt_controller.errors``."""
+
+    call_id: int
+    kind: str
+    message: str
+    details: dict[str, Any] = {}
+
+    def to_exception(self) -> CkptError:
+        return from_wire(self.kind, self.message, self.details)
+
+
+# ---------------------------------------------------------------- events (agent -> subscribers)
+
+
+class StateChanged(msgspec.Struct, kw_only=True, tag=True):
+    engine: str
+    transition: TransitionRecord
+    op_id: str | None = None
+
+
+class DrainProgress(msgspec.Struct, kw_only=True, tag=True):
+    engine: str
+    op_id: str
+    in_flight: int
+    completed: int
+    aborted: int
+    kept: int
+    elapsed_s: float
+
+
+class MemoryReported(msgspec.Struct, kw_only=True, tag=True):
+    engine: str
+    op_id: str
+    report: MemoryReport
+
+
+class Heartbeat(msgspec.Struct, kw_only=True, tag=True):
+    engine: str
+    state: str
+    seq: int
+    monotonic: float
+    incarnation: int
+
+
+EventBody = StateChanged | DrainProgress | MemoryReported | Heartbeat
+
+
+class Event(msgspec.Struct, kw_only=True):
+    body: EventBody
+
+
+# ---------------------------------------------------------------- codec
+
+COMMAND_TYPES: dict[RequestType, type[Command]] = {
+    RequestType.HANDSHAKE: Handshake,
+    RequestType.STATUS: StatusCommand,
+    RequestType.PREPARE: PrepareCommand,
+    RequestType.RESTORE: RestoreCommand,
+    RequestType.ROLLBACK: RollbackCommand,
+    RequestType.HEARTBEAT: HeartbeatCommand,
+    RequestType.SUBSCRIBE: SubscribeCommand,
+    RequestType.UNSUBSCRIBE: SubscribeCommand,
+    RequestType.FAIL: FailCommand,
+}
+
+
+class _Header(msgspec.Struct):
+    """The two fields read before the full command, to answer even a half-broken frame."""
+
+    call_id: int = 0
+    version: int = 0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+_command_decoders = {t: msgspec.msgpack.Decoder(c) for t, c in COMMAND_TYPES.items()}
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_error_decoder = msgspec.msgpack.Decoder(ErrorReply)
+_event_decoder = msgspec.msgpack.Decoder(Event)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def command_frames(rtype: RequestType, cmd: Command) -> list[bytes]:
+    return [rtype.value, _encoder.encode(cmd)]
+
+
+def reply_frames(call_id: int, result: Result) -> list[bytes]:
+    return [ReplyType.REPLY.value, _encoder.encode(Reply(call_id=call_id, result=result))]
+
+
+def error_frames(call_id: int, err: CkptError) -> list[bytes]:
+    body = ErrorReply(
+        call_id=call_id, kind=err.kind, message=err.message, details=_plain(err.details)
+    )
+    return [ReplyType.ERROR.value, _encoder.encode(body)]
+
+
+def event_frames(body: EventBody) -> list[bytes]:
+    return [ReplyType.EVENT.value, _encoder.encode(Event(body=body))]
+
+
+def decode_command(frames: list[bytes]) -> tuple[RequestType, Command]:
+    """Decode ``[type, payload]`` from a client, or raise ``ProtocolError`` carrying the
+    ``call_id`` (when it could be read) in ``details`` so the caller can still reply."""
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames (type, payload), got {len(frames)}", call_id=0)
+    tframe, payload = frames
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(
+            "payload too large", call_id=0, size=len(payload), limit=MAX_PAYLOAD_BYTES
+        )
+    try:
+        header = _header_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # policy: the payload is not even a map with ints; reply with call_id 0
+        raise ProtocolError(f"malformed payload: {exc}", call_id=0) from None
+    call_id = header.call_id
+    if len(tframe) != 1:
+        raise ProtocolError(f"type frame must be 1 byte, got {len(tframe)}", call_id=call_id)
+    try:
+        rtype = RequestType(bytes(tframe))
+    except ValueError:
+        raise ProtocolError(f"unknown request type 0x{tframe.hex()}", call_id=call_id) from None
+    if header.version != PROTOCOL_VERSION:
+        raise VersionMismatchError(
+            f"protocol version {header.version} is not supported",
+            call_id=call_id, got=header.version, supported=PROTOCOL_VERSION,
+        )
+    try:
+        return rtype, _command_decoders[rtype].decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # policy: a well-framed command with bad fields is answered, not dropped
+        raise ProtocolError(f"invalid {rtype.name} command: {exc}", call_id=call_id) from None
+
+
+def decode_from_agent(frames: list[bytes]) -> Reply | ErrorReply | Event:
+    """Decode ``[type, payload]`` from an agent, or raise ``ProtocolError``."""
+    if len(frames) != 2 or len(frames[0]) != 1:
+        raise ProtocolError(f"malformed agent message ({len(frames)} frames)")
+    try:
+        rtype = ReplyType(bytes(frames[0]))
+    except ValueError:
+        raise ProtocolError(f"unknown reply type 0x{bytes(frames[0]).hex()}") from None
+    decoder = {
+        ReplyType.REPLY: _reply_decoder,
+        ReplyType.ERROR: _error_decoder,
+        ReplyType.EVENT: _event_decoder,
+    }[rtype]
+    try:
+        return decoder.decode(frames[1])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed {rtype.name} from agent: {exc}") from None
+
+
+def _plain(value: Any) -> Any:
+    """Error details as msgpack-safe values (unknown objects become strings)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, msgspec.Struct):
+        return msgspec.to_builtins(value)
+    return str(value)
