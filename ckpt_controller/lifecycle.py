@@ -12,6 +12,7 @@ and publishes the recorded ``Transition`` values. States come from vLLM's ``Chec
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ class Trigger(StrEnum):
     ROLLBACK = "rollback"
     FAIL = "fail"
 
+
+# transitions logs every callback at INFO; our own log names each transition already
+logging.getLogger("transitions").setLevel(logging.WARNING)
 
 S, T = CheckpointState, Trigger
 

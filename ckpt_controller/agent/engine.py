@@ -1,0 +1,82 @@
+"""What the agent needs from the engine it is embedded in, and from its memory.
+
+``EngineHooks`` are callbacks into the engine's own scheduler; an engine overrides the ones
+it supports. ``MemoryManager`` is the shape of ``ckpt_controller.memory.MemoryRegistry`` (and of
+adapters for engines whose memory we reach another way, e.g. vLLM's HTTP API). The agent
+imports neither torch nor an engine: both arrive through these interfaces.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ckpt_controller.errors import EngineError, UsageError
+from ckpt_controller.protocol import MemoryReport
+
+
+class EngineHooks:
+    """Callbacks the agent makes into the engine, always from the agent's operation thread.
+
+    Defaults: an engine that cannot abort or keep refuses those drain modes with an
+    ``EngineError``; pause, resume and verify do nothing.
+    """
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """End each request now with finish reason ``abort`` and its partial output,
+        reported to its client, then call ``gate.finish(id, "abort")``. May return first;
+        the agent waits for the finishes."""
+        raise EngineError("this engine cannot abort requests", step="drain", mode="abort")
+
+    def keep_requests(self, request_ids: list[str]) -> None:
+        """Freeze each request, keeping its progress in host memory, so that it completes
+        after restore with the output it would have had without the cycle. Return when frozen."""
+        raise EngineError("this engine cannot keep requests", step="drain", mode="keep")
+
+    def pause_scheduling(self) -> None:
+        """Return once no step runs and none will start until ``resume_scheduling``."""
+
+    def resume_scheduling(self) -> None:
+        """Start stepping again; kept requests continue."""
+
+    def verify(self) -> None:
+        """Check the engine is fit to serve after re-wake (e.g. a golden prompt). Raise to
+        fail the restore."""
+
+
+class MemoryManager(Protocol):
+    """Releases and re-wakes an engine's memory (see ``ckpt_controller.memory``)."""
+
+    @property
+    def released_tags(self) -> list[str]: ...
+
+    def registered_bytes(self) -> dict[str, int]: ...
+
+    def plan(self, level: int | None = None, tags: list[str] | None = None) -> object: ...
+
+    def release(self, plan: object, residual_budget_bytes: int | None = None) -> MemoryReport: ...
+
+    def rewake(self, tags: list[str] | None = None) -> MemoryReport: ...
+
+
+class NoMemory:
+    """For an engine with nothing registered: every release and re-wake is empty."""
+
+    released_tags: list[str] = []
+
+    def registered_bytes(self) -> dict[str, int]:
+        return {}
+
+    def plan(self, level: int | None = None, tags: list[str] | None = None) -> object:
+        if tags:
+            raise UsageError("no memory is registered under these tags", tags=tags, registered=[])
+        if level is not None and level not in (0, 1, 2):
+            raise UsageError("level must be 0, 1 or 2", level=level)
+        return (level, tags)
+
+    def release(self, plan: object, residual_budget_bytes: int | None = None) -> MemoryReport:
+        level, tags = plan  # type: ignore[misc]
+        return MemoryReport(action="release", level=level, tags=list(tags or []),
+                            budget_bytes=residual_budget_bytes)
+
+    def rewake(self, tags: list[str] | None = None) -> MemoryReport:
+        return MemoryReport(action="rewake")

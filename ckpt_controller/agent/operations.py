@@ -1,0 +1,238 @@
+"""The steps of prepare, restore, rollback and fail, run on the agent's operation thread.
+
+Each operation moves the lifecycle, calls the engine's hooks and the memory manager in the
+order product.md fixes, and returns a reply Struct or raises a ``CkptError`` whose details
+say the step and the state the engine was left in. A failed prepare always rolls back (or,
+if even that fails, marks the engine FAILED): no engine is left PREPARING or RESTORING.
+Neighbours: ``gate`` (admission, drain counts), ``engine`` (hooks, memory), ``server``
+(which threads and sockets run this).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+from ckpt_controller.agent.engine import EngineHooks, MemoryManager
+from ckpt_controller.agent.gate import AdmissionGate
+from ckpt_controller.clock import Clock, Deadline
+from ckpt_controller.errors import CkptError, DeadlineError, DrainError, EngineError, UsageError
+from ckpt_controller.lifecycle import CheckpointState, Lifecycle, Trigger
+from ckpt_controller.protocol import (
+    Ack,
+    DrainProgress,
+    DrainReport,
+    EventBody,
+    FailCommand,
+    MemoryReported,
+    PrepareCommand,
+    PrepareReply,
+    RestoreCommand,
+    RestoreReply,
+    RollbackCommand,
+)
+
+log = logging.getLogger("ckpt_controller.agent")
+
+#: how long aborted requests may take to report their end before the drain fails
+ABORT_GRACE_S = 10.0
+
+R = TypeVar("R")
+
+
+class Operations:
+    """The lifecycle operations of one engine. Not thread-safe: one operation at a time."""
+
+    def __init__(
+        self,
+        *,
+        engine_name: str,
+        lifecycle: Lifecycle,
+        gate: AdmissionGate,
+        memory: MemoryManager,
+        hooks: EngineHooks,
+        emit: Callable[[EventBody], None],
+        clock: Clock | None = None,
+        progress_tick_s: float = 0.25,
+    ) -> None:
+        self.name = engine_name
+        self.lifecycle = lifecycle
+        self.gate = gate
+        self.memory = memory
+        self.hooks = hooks
+        self.emit = emit
+        self.clock = clock or Clock()
+        self.progress_tick_s = progress_tick_s
+
+    # ------------------------------------------------------------------ prepare
+
+    def prepare(self, cmd: PrepareCommand) -> PrepareReply:
+        start = self.clock.monotonic()
+        deadline = Deadline.after(cmd.deadline_s, self.clock)
+        if (cmd.level is None) == (not cmd.tags):
+            raise UsageError("give a level or tags, not both and not neither",
+                             level=cmd.level, tags=cmd.tags)
+        if cmd.drain_timeout_s < 0:
+            raise UsageError("drain timeout must not be negative", drain_timeout_s=cmd.drain_timeout_s)
+        plan = self.memory.plan(level=cmd.level, tags=cmd.tags)  # bad level/tags: nothing moved
+        with self.gate.lock:  # admission closes at the same instant the state leaves RUNNING
+            self.lifecycle.fire(Trigger.PREPARE, reason=f"op {cmd.op_id}")
+        step = "drain"
+        try:
+            drain = self._drain(cmd, deadline)
+            self._check(deadline, cmd.op_id, step)
+            step = "pause"
+            self._call_engine(step, self.hooks.pause_scheduling)
+            step = "release"
+            memory = self.memory.release(plan, residual_budget_bytes=cmd.residual_budget_bytes)
+            self.emit(MemoryReported(engine=self.name, op_id=cmd.op_id, report=memory))
+            self._check(deadline, cmd.op_id, step)
+            self.lifecycle.fire(Trigger.PREPARED, reason=f"op {cmd.op_id}")
+        except CkptError as err:
+            err.details.setdefault("step", step)
+            self._roll_back_after(err, cmd.op_id)
+            raise
+        return PrepareReply(
+            op_id=cmd.op_id, state=self.lifecycle.state.value, drain=drain, memory=memory,
+            duration_s=self.clock.monotonic() - start,
+        )
+
+    def _drain(self, cmd: PrepareCommand, deadline: Deadline) -> DrainReport:
+        start = self.clock.monotonic()
+        self.gate.begin_drain()
+        escalated: str | None = None
+        try:
+            mode = cmd.drain
+            if mode == "wait":
+                drain_deadline = _earlier(Deadline.after(cmd.drain_timeout_s, self.clock), deadline)
+                if not self._wait_idle(drain_deadline, cmd.op_id, start):
+                    if cmd.on_deadline == "fail":
+                        raise DrainError(
+                            "requests still in flight at the drain deadline",
+                            engine=self.name, in_flight=len(self.gate.in_flight()),
+                            drain_timeout_s=cmd.drain_timeout_s,
+                        )
+                    escalated = mode = cmd.on_deadline
+                    log.info("%s: drain deadline passed, escalating to %s", self.name, mode)
+            if mode == "abort":
+                ids = self.gate.in_flight()
+                if ids:
+                    self._call_engine("drain", self.hooks.abort_requests, ids)
+                grace = _earlier(Deadline.after(ABORT_GRACE_S, self.clock), deadline)
+                if not self._wait_idle(grace, cmd.op_id, start):
+                    raise DrainError("aborted requests did not end", engine=self.name,
+                                     in_flight=len(self.gate.in_flight()))
+            elif mode == "keep":
+                ids = self.gate.in_flight()
+                if ids:
+                    self._call_engine("drain", self.hooks.keep_requests, ids)
+                    self.gate.mark_kept(ids)
+                left = self.gate.in_flight()
+                if left:  # admitted before the gate closed but unknown to the engine's keep
+                    raise DrainError("requests neither ended nor kept", engine=self.name,
+                                     in_flight=len(left))
+            counts = self.gate.drain_counts()
+        finally:
+            self.gate.end_drain()
+        return DrainReport(
+            mode=cmd.drain, escalated_to=escalated, in_flight_at_start=counts.in_flight_at_start,
+            completed=counts.completed, aborted=counts.aborted, kept=counts.kept,
+            drain_s=self.clock.monotonic() - start,
+        )
+
+    def _wait_idle(self, deadline: Deadline, op_id: str, start: float) -> bool:
+        def progress() -> None:
+            c = self.gate.drain_counts()
+            self.emit(DrainProgress(
+                engine=self.name, op_id=op_id, in_flight=len(self.gate.in_flight()),
+                completed=c.completed, aborted=c.aborted, kept=c.kept,
+                elapsed_s=self.clock.monotonic() - start,
+            ))
+        return self.gate.wait_idle(deadline, tick_s=self.progress_tick_s, on_tick=progress)
+
+    def _roll_back_after(self, err: CkptError, op_id: str) -> None:
+        """After a failed prepare: back to RUNNING, or FAILED if that fails too."""
+        try:
+            self.lifecycle.fire(Trigger.ROLLBACK, reason=f"op {op_id}: {err.message}")
+            self._rewake_and_resume(f"op {op_id} rollback")
+            err.details["rolled_back"] = True
+        except CkptError as again:
+            # policy: a rollback that fails leaves the engine FAILED, with both reasons
+            err.details["rollback_error"] = str(again)
+            self._fail(f"rollback after '{err.message}' failed: {again.message}")
+        err.details["state"] = self.lifecycle.state.value
+
+    # ------------------------------------------------------------------ restore, rollback, fail
+
+    def restore(self, cmd: RestoreCommand) -> RestoreReply:
+        return self._bring_back(Trigger.RESTORE, cmd.op_id, cmd.deadline_s, "")
+
+    def rollback(self, cmd: RollbackCommand) -> RestoreReply:
+        return self._bring_back(Trigger.ROLLBACK, cmd.op_id, cmd.deadline_s, cmd.reason)
+
+    def fail(self, cmd: FailCommand) -> Ack:
+        self._fail(cmd.reason or f"op {cmd.op_id}")
+        return Ack()
+
+    def _bring_back(self, trigger: Trigger, op_id: str, deadline_s: float | None,
+                    reason: str) -> RestoreReply:
+        start = self.clock.monotonic()
+        deadline = Deadline.after(deadline_s, self.clock)
+        kept = self.gate.kept_count
+        self.lifecycle.fire(trigger, reason=f"op {op_id}" + (f": {reason}" if reason else ""))
+        try:
+            memory = self._rewake_and_resume(f"op {op_id}", op_id)
+            self._check(deadline, op_id, "restore")
+        except CkptError as err:
+            # policy: whatever failed while RESTORING, the engine is not fit to serve
+            self._fail(f"op {op_id}: {err.message}")
+            err.details.setdefault("step", "restore")
+            err.details["state"] = self.lifecycle.state.value
+            raise
+        return RestoreReply(
+            op_id=op_id, state=self.lifecycle.state.value, generation=self.lifecycle.generation,
+            memory=memory, duration_s=self.clock.monotonic() - start, resumed_kept=kept,
+        )
+
+    def _rewake_and_resume(self, reason: str, op_id: str | None = None):
+        """RESTORING -> RUNNING: weights, then KV cache (the memory manager orders tags), then
+        the engine's verification, then scheduling, then admission."""
+        memory = None
+        if self.memory.released_tags:
+            memory = self.memory.rewake()
+            if op_id is not None:
+                self.emit(MemoryReported(engine=self.name, op_id=op_id, report=memory))
+        self._call_engine("verify", self.hooks.verify)
+        self._call_engine("resume", self.hooks.resume_scheduling)
+        self.lifecycle.fire(Trigger.RESTORED, reason=reason)
+        return memory
+
+    def _fail(self, reason: str) -> None:
+        if self.lifecycle.state is not CheckpointState.FAILED:
+            self.lifecycle.fire(Trigger.FAIL, reason=reason)
+        log.error("%s: FAILED: %s", self.name, reason)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _call_engine(self, step: str, fn: Callable[..., R], *args) -> R:
+        try:
+            return fn(*args)
+        except CkptError:
+            raise
+        except Exception as exc:  # policy: any engine bug becomes a typed EngineError
+            log.exception("%s: engine hook %s raised", self.name, step)
+            raise EngineError(f"engine {step} failed: {exc!r}", engine=self.name, step=step) from exc
+
+    def _check(self, deadline: Deadline, op_id: str, step: str) -> None:
+        if deadline.passed():
+            raise DeadlineError("operation deadline passed", engine=self.name, op_id=op_id,
+                                step=step)
+
+
+def _earlier(a: Deadline, b: Deadline) -> Deadline:
+    if a.at is None:
+        return b
+    if b.at is None:
+        return a
+    return a if a.at <= b.at else b
