@@ -1,0 +1,110 @@
+"""Shared fixtures: real engine processes on ipc endpoints in a private temp directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+ROOT = Path(__file__).resolve().parent.parent
+STEP_ENGINE = Path(__file__).resolve().parent / "engines" / "step_engine.py"
+
+
+class EngineProcess:
+    """A step engine child process and a client for its request API."""
+
+    def __init__(self, tmp: Path, name: str, **opts) -> None:
+        self.name = name
+        self.control = f"ipc://{tmp}/{name}.ctl"
+        self.api = f"ipc://{tmp}/{name}.api"
+        args = [sys.executable, str(STEP_ENGINE), "--name", name, "--control", self.control,
+                "--api", self.api, "--dir", str(tmp)]
+        for key, value in opts.items():
+            args += [f"--{key.replace('_', '-')}", str(value)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, cwd=ROOT)
+        line = self.proc.stdout.readline()  # the engine prints READY within seconds
+        if not line.startswith("READY "):
+            self.proc.kill()
+            raise RuntimeError(f"engine did not start: {line!r} {self.proc.stderr.read()[-2000:]}")
+        self.info = json.loads(line[6:])
+        self.pid = self.info["pid"]
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(self.api)
+        self.results: dict[str, dict] = {}
+
+    def submit(self, rid: str, steps: int) -> None:
+        self.sock.send(msgspec.msgpack.encode({"op": "add", "id": rid, "steps": steps}))
+
+    def introspect(self, timeout_s: float = 10.0) -> dict:
+        self.sock.send(msgspec.msgpack.encode({"op": "introspect"}))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                msg = msgspec.msgpack.decode(self.sock.recv())
+                if "param_ids" in msg:
+                    return msg
+                self.results[msg["id"]] = msg
+        raise TimeoutError("introspect got no answer")
+
+    def collect(self, ids, timeout_s: float = 30.0) -> dict[str, dict]:
+        """Wait until every id in ``ids`` has an answer (finished or rejected)."""
+        want = set(ids)
+        deadline = time.monotonic() + timeout_s
+        while not want <= self.results.keys():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(want - self.results.keys())
+                raise TimeoutError(f"no answer for {missing[:5]} ({len(missing)} missing)")
+            if self.sock.poll(int(min(left, 0.2) * 1000)):
+                msg = msgspec.msgpack.decode(self.sock.recv())
+                self.results[msg["id"]] = msg
+        return {i: self.results[i] for i in ids}
+
+    def stop(self) -> None:
+        self.sock.close(linger=0)
+        self._ctx.term()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+@pytest.fixture
+def ipc_dir(tmp_path_factory):
+    # ipc paths must stay under ~100 bytes: a short private dir, not pytest's long tmp path
+    d = Path("/tmp") / f"ckpt-t-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    d.mkdir(mode=0o700)
+    yield d
+    for f in d.iterdir():
+        f.unlink()
+    d.rmdir()
+
+
+@pytest.fixture
+def spawn_engine(ipc_dir):
+    started: list[EngineProcess] = []
+
+    def spawn(name: str = "eng", **opts) -> EngineProcess:
+        eng = EngineProcess(ipc_dir, name, **opts)
+        started.append(eng)
+        return eng
+
+    yield spawn
+    for eng in started:
+        eng.stop()

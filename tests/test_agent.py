@@ -1,0 +1,252 @@
+"""The agent over real ZMQ sockets, in this process: framing errors, one operation at a
+time, repeated operation ids, heartbeats, restore detection, the gate."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from ckpt_controller import protocol as p
+from ckpt_controller.agent import Agent, AgentClient, EngineHooks
+from ckpt_controller.agent.incarnation import Fingerprint, IncarnationTracker
+from ckpt_controller.errors import (
+    BusyError,
+    DrainError,
+    EngineError,
+    InvalidTransitionError,
+    RejectedError,
+    UnreachableError,
+    UsageError,
+)
+
+
+class SlowPause(EngineHooks):
+    """Pausing blocks until the test lets it go: holds an operation open."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def pause_scheduling(self) -> None:
+        self.entered.set()
+        assert self.release.wait(10)
+
+
+@pytest.fixture
+def agent(ipc_dir):
+    hooks = SlowPause()
+    hooks.release.set()
+    a = Agent("unit", hooks=hooks, control=f"ipc://{ipc_dir}/unit.ctl", heartbeat_interval_s=0.05)
+    a.start()
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def client(agent):
+    c = AgentClient(agent.endpoint, timeout_s=3, heartbeat_interval_s=0.05)
+    yield c
+    c.close()
+
+
+def raw(agent, frames: list[bytes], timeout_ms: int = 3000):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(agent.endpoint)
+    try:
+        s.send_multipart(frames)
+        assert s.poll(timeout_ms), "agent did not answer"
+        return p.decode_from_agent(s.recv_multipart())
+    finally:
+        s.close()
+
+
+BAD_FRAMES = {
+    "one frame": [b"\x01"],
+    "three frames": [b"\x01", b"", b""],
+    "not msgpack": [p.RequestType.STATUS.value, b"\xc1\xc1"],
+    "truncated": [p.RequestType.PREPARE.value,
+                  p.encode(p.PrepareCommand(call_id=4, op_id="abc"))[:-3]],
+    "unknown type": [b"\x7f", p.encode(p.StatusCommand(call_id=11))],
+    "two-byte type": [b"\x01\x01", p.encode(p.StatusCommand(call_id=12))],
+    "wrong version": [p.RequestType.STATUS.value, p.encode(p.StatusCommand(call_id=13, version=99))],
+    "bad field": [p.RequestType.PREPARE.value,
+                  msgspec.msgpack.encode({"call_id": 14, "version": 1, "op_id": 5})],
+    "oversized": [p.RequestType.STATUS.value, b"\x00" * (p.MAX_PAYLOAD_BYTES + 10)],
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FRAMES))
+def test_bad_frames_get_typed_errors_and_the_agent_keeps_serving(agent, client, case):
+    reply = raw(agent, BAD_FRAMES[case])
+    assert isinstance(reply, p.ErrorReply)
+    assert reply.kind in {"ProtocolError", "VersionMismatchError"}
+    if case in {"unknown type", "two-byte type", "wrong version", "bad field"}:
+        assert reply.call_id == {"unknown type": 11, "two-byte type": 12, "wrong version": 13,
+                                 "bad field": 14}[case]
+    assert client.status().state == "running"
+
+
+def test_frame_over_hard_limit_is_dropped_and_agent_serves(agent, client):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(agent.endpoint)
+    s.send_multipart([p.RequestType.STATUS.value, b"\x00" * (p.HARD_MAX_MESSAGE_BYTES + 1)])
+    assert not s.poll(300)  # zmq disconnects the sender; no reply is possible
+    s.close()
+    assert client.status().state == "running"
+
+
+def test_handshake_status_heartbeat(agent, client):
+    hs = client.handshake()
+    assert (hs.protocol_version, hs.engine, hs.state) == (p.PROTOCOL_VERSION, "unit", "running")
+    st = client.status()
+    assert st.state == "running" and st.is_restored and st.generation == 0 and st.in_flight == 0
+    assert client.heartbeat().state == "running"
+
+
+def test_invalid_trigger_over_the_wire_changes_nothing(client):
+    with pytest.raises(InvalidTransitionError) as info:
+        client.restore()
+    assert info.value.details["state"] == "running"
+    assert info.value.details["allowed"] == ["prepare", "fail"]
+    assert client.status().state == "running"
+
+
+def test_bad_prepare_arguments_move_nothing(client):
+    with pytest.raises(UsageError):
+        client.prepare(level=3)
+    with pytest.raises(UsageError):
+        client.prepare(level=1, tags=["weights"])
+    with pytest.raises(UsageError):
+        client.prepare(level=None, tags=["nope"])
+    assert client.status().state == "running"
+
+
+def test_heartbeats_flow_during_a_long_operation(ipc_dir):
+    hooks = SlowPause()
+    with Agent("beats", hooks=hooks, control=f"ipc://{ipc_dir}/b.ctl",
+               heartbeat_interval_s=0.05) as a:
+        ops = AgentClient(a.endpoint, timeout_s=5)
+        watcher = AgentClient(a.endpoint, timeout_s=5)
+        watcher.subscribe()
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=ops.prepare(op_id="long", level=0)))
+        t.start()
+        assert hooks.entered.wait(5)
+        watcher.poll_events(0.05)  # drop beats from before the operation
+        beats = [e for e in watcher.poll_events(0.5) if isinstance(e, p.Heartbeat)]
+        if not (len(beats) >= 4 and all(b.state == "preparing" for b in beats)):
+            hooks.release.set()
+            pytest.fail(f"expected steady heartbeats while preparing, got {beats}")
+        assert [b.seq for b in beats] == sorted(b.seq for b in beats)
+        # a second, different operation is refused with the holder's id
+        with pytest.raises(BusyError) as info:
+            watcher.rollback()
+        assert info.value.details["holder"] == "long"
+        assert watcher.status().current_op == "long"
+        # the same op id again waits for the first run instead of starting another
+        again = {}
+        t2 = threading.Thread(target=lambda: again.update(r=watcher.prepare(op_id="long", level=0)))
+        t2.start()
+        time.sleep(0.2)
+        hooks.release.set()
+        t.join(5)
+        t2.join(5)
+        assert result["r"] == again["r"] and result["r"].state == "prepared"
+        # and once done, returns the stored result without running again
+        assert watcher.prepare(op_id="long", level=0) == result["r"]
+        assert len([h for h in a.lifecycle.history if h.trigger == "prepare"]) == 1
+        ops.close()
+        watcher.close()
+
+
+def test_dead_agent_is_unreachable_promptly(ipc_dir):
+    a = Agent("dies", control=f"ipc://{ipc_dir}/d.ctl", heartbeat_interval_s=0.05).start()
+    c = AgentClient(a.endpoint, timeout_s=0.3, retries=1)
+    assert c.status().state == "running"
+    a.close()
+    start = time.monotonic()
+    with pytest.raises(UnreachableError) as info:
+        c.status()
+    assert time.monotonic() - start < 2
+    assert info.value.details["attempts"] == 2 and info.value.exit_code == 4
+    c.close()
+
+
+def test_state_events_carry_the_operation(agent, client):
+    client.subscribe()
+    client.prepare(op_id="op-7", level=0)
+    client.restore(op_id="op-8")
+    events = client.poll_events(0.3)
+    changes = [(e.transition.dest, e.op_id) for e in events if isinstance(e, p.StateChanged)]
+    assert changes == [("preparing", "op-7"), ("prepared", "op-7"),
+                       ("restoring", "op-8"), ("running", "op-8")]
+    assert any(isinstance(e, p.MemoryReported) and e.op_id == "op-7" for e in events)
+
+
+def test_restore_detection_from_fingerprint(ipc_dir):
+    prints = iter([Fingerprint("boot", 10, 100)] * 3 + [Fingerprint("boot", 10, 999)] * 100)
+    tracker = IncarnationTracker(lambda: next(prints))
+    with Agent("inc", control=f"ipc://{ipc_dir}/i.ctl", heartbeat_interval_s=0.02,
+               incarnation=tracker) as a:
+        c = AgentClient(a.endpoint)
+        deadline = time.monotonic() + 5
+        while not c.status().restored_from_image and time.monotonic() < deadline:
+            time.sleep(0.02)
+        st = c.status()
+        assert st.restored_from_image and st.incarnation == 1
+        assert c.handshake().incarnation == 1
+        c.close()
+
+
+def test_real_fingerprint_is_stable_in_one_process():
+    t = IncarnationTracker()
+    assert not t.check() and not t.restored_from_image
+
+
+def test_engine_without_abort_support_rolls_back(agent, client):
+    agent.gate.admit("r1")
+    with pytest.raises(EngineError) as info:
+        client.prepare(drain="abort", level=0)
+    assert info.value.details["state"] == "running" and info.value.details["rolled_back"]
+    agent.gate.finish("r1", "stop")
+
+
+def test_wait_with_fail_escalation_rolls_back_and_requests_go_on(agent, client):
+    agent.gate.admit("slow")
+    with pytest.raises(DrainError) as info:
+        client.prepare(drain="wait", drain_timeout_s=0.1, on_deadline="fail", level=0)
+    assert info.value.details["rolled_back"] and info.value.details["in_flight"] == 1
+    assert client.status().state == "running"
+    agent.gate.finish("slow", "stop")  # the request was never disturbed
+    assert agent.gate.totals.ended["stop"] == 1
+
+
+def test_gate_rejects_unless_running(agent, client):
+    hooks = agent.operations.hooks
+    hooks.release.clear()
+    hooks.entered.clear()
+    t = threading.Thread(target=lambda: client.prepare(op_id="g", level=0))
+    t.start()
+    assert hooks.entered.wait(5)
+    start = time.monotonic()
+    with pytest.raises(RejectedError) as info:
+        agent.gate.admit("late")
+    assert time.monotonic() - start < 0.05
+    assert info.value.details == {"engine": "unit", "state": "preparing", "retry_after_s": 1.0}
+    assert info.value.retryable
+    hooks.release.set()
+    t.join(5)
+    with pytest.raises(RejectedError, match="prepared"):
+        agent.gate.admit("late")
+    with pytest.raises(UsageError):
+        agent.gate.finish("never-admitted", "stop")
+    with pytest.raises(UsageError):
+        agent.gate.finish("x", "exploded")

@@ -1,0 +1,94 @@
+"""The transition table: every (state, trigger) pair, legal or not, and what gets recorded."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckpt_controller import CheckpointState
+from ckpt_controller.clock import ManualClock
+from ckpt_controller.errors import InvalidTransitionError, UsageError
+from ckpt_controller.lifecycle import TRANSITIONS, Lifecycle, Trigger
+
+S, T = CheckpointState, Trigger
+
+LEGAL = {
+    (S.RUNNING, T.PREPARE): S.PREPARING,
+    (S.PREPARING, T.PREPARED): S.PREPARED,
+    (S.PREPARED, T.RESTORE): S.RESTORING,
+    (S.FAILED, T.RESTORE): S.RESTORING,
+    (S.RESTORING, T.RESTORED): S.RUNNING,
+    (S.PREPARING, T.ROLLBACK): S.RESTORING,
+    (S.PREPARED, T.ROLLBACK): S.RESTORING,
+    **{(s, T.FAIL): S.FAILED for s in S},
+}
+
+
+def test_state_values_and_is_restored():
+    assert [s.value for s in S] == ["running", "preparing", "prepared", "restoring", "failed"]
+    assert S("prepared") is S.PREPARED
+    assert {s for s in S if s.is_restored} == {S.RUNNING, S.RESTORING}
+
+
+def test_table_is_exactly_the_product_lifecycle():
+    table = {(src, trig): dst for trig, srcs, dst in TRANSITIONS for src in srcs}
+    assert table == LEGAL
+
+
+@pytest.mark.parametrize("state", list(S))
+@pytest.mark.parametrize("trigger", list(T))
+def test_every_pair(state, trigger):
+    clock = ManualClock()
+    lc = Lifecycle(clock, initial=state, generation=3)
+    if (state, trigger) in LEGAL:
+        rec = lc.fire(trigger, reason="why")
+        assert lc.state is LEGAL[(state, trigger)]
+        assert (rec.trigger, rec.source, rec.dest, rec.reason) == (trigger, state, lc.state, "why")
+        assert rec.monotonic == clock.monotonic() and rec.wall == clock.wall()
+    else:
+        with pytest.raises(InvalidTransitionError) as info:
+            lc.fire(trigger)
+        assert lc.state is state and lc.history == []
+        err = info.value
+        assert isinstance(err, UsageError) and err.exit_code == 2
+        assert err.details["state"] == state.value
+        assert err.details["trigger"] == trigger.value
+        assert err.details["allowed"] == [t.value for t in lc.allowed()]
+        assert set(err.details["allowed"]) == {t.value for (s, t) in LEGAL if s is state}
+
+
+def test_unknown_trigger_and_no_shortcuts():
+    lc = Lifecycle()
+    with pytest.raises(InvalidTransitionError):
+        lc.fire("to_prepared")
+    with pytest.raises(InvalidTransitionError):
+        lc.fire("explode")
+    assert not hasattr(lc._model, "to_prepared")  # auto_transitions=False
+    assert lc.state is S.RUNNING
+
+
+def test_generation_counts_completed_cycles_only():
+    clock = ManualClock()
+    lc = Lifecycle(clock)
+    for _ in range(3):
+        for t in (T.PREPARE, T.PREPARED, T.RESTORE, T.RESTORED):
+            clock.advance(1)
+            lc.fire(t)
+    assert lc.generation == 3
+    # a rollback is not a completed cycle, nor is a recovery from FAILED
+    for t in (T.PREPARE, T.ROLLBACK, T.RESTORED, T.FAIL, T.RESTORE, T.RESTORED):
+        lc.fire(t)
+    assert lc.generation == 3 and lc.state is S.RUNNING
+    gens = [r.generation for r in lc.history]
+    assert gens[:4] == [0, 0, 0, 1] and gens == sorted(gens)
+    monos = [r.monotonic for r in lc.history]
+    assert monos == sorted(monos)
+
+
+def test_listeners_see_every_transition():
+    lc = Lifecycle()
+    seen = []
+    lc.subscribe(seen.append)
+    lc.fire(T.PREPARE)
+    lc.fire(T.FAIL, reason="boom")
+    assert [(r.source, r.dest) for r in seen] == [(S.RUNNING, S.PREPARING), (S.PREPARING, S.FAILED)]
+    assert seen == lc.history

@@ -1,0 +1,128 @@
+"""The codec: round trips, and every malformed frame becomes a ProtocolError (never a crash)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckpt_controller import errors
+from ckpt_controller import protocol as p
+
+ints = st.integers(min_value=0, max_value=2**63 - 1)
+text = st.text(max_size=40)
+finite = st.floats(min_value=0, max_value=1e6, allow_nan=False)
+
+prepare_cmds = st.builds(
+    p.PrepareCommand,
+    call_id=ints, op_id=text, drain=st.sampled_from(["wait", "abort", "keep"]),
+    drain_timeout_s=finite, on_deadline=st.sampled_from(["abort", "keep", "fail"]),
+    level=st.none() | st.integers(0, 2), tags=st.none() | st.lists(text, max_size=4),
+    residual_budget_bytes=st.none() | ints, deadline_s=st.none() | finite,
+)
+commands = st.one_of(
+    prepare_cmds.map(lambda c: (p.RequestType.PREPARE, c)),
+    st.builds(p.RestoreCommand, call_id=ints, op_id=text, deadline_s=st.none() | finite)
+    .map(lambda c: (p.RequestType.RESTORE, c)),
+    st.builds(p.RollbackCommand, call_id=ints, op_id=text, reason=text)
+    .map(lambda c: (p.RequestType.ROLLBACK, c)),
+    st.builds(p.StatusCommand, call_id=ints).map(lambda c: (p.RequestType.STATUS, c)),
+    st.builds(p.Handshake, call_id=ints, client=text).map(lambda c: (p.RequestType.HANDSHAKE, c)),
+    st.builds(p.HeartbeatCommand, call_id=ints).map(lambda c: (p.RequestType.HEARTBEAT, c)),
+    st.builds(p.FailCommand, call_id=ints, op_id=text, reason=text)
+    .map(lambda c: (p.RequestType.FAIL, c)),
+)
+
+
+@given(commands)
+def test_commands_round_trip(pair):
+    rtype, cmd = pair
+    frames = p.command_frames(rtype, cmd)
+    assert len(frames[0]) == 1
+    assert p.decode_command(frames) == (rtype, cmd)
+
+
+@given(st.lists(st.binary(max_size=64), max_size=4))
+@settings(max_examples=500)
+def test_arbitrary_frames_never_crash_the_decoder(frames):
+    try:
+        p.decode_command(frames)
+    except errors.ProtocolError as err:
+        assert isinstance(err.details.get("call_id"), int)
+
+
+@given(commands, st.data())
+def test_truncated_payloads_are_protocol_errors(pair, data):
+    rtype, cmd = pair
+    tframe, payload = p.command_frames(rtype, cmd)
+    cut = data.draw(st.integers(0, len(payload) - 1))
+    with pytest.raises(errors.ProtocolError):
+        p.decode_command([tframe, payload[:cut]])
+
+
+@given(commands, st.integers(0, 255).filter(lambda b: b not in {t.value[0] for t in p.RequestType}))
+def test_unknown_type_keeps_the_call_id(pair, byte):
+    _, cmd = pair
+    with pytest.raises(errors.ProtocolError, match="unknown request type") as info:
+        p.decode_command([bytes([byte]), p.encode(cmd)])
+    assert info.value.details["call_id"] == cmd.call_id
+
+
+@given(commands, st.integers(0, 1000).filter(lambda v: v != p.PROTOCOL_VERSION))
+def test_wrong_version_is_a_version_error(pair, version):
+    rtype, cmd = pair
+    cmd = msgspec.structs.replace(cmd, version=version)
+    with pytest.raises(errors.VersionMismatchError) as info:
+        p.decode_command(p.command_frames(rtype, cmd))
+    assert info.value.details["got"] == version
+    assert info.value.details["call_id"] == cmd.call_id
+
+
+def test_oversized_and_bad_fields():
+    big = p.PrepareCommand(call_id=7, op_id="x" * (p.MAX_PAYLOAD_BYTES + 1))
+    with pytest.raises(errors.ProtocolError, match="too large"):
+        p.decode_command(p.command_frames(p.RequestType.PREPARE, big))
+    bad = msgspec.msgpack.encode({"call_id": 9, "version": p.PROTOCOL_VERSION, "op_id": "a",
+                                  "drain": "sideways"})
+    with pytest.raises(errors.ProtocolError, match="invalid PREPARE") as info:
+        p.decode_command([p.RequestType.PREPARE.value, bad])
+    assert info.value.details["call_id"] == 9
+    with pytest.raises(errors.ProtocolError, match="2 frames"):
+        p.decode_command([p.RequestType.STATUS.value])
+
+
+def _leaf_errors():
+    return [c for c in errors._BY_KIND.values()]
+
+
+@pytest.mark.parametrize("cls", _leaf_errors())
+def test_every_error_crosses_the_wire_as_itself(cls):
+    err = cls("something happened", engine="e1", state="prepared", allowed=["a"], obj=object())
+    msg = p.decode_from_agent(p.error_frames(5, err))
+    assert isinstance(msg, p.ErrorReply) and msg.call_id == 5
+    back = msg.to_exception()
+    assert type(back) is cls and back.message == "something happened"
+    assert back.details["engine"] == "e1" and back.details["allowed"] == ["a"]
+    assert isinstance(back.details["obj"], str)
+    assert back.exit_code == cls.exit_code
+
+
+def test_unknown_remote_error_kind_is_an_operation_error():
+    back = p.ErrorReply(call_id=1, kind="Martian", message="?").to_exception()
+    assert type(back) is errors.OperationError and back.details["remote_kind"] == "Martian"
+
+
+def test_replies_and_events_round_trip():
+    report = p.MemoryReport(action="release", level=2, tags=["weights"], freed_bytes=10,
+                            devices=[p.DeviceMemory(device="cpu", before_bytes=20, after_bytes=10,
+                                                    freed_bytes=10, residual_bytes=10)])
+    result = p.PrepareReply(op_id="o", state="prepared", memory=report, duration_s=0.5,
+                            drain=p.DrainReport(mode="keep", kept=3))
+    assert p.decode_from_agent(p.reply_frames(3, result)) == p.Reply(call_id=3, result=result)
+    ev = p.MemoryReported(engine="e", op_id="o", report=report)
+    assert p.decode_from_agent(p.event_frames(ev)) == p.Event(body=ev)
+    with pytest.raises(errors.ProtocolError):
+        p.decode_from_agent([b"\x99", b""])
+    with pytest.raises(errors.ProtocolError):
+        p.decode_from_agent([p.ReplyType.REPLY.value, b"\xc1"])
