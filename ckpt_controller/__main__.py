@@ -1,0 +1,7 @@
+"""``python -m ckpt_controller`` is ``ckptctl``."""
+
+import sys
+
+from ckpt_controller.cli import main
+
+sys.exit(main())
