@@ -43,8 +43,9 @@ class EngineProcess:
         self.sock.connect(self.api)
         self.results: dict[str, dict] = {}
 
-    def submit(self, rid: str, steps: int) -> None:
-        self.sock.send(msgspec.msgpack.encode({"op": "add", "id": rid, "steps": steps}))
+    def submit(self, rid: str, steps: int, seed: int = 0) -> None:
+        self.sock.send(msgspec.msgpack.encode({"op": "add", "id": rid, "steps": steps,
+                                               "seed": seed}))
 
     def introspect(self, timeout_s: float = 10.0) -> dict:
         self.sock.send(msgspec.msgpack.encode({"op": "introspect"}))

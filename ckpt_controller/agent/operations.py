@@ -17,7 +17,14 @@ from typing import TypeVar
 from ckpt_controller.agent.engine import EngineHooks, MemoryManager
 from ckpt_controller.agent.gate import AdmissionGate
 from ckpt_controller.clock import Clock, Deadline
-from ckpt_controller.errors import CkptError, DeadlineError, DrainError, EngineError, UsageError
+from ckpt_controller.errors import (
+    CkptError,
+    DeadlineError,
+    DrainError,
+    EngineError,
+    OperationError,
+    UsageError,
+)
 from ckpt_controller.lifecycle import CheckpointState, Lifecycle, Trigger
 from ckpt_controller.protocol import (
     Ack,
@@ -89,10 +96,10 @@ class Operations:
             self.emit(MemoryReported(engine=self.name, op_id=cmd.op_id, report=memory))
             self._check(deadline, cmd.op_id, step)
             self.lifecycle.fire(Trigger.PREPARED, reason=f"op {cmd.op_id}")
-        except CkptError as err:
-            err.details.setdefault("step", step)
+        except Exception as exc:  # policy: every failure while PREPARING rolls back
+            err = _typed(exc, self.name, step)
             self._roll_back_after(err, cmd.op_id)
-            raise
+            raise err from (None if err is exc else exc)
         return PrepareReply(
             op_id=cmd.op_id, state=self.lifecycle.state.value, drain=drain, memory=memory,
             duration_s=self.clock.monotonic() - start,
@@ -157,8 +164,8 @@ class Operations:
             self.lifecycle.fire(Trigger.ROLLBACK, reason=f"op {op_id}: {err.message}")
             self._rewake_and_resume(f"op {op_id} rollback")
             err.details["rolled_back"] = True
-        except CkptError as again:
-            # policy: a rollback that fails leaves the engine FAILED, with both reasons
+        except Exception as exc:  # policy: a failed rollback leaves FAILED, with both reasons
+            again = _typed(exc, self.name, "rollback")
             err.details["rollback_error"] = str(again)
             self._fail(f"rollback after '{err.message}' failed: {again.message}")
         err.details["state"] = self.lifecycle.state.value
@@ -184,12 +191,11 @@ class Operations:
         try:
             memory = self._rewake_and_resume(f"op {op_id}", op_id)
             self._check(deadline, op_id, "restore")
-        except CkptError as err:
-            # policy: whatever failed while RESTORING, the engine is not fit to serve
+        except Exception as exc:  # policy: whatever failed while RESTORING, the engine is unfit
+            err = _typed(exc, self.name, "restore")
             self._fail(f"op {op_id}: {err.message}")
-            err.details.setdefault("step", "restore")
             err.details["state"] = self.lifecycle.state.value
-            raise
+            raise err from (None if err is exc else exc)
         return RestoreReply(
             op_id=op_id, state=self.lifecycle.state.value, generation=self.lifecycle.generation,
             memory=memory, duration_s=self.clock.monotonic() - start, resumed_kept=kept,
@@ -228,6 +234,15 @@ class Operations:
         if deadline.passed():
             raise DeadlineError("operation deadline passed", engine=self.name, op_id=op_id,
                                 step=step)
+
+
+def _typed(exc: Exception, engine: str, step: str) -> CkptError:
+    """``exc`` itself when it is one of ours, else an ``OperationError`` naming the step."""
+    if isinstance(exc, CkptError):
+        exc.details.setdefault("step", step)
+        return exc
+    log.error("%s: unexpected error in %s: %r", engine, step, exc, exc_info=exc)
+    return OperationError(f"{step} failed: {exc!r}", engine=engine, step=step)
 
 
 def _earlier(a: Deadline, b: Deadline) -> Deadline:

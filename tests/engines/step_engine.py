@@ -7,7 +7,7 @@ N steps, each step reads the weights and writes the KV tensor, and its output is
 per-step values, so a request kept across a cycle must end with the same output as one that
 ran straight through. Request API: a ROUTER speaking msgpack dicts:
 
-    {"op": "add", "id": str, "steps": int}    -> later {"id", "status": "finished", "reason", "output"}
+    {"op": "add", "id": str, "steps": int, "seed": int} -> later {"id", "status": "finished", "reason", "output"}
                                                  or at once {"id", "status": "rejected", ...}
     {"op": "introspect"}                       -> {"param_ids", "storage_ptrs", "weights_sha256", "rss"}
 
@@ -72,14 +72,14 @@ class StepEngine(EngineHooks):
 
     # ---------------------------------------------------------------- the work
 
-    def _value(self, step: int) -> float:
+    def _value(self, step: int, seed: int) -> float:
         layers = self.model.layers
-        w = layers[step % len(layers)]
-        row = w[step % w.shape[0]]
-        return float((row * layers[(step + 1) % len(layers)][0]).sum())
+        w = layers[(step + seed) % len(layers)]
+        row = w[(step * 31 + seed) % w.shape[0]]
+        return float((row * layers[(step + 1) % len(layers)][seed % w.shape[0]]).sum())
 
     def _golden(self) -> list[float]:
-        return [self._value(k) for k in range(4)]
+        return [self._value(k, 7) for k in range(4)]
 
     def loop(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -87,7 +87,7 @@ class StepEngine(EngineHooks):
                 if not self.paused:
                     for rid, req in list(self.active.items()):
                         k = len(req["output"])
-                        req["output"].append(self._value(k))
+                        req["output"].append(self._value(k, req["seed"]))
                         self.kv[k % self.kv.numel()] = req["output"][-1]
                         if len(req["output"]) >= req["steps"]:
                             del self.active[rid]
@@ -135,7 +135,8 @@ class StepEngine(EngineHooks):
         params = list(self.model.parameters())
         sha = hashlib.sha256()
         for prm in params:
-            sha.update(prm.detach().contiguous().view(torch.uint8).numpy().tobytes())
+            # a clone: exporting the parameter itself (.numpy()) would pin its storage
+            sha.update(prm.detach().clone().view(torch.uint8).numpy().tobytes())
         return {"param_ids": [id(x) for x in params],
                 "storage_ptrs": [x.untyped_storage().data_ptr() for x in params],
                 "weights_sha256": sha.hexdigest(),
@@ -160,7 +161,7 @@ class StepEngine(EngineHooks):
                     with self.lock:
                         self.agent.gate.admit(msg["id"])
                         self.active[msg["id"]] = {"steps": msg["steps"], "output": [],
-                                                  "client": client}
+                                                  "seed": msg.get("seed", 0), "client": client}
                     continue
                 except RejectedError as err:
                     reply = {"id": msg["id"], "status": "rejected", **err.details}

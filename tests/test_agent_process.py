@@ -1,0 +1,298 @@
+"""The agent embedded in a real engine process, driven over real ZMQ sockets: every drain
+mode with work in flight, memory released and re-woken for real (RSS measured from outside),
+budgets, corruption and bad frames. The engine is ``tests/engines/step_engine.py``."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+
+import psutil
+import pytest
+import zmq
+
+from ckpt_controller import protocol as p
+from ckpt_controller.agent import AgentClient
+from ckpt_controller.errors import (
+    DrainError,
+    ResidualOverBudgetError,
+    VerificationError,
+)
+
+MIB = 1 << 20
+
+
+def rss(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+_clients: list[AgentClient] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients():
+    yield
+    while _clients:
+        _clients.pop().close()
+
+
+def client_for(eng, **kw) -> AgentClient:
+    c = AgentClient(eng.control, timeout_s=10, heartbeat_interval_s=0.2, **kw)
+    _clients.append(c)
+    return c
+
+
+def in_background(fn):
+    out: dict = {}
+
+    def run():
+        try:
+            out["result"] = fn()
+        except Exception as exc:  # noqa: BLE001 - handed to the test thread
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def wait_for_state(client: AgentClient, state: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for ev in client.poll_events(0.05):
+            if isinstance(ev, p.StateChanged) and ev.transition.dest == state:
+                return
+    raise TimeoutError(f"engine never reached {state}")
+
+
+def reference_outputs(eng, jobs: dict[str, tuple[int, int]]) -> dict[str, list[float]]:
+    """Outputs of the same requests run straight through on the same engine."""
+    for rid, (steps, seed) in jobs.items():
+        eng.submit("ref-" + rid, steps, seed)
+    got = eng.collect(["ref-" + r for r in jobs])
+    return {rid: got["ref-" + rid]["output"] for rid in jobs}
+
+
+@pytest.fixture
+def small(spawn_engine):
+    return spawn_engine("small", weights_mib=8, kv_mib=4, step_s=0.01)
+
+
+def test_wait_drain_finishes_in_flight_and_rejects_newcomers(small):
+    ctl = client_for(small)
+    watcher = client_for(small)
+    watcher.subscribe()
+    jobs = {f"r{i}": (60, i) for i in range(5)}
+    for rid, (steps, seed) in jobs.items():
+        small.submit(rid, steps, seed)
+    time.sleep(0.05)
+    t, out = in_background(lambda: ctl.prepare(drain="wait", drain_timeout_s=20, level=1))
+    wait_for_state(watcher, "preparing")
+    start = time.monotonic()
+    small.submit("late", 5)
+    late = small.collect(["late"])["late"]
+    assert time.monotonic() - start < 1.0
+    assert late["status"] == "rejected" and late["state"] == "preparing"
+    assert late["retry_after_s"] > 0
+    t.join(30)
+    report = out["result"].drain
+    assert (report.mode, report.completed, report.aborted, report.kept) == ("wait", 5, 0, 0)
+    assert report.in_flight_at_start == 5 and report.escalated_to is None
+    done = small.collect(list(jobs))
+    assert all(r["reason"] == "length" and len(r["output"]) == 60 for r in done.values())
+    progress = [e for e in watcher.poll_events(0.1) if isinstance(e, p.DrainProgress)]
+    assert progress and progress[0].in_flight > 0  # the drain took > 1 progress tick
+    # in PREPARED a request is rejected too, with the new state
+    small.submit("late2", 5)
+    assert small.collect(["late2"])["late2"]["state"] == "prepared"
+    ctl.restore()
+    small.submit("after", 5)
+    assert small.collect(["after"])["after"]["reason"] == "length"
+
+
+def test_abort_drain_ends_requests_with_partial_output(small):
+    ctl = client_for(small)
+    jobs = [f"a{i}" for i in range(6)]
+    for i, rid in enumerate(jobs):
+        small.submit(rid, 100_000, i)
+    time.sleep(0.2)
+    reply = ctl.prepare(drain="abort", level=0)
+    assert (reply.drain.aborted, reply.drain.completed, reply.drain.kept) == (6, 0, 0)
+    got = small.collect(jobs, timeout_s=5)
+    for r in got.values():
+        assert r["reason"] == "abort" and 0 < len(r["output"]) < 100_000
+    assert ctl.status().in_flight == 0
+    ctl.restore()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_keep_drain_finishes_after_restore_with_identical_output(small, level):
+    jobs = {f"k{i}": (60, i) for i in range(4)}
+    want = reference_outputs(small, jobs)
+    ctl = client_for(small)
+    for rid, (steps, seed) in jobs.items():
+        small.submit(rid, steps, seed)
+    time.sleep(0.15)
+    reply = ctl.prepare(drain="keep", level=level)
+    assert reply.drain.kept + reply.drain.completed == 4 and reply.drain.kept >= 1
+    status = ctl.status()
+    assert status.state == "prepared" and status.kept == reply.drain.kept
+    assert sorted(status.released_tags) == ["kv_cache", "weights"]
+    time.sleep(0.2)
+    restored = ctl.restore()
+    assert restored.resumed_kept == reply.drain.kept and restored.generation == 1
+    got = small.collect(list(jobs))
+    assert {rid: r["output"] for rid, r in got.items()} == want
+    assert all(r["reason"] == "length" for r in got.values())
+
+
+@pytest.mark.parametrize("escalation", ["abort", "keep"])
+def test_wait_drain_escalates_at_its_deadline(small, escalation):
+    jobs = {f"e{i}": (300, i) for i in range(3)}
+    want = reference_outputs(small, {"e0": (300, 0)}) if escalation == "keep" else None
+    ctl = client_for(small)
+    for rid, (steps, seed) in jobs.items():
+        small.submit(rid, steps, seed)
+    time.sleep(0.05)
+    reply = ctl.prepare(drain="wait", drain_timeout_s=0.3, on_deadline=escalation, level=1)
+    d = reply.drain
+    assert d.escalated_to == escalation and 0.3 <= d.drain_s < 3
+    if escalation == "abort":
+        assert d.aborted == 3
+        assert {r["reason"] for r in small.collect(list(jobs)).values()} == {"abort"}
+        ctl.restore()
+    else:
+        assert d.kept == 3
+        ctl.restore()
+        got = small.collect(list(jobs))
+        assert got["e0"]["output"] == want["e0"]
+
+
+def test_nothing_is_lost_under_load_through_cycles(small):
+    """A steady stream of requests through prepare/restore with every drain mode: each
+    request gets exactly one end (finished with a reason, or rejected at once)."""
+    ctl = client_for(small)
+    sent: list[str] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def load():
+        i = 0
+        while not stop.is_set():
+            rid = f"L{i}"
+            with lock:
+                small.submit(rid, 5 + i % 30, i)
+                sent.append(rid)
+            i += 1
+            time.sleep(0.005)
+
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        for mode in ("wait", "abort", "keep"):
+            time.sleep(0.2)
+            ctl.prepare(drain=mode, level=1, drain_timeout_s=10)
+            time.sleep(0.1)
+            ctl.restore()
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        t.join()
+    with lock:  # the load thread is done with the socket; collect on this thread
+        got = small.collect(sent, timeout_s=30)
+    statuses = {(r["status"], r.get("reason")) for r in got.values()}
+    assert statuses <= {("finished", "length"), ("finished", "abort"), ("rejected", None)}
+    assert ("rejected", None) in statuses and ("finished", "length") in statuses
+    assert ctl.status().in_flight == 0
+
+
+def test_level2_releases_256mib_and_rewakes_bit_identical_same_objects(spawn_engine):
+    eng = spawn_engine("big", weights_mib=192, kv_mib=64, step_s=0.01)
+    ctl = client_for(eng)
+    before = eng.introspect()
+    rss_before = rss(eng.pid)
+    reply = ctl.prepare(drain="wait", level=2)
+    released = reply.memory.tensor_bytes
+    assert released >= 256 * MIB
+    dropped = rss_before - rss(eng.pid)
+    assert dropped >= 0.9 * released, (dropped, released)
+    assert reply.memory.freed_bytes >= 0.9 * released
+    assert sorted(ctl.status().released_tags) == ["kv_cache", "weights"]
+    restored = ctl.restore()
+    assert restored.memory.verified_tensors >= 4
+    after = eng.introspect()
+    assert after["param_ids"] == before["param_ids"]  # the engine's Parameters survive
+    assert after["weights_sha256"] == before["weights_sha256"]  # bit-identical
+    assert rss(eng.pid) >= rss_before - 0.1 * released  # memory really came back
+    eng.submit("x", 5)
+    assert eng.collect(["x"])["x"]["reason"] == "length"
+
+
+def test_level1_on_cpu_frees_the_kv_cache(spawn_engine):
+    eng = spawn_engine("lvl1", weights_mib=64, kv_mib=256, step_s=0.01)
+    ctl = client_for(eng)
+    before = eng.introspect()
+    rss_before = rss(eng.pid)
+    reply = ctl.prepare(level=1)
+    kv_bytes = ctl.status().registered_bytes["kv_cache"]
+    assert kv_bytes == 256 * MIB
+    assert rss_before - rss(eng.pid) >= 0.9 * kv_bytes
+    assert reply.memory.discarded_bytes == kv_bytes
+    ctl.restore()
+    assert eng.introspect()["weights_sha256"] == before["weights_sha256"]
+
+
+def test_residual_over_budget_rolls_back_to_running(small):
+    ctl = client_for(small)
+    before = small.introspect()
+    with pytest.raises(ResidualOverBudgetError) as info:
+        ctl.prepare(level=2, residual_budget_bytes=MIB)
+    err = info.value
+    assert err.details["state"] == "running" and err.details["rolled_back"]
+    assert err.details["step"] == "release" and err.exit_code == 1
+    st = ctl.status()
+    assert st.state == "running" and st.released_tags == [] and st.generation == 0
+    assert small.introspect()["weights_sha256"] == before["weights_sha256"]
+    small.submit("ok", 3)
+    assert small.collect(["ok"])["ok"]["reason"] == "length"
+
+
+def test_corrupted_weight_is_caught_at_rewake(small, ipc_dir):
+    ctl = client_for(small)
+    ctl.prepare(level=2)
+    path = ipc_dir / "weights.safetensors"
+    data = bytearray(path.read_bytes())
+    header_len = struct.unpack("<Q", data[:8])[0]
+    data[8 + header_len + 12345] ^= 0x01  # one bit of one weight
+    path.write_bytes(bytes(data))
+    with pytest.raises(VerificationError) as info:
+        ctl.restore()
+    assert info.value.details["state"] == "failed" and info.value.details["tag"] == "weights"
+    assert ctl.status().state == "failed"
+    small.submit("no", 3)
+    assert small.collect(["no"])["no"]["state"] == "failed"
+
+
+def test_drain_failure_rolls_back_and_requests_finish(small):
+    ctl = client_for(small)
+    small.submit("long", 200)
+    time.sleep(0.05)
+    with pytest.raises(DrainError):
+        ctl.prepare(drain="wait", drain_timeout_s=0.1, on_deadline="fail", level=2)
+    assert ctl.status().state == "running"
+    got = small.collect(["long"], timeout_s=20)["long"]
+    assert got["reason"] == "length" and len(got["output"]) == 200
+
+
+def test_bad_frames_to_a_real_engine_are_answered(small):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(small.control)
+    for frames in ([b"\x02", b"garbage"], [b"\xff", b"\x80"], [b"x"] * 5):
+        s.send_multipart(frames)
+        assert s.poll(3000)
+        assert isinstance(p.decode_from_agent(s.recv_multipart()), p.ErrorReply)
+    s.close()
+    assert client_for(small).status().state == "running"
