@@ -177,6 +177,8 @@ class HandshakeReply(msgspec.Struct, kw_only=True, tag=True):
     pid: int
     incarnation: int
     state: str
+    #: how often the agent sends heartbeats to subscribers
+    heartbeat_interval_s: float = 0.0
 
 
 class StatusReply(msgspec.Struct, kw_only=True, tag=True):

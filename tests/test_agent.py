@@ -250,3 +250,39 @@ def test_gate_rejects_unless_running(agent, client):
         agent.gate.finish("never-admitted", "stop")
     with pytest.raises(UsageError):
         agent.gate.finish("x", "exploded")
+
+
+def test_tcp_endpoint_with_an_ephemeral_port(ipc_dir):
+    with Agent("tcp", control="tcp://127.0.0.1:0") as a:
+        assert a.endpoint.startswith("tcp://127.0.0.1:") and not a.endpoint.endswith(":0")
+        with AgentClient(a.endpoint) as c:
+            assert c.status().engine == "tcp"
+
+
+def test_ipc_socket_file_is_private(ipc_dir):
+    import os
+    import stat
+
+    with Agent("priv", control=f"ipc://{ipc_dir}/priv.ctl") as a:
+        mode = stat.S_IMODE(os.stat(a.endpoint[len("ipc://"):]).st_mode)
+        assert mode == 0o600
+
+
+def test_default_endpoint_lives_in_a_private_runtime_dir(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from ckpt_controller.agent.endpoints import default_endpoint
+    from ckpt_controller.errors import ConfigError
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    ep = default_endpoint("engine-a")
+    assert ep == f"ipc://{tmp_path}/ckpt-controller/engine-a.sock"
+    assert stat.S_IMODE(os.stat(tmp_path / "ckpt-controller").st_mode) == 0o700
+    with pytest.raises(ConfigError):
+        default_endpoint("../escape")
+    os.chmod(tmp_path / "ckpt-controller", 0o755)
+    with pytest.raises(ConfigError, match="not private"):
+        default_endpoint("engine-a")
+    with pytest.raises(ConfigError):
+        Agent("x", control="http://nope")

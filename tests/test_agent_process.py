@@ -17,6 +17,7 @@ from ckpt_controller.agent import AgentClient
 from ckpt_controller.errors import (
     DrainError,
     ResidualOverBudgetError,
+    UnreachableError,
     VerificationError,
 )
 
@@ -296,3 +297,19 @@ def test_bad_frames_to_a_real_engine_are_answered(small):
         assert isinstance(p.decode_from_agent(s.recv_multipart()), p.ErrorReply)
     s.close()
     assert client_for(small).status().state == "running"
+
+
+def test_engine_death_during_an_operation_is_noticed_from_heartbeats(small):
+    """A long keep-nothing wait drain; the engine is killed -9 mid-way. The client, which
+    follows heartbeats, gives up within a few heartbeat intervals, not at the op timeout."""
+    ctl = client_for(small)
+    ctl.subscribe()
+    small.submit("forever", 1_000_000)
+    time.sleep(0.1)
+    t, out = in_background(lambda: ctl.prepare(drain="wait", drain_timeout_s=300, level=0))
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    small.proc.kill()
+    t.join(30)
+    assert isinstance(out.get("error"), UnreachableError), out
+    assert time.monotonic() - killed_at < ctl.liveness_s * (ctl.retries + 1) + 2

@@ -39,6 +39,7 @@ class AgentClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.retries = retries
+        self.missed_beats = missed_beats
         self.liveness_s = heartbeat_interval_s * missed_beats
         self.name = name
         self.on_event = on_event
@@ -83,6 +84,10 @@ class AgentClient:
         return self.call(p.RequestType.HEARTBEAT, p.HeartbeatCommand(call_id=0))
 
     def subscribe(self) -> None:
+        """Receive the agent's events; from now on, waits end when heartbeats stop."""
+        beat = self.handshake().heartbeat_interval_s
+        if beat > 0:  # the agent's own interval decides what "silent too long" means
+            self.liveness_s = beat * self.missed_beats
         self.call(p.RequestType.SUBSCRIBE, p.SubscribeCommand(call_id=0))
         self._subscribed = True
 
@@ -127,11 +132,10 @@ class AgentClient:
                 last_exc = exc
                 self._reopen()
                 if self._subscribed:
-                    self._subscribed = False
-                    try:
-                        self.subscribe()
-                    except UnreachableError:  # policy: counted by the next attempt
-                        pass
+                    # the new socket is a new peer: subscribe again without waiting (its Ack
+                    # is dropped as stale); heartbeats then bound the next attempt as well
+                    sub = p.SubscribeCommand(call_id=next(self._calls))
+                    self._sock.send_multipart(p.command_frames(p.RequestType.SUBSCRIBE, sub))
         assert last_exc is not None
         last_exc.details["attempts"] = self.retries + 1
         raise last_exc

@@ -231,7 +231,8 @@ class Agent:
         if rtype is p.RequestType.HANDSHAKE:
             return p.HandshakeReply(protocol_version=p.PROTOCOL_VERSION, engine=self.name,
                                     pid=os.getpid(), incarnation=self.incarnation.incarnation,
-                                    state=self.lifecycle.state.value)
+                                    state=self.lifecycle.state.value,
+                                    heartbeat_interval_s=self.heartbeat_interval_s)
         if rtype is p.RequestType.STATUS:
             return self.status()
         if rtype is p.RequestType.HEARTBEAT:
