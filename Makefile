@@ -1,11 +1,11 @@
-# ckpt-controller: the two commands a fresh machine needs are `make demo` and `make test`.
+# ckpt-controller: `make install` sets up .venv, `make test` runs the suite.
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-slow demo clean
+.PHONY: install test test-slow clean
 
 install: $(STAMP)
 
@@ -13,7 +13,6 @@ install: $(STAMP)
 # otherwise let pip pick a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
@@ -23,9 +22,6 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
-
-demo: $(STAMP)
-	$(VENV)/bin/ckptctl demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

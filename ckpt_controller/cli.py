@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CkptError as err:
         if getattr(args, "json", False):
             _print_json({"error": {"kind": err.kind, "message": err.message,
-                                   "details": p._plain(err.details)}})
+                                   "details": p.to_plain(err.details)}})
         print(f"ckptctl: {err.kind}: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:

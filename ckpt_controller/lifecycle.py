@@ -140,21 +140,27 @@ class Lifecycle:
         """Call ``listener(transition)`` after every move (under the lifecycle's lock)."""
         self._listeners.append(listener)
 
+    def check(self, trigger: Trigger | str) -> Trigger:
+        """Raise ``InvalidTransitionError`` unless ``trigger`` is allowed now; move nothing."""
+        source = self.state
+        try:
+            trig = Trigger(trigger)
+        except ValueError:
+            trig = None
+        if trig is None or trig not in self.allowed(source):
+            raise InvalidTransitionError(
+                f"cannot {trigger} an engine that is {source}",
+                state=source.value,
+                trigger=str(trigger),
+                allowed=[t.value for t in self.allowed(source)],
+            )
+        return trig
+
     def fire(self, trigger: Trigger | str, reason: str = "") -> Transition:
         """Move by ``trigger`` or raise ``InvalidTransitionError`` and change nothing."""
         with self._lock:
             source = self.state
-            try:
-                trig = Trigger(trigger)
-            except ValueError:
-                trig = None
-            if trig is None or trig not in self.allowed(source):
-                raise InvalidTransitionError(
-                    f"cannot {trigger} an engine that is {source}",
-                    state=source.value,
-                    trigger=str(trigger),
-                    allowed=[t.value for t in self.allowed(source)],
-                )
+            trig = self.check(trigger)
             getattr(self._model, trig.value)()
             dest = self.state
             if trig is Trigger.RESTORE:

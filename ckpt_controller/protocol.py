@@ -329,7 +329,7 @@ def reply_frames(call_id: int, result: Result) -> list[bytes]:
 
 def error_frames(call_id: int, err: CkptError) -> list[bytes]:
     body = ErrorReply(
-        call_id=call_id, kind=err.kind, message=err.message, details=_plain(err.details)
+        call_id=call_id, kind=err.kind, message=err.message, details=to_plain(err.details)
     )
     return [ReplyType.ERROR.value, _encoder.encode(body)]
 
@@ -391,12 +391,12 @@ def decode_from_agent(frames: list[bytes]) -> Reply | ErrorReply | Event:
         raise ProtocolError(f"malformed {rtype.name} from agent: {exc}") from None
 
 
-def _plain(value: Any) -> Any:
+def to_plain(value: Any) -> Any:
     """Error details as msgpack-safe values (unknown objects become strings)."""
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
-        return [_plain(v) for v in value]
+        return [to_plain(v) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, msgspec.Struct):

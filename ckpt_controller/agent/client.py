@@ -19,8 +19,9 @@ import msgspec
 import zmq
 
 from ckpt_controller import protocol as p
+from ckpt_controller.agent.endpoints import check_endpoint
 from ckpt_controller.clock import Clock
-from ckpt_controller.errors import ProtocolError, UnreachableError
+from ckpt_controller.errors import ConfigError, ProtocolError, UnreachableError
 
 
 class AgentClient:
@@ -36,7 +37,7 @@ class AgentClient:
         on_event: Callable[[p.EventBody], None] | None = None,
         context: zmq.Context | None = None,
     ) -> None:
-        self.endpoint = endpoint
+        self.endpoint = check_endpoint(endpoint)
         self.timeout_s = timeout_s
         self.retries = retries
         self.missed_beats = missed_beats
@@ -55,7 +56,13 @@ class AgentClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, p.HARD_MAX_MESSAGE_BYTES)
-        self._sock.connect(self.endpoint)
+        try:
+            self._sock.connect(self.endpoint)
+        except zmq.ZMQError as exc:  # policy: an endpoint zmq cannot parse is the caller's error
+            self._sock.close(linger=0)
+            self._sock = None
+            raise ConfigError(f"cannot connect to {self.endpoint}: {exc}",
+                              endpoint=self.endpoint) from None
 
     def _reopen(self) -> None:
         self._sock.close(linger=0)

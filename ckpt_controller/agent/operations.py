@@ -77,6 +77,7 @@ class Operations:
     def prepare(self, cmd: PrepareCommand) -> PrepareReply:
         start = self.clock.monotonic()
         deadline = Deadline.after(cmd.deadline_s, self.clock)
+        self.lifecycle.check(Trigger.PREPARE)  # the state is the first thing a caller must fix
         if (cmd.level is None) == (not cmd.tags):
             raise UsageError("give a level or tags, not both and not neither",
                              level=cmd.level, tags=cmd.tags)
@@ -114,6 +115,8 @@ class Operations:
             if mode == "wait":
                 drain_deadline = _earlier(Deadline.after(cmd.drain_timeout_s, self.clock), deadline)
                 if not self._wait_idle(drain_deadline, cmd.op_id, start):
+                    # the operation's own deadline is a failure, not a reason to escalate
+                    self._check(deadline, cmd.op_id, "drain")
                     if cmd.on_deadline == "fail":
                         raise DrainError(
                             "requests still in flight at the drain deadline",

@@ -1,0 +1,111 @@
+"""ckptctl as scripts run it: a real process, --json on stdout, documented exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ckpt_controller.cli import parse_bytes
+
+
+def ckptctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckpt_controller", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def engine(spawn_engine):
+    return spawn_engine("cli", weights_mib=8, kv_mib=8, step_s=0.01)
+
+
+def test_help_version_and_usage_errors():
+    out = ckptctl("--help")
+    assert out.returncode == 0 and "exit codes" in out.stdout and "agent" in out.stdout
+    out = ckptctl("--version")
+    assert out.returncode == 0 and out.stdout.startswith("ckptctl ")
+    for bad in (["agent", "prepare"],  # --control missing
+                ["agent", "prepare", "--control", "ipc:///x", "--level", "7"],
+                ["agent", "prepare", "--control", "ipc:///x", "--level", "1", "--tags", "a"],
+                ["agent", "prepare", "--control", "ipc:///x", "--budget", "lots"],
+                ["agent", "prepare", "--control", "ipc:///x", "--deadline", "-1"],
+                ["frobnicate"]):
+        out = ckptctl(*bad)
+        assert out.returncode == 2, (bad, out.stderr)
+        assert "usage:" in out.stderr
+
+
+def test_bad_endpoint_is_a_usage_error_not_a_hang():
+    out = ckptctl("agent", "status", "--control", "http://nope", "--json")
+    assert out.returncode == 2
+    assert json.loads(out.stdout)["error"]["kind"] in {"ConfigError", "UsageError"}
+
+
+def test_unreachable_agent_exits_4_with_json(ipc_dir):
+    out = ckptctl("agent", "status", "--control", f"ipc://{ipc_dir}/none.sock", "--timeout",
+                  "0.2", "--json")
+    assert out.returncode == 4
+    err = json.loads(out.stdout)["error"]
+    assert err["kind"] == "UnreachableError" and err["details"]["attempts"] >= 1
+
+
+def test_a_whole_cycle_from_the_command_line(engine):
+    ctl = ["--control", engine.control, "--json"]
+    status = json.loads(ckptctl("agent", "status", *ctl).stdout)
+    assert status["state"] == "running" and status["registered_bytes"]["weights"] > 0
+    out = ckptctl("agent", "prepare", *ctl, "--drain", "keep", "--level", "2", "--op-id", "c1")
+    assert out.returncode == 0, out.stderr
+    prep = json.loads(out.stdout)
+    assert prep["state"] == "prepared" and prep["op_id"] == "c1"
+    assert prep["memory"]["tensor_bytes"] > 0
+    # the same op id returns the same result instead of preparing again
+    again = json.loads(ckptctl("agent", "prepare", *ctl, "--level", "2", "--op-id", "c1").stdout)
+    assert again == prep
+    wrong = ckptctl("agent", "prepare", *ctl, "--op-id", "c2")
+    assert wrong.returncode == 2
+    assert json.loads(wrong.stdout)["error"]["details"]["allowed"] == ["restore", "rollback", "fail"]
+    out = ckptctl("agent", "restore", *ctl)
+    assert out.returncode == 0 and json.loads(out.stdout)["generation"] == 1
+    human = ckptctl("agent", "status", "--control", engine.control)
+    assert human.returncode == 0 and "running, generation 1" in human.stdout
+
+
+def test_failed_prepare_exits_1_and_deadline_exits_3(engine):
+    ctl = ["--control", engine.control, "--json"]
+    out = ckptctl("agent", "prepare", *ctl, "--level", "2", "--budget", "1MiB")
+    assert out.returncode == 1
+    err = json.loads(out.stdout)["error"]
+    assert err["kind"] == "ResidualOverBudgetError" and err["details"]["rolled_back"] is True
+    engine.submit("slow", 100_000)
+    out = ckptctl("agent", "prepare", *ctl, "--drain", "wait", "--deadline", "0.3")
+    assert out.returncode == 3
+    err = json.loads(out.stdout)["error"]
+    assert err["kind"] == "DeadlineError" and err["details"]["state"] == "running"
+    # the deadline did not abort the request: it is still running
+    status = json.loads(ckptctl("agent", "status", *ctl).stdout)
+    assert status["in_flight"] == 1
+
+
+def test_watch_prints_events(engine):
+    watch = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "agent", "watch",
+                              "--control", engine.control, "--duration", "4", "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    import time
+    time.sleep(1.5)
+    assert ckptctl("agent", "prepare", "--control", engine.control, "--level", "0").returncode == 0
+    assert ckptctl("agent", "rollback", "--control", engine.control, "--reason", "drill").returncode == 0
+    out, _ = watch.communicate(timeout=20)
+    events = [json.loads(line) for line in out.splitlines()]
+    dests = [e["transition"]["dest"] for e in events if e["event"] == "StateChanged"]
+    assert dests == ["preparing", "prepared", "restoring", "running"]
+    rollback = [e for e in events if e["event"] == "StateChanged"
+                and e["transition"]["trigger"] == "rollback"]
+    assert rollback[0]["transition"]["reason"].endswith("drill")
+
+
+@pytest.mark.parametrize("text,value", [("1024", 1024), ("512MiB", 512 << 20), ("2GiB", 2 << 30),
+                                        ("1.5 KiB", 1536), ("3GB", 3 * 10**9)])
+def test_sizes(text, value):
+    assert parse_bytes(text) == value
