@@ -109,3 +109,53 @@ def spawn_engine(ipc_dir):
     yield spawn
     for eng in started:
         eng.stop()
+
+
+class ReferenceProcess:
+    """``ckptctl engine serve`` as a child process."""
+
+    def __init__(self, tmp: Path, model_dir: Path, name: str, *extra: str) -> None:
+        self.name = name
+        self.api = f"ipc://{tmp}/{name}.api"
+        self.control = f"ipc://{tmp}/{name}.ctl"
+        self.args = [sys.executable, "-m", "ckpt_controller", "engine", "serve", "--name", name,
+                     "--api", self.api, "--control", self.control, "--model-dir", str(model_dir),
+                     "--heartbeat", "0.2", *extra]
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, cwd=ROOT)
+        line = self.proc.stdout.readline()
+        if not line.startswith("{"):
+            self.proc.kill()
+            raise RuntimeError(f"engine did not start: {line!r} {self.proc.stderr.read()[-3000:]}")
+        self.info = json.loads(line)
+        self.pid = self.info["pid"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture
+def spawn_reference(ipc_dir, model_dir):
+    started: list[ReferenceProcess] = []
+
+    def spawn(name: str = "ref", *extra: str) -> ReferenceProcess:
+        eng = ReferenceProcess(ipc_dir, model_dir, name, *extra)
+        started.append(eng)
+        return eng
+
+    yield spawn
+    for eng in started:
+        eng.stop()

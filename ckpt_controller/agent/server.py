@@ -35,8 +35,9 @@ from ckpt_controller.agent.incarnation import IncarnationTracker
 from ckpt_controller.agent.operations import Operations
 from ckpt_controller.clock import Clock
 from ckpt_controller.errors import BusyError, CkptError, OperationError, ProtocolError
-from ckpt_controller.lifecycle import Lifecycle, Transition
 from ckpt_controller import protocol as p
+from ckpt_controller.lifecycle import Lifecycle, Transition
+from ckpt_controller.zmqutil import Outbox
 
 log = logging.getLogger("ckpt_controller.agent")
 
@@ -93,11 +94,9 @@ class Agent:
         )
         self.incarnation = incarnation or IncarnationTracker()
         self._ctx = zmq.Context()
-        self._outbox_addr = f"inproc://ckpt-agent-outbox-{id(self)}"
-        self._outbox_lock = threading.Lock()
-        self._outbox: zmq.Socket | None = None
+        self._outbox: Outbox | None = None
         self._router: zmq.Socket | None = None
-        self._inbox: zmq.Socket | None = None
+        self._subscribers_lock = threading.Lock()
         self._subscribers: set[bytes] = set()
         self._ops: OrderedDict[str, _Op] = OrderedDict()
         self._current: _Op | None = None
@@ -113,10 +112,7 @@ class Agent:
     def start(self) -> "Agent":
         """Bind the control endpoint and start serving; returns once bound."""
         try:
-            self._inbox = self._ctx.socket(zmq.PULL)
-            self._inbox.bind(self._outbox_addr)
-            self._outbox = self._ctx.socket(zmq.PUSH)
-            self._outbox.connect(self._outbox_addr)
+            self._outbox = Outbox(self._ctx, f"agent-{self.name}")
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.MAXMSGSIZE, p.HARD_MAX_MESSAGE_BYTES)
@@ -138,10 +134,11 @@ class Agent:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        for sock in (self._router, self._inbox, self._outbox):
-            if sock is not None:
-                sock.close(linger=0)
-        self._router = self._inbox = self._outbox = None
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._outbox is not None:
+            self._outbox.close()
+        self._router = self._outbox = None
         self._finalizer()
 
     def __enter__(self) -> "Agent":
@@ -155,15 +152,15 @@ class Agent:
     def publish(self, body: p.EventBody) -> None:
         """Send an event to every subscriber (callable from any thread)."""
         frames = p.event_frames(body)
-        with self._outbox_lock:
+        with self._subscribers_lock:
             targets = list(self._subscribers)
         for identity in targets:
             self._send(identity, frames)
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
-        with self._outbox_lock:
-            if self._outbox is not None:
-                self._outbox.send_multipart([identity, *frames])
+        outbox = self._outbox
+        if outbox is not None:
+            outbox.send([identity, *frames])
 
     def _on_transition(self, t: Transition) -> None:
         current = self._current
@@ -175,7 +172,7 @@ class Agent:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._inbox, zmq.POLLIN)
+        poller.register(self._outbox.inbox, zmq.POLLIN)
         interval_ms = max(1, int(self.heartbeat_interval_s * 1000))
         next_beat = self.clock.monotonic()
         while not self._stop.is_set():
@@ -183,14 +180,11 @@ class Agent:
                 events = dict(poller.poll(timeout=min(interval_ms, 100)))
             except zmq.ZMQError:  # policy: socket closed under us means we are stopping
                 break
-            if self._inbox in events:
-                while True:
-                    try:
-                        self._router.send_multipart(self._inbox.recv_multipart(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    except zmq.ZMQError as exc:  # policy: an undeliverable reply is logged
-                        log.warning("agent %s: send failed: %s", self.name, exc)
+            if self._outbox.inbox in events:
+                try:
+                    self._outbox.forward(self._router)
+                except zmq.ZMQError as exc:  # policy: an undeliverable reply is logged
+                    log.warning("agent %s: send failed: %s", self.name, exc)
             if self._router in events:
                 while True:
                     try:
@@ -238,7 +232,7 @@ class Agent:
         if rtype is p.RequestType.HEARTBEAT:
             return p.HeartbeatReply(state=self.lifecycle.state.value, seq=0,
                                     monotonic=self.clock.monotonic())
-        with self._outbox_lock:
+        with self._subscribers_lock:
             if rtype is p.RequestType.SUBSCRIBE:
                 self._subscribers.add(identity)
             else:

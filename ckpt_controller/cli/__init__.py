@@ -1,0 +1,49 @@
+"""``ckptctl``: the command line. Human output by default, ``--json`` for scripts.
+
+Exit codes (also in ``ckptctl --help``): 0 success; 1 operation failed or rolled back;
+2 usage or configuration error; 3 deadline passed; 4 unreachable. They come from
+``CkptError.exit_code``. Each ``*_cmds`` module adds its subcommands and a ``run`` for each;
+the work itself is done by the agent, engine and controller packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ckpt_controller import __version__
+from ckpt_controller import protocol as p
+from ckpt_controller.cli import agent_cmds, engine_cmds
+from ckpt_controller.cli.common import EXIT_CODES, human_bytes, parse_bytes, print_json
+from ckpt_controller.errors import CkptError
+
+__all__ = ["build_parser", "human_bytes", "main", "parse_bytes"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ckptctl",
+        description="Drive LLM inference engines through checkpoint/restore: "
+                    "RUNNING -> PREPARING -> PREPARED -> RESTORING -> RUNNING.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"ckptctl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    agent_cmds.add_parser(sub)
+    engine_cmds.add_parsers(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except CkptError as err:
+        if getattr(args, "json", False):
+            print_json({"error": {"kind": err.kind, "message": err.message,
+                                  "details": p.to_plain(err.details)}})
+        print(f"ckptctl: {err.kind}: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130

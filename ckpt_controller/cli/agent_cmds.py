@@ -1,0 +1,123 @@
+"""``ckptctl agent ...``: talk to one engine's agent directly, without a controller."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import msgspec
+
+from ckpt_controller import protocol as p
+from ckpt_controller.cli.common import (
+    EXIT_CODES,
+    describe,
+    describe_event,
+    parse_bytes,
+    positive,
+    print_json,
+)
+from ckpt_controller.errors import UsageError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    agent = sub.add_parser("agent", help="talk to one engine's agent directly (no controller)",
+                           epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    agent.set_defaults(run=run)
+    asub = agent.add_subparsers(dest="agent_command", metavar="ACTION", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--control", required=True, metavar="ENDPOINT",
+                        help="the agent's control endpoint (ipc://PATH or tcp://HOST:PORT)")
+        sp.add_argument("--json", action="store_true", help="print one JSON document")
+        sp.add_argument("--timeout", type=positive, default=5.0, metavar="S",
+                        help="seconds to wait for an answer to a quick request (default 5)")
+
+    sp = asub.add_parser("status", help="state, generation, in-flight and released memory")
+    common(sp)
+
+    sp = asub.add_parser("prepare", help="drain requests and release memory (-> PREPARED)")
+    common(sp)
+    sp.add_argument("--op-id", help="operation id; repeating it returns the first result")
+    sp.add_argument("--drain", choices=["wait", "abort", "keep"], default="wait",
+                    help="wait: let requests finish; abort: end them now; keep: freeze them "
+                         "to finish after restore (default wait)")
+    sp.add_argument("--drain-timeout", type=positive, default=30.0, metavar="S",
+                    help="seconds a wait drain may take (default 30)")
+    sp.add_argument("--on-deadline", choices=["abort", "keep", "fail"], default="abort",
+                    help="what a wait drain does at its deadline (default abort)")
+    what = sp.add_mutually_exclusive_group()
+    what.add_argument("--level", type=int, choices=[0, 1, 2], default=None,
+                      help="0 nothing; 1 offload weights, discard KV cache (default); "
+                           "2 discard both, reload weights from file")
+    what.add_argument("--tags", metavar="TAG,...", help="release these tags instead of a level")
+    sp.add_argument("--budget", type=parse_bytes, metavar="SIZE",
+                    help="fail (and roll back) if more memory than this remains after release")
+    sp.add_argument("--deadline", type=positive, metavar="S", help="overall deadline in seconds")
+
+    for name, text in (("restore", "re-wake, verify and resume (PREPARED/FAILED -> RUNNING)"),
+                       ("rollback", "undo a prepare (PREPARING/PREPARED -> RUNNING)")):
+        sp = asub.add_parser(name, help=text)
+        common(sp)
+        sp.add_argument("--op-id", help="operation id; repeating it returns the first result")
+        sp.add_argument("--deadline", type=positive, metavar="S", help="deadline in seconds")
+        if name == "rollback":
+            sp.add_argument("--reason", default="", help="recorded with the transition")
+
+    sp = asub.add_parser("watch", help="print the agent's events as they happen")
+    common(sp)
+    sp.add_argument("--duration", type=positive, metavar="S",
+                    help="stop after S seconds (default: until interrupted)")
+    sp.add_argument("--heartbeats", action="store_true", help="print heartbeats too")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ckpt_controller.agent.client import AgentClient
+
+    progress = sys.stderr.isatty() and not args.json
+    on_event = (lambda ev: print(describe_event(ev), file=sys.stderr)) if progress else None
+    with AgentClient(args.control, timeout_s=args.timeout, on_event=on_event) as client:
+        action = args.agent_command
+        if action == "watch":
+            return _watch(client, args)
+        if progress and action != "status":
+            client.subscribe()
+        if action == "status":
+            result = client.status()
+        elif action == "prepare":
+            tags = [t for t in args.tags.split(",") if t] if args.tags else None
+            if args.tags is not None and not tags:
+                raise UsageError("--tags needs at least one tag")
+            result = client.prepare(
+                op_id=args.op_id, drain=args.drain, drain_timeout_s=args.drain_timeout,
+                on_deadline=args.on_deadline,
+                level=None if tags else (1 if args.level is None else args.level),
+                tags=tags, residual_budget_bytes=args.budget, deadline_s=args.deadline,
+            )
+        elif action == "restore":
+            result = client.restore(op_id=args.op_id, deadline_s=args.deadline)
+        else:
+            result = client.rollback(op_id=args.op_id, reason=args.reason,
+                                     deadline_s=args.deadline)
+    if args.json:
+        print_json(result)
+    else:
+        print(describe(result))
+    return 0
+
+
+def _watch(client, args: argparse.Namespace) -> int:
+    client.subscribe()
+    end = None if args.duration is None else time.monotonic() + args.duration
+    while end is None or time.monotonic() < end:
+        left = 0.5 if end is None else max(0.0, min(0.5, end - time.monotonic()))
+        for ev in client.poll_events(left):
+            if isinstance(ev, p.Heartbeat) and not args.heartbeats:
+                continue
+            if args.json:
+                print_json({"event": type(ev).__name__, **msgspec.to_builtins(ev)})
+            else:
+                print(describe_event(ev), flush=True)
+        if end is None:
+            client.heartbeat()  # raises UnreachableError when the agent is gone
+    return 0

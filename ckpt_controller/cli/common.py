@@ -1,0 +1,95 @@
+"""Helpers every ckptctl command shares: sizes, numbers, JSON and human output."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+import msgspec
+
+from ckpt_controller import protocol as p
+
+EXIT_CODES = """exit codes:
+  0  success
+  1  operation failed or was rolled back (or the engine refused a request)
+  2  usage or configuration error
+  3  a deadline passed
+  4  the agent or controller is unreachable"""
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB' -> 536870912; plain integers are bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {text}")
+    return value
+
+
+def print_json(obj) -> None:
+    sys.stdout.write(msgspec.json.encode(obj).decode() + "\n")
+
+
+
+def describe(result) -> str:
+    if isinstance(result, p.StatusReply):
+        lines = [f"engine {result.engine} (pid {result.pid}): {result.state}, "
+                 f"generation {result.generation}",
+                 f"  in flight {result.in_flight}, kept {result.kept}"
+                 + (f", operation {result.current_op}" if result.current_op else "")]
+        for tag, size in result.registered_bytes.items():
+            mark = " (released)" if tag in result.released_tags else ""
+            lines.append(f"  {tag}: {human_bytes(size)}{mark}")
+        if result.restored_from_image:
+            lines.append(f"  restored from a checkpoint image (incarnation {result.incarnation})")
+        return "\n".join(lines)
+    if isinstance(result, p.PrepareReply):
+        d, m = result.drain, result.memory
+        esc = f" -> {d.escalated_to}" if d.escalated_to else ""
+        return (f"{result.state} in {result.duration_s:.3f}s (op {result.op_id})\n"
+                f"  drain {d.mode}{esc}: {d.completed} completed, {d.aborted} aborted, "
+                f"{d.kept} kept in {d.drain_s:.3f}s\n"
+                f"  memory: freed {human_bytes(m.freed_bytes)}, residual "
+                f"{human_bytes(m.residual_bytes)} (tags {','.join(m.tags) or '-'})")
+    if isinstance(result, p.RestoreReply):
+        mem = (f", verified {result.memory.verified_tensors} tensors" if result.memory else "")
+        return (f"{result.state} in {result.duration_s:.3f}s (op {result.op_id}), generation "
+                f"{result.generation}, {result.resumed_kept} kept requests resumed{mem}")
+    return str(result)
+
+
+def describe_event(ev: p.EventBody) -> str:
+    if isinstance(ev, p.StateChanged):
+        t = ev.transition
+        return f"{ev.engine}: {t.source} -> {t.dest} ({t.trigger}{', ' + t.reason if t.reason else ''})"
+    if isinstance(ev, p.DrainProgress):
+        return (f"{ev.engine}: draining {ev.in_flight} in flight, {ev.completed} completed, "
+                f"{ev.aborted} aborted after {ev.elapsed_s:.1f}s")
+    if isinstance(ev, p.MemoryReported):
+        r = ev.report
+        return f"{ev.engine}: {r.action} freed {human_bytes(r.freed_bytes)}"
+    if isinstance(ev, p.Heartbeat):
+        return f"{ev.engine}: heartbeat {ev.seq} ({ev.state})"
+    return repr(ev)
+
+

@@ -1,0 +1,134 @@
+"""``ckptctl engine serve``, ``ckptctl generate``, ``ckptctl load``: the reference engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from ckpt_controller.cli.common import EXIT_CODES, positive, print_json
+from ckpt_controller.errors import OperationError
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}")
+    if not ids:
+        raise argparse.ArgumentTypeError("at least one token id")
+    return ids
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
+    return value
+
+
+def default_model_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "ckpt-controller" / "models"
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    fmt = {"epilog": EXIT_CODES, "formatter_class": argparse.RawDescriptionHelpFormatter}
+    engine = sub.add_parser("engine", help="the reference engine (a small torch LM server)", **fmt)
+    esub = engine.add_subparsers(dest="engine_command", metavar="ACTION", required=True)
+    sp = esub.add_parser("serve", help="run a reference engine with its agent until SIGTERM", **fmt)
+    sp.set_defaults(run=_serve)
+    sp.add_argument("--name", required=True, help="engine name (letters, digits, . _ -)")
+    sp.add_argument("--api", required=True, metavar="ENDPOINT", help="request API endpoint")
+    sp.add_argument("--control", metavar="ENDPOINT",
+                    help="agent control endpoint (default: ipc:// in a private runtime dir)")
+    sp.add_argument("--model", default="tiny",
+                    help="tiny | small | a weight size such as 2GiB | a .safetensors path")
+    sp.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    sp.add_argument("--dtype", choices=["float64", "float32", "bfloat16"],
+                    help="default: float64 for tiny/small, float32 for sizes")
+    sp.add_argument("--model-dir", type=Path, default=None,
+                    help=f"where generated weights files are kept (default {default_model_dir()})")
+    sp.add_argument("--kv-blocks", type=_count, help="KV pool size in blocks (default 4 sequences)")
+    sp.add_argument("--block-size", type=_count, default=16, help="tokens per KV block")
+    sp.add_argument("--max-batch", type=_count, default=16, help="requests decoded together")
+    sp.add_argument("--heartbeat", type=positive, default=0.5, metavar="S",
+                    help="agent heartbeat interval (default 0.5)")
+
+    sp = sub.add_parser("generate", help="send one request to an engine, print its tokens", **fmt)
+    sp.set_defaults(run=_generate)
+    sp.add_argument("--api", required=True, metavar="ENDPOINT")
+    sp.add_argument("--prompt-ids", required=True, type=_ids, metavar="ID,ID,...")
+    sp.add_argument("--max-tokens", required=True, type=_count)
+    sp.add_argument("--stop-id", type=int, help="stop at this token id")
+    sp.add_argument("--timeout", type=positive, default=60.0, metavar="S")
+    sp.add_argument("--json", action="store_true")
+
+    sp = sub.add_parser("load", help="send requests at a rate; report how each ended", **fmt)
+    sp.set_defaults(run=_load)
+    sp.add_argument("--api", required=True, metavar="ENDPOINT")
+    sp.add_argument("--rate", required=True, type=positive, help="requests per second")
+    sp.add_argument("--duration", required=True, type=positive, metavar="S")
+    sp.add_argument("--seed", type=int, default=0, help="prompt seed: same seed, same requests")
+    sp.add_argument("--vocab-size", type=_count, default=1024)
+    sp.add_argument("--settle", type=positive, default=60.0, metavar="S",
+                    help="how long to wait for the last requests to end (default 60)")
+    sp.add_argument("--json", action="store_true")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from ckpt_controller.engine.server import EngineOptions, serve
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(EngineOptions(
+        name=args.name, api=args.api, control=args.control, model=args.model, seed=args.seed,
+        model_dir=args.model_dir or default_model_dir(), dtype=args.dtype,
+        kv_blocks=args.kv_blocks, block_size=args.block_size, max_batch=args.max_batch,
+        heartbeat_interval_s=args.heartbeat,
+    ))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ckpt_controller.engine.client import EngineClient
+
+    with EngineClient(args.api) as client:
+        c = client.generate(args.prompt_ids, args.max_tokens, stop_token_id=args.stop_id,
+                            timeout_s=args.timeout)
+    if args.json:
+        print_json({"request_id": c.request_id, "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason,
+                    "events": [{"type": e.type, "timestamp": e.timestamp} for e in c.events]})
+    else:
+        print(",".join(map(str, c.token_ids)))
+        print(f"finish: {c.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def _load(args: argparse.Namespace) -> int:
+    from ckpt_controller.engine.load import run_load
+
+    progress = None
+    if sys.stderr.isatty() and not args.json:
+        def progress(r):
+            print(f"sent {r.sent}, completed {r.completed}, aborted {r.aborted}, "
+                  f"rejected {r.rejected}", file=sys.stderr)
+    report, _ = run_load(args.api, rate=args.rate, duration_s=args.duration, seed=args.seed,
+                         vocab_size=args.vocab_size, settle_s=args.settle, on_progress=progress)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(f"sent {report.sent}: completed {report.completed}, aborted {report.aborted}, "
+              f"errored {report.errored}, rejected {report.rejected}, lost {report.lost} "
+              f"in {report.duration_s:.1f}s")
+        if report.latency_p50_s is not None:
+            print(f"latency p50 {report.latency_p50_s:.3f}s, max {report.latency_max_s:.3f}s")
+    if report.lost:  # a request that never ended is the one failure load exists to catch
+        raise OperationError("requests ended without a finish reason or rejection",
+                             lost=report.lost, request_ids=report.lost_ids[:20])
+    return 0

@@ -1,0 +1,112 @@
+"""The reference engine's request API: msgspec messages over a pyzmq ROUTER/DEALER pair.
+
+As vLLM's ``EngineCoreRequestType``, each message is ``[type, payload]`` with a one-byte type:
+``ADD`` (a new request) and ``ABORT`` (end some requests now). The engine answers each request
+with ``RequestOutput`` messages: one when it is queued, then one per generated token, the last
+with ``finished=True`` and a ``finish_reason`` (``stop``, ``length``, ``abort``, ``error``);
+or at once with ``RequestRejected`` (the engine is not RUNNING: retry after the hint; or the
+request is invalid). Events ``queued``, ``scheduled``, ``preempted`` carry monotonic times.
+Imports no torch: clients (``ckptctl generate``, ``ckptctl load``) stay light.
+Neighbours: ``server`` (engine side), ``client``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+import msgspec
+
+from ckpt_controller.errors import CkptError, ProtocolError, from_wire
+
+
+class EngineRequestType(bytes, enum.Enum):
+    ADD = b"\x00"
+    ABORT = b"\x01"
+
+
+class EngineReplyType(bytes, enum.Enum):
+    OUTPUT = b"\x80"
+    REJECTED = b"\x81"
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+EventType = Literal["queued", "scheduled", "preempted"]
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    stop_token_id: int | None = None
+    #: wall-clock seconds when the client sent it
+    arrival_time: float = 0.0
+
+
+class AbortRequest(msgspec.Struct, kw_only=True):
+    request_ids: list[str]
+
+
+class RequestEvent(msgspec.Struct, kw_only=True, array_like=True):
+    type: EventType
+    timestamp: float  # time.monotonic() on the engine's host
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    request_id: str
+    new_token_ids: list[int] = []
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    events: list[RequestEvent] = []
+    #: for an ``error`` finish: what went wrong
+    error: str | None = None
+
+
+class RequestRejected(msgspec.Struct, kw_only=True):
+    """The request was not accepted; ``kind``/``details`` rebuild the typed error."""
+
+    request_id: str
+    kind: str
+    message: str
+    details: dict[str, Any] = {}
+
+    def to_exception(self) -> CkptError:
+        return from_wire(self.kind, self.message, self.details)
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec_add = msgspec.msgpack.Decoder(EngineRequest)
+_dec_abort = msgspec.msgpack.Decoder(AbortRequest)
+_dec_out = msgspec.msgpack.Decoder(RequestOutput)
+_dec_rej = msgspec.msgpack.Decoder(RequestRejected)
+MAX_PAYLOAD_BYTES = 4 << 20
+
+
+def encode(rtype: bytes, msg: msgspec.Struct) -> list[bytes]:
+    return [rtype, _enc.encode(msg)]
+
+
+def decode_request(frames: list[bytes]) -> EngineRequest | AbortRequest:
+    if len(frames) != 2 or len(frames[1]) > MAX_PAYLOAD_BYTES:
+        raise ProtocolError("expected [type, payload] within the size limit", frames=len(frames))
+    try:
+        rtype = EngineRequestType(bytes(frames[0]))
+    except ValueError:
+        raise ProtocolError(f"unknown engine request type 0x{bytes(frames[0]).hex()}") from None
+    try:
+        return (_dec_add if rtype is EngineRequestType.ADD else _dec_abort).decode(frames[1])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"invalid {rtype.name} request: {exc}") from None
+
+
+def decode_reply(frames: list[bytes]) -> RequestOutput | RequestRejected:
+    if len(frames) != 2:
+        raise ProtocolError("expected [type, payload] from the engine", frames=len(frames))
+    try:
+        if bytes(frames[0]) == EngineReplyType.OUTPUT.value:
+            return _dec_out.decode(frames[1])
+        if bytes(frames[0]) == EngineReplyType.REJECTED.value:
+            return _dec_rej.decode(frames[1])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed engine reply: {exc}") from None
+    raise ProtocolError(f"unknown engine reply type 0x{bytes(frames[0]).hex()}")

@@ -1,0 +1,123 @@
+"""Clients of the reference engine's request API (no torch).
+
+``EngineClient`` submits requests and collects their streamed outputs over one DEALER;
+``generate`` is the blocking one-request form (raises the engine's typed rejection). Every
+wait has a deadline. Neighbours: ``api`` (messages), ``load`` (many requests at a rate).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+
+from ckpt_controller.agent.endpoints import check_endpoint
+from ckpt_controller.engine import api
+from ckpt_controller.errors import ConfigError, DeadlineError, OperationError
+
+
+@dataclass
+class Completion:
+    """Everything a request produced, as collected from its outputs."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    events: list[api.RequestEvent] = field(default_factory=list)
+    error: str | None = None
+    rejected: api.RequestRejected | None = None
+    sent_at: float = 0.0
+    first_token_at: float | None = None
+    ended_at: float | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.finish_reason is not None or self.rejected is not None
+
+
+class EngineClient:
+    def __init__(self, endpoint: str, *, context: zmq.Context | None = None) -> None:
+        self.endpoint = check_endpoint(endpoint)
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.connect(endpoint)
+        except zmq.ZMQError as exc:  # policy: a malformed endpoint is the caller's error
+            self._sock.close(linger=0)
+            raise ConfigError(f"cannot connect to {endpoint}: {exc}", endpoint=endpoint) from None
+        self.requests: dict[str, Completion] = {}
+        self._ids = itertools.count()
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(self, prompt: list[int], max_tokens: int, *, stop_token_id: int | None = None,
+               request_id: str | None = None) -> str:
+        rid = request_id or f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        req = api.EngineRequest(request_id=rid, prompt_token_ids=list(prompt),
+                                max_tokens=max_tokens, stop_token_id=stop_token_id,
+                                arrival_time=time.time())
+        self.requests[rid] = Completion(rid, sent_at=time.monotonic())
+        self._sock.send_multipart(api.encode(api.EngineRequestType.ADD.value, req))
+        return rid
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._sock.send_multipart(api.encode(api.EngineRequestType.ABORT.value,
+                                             api.AbortRequest(request_ids=list(request_ids))))
+
+    def poll(self, timeout_s: float) -> list[Completion]:
+        """Wait up to ``timeout_s`` for outputs, take in all that arrived, and return the
+        requests that ended among them (possibly none: call again)."""
+        ended: list[Completion] = []
+        if not self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+            return ended
+        while self._sock.poll(0, zmq.POLLIN):
+            c = self._take(api.decode_reply(self._sock.recv_multipart()))
+            if c is not None and c.ended:
+                ended.append(c)
+        return ended
+
+    def _take(self, msg: api.RequestOutput | api.RequestRejected) -> Completion | None:
+        c = self.requests.get(msg.request_id)
+        if c is None:
+            return None  # not ours (e.g. a rejection of a malformed frame)
+        now = time.monotonic()
+        if isinstance(msg, api.RequestRejected):
+            c.rejected, c.ended_at = msg, now
+            return c
+        if msg.new_token_ids and c.first_token_at is None:
+            c.first_token_at = now
+        c.token_ids.extend(msg.new_token_ids)
+        c.events.extend(msg.events)
+        if msg.finished:
+            c.finish_reason, c.error, c.ended_at = msg.finish_reason, msg.error, now
+        return c
+
+    def generate(self, prompt: list[int], max_tokens: int, *, stop_token_id: int | None = None,
+                 timeout_s: float = 60.0) -> Completion:
+        """One request, start to end. Raises the typed rejection, or ``DeadlineError``."""
+        rid = self.submit(prompt, max_tokens, stop_token_id=stop_token_id)
+        deadline = time.monotonic() + timeout_s
+        c = self.requests[rid]
+        while not c.ended:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineError("no end of the request before the deadline",
+                                    request_id=rid, timeout_s=timeout_s, tokens=len(c.token_ids))
+            self.poll(min(left, 0.5))
+        del self.requests[rid]
+        if c.rejected is not None:
+            raise c.rejected.to_exception()
+        if c.finish_reason == "error":
+            raise OperationError("the engine failed the request", request_id=rid, error=c.error)
+        return c

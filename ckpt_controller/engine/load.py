@@ -1,0 +1,99 @@
+"""A load generator for the reference engine: requests at a fixed rate for a duration.
+
+Prompts and lengths come from a seeded RNG and request ids from the index, so two runs send
+the same requests; the digest of all completed outputs lets two runs (e.g. with and without a
+checkpoint cycle in the middle) be compared. After the sending phase it waits up to
+``settle_s`` for every request to end; a request still without an end then is ``lost``.
+Neighbours: ``client``; ``cli`` (``ckptctl load``), tests, drills and benchmarks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from ckpt_controller.engine.client import Completion, EngineClient
+
+
+@dataclass
+class LoadReport:
+    sent: int = 0
+    completed: int = 0
+    aborted: int = 0
+    errored: int = 0
+    rejected: int = 0
+    lost: int = 0
+    duration_s: float = 0.0
+    #: sha256 over {request id: tokens} of every completed (stop/length) request
+    digest: str = ""
+    lost_ids: list[str] = field(default_factory=list)
+    latency_p50_s: float | None = None
+    latency_max_s: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def prompt_for(seed: int, index: int, vocab_size: int) -> tuple[list[int], int]:
+    rng = random.Random(seed * 1_000_003 + index)
+    prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(4, 24))]
+    return prompt, rng.randint(8, 48)
+
+
+def run_load(
+    endpoint: str,
+    *,
+    rate: float,
+    duration_s: float,
+    seed: int = 0,
+    vocab_size: int = 1024,
+    settle_s: float = 60.0,
+    on_progress: Callable[[LoadReport], None] | None = None,
+) -> tuple[LoadReport, dict[str, Completion]]:
+    report = LoadReport()
+    with EngineClient(endpoint) as client:
+        start = time.monotonic()
+        interval = 1.0 / rate
+        next_send = start
+        end_send = start + duration_s
+        i = 0
+        last_progress = start
+        while time.monotonic() < end_send:
+            now = time.monotonic()
+            while next_send <= now and next_send < end_send:
+                prompt, max_tokens = prompt_for(seed, i, vocab_size)
+                client.submit(prompt, max_tokens, request_id=f"load-{seed}-{i}")
+                i += 1
+                next_send += interval
+            client.poll(max(0.0, min(next_send, end_send) - time.monotonic()))
+            if on_progress and time.monotonic() - last_progress >= 1.0:
+                last_progress = time.monotonic()
+                on_progress(_tally(report, client.requests, i))
+        settle_end = time.monotonic() + settle_s
+        while time.monotonic() < settle_end and not all(c.ended for c in client.requests.values()):
+            client.poll(0.2)
+        report = _tally(report, client.requests, i)
+        report.duration_s = time.monotonic() - start
+        return report, dict(client.requests)
+
+
+def _tally(report: LoadReport, requests: dict[str, Completion], sent: int) -> LoadReport:
+    report.sent = sent
+    done = {rid: c.token_ids for rid, c in requests.items() if c.finish_reason in ("stop", "length")}
+    report.completed = len(done)
+    report.aborted = sum(c.finish_reason == "abort" for c in requests.values())
+    report.errored = sum(c.finish_reason == "error" for c in requests.values())
+    report.rejected = sum(c.rejected is not None for c in requests.values())
+    report.lost_ids = sorted(rid for rid, c in requests.items() if not c.ended)
+    report.lost = len(report.lost_ids)
+    report.digest = hashlib.sha256(json.dumps(done, sort_keys=True).encode()).hexdigest()
+    lat = sorted(c.ended_at - c.sent_at for c in requests.values()
+                 if c.ended_at is not None and c.rejected is None)
+    if lat:
+        report.latency_p50_s = lat[len(lat) // 2]
+        report.latency_max_s = lat[-1]
+    return report

@@ -1,0 +1,237 @@
+"""Continuous batching: which requests run, and one step of the whole batch.
+
+Requests wait in a queue, are admitted into the running batch when KV blocks are free
+(prefill), then decode together one token per step. When a running request needs a block
+and none is free, the most recently admitted request is preempted: its blocks are freed and
+it goes back to the front of the queue to be recomputed (prompt + tokens so far), as vLLM
+does. ``keep`` takes requests out of scheduling with their tokens (host memory) and ``resume``
+puts them back the same way, so they finish with the tokens they would have had anyway.
+One thread (the server's scheduler thread) owns all of this state. Other threads (the API
+thread admitting requests, the agent's hooks) ``submit`` a function and it runs on the owner
+thread between two steps, so a hook waits at most one step and never starves behind the
+loop. Neighbours: ``model``, ``kv``, ``server`` (the thread that runs the loop).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from ckpt_controller.engine.api import RequestEvent, RequestOutput
+from ckpt_controller.engine.kv import BlockPool
+from ckpt_controller.engine.model import TinyLM
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    stop_token_id: int | None
+    arrival_time: float
+    client: bytes
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    #: tokens whose K/V are in ``blocks``; the token after them is pending
+    computed: int = 0
+    events: list[RequestEvent] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class Scheduler:
+    def __init__(
+        self,
+        model: TinyLM,
+        pool: BlockPool,
+        *,
+        max_batch: int,
+        emit: Callable[[bytes, RequestOutput], None],
+        on_finish: Callable[[str, str], None],
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.max_batch = max_batch
+        self.emit = emit
+        self.on_finish = on_finish
+        self.lock = threading.Condition()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.kept: list[Request] = []
+        self.paused = False
+        self.steps = 0
+        self._commands: deque[tuple[Callable[[], object], Future]] = deque()
+
+    # ---------------------------------------------------------------- any thread
+
+    def submit(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on the scheduler thread before its next step."""
+        fut: Future = Future()
+        with self.lock:
+            self._commands.append((fn, fut))
+            self.lock.notify_all()
+        return fut
+
+    def run_loop(self, stop: threading.Event, on_error: Callable[[Exception], None]) -> None:
+        """The scheduler thread: commands, then one step, until ``stop``."""
+        while not stop.is_set():
+            with self.lock:
+                if not self._commands and not self.has_work():
+                    self.lock.wait(0.1)
+                commands, self._commands = self._commands, deque()
+            for fn, fut in commands:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except Exception as exc:  # policy: the submitter gets the exception
+                        fut.set_exception(exc)
+            if self.has_work():
+                try:
+                    self.step()
+                except Exception as exc:  # policy: the caller decides (ends requests with ERROR)
+                    on_error(exc)
+
+    # ---------------------------------------------------------------- scheduler thread only
+
+    def add(self, req: Request) -> None:
+        self._event(req, "queued")
+        self.emit(req.client, RequestOutput(request_id=req.request_id, events=req.events))
+        req.events = []
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return not self.paused and bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Request | None:
+        for req in (*self.running, *self.waiting, *self.kept):
+            if req.request_id == request_id:
+                return req
+        return None
+
+    def abort(self, request_ids: list[str]) -> int:
+        """End each request now with ``abort`` and its partial output."""
+        n = 0
+        for rid in request_ids:
+            req = self.find(rid)
+            if req is not None:
+                self._finish(req, "abort")
+                n += 1
+        return n
+
+    def keep(self, request_ids: list[str]) -> int:
+        """Take requests out of scheduling, tokens kept, KV blocks returned."""
+        for rid in request_ids:
+            req = self.find(rid)
+            if req is None or req in self.kept:
+                continue
+            self._unschedule(req)
+            self.kept.append(req)
+        return len(self.kept)
+
+    def resume(self) -> int:
+        """Kept requests go back to the front of the queue, oldest first; scheduling resumes."""
+        n = len(self.kept)
+        self.kept.sort(key=lambda r: r.arrival_time)
+        self.waiting.extendleft(reversed(self.kept))
+        self.kept.clear()
+        self.paused = False
+        return n
+
+    def fail_all(self, error: str) -> None:
+        for req in (*self.running, *self.waiting):
+            self._finish(req, "error", error)
+
+    def step(self) -> None:
+        """Admit what fits (prefill), then decode the running batch by one token."""
+        self.steps += 1
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            need = self.pool.blocks_for(len(req.tokens) + 1)
+            blocks = self.pool.allocate(need)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            req.blocks = blocks
+            self._event(req, "scheduled")
+            token = self.model.prefill(req.tokens, self.pool.kv, req.blocks)
+            req.computed = len(req.tokens)
+            self.running.append(req)
+            self._append(req, token)
+        batch = [r for r in self.running if r.computed == len(r.tokens) - 1]
+        for req in list(batch):
+            if req not in self.running:  # preempted to make room for an earlier one
+                batch.remove(req)
+                continue
+            if not self._ensure_block(req):
+                batch.remove(req)
+        batch = [r for r in batch if r in self.running]
+        if not batch:
+            return
+        nxt = self.model.decode([(r.tokens[-1], r.computed, r.blocks) for r in batch], self.pool.kv)
+        for req, token in zip(batch, nxt):
+            req.computed += 1
+            self._append(req, token)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _ensure_block(self, req: Request) -> bool:
+        """A block for position ``req.computed``; preempt the newest other request if needed."""
+        while len(req.blocks) * self.pool.block_size <= req.computed:
+            got = self.pool.allocate(1)
+            if got is not None:
+                req.blocks.extend(got)
+                continue
+            victims = [r for r in self.running if r is not req]
+            if not victims:
+                return False
+            victim = victims[-1]
+            self._unschedule(victim)
+            self._event(victim, "preempted")
+            self.waiting.appendleft(victim)
+        return True
+
+    def _unschedule(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.pool.free(req.blocks)
+        req.computed = 0
+
+    def _append(self, req: Request, token: int) -> None:
+        req.output.append(token)
+        reason = None
+        if req.stop_token_id is not None and token == req.stop_token_id:
+            reason = "stop"
+        elif len(req.output) >= req.max_tokens or len(req.tokens) >= self.model.cfg.max_seq_len:
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason, new=[token])
+        else:
+            self.emit(req.client, RequestOutput(request_id=req.request_id, new_token_ids=[token],
+                                                events=req.events))
+            req.events = []
+
+    def _finish(self, req: Request, reason: str, error: str | None = None,
+                new: list[int] | None = None) -> None:
+        if req in self.kept:
+            self.kept.remove(req)
+        else:
+            self._unschedule(req)
+        self.pool.free(req.blocks)
+        self.emit(req.client, RequestOutput(
+            request_id=req.request_id, new_token_ids=new or [], finished=True,
+            finish_reason=reason, events=req.events, error=error,
+        ))
+        req.events = []
+        self.on_finish(req.request_id, reason)
+
+    @staticmethod
+    def _event(req: Request, kind: str) -> None:
+        req.events.append(RequestEvent(type=kind, timestamp=time.monotonic()))

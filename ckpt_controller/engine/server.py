@@ -1,0 +1,231 @@
+"""The reference engine process: model + KV pool + scheduler + request API + embedded agent.
+
+Threads: the API thread owns the request ROUTER (admits requests through the agent's gate,
+forwards outputs from the outbox); the scheduler thread steps the batch; the agent has its
+own control and operation threads. The engine's ``EngineHooks`` map the agent's drain and
+pause/resume calls onto the scheduler, and ``verify`` re-runs a golden prompt through the
+cache-free path (``TinyLM.reference_tokens``) before the engine serves again.
+Neighbours: ``scheduler``, ``model``, ``kv``, ``api``; ``agent`` (embedded).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import zmq
+
+from ckpt_controller.agent import Agent, EngineHooks
+from ckpt_controller.engine import api
+from ckpt_controller.engine.kv import BlockPool
+from ckpt_controller.engine.model import load_model, materialize
+from ckpt_controller.engine.scheduler import Request, Scheduler
+from ckpt_controller.errors import CkptError, ProtocolError, UsageError, VerificationError
+from ckpt_controller.memory import MemoryRegistry
+from ckpt_controller.zmqutil import Outbox
+
+log = logging.getLogger("ckpt_controller.engine")
+
+GOLDEN_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+GOLDEN_TOKENS = 8
+
+
+@dataclass
+class EngineOptions:
+    name: str
+    api: str
+    control: str | None = None
+    model: str = "tiny"
+    seed: int = 0
+    model_dir: Path = Path(".cache/models")
+    dtype: str | None = None
+    kv_blocks: int | None = None
+    block_size: int = 16
+    max_batch: int = 16
+    heartbeat_interval_s: float = 0.5
+
+
+class ReferenceEngine(EngineHooks):
+    def __init__(self, opts: EngineOptions) -> None:
+        self.opts = opts
+        self.weights_path = materialize(opts.model, opts.seed, opts.model_dir, opts.dtype)
+        self.model = load_model(self.weights_path)
+        cfg = self.model.cfg
+        n_blocks = opts.kv_blocks or 4 * self.pool_blocks_for(cfg.max_seq_len, opts.block_size)
+        self.pool = BlockPool(cfg, n_blocks, opts.block_size)
+        self.golden = self.model.reference_tokens(GOLDEN_PROMPT, GOLDEN_TOKENS)
+        self.registry = MemoryRegistry()
+        self.registry.register("weights", self.model, source=self.weights_path)
+        self.registry.register("kv_cache", {"kv": self.pool.kv})
+        self._ctx = zmq.Context()
+        self._outbox = Outbox(self._ctx, f"engine-{opts.name}")
+        self.agent = Agent(opts.name, hooks=self, memory=self.registry, control=opts.control,
+                           heartbeat_interval_s=opts.heartbeat_interval_s)
+        self.scheduler = Scheduler(self.model, self.pool, max_batch=opts.max_batch,
+                                   emit=self._emit, on_finish=self.agent.gate.finish)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._api_sock: zmq.Socket | None = None
+
+    @staticmethod
+    def pool_blocks_for(tokens: int, block_size: int) -> int:
+        return -(-tokens // block_size)
+
+    # ---------------------------------------------------------------- life
+
+    def start(self) -> "ReferenceEngine":
+        self._api_sock = self._ctx.socket(zmq.ROUTER)
+        self._api_sock.setsockopt(zmq.LINGER, 0)
+        self._api_sock.bind(self.opts.api)
+        self.agent.start()
+        for target, name in ((self._schedule_loop, "sched"), (self._api_loop, "api")):
+            t = threading.Thread(target=target, name=f"engine-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def info(self) -> dict:
+        cfg = self.model.cfg
+        return {"event": "ready", "name": self.opts.name, "pid": __import__("os").getpid(),
+                "api": self.opts.api, "control": self.agent.endpoint,
+                "weights": str(self.weights_path), "weight_bytes": cfg.weight_bytes(),
+                "kv_bytes": self.pool.kv.nbytes, "vocab_size": cfg.vocab_size,
+                "max_seq_len": cfg.max_seq_len, "dtype": cfg.dtype}
+
+    def wait(self) -> None:
+        while not self._stop.wait(0.5):
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self.agent.close()
+        self._outbox.close()
+        if self._api_sock is not None:
+            self._api_sock.close(linger=0)
+        self._ctx.term()
+
+    # ---------------------------------------------------------------- threads
+
+    def _schedule_loop(self) -> None:
+        def step_failed(exc: Exception) -> None:
+            # policy: a failed step ends its requests with ERROR; the engine goes on
+            log.error("engine step failed: %r", exc, exc_info=exc)
+            self.scheduler.fail_all(repr(exc))
+
+        self.scheduler.run_loop(self._stop, step_failed)
+
+    def _on_scheduler(self, fn, timeout_s: float = 60.0):
+        """Run ``fn`` on the scheduler thread and wait for its result."""
+        return self.scheduler.submit(fn).result(timeout=timeout_s)
+
+    def _api_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._api_sock, zmq.POLLIN)
+        poller.register(self._outbox.inbox, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(100))
+            if self._outbox.inbox in events:
+                self._outbox.forward(self._api_sock)
+            if self._api_sock in events:
+                while True:
+                    try:
+                        frames = self._api_sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle(frames[0], frames[1:])
+
+    def _handle(self, client: bytes, frames: list[bytes]) -> None:
+        try:
+            msg = api.decode_request(frames)
+        except ProtocolError as err:  # policy: a bad request is answered, never fatal
+            log.warning("engine %s: bad request frame: %s", self.opts.name, err)
+            self._reject(client, "", err)
+            return
+        if isinstance(msg, api.AbortRequest):
+            ids = msg.request_ids
+            self.scheduler.submit(lambda: self.scheduler.abort(ids))
+            return
+        try:
+            self._validate(msg)
+        except CkptError as err:  # policy: an invalid request gets a typed answer
+            self._reject(client, msg.request_id, err)
+            return
+        self.scheduler.submit(lambda: self._admit(client, msg))
+
+    def _admit(self, client: bytes, msg: api.EngineRequest) -> None:
+        """On the scheduler thread: admitted and queued as one step, so a drain sees both."""
+        try:
+            self.agent.gate.admit(msg.request_id)
+        except CkptError as err:  # policy: not RUNNING (or a duplicate id): typed answer
+            self._reject(client, msg.request_id, err)
+            return
+        self.scheduler.add(Request(msg.request_id, list(msg.prompt_token_ids), msg.max_tokens,
+                                   msg.stop_token_id, msg.arrival_time, client))
+
+    def _validate(self, msg: api.EngineRequest) -> None:
+        cfg = self.model.cfg
+        if not msg.prompt_token_ids:
+            raise UsageError("empty prompt", request_id=msg.request_id)
+        bad = [t for t in msg.prompt_token_ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise UsageError("token id outside the vocabulary", request_id=msg.request_id,
+                             token=bad[0], vocab_size=cfg.vocab_size)
+        if msg.max_tokens < 1:
+            raise UsageError("max_tokens must be at least 1", request_id=msg.request_id)
+        if len(msg.prompt_token_ids) >= cfg.max_seq_len:
+            raise UsageError("prompt too long", request_id=msg.request_id,
+                             tokens=len(msg.prompt_token_ids), max_seq_len=cfg.max_seq_len)
+
+    def _emit(self, client: bytes, out: api.RequestOutput) -> None:
+        self._outbox.send([client, *api.encode(api.EngineReplyType.OUTPUT.value, out)])
+
+    def _reject(self, client: bytes, request_id: str, err: CkptError) -> None:
+        rej = api.RequestRejected(request_id=request_id, kind=err.kind, message=err.message,
+                                  details={k: v for k, v in err.details.items()
+                                           if isinstance(v, (str, int, float, bool, type(None)))})
+        self._outbox.send([client, *api.encode(api.EngineReplyType.REJECTED.value, rej)])
+
+    # ---------------------------------------------------------------- agent hooks
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._on_scheduler(lambda: self.scheduler.abort(request_ids))
+
+    def keep_requests(self, request_ids: list[str]) -> None:
+        self._on_scheduler(lambda: self.scheduler.keep(request_ids))
+
+    def pause_scheduling(self) -> None:
+        # runs between two steps: once it returns, no step touches weights or KV cache
+        self._on_scheduler(lambda: setattr(self.scheduler, "paused", True))
+
+    def resume_scheduling(self) -> None:
+        self._on_scheduler(self.scheduler.resume)
+
+    def verify(self) -> None:
+        got = self.model.reference_tokens(GOLDEN_PROMPT, GOLDEN_TOKENS)
+        if got != self.golden:
+            raise VerificationError("golden prompt gives other tokens after re-wake",
+                                    engine=self.opts.name, expected=self.golden, got=got)
+
+
+def serve(opts: EngineOptions, ready: callable = None) -> None:
+    """Run an engine until SIGTERM/SIGINT; ``ready(info)`` once both endpoints are bound."""
+    import signal
+
+    torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
+    engine = ReferenceEngine(opts).start()
+    stop = threading.Event()
+    # a signal handler only sets a flag; the main thread does the cleanup
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    (ready or (lambda info: print(json.dumps(info), flush=True)))(engine.info())
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        engine.stop()

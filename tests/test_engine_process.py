@@ -1,0 +1,180 @@
+"""The reference engine as a real process (``ckptctl engine serve``): batching, determinism
+across restarts, every drain mode under load with nothing lost, ``keep`` outputs identical to
+an uninterrupted run, and real memory released at level 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from ckpt_controller.agent import AgentClient
+from ckpt_controller.engine.client import EngineClient
+from ckpt_controller.engine.load import prompt_for, run_load
+from ckpt_controller.errors import RejectedError, UsageError
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def clients():
+    made = []
+
+    def make(kind, endpoint, **kw):
+        c = kind(endpoint, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_concurrent_requests_decode_together(spawn_reference, clients):
+    eng = spawn_reference("batch")
+    client = clients(EngineClient, eng.api)
+    ids = [client.submit([7, i, 3], 60) for i in range(6)]
+    arrivals: list[tuple[float, str]] = []
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + 30
+    while not all(client.requests[i].ended for i in ids) and time.monotonic() < deadline:
+        client.poll(0.05)
+        for rid in ids:
+            n = len(client.requests[rid].token_ids)
+            if n != seen.get(rid):
+                seen[rid] = n
+                arrivals.append((time.monotonic(), rid))
+    done = [client.requests[i] for i in ids]
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 60 for c in done)
+    # each request got its first token before any other finished: they ran as one batch
+    first_tokens = max(c.first_token_at for c in done)
+    first_end = min(c.ended_at for c in done)
+    assert first_tokens <= first_end
+    assert all([e.type for e in c.events][:2] == ["queued", "scheduled"] for c in done)
+
+
+def test_same_seed_same_tokens_across_restarts(spawn_reference, clients, model_dir):
+    prompts = [[1, 2, 3], [500, 4], [9] * 20]
+    first = spawn_reference("det1")
+    c1 = clients(EngineClient, first.api)
+    want = [c1.generate(p, 40).token_ids for p in prompts]
+    first.stop()
+    second = spawn_reference("det2")
+    c2 = clients(EngineClient, second.api)
+    assert [c2.generate(p, 40).token_ids for p in prompts] == want
+    other = spawn_reference("det3", "--seed", "5")
+    c3 = clients(EngineClient, other.api)
+    assert c3.generate(prompts[0], 40).token_ids != want[0]
+
+
+def test_invalid_requests_get_typed_errors(spawn_reference, clients):
+    eng = spawn_reference("bad")
+    c = clients(EngineClient, eng.api)
+    with pytest.raises(UsageError, match="vocabulary"):
+        c.generate([1, 99_999], 5)
+    with pytest.raises(UsageError, match="empty"):
+        c.generate([], 5)
+    with pytest.raises(UsageError, match="prompt too long"):
+        c.generate([1] * 5000, 5)
+    assert c.generate([1], 3).finish_reason == "length"
+
+
+def _uninterrupted(api: str, seed: int, ids) -> dict[str, list[int]]:
+    """The same load requests sent one by one to a RUNNING engine."""
+    out = {}
+    with EngineClient(api) as c:
+        for rid in ids:
+            index = int(rid.rsplit("-", 1)[1])
+            prompt, max_tokens = prompt_for(seed, index, 1024)
+            out[rid] = c.generate(prompt, max_tokens).token_ids
+    return out
+
+
+@pytest.mark.parametrize("mode", ["wait", "abort", "keep"])
+def test_cycle_under_load_loses_nothing(spawn_reference, clients, mode):
+    eng = spawn_reference(f"load-{mode}")
+    ctl = clients(AgentClient, eng.control, timeout_s=30)
+    result = {}
+    load = threading.Thread(target=lambda: result.update(zip(("report", "requests"), run_load(
+        eng.api, rate=40, duration_s=3.0, seed=11, settle_s=60))))
+    load.start()
+    time.sleep(1.2)
+    prep = ctl.prepare(drain=mode, level=2, drain_timeout_s=20)
+    assert prep.state == "prepared"
+    time.sleep(0.3)
+    ctl.restore()
+    load.join(90)
+    report, requests = result["report"], result["requests"]
+    assert report.sent >= 100 and report.lost == 0, report
+    assert report.completed + report.aborted + report.rejected == report.sent
+    assert report.rejected > 0  # requests arrived while not RUNNING and were told so
+    for c in requests.values():
+        assert c.ended
+    if mode == "abort":
+        assert prep.drain.aborted == report.aborted > 0
+    if mode == "keep":
+        kept = [rid for rid, c in requests.items()
+                if [e.type for e in c.events].count("scheduled") >= 2]
+        assert len(kept) >= prep.drain.kept > 0
+    # every completed request, kept ones included, has exactly its uninterrupted output
+    completed = {rid: c.token_ids for rid, c in requests.items()
+                 if c.finish_reason in ("stop", "length")}
+    assert completed == _uninterrupted(eng.api, 11, completed)
+
+
+def test_rejection_is_immediate_and_retryable(spawn_reference, clients):
+    eng = spawn_reference("rej")
+    ctl = clients(AgentClient, eng.control)
+    c = clients(EngineClient, eng.api)
+    ctl.prepare(level=1)
+    start = time.monotonic()
+    with pytest.raises(RejectedError) as info:
+        c.generate([1, 2], 5)
+    assert time.monotonic() - start < 1.0
+    assert info.value.retryable and info.value.details["state"] == "prepared"
+    assert info.value.details["retry_after_s"] > 0
+    ctl.restore()
+    assert c.generate([1, 2], 5).finish_reason == "length"
+
+
+def test_level2_rss_falls_and_returns(spawn_reference, clients):
+    eng = spawn_reference("rss", "--model", "small", "--kv-blocks", "256")
+    ctl = clients(AgentClient, eng.control, timeout_s=60)
+    c = clients(EngineClient, eng.api)
+    want = c.generate([4, 8, 15, 16, 23, 42], 20).token_ids
+    released = eng.info["weight_bytes"] + eng.info["kv_bytes"]
+    assert released > 400 * MIB
+    proc = psutil.Process(eng.pid)
+    before = proc.memory_info().rss
+    ctl.prepare(level=2)
+    during = proc.memory_info().rss
+    assert before - during >= 0.9 * released, (before, during, released)
+    reply = ctl.restore()
+    after = proc.memory_info().rss
+    assert after >= before - 0.1 * released
+    assert reply.memory.verified_tensors > 0
+    assert c.generate([4, 8, 15, 16, 23, 42], 20).token_ids == want
+
+
+def test_generate_and_load_commands(spawn_reference):
+    eng = spawn_reference("cli")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "ckpt_controller", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    out = run("generate", "--api", eng.api, "--prompt-ids", "1,2,3", "--max-tokens", "7", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert len(doc["token_ids"]) == 7 and doc["finish_reason"] == "length"
+    plain = run("generate", "--api", eng.api, "--prompt-ids", "1,2,3", "--max-tokens", "7")
+    assert plain.stdout.strip() == ",".join(map(str, doc["token_ids"]))
+    assert run("generate", "--api", eng.api, "--prompt-ids", "x", "--max-tokens", "7").returncode == 2
+    bad = run("generate", "--api", eng.api, "--prompt-ids", "5000", "--max-tokens", "2", "--json")
+    assert bad.returncode == 2 and json.loads(bad.stdout)["error"]["kind"] == "UsageError"
+    loads = [json.loads(run("load", "--api", eng.api, "--rate", "30", "--duration", "1",
+                            "--json", "--seed", "4").stdout) for _ in range(2)]
+    assert loads[0]["sent"] == 30 and loads[0]["completed"] == 30 and loads[0]["lost"] == 0
+    assert loads[0]["digest"] == loads[1]["digest"]  # same seed, same requests, same tokens
