@@ -3,9 +3,11 @@ path, weights round-trip through safetensors, and the scheduler batches and pree
 
 from __future__ import annotations
 
-import torch
+import threading
+import time
 
 import pytest
+import torch
 
 from ckpt_controller.engine.kv import BlockPool
 from ckpt_controller.engine.model import (
@@ -143,3 +145,70 @@ def test_stop_token_keep_resume_and_abort(tiny):
         sched.step()
     assert rec.finished["k"] == "length"
     assert _tokens(rec, "k") == tiny.reference_tokens([4, 5], 40)
+
+
+class BrokenOnce:
+    """Wraps the real model; its next decode raises (a failed kernel, say)."""
+
+    def __init__(self, model: TinyLM) -> None:
+        self.model, self.cfg, self.armed = model, model.cfg, True
+
+    def prefill(self, *a):
+        return self.model.prefill(*a)
+
+    def decode(self, *a):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("decode blew up")
+        return self.model.decode(*a)
+
+
+def test_a_failed_step_ends_requests_with_error_and_the_loop_goes_on(tiny):
+    rec = Recorder()
+    sched = Scheduler(BrokenOnce(tiny), BlockPool(tiny.cfg, 256), max_batch=8, emit=rec.emit,
+                      on_finish=rec.finish)
+    stop = threading.Event()
+    loop = threading.Thread(target=sched.run_loop,
+                            args=(stop, lambda exc: sched.fail_all(repr(exc))))
+    loop.start()
+    try:
+        sched.submit(lambda: sched.add(Request("x", [1, 2], 10, None, 0.0, b""))).result(5)
+        deadline = time.monotonic() + 10
+        while "x" not in rec.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rec.finished["x"] == "error"
+        assert "decode blew up" in rec.outputs["x"][-1].error
+        sched.submit(lambda: sched.add(Request("y", [1, 2], 10, None, 0.0, b""))).result(5)
+        while "y" not in rec.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rec.finished["y"] == "length"
+        assert sched.submit(lambda: 41 + 1).result(5) == 42
+    finally:
+        stop.set()
+        loop.join(5)
+
+
+def test_golden_mismatch_fails_the_restore(tmp_path, ipc_dir):
+    """An engine whose weights changed behind the registry's back (level 0 keeps no
+    checksum) is caught by the golden prompt before it is re-admitted."""
+    from ckpt_controller.agent import AgentClient
+    from ckpt_controller.engine.server import EngineOptions, ReferenceEngine
+    from ckpt_controller.errors import VerificationError
+
+    eng = ReferenceEngine(EngineOptions(name="gold", api=f"ipc://{ipc_dir}/g.api",
+                                        control=f"ipc://{ipc_dir}/g.ctl", model_dir=tmp_path))
+    eng.start()
+    try:
+        with AgentClient(eng.agent.endpoint) as ctl:
+            ctl.prepare(level=0)
+            ctl.restore()  # untouched: golden matches
+            ctl.prepare(level=0)
+            with torch.no_grad():
+                eng.model.lm_head.mul_(-1.0)
+            with pytest.raises(VerificationError) as info:
+                ctl.restore()
+            assert info.value.details["state"] == "failed"
+            assert "golden" in info.value.message
+            assert ctl.status().state == "failed"
+    finally:
+        eng.stop()

@@ -178,3 +178,18 @@ def test_generate_and_load_commands(spawn_reference):
                             "--json", "--seed", "4").stdout) for _ in range(2)]
     assert loads[0]["sent"] == 30 and loads[0]["completed"] == 30 and loads[0]["lost"] == 0
     assert loads[0]["digest"] == loads[1]["digest"]  # same seed, same requests, same tokens
+
+
+def test_client_abort_ends_a_request_with_its_partial_output(spawn_reference, clients):
+    eng = spawn_reference("abort")
+    c = clients(EngineClient, eng.api)
+    rid = c.submit([1, 2, 3], 1000)
+    while len(c.requests[rid].token_ids) < 5:
+        c.poll(0.1)
+    c.abort([rid])
+    deadline = time.monotonic() + 10
+    while not c.requests[rid].ended and time.monotonic() < deadline:
+        c.poll(0.1)
+    done = c.requests[rid]
+    assert done.finish_reason == "abort" and 5 <= len(done.token_ids) < 1000
+    assert clients(AgentClient, eng.control).status().in_flight == 0

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,7 +92,7 @@ class ReferenceEngine(EngineHooks):
 
     def info(self) -> dict:
         cfg = self.model.cfg
-        return {"event": "ready", "name": self.opts.name, "pid": __import__("os").getpid(),
+        return {"event": "ready", "name": self.opts.name, "pid": os.getpid(),
                 "api": self.opts.api, "control": self.agent.endpoint,
                 "weights": str(self.weights_path), "weight_bytes": cfg.weight_bytes(),
                 "kv_bytes": self.pool.kv.nbytes, "vocab_size": cfg.vocab_size,
@@ -213,7 +215,7 @@ class ReferenceEngine(EngineHooks):
                                     engine=self.opts.name, expected=self.golden, got=got)
 
 
-def serve(opts: EngineOptions, ready: callable = None) -> None:
+def serve(opts: EngineOptions, ready: Callable[[dict], None] | None = None) -> None:
     """Run an engine until SIGTERM/SIGINT; ``ready(info)`` once both endpoints are bound."""
     import signal
 
