@@ -1,11 +1,11 @@
-# ckpt-controller: `make install` sets up .venv, `make test` runs the suite.
+# ckpt-controller: `make demo` runs the main job, `make test` the suite; both install first.
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-slow clean
+.PHONY: install test test-slow demo clean
 
 install: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/ckptctl demo
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)

@@ -1,4 +1,9 @@
-"""The wire protocol between a controller (or any client) and an engine's agent.
+"""The wire protocol: clients to an engine's agent, and clients to the controller.
+
+Both servers speak the same framing; each serves its own request types (an agent: handshake,
+status, prepare, restore, rollback, fail, heartbeat, subscribe; the controller: handshake,
+status, operation, history, heartbeat, subscribe) and answers any other with a
+``ProtocolError``.
 
 Transport: pyzmq. The agent binds a ROUTER, clients connect a DEALER. Every message is two
 frames, ``[type, payload]`` (a ROUTER prepends the peer identity):
@@ -43,6 +48,9 @@ class RequestType(bytes, enum.Enum):
     SUBSCRIBE = b"\x06"
     UNSUBSCRIBE = b"\x07"
     FAIL = b"\x08"
+    # served by the controller only
+    OPERATION = b"\x10"
+    HISTORY = b"\x11"
 
 
 class ReplyType(bytes, enum.Enum):
@@ -73,7 +81,8 @@ class Handshake(Command, kw_only=True):
 
 
 class StatusCommand(Command, kw_only=True):
-    pass
+    #: controller only: these engines (empty: all)
+    engines: list[str] = []
 
 
 class HeartbeatCommand(Command, kw_only=True):
@@ -117,6 +126,38 @@ class FailCommand(Command, kw_only=True):
 
     op_id: str
     reason: str = ""
+
+
+OperationKind = Literal["prepare", "capture", "restore", "cycle", "rollback"]
+
+
+class OperationCommand(Command, kw_only=True):
+    """Controller: run one operation on some engines (empty list: all configured engines).
+
+    Prepare parameters left ``None`` take the engine's configured defaults."""
+
+    op_id: str
+    kind: OperationKind
+    engines: list[str] = []
+    drain: DrainMode | None = None
+    drain_timeout_s: float | None = None
+    on_deadline: Escalation | None = None
+    level: int | None = None
+    tags: list[str] | None = None
+    residual_budget_bytes: int | None = None
+    #: overall deadline per engine (default: the configured operation deadline)
+    deadline_s: float | None = None
+    #: cycle: at most this many engines out of service at once (default: all at once)
+    max_unavailable: int | None = None
+    #: prepare: if one engine fails, roll back the others
+    all_or_nothing: bool = True
+    reason: str = ""
+
+
+class HistoryCommand(Command, kw_only=True):
+    engine: str | None = None
+    op_id: str | None = None
+    limit: int = 50
 
 
 # ---------------------------------------------------------------- results (agent -> client)
@@ -225,7 +266,104 @@ class Ack(msgspec.Struct, kw_only=True, tag=True):
     pass
 
 
-Result = HandshakeReply | StatusReply | PrepareReply | RestoreReply | HeartbeatReply | Ack
+# ---------------------------------------------------------------- controller results
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True):
+    kind: str
+    message: str
+    details: dict[str, Any] = {}
+
+    def to_exception(self) -> CkptError:
+        return from_wire(self.kind, self.message, self.details)
+
+
+class PhaseRecord(msgspec.Struct, kw_only=True):
+    name: str
+    wall: float
+    duration_s: float
+    ok: bool = True
+
+
+class HookRun(msgspec.Struct, kw_only=True):
+    point: str
+    path: str
+    exit_code: int | None
+    duration_s: float
+    timed_out: bool = False
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+
+
+class EngineOutcome(msgspec.Struct, kw_only=True):
+    engine: str
+    #: succeeded | failed | rolled_back | skipped
+    status: str
+    state: str | None = None
+    phases: list[PhaseRecord] = []
+    drain: DrainReport | None = None
+    released: MemoryReport | None = None
+    rewoken: MemoryReport | None = None
+    hooks: list[HookRun] = []
+    error: ErrorInfo | None = None
+    generation: int | None = None
+
+
+class OperationResult(msgspec.Struct, kw_only=True, tag=True):
+    op_id: str
+    kind: str
+    #: succeeded | failed | rolled_back | interrupted
+    status: str
+    engines: list[EngineOutcome]
+    wall: float
+    duration_s: float
+    error: ErrorInfo | None = None
+    max_unavailable_seen: int = 0
+
+
+class EngineView(msgspec.Struct, kw_only=True):
+    """The controller's view of one engine: the agent's own status when it answered."""
+
+    engine: str
+    kind: str
+    control: str
+    reachable: bool
+    status: StatusReply | None = None
+    holder: str | None = None
+    error: ErrorInfo | None = None
+
+
+class ControllerStatusReply(msgspec.Struct, kw_only=True, tag=True):
+    controller_pid: int
+    engines: list[EngineView]
+
+
+class OperationSummary(msgspec.Struct, kw_only=True):
+    op_id: str
+    kind: str
+    engines: list[str]
+    status: str
+    wall: float
+    duration_s: float | None = None
+
+
+class JournalRecord(msgspec.Struct, kw_only=True):
+    seq: int
+    op_id: str | None
+    engine: str | None
+    type: str
+    wall: float
+    monotonic: float
+    data: dict[str, Any] = {}
+
+
+class HistoryReply(msgspec.Struct, kw_only=True, tag=True):
+    operations: list[OperationSummary]
+    records: list[JournalRecord]
+
+
+Result = (HandshakeReply | StatusReply | PrepareReply | RestoreReply | HeartbeatReply | Ack
+          | OperationResult | ControllerStatusReply | HistoryReply)
 
 
 class Reply(msgspec.Struct, kw_only=True):
@@ -278,7 +416,13 @@ class Heartbeat(msgspec.Struct, kw_only=True, tag=True):
     incarnation: int
 
 
-EventBody = StateChanged | DrainProgress | MemoryReported | Heartbeat
+class Journaled(msgspec.Struct, kw_only=True, tag=True):
+    """Controller: a record just written to the journal (what ``watch`` shows)."""
+
+    record: JournalRecord
+
+
+EventBody = StateChanged | DrainProgress | MemoryReported | Heartbeat | Journaled
 
 
 class Event(msgspec.Struct, kw_only=True):
@@ -297,6 +441,8 @@ COMMAND_TYPES: dict[RequestType, type[Command]] = {
     RequestType.SUBSCRIBE: SubscribeCommand,
     RequestType.UNSUBSCRIBE: SubscribeCommand,
     RequestType.FAIL: FailCommand,
+    RequestType.OPERATION: OperationCommand,
+    RequestType.HISTORY: HistoryCommand,
 }
 
 
@@ -372,10 +518,10 @@ def decode_command(frames: list[bytes]) -> tuple[RequestType, Command]:
         raise ProtocolError(f"invalid {rtype.name} command: {exc}", call_id=call_id) from None
 
 
-def decode_from_agent(frames: list[bytes]) -> Reply | ErrorReply | Event:
-    """Decode ``[type, payload]`` from an agent, or raise ``ProtocolError``."""
+def decode_reply(frames: list[bytes]) -> Reply | ErrorReply | Event:
+    """Decode ``[type, payload]`` from an agent or the controller, or raise ``ProtocolError``."""
     if len(frames) != 2 or len(frames[0]) != 1:
-        raise ProtocolError(f"malformed agent message ({len(frames)} frames)")
+        raise ProtocolError(f"malformed reply ({len(frames)} frames)")
     try:
         rtype = ReplyType(bytes(frames[0]))
     except ValueError:
@@ -388,7 +534,7 @@ def decode_from_agent(frames: list[bytes]) -> Reply | ErrorReply | Event:
     try:
         return decoder.decode(frames[1])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed {rtype.name} from agent: {exc}") from None
+        raise ProtocolError(f"malformed {rtype.name}: {exc}") from None
 
 
 def to_plain(value: Any) -> Any:

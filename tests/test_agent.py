@@ -61,7 +61,7 @@ def raw(agent, frames: list[bytes], timeout_ms: int = 3000):
     try:
         s.send_multipart(frames)
         assert s.poll(timeout_ms), "agent did not answer"
-        return p.decode_from_agent(s.recv_multipart())
+        return p.decode_reply(s.recv_multipart())
     finally:
         s.close()
 
@@ -272,7 +272,7 @@ def test_default_endpoint_lives_in_a_private_runtime_dir(tmp_path, monkeypatch):
     import os
     import stat
 
-    from ckpt_controller.agent.endpoints import default_endpoint
+    from ckpt_controller.endpoints import default_endpoint
     from ckpt_controller.errors import ConfigError
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))

@@ -294,7 +294,7 @@ def test_bad_frames_to_a_real_engine_are_answered(small):
     for frames in ([b"\x02", b"garbage"], [b"\xff", b"\x80"], [b"x"] * 5):
         s.send_multipart(frames)
         assert s.poll(3000)
-        assert isinstance(p.decode_from_agent(s.recv_multipart()), p.ErrorReply)
+        assert isinstance(p.decode_reply(s.recv_multipart()), p.ErrorReply)
     s.close()
     assert client_for(small).status().state == "running"
 

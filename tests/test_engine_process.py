@@ -15,7 +15,7 @@ import pytest
 
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.engine.client import EngineClient
-from ckpt_controller.engine.load import prompt_for, run_load
+from ckpt_controller.engine.load import replay, run_load
 from ckpt_controller.errors import RejectedError, UsageError
 
 MIB = 1 << 20
@@ -84,17 +84,6 @@ def test_invalid_requests_get_typed_errors(spawn_reference, clients):
     assert c.generate([1], 3).finish_reason == "length"
 
 
-def _uninterrupted(api: str, seed: int, ids) -> dict[str, list[int]]:
-    """The same load requests sent one by one to a RUNNING engine."""
-    out = {}
-    with EngineClient(api) as c:
-        for rid in ids:
-            index = int(rid.rsplit("-", 1)[1])
-            prompt, max_tokens = prompt_for(seed, index, 1024)
-            out[rid] = c.generate(prompt, max_tokens).token_ids
-    return out
-
-
 @pytest.mark.parametrize("mode", ["wait", "abort", "keep"])
 def test_cycle_under_load_loses_nothing(spawn_reference, clients, mode):
     eng = spawn_reference(f"load-{mode}")
@@ -124,7 +113,7 @@ def test_cycle_under_load_loses_nothing(spawn_reference, clients, mode):
     # every completed request, kept ones included, has exactly its uninterrupted output
     completed = {rid: c.token_ids for rid, c in requests.items()
                  if c.finish_reason in ("stop", "length")}
-    assert completed == _uninterrupted(eng.api, 11, completed)
+    assert completed == replay(eng.api, 11, list(completed))
 
 
 def test_rejection_is_immediate_and_retryable(spawn_reference, clients):

@@ -99,7 +99,7 @@ def _leaf_errors():
 @pytest.mark.parametrize("cls", _leaf_errors())
 def test_every_error_crosses_the_wire_as_itself(cls):
     err = cls("something happened", engine="e1", state="prepared", allowed=["a"], obj=object())
-    msg = p.decode_from_agent(p.error_frames(5, err))
+    msg = p.decode_reply(p.error_frames(5, err))
     assert isinstance(msg, p.ErrorReply) and msg.call_id == 5
     back = msg.to_exception()
     assert type(back) is cls and back.message == "something happened"
@@ -119,10 +119,10 @@ def test_replies_and_events_round_trip():
                                                     freed_bytes=10, residual_bytes=10)])
     result = p.PrepareReply(op_id="o", state="prepared", memory=report, duration_s=0.5,
                             drain=p.DrainReport(mode="keep", kept=3))
-    assert p.decode_from_agent(p.reply_frames(3, result)) == p.Reply(call_id=3, result=result)
+    assert p.decode_reply(p.reply_frames(3, result)) == p.Reply(call_id=3, result=result)
     ev = p.MemoryReported(engine="e", op_id="o", report=report)
-    assert p.decode_from_agent(p.event_frames(ev)) == p.Event(body=ev)
+    assert p.decode_reply(p.event_frames(ev)) == p.Event(body=ev)
     with pytest.raises(errors.ProtocolError):
-        p.decode_from_agent([b"\x99", b""])
+        p.decode_reply([b"\x99", b""])
     with pytest.raises(errors.ProtocolError):
-        p.decode_from_agent([p.ReplyType.REPLY.value, b"\xc1"])
+        p.decode_reply([p.ReplyType.REPLY.value, b"\xc1"])

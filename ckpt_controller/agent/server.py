@@ -2,11 +2,11 @@
 
 Threads, and what each owns:
 
-- the control thread owns the ROUTER socket: it decodes commands, answers quick ones
-  (handshake, status, heartbeat, subscribe) inline, hands operations to an operation thread,
-  sends heartbeats to subscribers every ``heartbeat_interval_s``, and forwards every message
-  other threads queue on the outbox. It never blocks on an operation, so heartbeats go on
-  while a long drain runs: a controller tells a slow agent from a dead one.
+- the control thread (``rpcserver.RpcServer``) owns the ROUTER socket: it answers quick
+  requests (handshake, status, heartbeat, subscribe) inline, hands operations to an operation
+  thread, and sends heartbeats to subscribers every ``heartbeat_interval_s``. It never blocks
+  on an operation, so heartbeats go on while a long drain runs: a controller tells a slow
+  agent from a dead one.
 - one operation thread at a time runs ``Operations`` (prepare, restore, rollback, fail).
   A different operation while one runs is refused with ``BusyError`` naming the holder; the
   same ``op_id`` again waits for, or returns, the first one's result.
@@ -18,26 +18,22 @@ answer) and the agent keeps serving. Neighbours: ``protocol`` (frames), ``operat
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import zmq
-
-from ckpt_controller.agent.endpoints import check_endpoint, check_name, default_endpoint, secure_ipc
+from ckpt_controller import protocol as p
+from ckpt_controller.endpoints import check_endpoint, check_name, default_endpoint
 from ckpt_controller.agent.engine import EngineHooks, MemoryManager, NoMemory
 from ckpt_controller.agent.gate import AdmissionGate
 from ckpt_controller.agent.incarnation import IncarnationTracker
 from ckpt_controller.agent.operations import Operations
 from ckpt_controller.clock import Clock
-from ckpt_controller.errors import BusyError, CkptError, OperationError, ProtocolError
-from ckpt_controller import protocol as p
+from ckpt_controller.errors import BusyError, CkptError, OperationError
 from ckpt_controller.lifecycle import Lifecycle, Transition
-from ckpt_controller.zmqutil import Outbox
+from ckpt_controller.rpcserver import RpcServer
 
 log = logging.getLogger("ckpt_controller.agent")
 
@@ -61,12 +57,14 @@ class _Op:
     done: bool = False
 
 
-class Agent:
+class Agent(RpcServer):
     """Embed in an engine process: ``Agent(name, hooks=..., memory=...).start()``.
 
     The engine calls ``agent.gate.admit(id)`` / ``agent.gate.finish(id, reason)`` around every
     request, and ``agent.close()`` (or lets the agent be collected) at exit.
     """
+
+    serves = frozenset({p.RequestType.HANDSHAKE, p.RequestType.STATUS, *_OPERATIONS})
 
     def __init__(
         self,
@@ -80,10 +78,9 @@ class Agent:
         retry_after_s: float = 1.0,
         incarnation: IncarnationTracker | None = None,
     ) -> None:
-        self.name = check_name(name)
-        self.endpoint = check_endpoint(control) if control else default_endpoint(name)
-        self.clock = clock or Clock()
-        self.heartbeat_interval_s = heartbeat_interval_s
+        check_name(name)
+        super().__init__(check_endpoint(control) if control else default_endpoint(name),
+                         name=name, heartbeat_interval_s=heartbeat_interval_s, clock=clock)
         self.lifecycle = Lifecycle(self.clock)
         self.gate = AdmissionGate(self.lifecycle, engine=name, clock=self.clock,
                                   retry_after=lambda: retry_after_s)
@@ -93,74 +90,10 @@ class Agent:
             hooks=hooks or EngineHooks(), emit=self.publish, clock=self.clock,
         )
         self.incarnation = incarnation or IncarnationTracker()
-        self._ctx = zmq.Context()
-        self._outbox: Outbox | None = None
-        self._router: zmq.Socket | None = None
-        self._subscribers_lock = threading.Lock()
-        self._subscribers: set[bytes] = set()
         self._ops: OrderedDict[str, _Op] = OrderedDict()
         self._current: _Op | None = None
         self._ops_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._heartbeat_seq = itertools.count(1)
         self.lifecycle.subscribe(self._on_transition)
-        self._finalizer = weakref.finalize(self, _close_context, self._ctx)
-
-    # ------------------------------------------------------------------ life of the agent
-
-    def start(self) -> "Agent":
-        """Bind the control endpoint and start serving; returns once bound."""
-        try:
-            self._outbox = Outbox(self._ctx, f"agent-{self.name}")
-            self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.setsockopt(zmq.MAXMSGSIZE, p.HARD_MAX_MESSAGE_BYTES)
-            self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            self._router.bind(self.endpoint)
-            if self.endpoint.startswith("tcp://") and self.endpoint.endswith(":0"):
-                self.endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
-            secure_ipc(self.endpoint)
-        except (zmq.ZMQError, OSError) as exc:  # policy: a half-built agent closes what it opened
-            self.close()
-            raise CkptError(f"cannot bind control endpoint: {exc}", endpoint=self.endpoint) from exc
-        self._thread = threading.Thread(target=self._serve, name=f"ckpt-agent-{self.name}",
-                                        daemon=True)
-        self._thread.start()
-        log.info("agent %s serving on %s (pid %d)", self.name, self.endpoint, os.getpid())
-        return self
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-        if self._router is not None:
-            self._router.close(linger=0)
-        if self._outbox is not None:
-            self._outbox.close()
-        self._router = self._outbox = None
-        self._finalizer()
-
-    def __enter__(self) -> "Agent":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # ------------------------------------------------------------------ outgoing messages
-
-    def publish(self, body: p.EventBody) -> None:
-        """Send an event to every subscriber (callable from any thread)."""
-        frames = p.event_frames(body)
-        with self._subscribers_lock:
-            targets = list(self._subscribers)
-        for identity in targets:
-            self._send(identity, frames)
-
-    def _send(self, identity: bytes, frames: list[bytes]) -> None:
-        outbox = self._outbox
-        if outbox is not None:
-            outbox.send([identity, *frames])
 
     def _on_transition(self, t: Transition) -> None:
         current = self._current
@@ -169,75 +102,26 @@ class Agent:
 
     # ------------------------------------------------------------------ control thread
 
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._outbox.inbox, zmq.POLLIN)
-        interval_ms = max(1, int(self.heartbeat_interval_s * 1000))
-        next_beat = self.clock.monotonic()
-        while not self._stop.is_set():
-            try:
-                events = dict(poller.poll(timeout=min(interval_ms, 100)))
-            except zmq.ZMQError:  # policy: socket closed under us means we are stopping
-                break
-            if self._outbox.inbox in events:
-                try:
-                    self._outbox.forward(self._router)
-                except zmq.ZMQError as exc:  # policy: an undeliverable reply is logged
-                    log.warning("agent %s: send failed: %s", self.name, exc)
-            if self._router in events:
-                while True:
-                    try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._handle(frames)
-            if self.clock.monotonic() >= next_beat:
-                next_beat = self.clock.monotonic() + self.heartbeat_interval_s
-                self._beat()
-
-    def _beat(self) -> None:
+    def on_tick(self) -> None:
         if self.incarnation.check():
             log.warning("agent %s: process was restored from a checkpoint image "
                         "(incarnation %d)", self.name, self.incarnation.incarnation)
-        self.publish(p.Heartbeat(
-            engine=self.name, state=self.lifecycle.state.value, seq=next(self._heartbeat_seq),
-            monotonic=self.clock.monotonic(), incarnation=self.incarnation.incarnation,
-        ))
 
-    def _handle(self, frames: list[bytes]) -> None:
-        identity, rest = frames[0], frames[1:]
-        try:
-            rtype, cmd = p.decode_command(rest)
-        except ProtocolError as err:
-            log.warning("agent %s: bad frame from %s: %s", self.name, identity.hex(), err)
-            self._reply_error(identity, int(err.details.pop("call_id", 0) or 0), err)
-            return
-        try:
-            if rtype in _OPERATIONS:
-                self._start_operation(identity, rtype, cmd)
-            else:
-                self._reply(identity, cmd.call_id, self._answer(identity, rtype))
-        except CkptError as err:  # policy: every refusal is a typed reply
-            self._reply_error(identity, cmd.call_id, err)
+    def heartbeat_body(self, seq: int) -> p.Heartbeat:
+        return p.Heartbeat(engine=self.name, state=self.lifecycle.state.value, seq=seq,
+                           monotonic=self.clock.monotonic(),
+                           incarnation=self.incarnation.incarnation)
 
-    def _answer(self, identity: bytes, rtype: p.RequestType) -> p.Result:
-        if rtype is p.RequestType.HANDSHAKE:
-            return p.HandshakeReply(protocol_version=p.PROTOCOL_VERSION, engine=self.name,
-                                    pid=os.getpid(), incarnation=self.incarnation.incarnation,
-                                    state=self.lifecycle.state.value,
-                                    heartbeat_interval_s=self.heartbeat_interval_s)
-        if rtype is p.RequestType.STATUS:
-            return self.status()
-        if rtype is p.RequestType.HEARTBEAT:
-            return p.HeartbeatReply(state=self.lifecycle.state.value, seq=0,
-                                    monotonic=self.clock.monotonic())
-        with self._subscribers_lock:
-            if rtype is p.RequestType.SUBSCRIBE:
-                self._subscribers.add(identity)
-            else:
-                self._subscribers.discard(identity)
-        return p.Ack()
+    def handle(self, identity: bytes, rtype: p.RequestType, cmd: p.Command) -> None:
+        if rtype in _OPERATIONS:
+            self._start_operation(identity, rtype, cmd)
+        elif rtype is p.RequestType.HANDSHAKE:
+            self.reply(identity, cmd.call_id, p.HandshakeReply(
+                protocol_version=p.PROTOCOL_VERSION, engine=self.name, pid=os.getpid(),
+                incarnation=self.incarnation.incarnation, state=self.lifecycle.state.value,
+                heartbeat_interval_s=self.heartbeat_interval_s))
+        else:
+            self.reply(identity, cmd.call_id, self.status())
 
     def status(self) -> p.StatusReply:
         history = self.lifecycle.history
@@ -303,22 +187,12 @@ class Agent:
     def _deliver(self, op: _Op, waiters: list[tuple[bytes, int]]) -> None:
         for identity, call_id in waiters:
             if op.error is not None:
-                self._reply_error(identity, call_id, op.error)
+                self.reply_error(identity, call_id, op.error)
             else:
-                self._reply(identity, call_id, op.result)
-
-    def _reply(self, identity: bytes, call_id: int, result: p.Result) -> None:
-        self._send(identity, p.reply_frames(call_id, result))
-
-    def _reply_error(self, identity: bytes, call_id: int, err: CkptError) -> None:
-        self._send(identity, p.error_frames(call_id, err))
+                self.reply(identity, call_id, op.result)
 
 
 def _record(t: Transition) -> p.TransitionRecord:
     return p.TransitionRecord(trigger=t.trigger.value, source=t.source.value, dest=t.dest.value,
                               generation=t.generation, monotonic=t.monotonic, wall=t.wall,
                               reason=t.reason)
-
-
-def _close_context(ctx: zmq.Context) -> None:
-    ctx.destroy(linger=0)

@@ -9,16 +9,25 @@ the work itself is done by the agent, engine and controller packages.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from ckpt_controller import __version__
 from ckpt_controller import protocol as p
-from ckpt_controller.cli import agent_cmds, engine_cmds
+from ckpt_controller.cli import agent_cmds, controller_cmds, demo, engine_cmds
 from ckpt_controller.cli.common import EXIT_CODES, human_bytes, parse_bytes, print_json
 from ckpt_controller.errors import CkptError
 
 __all__ = ["build_parser", "human_bytes", "main", "parse_bytes"]
+
+
+def default_controller() -> str:
+    if os.environ.get("CKPT_CONTROLLER"):
+        return os.environ["CKPT_CONTROLLER"]
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    folder = f"{base}/ckpt-controller" if base else f"/tmp/ckpt-controller-{os.getuid()}"
+    return f"ipc://{folder}/controller.sock"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,9 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"ckptctl {__version__}")
+    parser.add_argument("--controller", metavar="ENDPOINT", default=default_controller(),
+                        help="the controller's endpoint (default: $CKPT_CONTROLLER, else "
+                             "ipc://<runtime dir>/controller.sock)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    controller_cmds.add_parsers(sub)
     agent_cmds.add_parser(sub)
     engine_cmds.add_parsers(sub)
+    demo.add_parser(sub)
     return parser
 
 

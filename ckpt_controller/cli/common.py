@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 import msgspec
 
 from ckpt_controller import protocol as p
+from ckpt_controller import units
+from ckpt_controller.units import human_bytes
 
 EXIT_CODES = """exit codes:
   0  success
@@ -17,26 +18,13 @@ EXIT_CODES = """exit codes:
   3  a deadline passed
   4  the agent or controller is unreachable"""
 
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
 
 def parse_bytes(text: str) -> int:
-    """'512MiB' -> 536870912; plain integers are bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 2GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    """argparse type for a size ('1073741824', '512MiB', '2GiB'); see ``units.parse_bytes``."""
+    try:
+        return units.parse_bytes(text)
+    except ValueError as err:  # argparse turns this into a usage error (exit 2) with the message
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def positive(text: str) -> float:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from ckpt_controller.agent.endpoints import check_endpoint
+from ckpt_controller.endpoints import check_endpoint
 from ckpt_controller.engine import api
 from ckpt_controller.errors import ConfigError, DeadlineError, OperationError
 

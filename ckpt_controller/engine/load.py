@@ -41,7 +41,7 @@ class LoadReport:
 def prompt_for(seed: int, index: int, vocab_size: int) -> tuple[list[int], int]:
     rng = random.Random(seed * 1_000_003 + index)
     prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(4, 24))]
-    return prompt, rng.randint(8, 48)
+    return prompt, rng.randint(16, 128)
 
 
 def run_load(
@@ -97,3 +97,19 @@ def _tally(report: LoadReport, requests: dict[str, Completion], sent: int) -> Lo
         report.latency_p50_s = lat[len(lat) // 2]
         report.latency_max_s = lat[-1]
     return report
+
+
+def replay(endpoint: str, seed: int, request_ids, *, vocab_size: int = 1024,
+           timeout_s: float = 120.0) -> dict[str, list[int]]:
+    """Send the load requests ``request_ids`` (``load-<seed>-<i>``) again, all at once, to a
+    RUNNING engine; returns each one's tokens. What a cycle's outputs are compared against."""
+    with EngineClient(endpoint) as client:
+        for rid in request_ids:
+            prompt, max_tokens = prompt_for(seed, int(rid.rsplit("-", 1)[1]), vocab_size)
+            client.submit(prompt, max_tokens, request_id="replay-" + rid)
+        deadline = time.monotonic() + timeout_s
+        while not all(c.ended for c in client.requests.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("replayed requests did not all end")
+            client.poll(0.2)
+        return {rid[len("replay-"):]: c.token_ids for rid, c in client.requests.items()}

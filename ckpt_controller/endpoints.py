@@ -29,7 +29,7 @@ def runtime_dir() -> Path:
 
 
 def check_name(name: str) -> str:
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise ConfigError("engine name must be 1-64 letters, digits, '.', '_' or '-'", name=name)
     return name
 

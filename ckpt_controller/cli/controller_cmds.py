@@ -1,0 +1,238 @@
+"""``ckptctl serve`` and the operator commands that talk to a controller:
+``status``, ``prepare``, ``capture``, ``restore``, ``cycle``, ``rollback``, ``history``, ``watch``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from datetime import datetime
+
+import msgspec
+
+from ckpt_controller import protocol as p
+from ckpt_controller.cli.common import EXIT_CODES, human_bytes, parse_bytes, positive, print_json
+from ckpt_controller.errors import UsageError
+
+OPS = ("prepare", "capture", "restore", "cycle", "rollback")
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    fmt = {"epilog": EXIT_CODES, "formatter_class": argparse.RawDescriptionHelpFormatter}
+    sp = sub.add_parser("serve", help="run the controller service", **fmt)
+    sp.add_argument("--config", required=True, metavar="FILE", help="TOML configuration")
+    sp.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sp.set_defaults(run=_serve)
+
+    def engines(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("engines", nargs="*", metavar="ENGINE", help="engine names")
+        sp.add_argument("--all", action="store_true", help="every configured engine")
+        sp.add_argument("--op-id", help="operation id; repeating it returns the first result")
+        sp.add_argument("--deadline", type=positive, metavar="S",
+                        help="overall deadline per engine (default: the configured one)")
+        sp.add_argument("--json", action="store_true", help="print one JSON document")
+
+    def prepare_opts(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--drain", choices=["wait", "abort", "keep"],
+                        help="wait | abort | keep (default: configured, else wait)")
+        sp.add_argument("--drain-timeout", type=positive, metavar="S")
+        sp.add_argument("--on-deadline", choices=["abort", "keep", "fail"])
+        what = sp.add_mutually_exclusive_group()
+        what.add_argument("--level", type=int, choices=[0, 1, 2])
+        what.add_argument("--tags", metavar="TAG,...")
+        sp.add_argument("--budget", type=parse_bytes, metavar="SIZE",
+                        help="largest residual memory allowed after release")
+
+    texts = {"prepare": "drain and release engines (-> PREPARED); all-or-nothing for groups",
+             "capture": "run the dump hooks on PREPARED engines",
+             "restore": "re-wake PREPARED (or FAILED) engines (-> RUNNING)",
+             "cycle": "prepare, capture and restore, rolling across engines",
+             "rollback": "return PREPARED engines to RUNNING"}
+    for op in OPS:
+        sp = sub.add_parser(op, help=texts[op], **fmt)
+        engines(sp)
+        sp.set_defaults(run=_operation, op=op)
+        if op in ("prepare", "cycle"):
+            prepare_opts(sp)
+        if op == "prepare":
+            sp.add_argument("--no-all-or-nothing", action="store_true",
+                            help="keep the engines that prepared even if another failed")
+        if op == "cycle":
+            sp.add_argument("--max-unavailable", type=int, metavar="N",
+                            help="at most N engines out of service at once (default: all)")
+        if op == "rollback":
+            sp.add_argument("--reason", default="", help="recorded with the transition")
+
+    sp = sub.add_parser("status", help="each engine's state as its agent reports it", **fmt)
+    sp.add_argument("engines", nargs="*", metavar="ENGINE", help="default: all")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(run=_status)
+
+    sp = sub.add_parser("history", help="operations and journal records", **fmt)
+    sp.add_argument("--engine")
+    sp.add_argument("--op-id")
+    sp.add_argument("--limit", type=int, default=20)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(run=_history)
+
+    sp = sub.add_parser("watch", help="print journal records live", **fmt)
+    sp.add_argument("--duration", type=positive, metavar="S", help="default: until interrupted")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(run=_watch)
+
+
+def _client(args: argparse.Namespace, **kw):
+    from ckpt_controller.controller.client import ControllerClient
+
+    return ControllerClient(args.controller, **kw)
+
+
+# ---------------------------------------------------------------- serve
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ckpt_controller.controller.config import load_config
+    from ckpt_controller.controller.server import serve
+
+    config = load_config(args.config)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(config, ready=lambda info: print(json.dumps(info), flush=True))
+    return 0
+
+
+# ---------------------------------------------------------------- operations
+
+
+def _operation(args: argparse.Namespace) -> int:
+    from ckpt_controller.controller.service import exit_code
+
+    if bool(args.engines) == bool(args.all):
+        raise UsageError("name the engines, or give --all (not both)")
+    params: dict = {"deadline_s": args.deadline}
+    if args.op in ("prepare", "cycle"):
+        tags = [t for t in args.tags.split(",") if t] if args.tags else None
+        params.update(drain=args.drain, drain_timeout_s=args.drain_timeout,
+                      on_deadline=args.on_deadline, level=args.level, tags=tags,
+                      residual_budget_bytes=args.budget)
+    if args.op == "prepare":
+        params["all_or_nothing"] = not args.no_all_or_nothing
+    if args.op == "cycle":
+        params["max_unavailable"] = args.max_unavailable
+    if args.op == "rollback":
+        params["reason"] = args.reason
+    progress = sys.stderr.isatty() and not args.json
+    with _client(args, on_event=_print_progress if progress else None) as c:
+        c.subscribe()  # heartbeats bound the wait: a dead controller is noticed, not waited out
+        result = c.operation(args.op, args.engines, op_id=args.op_id, **params)
+    if args.json:
+        print_json(result)
+    else:
+        print(describe_result(result))
+    return exit_code(result)
+
+
+def _print_progress(ev: p.EventBody) -> None:
+    if isinstance(ev, p.Journaled):
+        line = describe_record(ev.record)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+
+
+def describe_record(r: p.JournalRecord) -> str | None:
+    d, who = r.data, r.engine or "-"
+    if r.type == "transition":
+        return f"{who}: {d['source']} -> {d['dest']}"
+    if r.type == "phase":
+        return f"{who}: {d['name']} {'done' if d['ok'] else 'FAILED'} in {d['duration_s']:.3f}s"
+    if r.type == "drain_progress":
+        return f"{who}: draining, {d['in_flight']} in flight, {d['completed']} completed"
+    if r.type == "hook":
+        return f"{who}: hook {d['point']} {d['path']} exit {d['exit_code']}"
+    if r.type == "error":
+        return f"{who}: {d['kind']}: {d['message']}"
+    if r.type in ("operation_start", "operation_end", "reconciled"):
+        return f"{r.op_id}: {r.type.replace('_', ' ')} {json.dumps(d)}"
+    return None
+
+
+def describe_result(r: p.OperationResult) -> str:
+    lines = [f"{r.kind} {r.op_id}: {r.status} in {r.duration_s:.3f}s"]
+    if r.max_unavailable_seen and r.kind == "cycle":
+        lines[0] += f" (at most {r.max_unavailable_seen} out of service at once)"
+    for o in r.engines:
+        phases = ", ".join(f"{ph.name} {ph.duration_s * 1000:.1f}ms" for ph in o.phases
+                           if ph.duration_s >= 0.0005 or not ph.ok)
+        lines.append(f"  {o.engine}: {o.status}, now {o.state or 'unknown'}"
+                     + (f" [{phases}]" if phases else ""))
+        if o.drain:
+            dr = o.drain
+            lines.append(f"    drain {dr.mode}: {dr.completed} completed, {dr.aborted} aborted, "
+                         f"{dr.kept} kept in {dr.drain_s:.3f}s")
+        if o.released:
+            lines.append(f"    released {human_bytes(o.released.tensor_bytes)} "
+                         f"(freed {human_bytes(o.released.freed_bytes)})")
+        if o.error:
+            lines.append(f"    {o.error.kind}: {o.error.message}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- status, history, watch
+
+
+def _status(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        reply = c.status(args.engines)
+    if args.json:
+        print_json(reply)
+        return 0
+    for v in reply.engines:
+        if v.status is None:
+            why = v.error.message if v.error else "no answer"
+            print(f"{v.engine}: UNREACHABLE ({why})")
+            continue
+        s = v.status
+        held = f", held by {v.holder}" if v.holder else ""
+        print(f"{v.engine}: {s.state}, generation {s.generation}, in flight {s.in_flight}, "
+              f"kept {s.kept}{held}")
+    return 0 if all(v.reachable for v in reply.engines) else 4
+
+
+def _history(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        reply = c.history(engine=args.engine, op_id=args.op_id, limit=args.limit)
+    if args.json:
+        print_json(reply)
+        return 0
+    for op in reply.operations:
+        when = datetime.fromtimestamp(op.wall).isoformat(timespec="seconds")
+        took = f" in {op.duration_s:.3f}s" if op.duration_s is not None else ""
+        print(f"{when} {op.op_id} {op.kind} {','.join(op.engines)}: {op.status}{took}")
+    if args.op_id or args.engine:
+        for rec in reply.records:
+            line = describe_record(rec)
+            if line:
+                print(f"  {rec.seq:>6} {line}")
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        c.subscribe()
+        end = None if args.duration is None else time.monotonic() + args.duration
+        while end is None or time.monotonic() < end:
+            left = 0.5 if end is None else max(0.0, min(0.5, end - time.monotonic()))
+            for ev in c.poll_events(left):
+                if not isinstance(ev, p.Journaled):
+                    continue
+                if args.json:
+                    print_json(msgspec.to_builtins(ev.record))
+                else:
+                    line = describe_record(ev.record)
+                    if line:
+                        print(line, flush=True)
+            if end is None:
+                c.heartbeat()  # UnreachableError when the controller is gone
+    return 0

@@ -1,0 +1,1 @@
+"""The controller service: config, journal, operations, server, client."""

@@ -1,0 +1,152 @@
+"""CRIU-style hooks: executables the controller runs at fixed points of an operation.
+
+Layout: ``<hooks_dir>/<point>/<executable>``; several executables at one point run in name
+order, and the first failure stops the point. Each gets its context in the environment
+(``CKPT_ACTION``, ``CKPT_ENGINE``, ``CKPT_ENGINE_PID``, ``CKPT_STATE``, ``CKPT_GENERATION``,
+``CKPT_OP_ID``, ``CKPT_IMAGE_DIR``, ``CKPT_DEADLINE`` (wall-clock seconds), plus
+``CRTOOLS_SCRIPT_ACTION`` and ``CRTOOLS_INIT_PID`` so existing CRIU action scripts work), runs
+without a shell in its own session, and on timeout gets SIGTERM, a grace period, then SIGKILL
+of its whole process group. A hook writable by group or others, or owned by another user
+(other than root), is refused. What a failure does is the caller's business (``POINTS``).
+Neighbours: ``service`` runs the points; ``protocol.HookRun`` is what the journal keeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import stat
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt_controller.errors import ConfigError, OperationError
+from ckpt_controller.protocol import HookRun
+
+log = logging.getLogger("ckpt_controller.hooks")
+
+#: point -> what a non-zero exit or a timeout does
+POINTS = {
+    "pre-prepare": "veto",          # engine stays RUNNING
+    "post-drain": "rollback",
+    "post-release": "rollback",
+    "dump": "rollback",             # if the process lives
+    "post-dump": "rollback",
+    "pre-restore": "fail",
+    "post-restore": "fail",
+    "post-resume": "log",
+    "on-fail": "log",
+}
+#: CRIU's own action names, for scripts written for ``criu --action-script``
+CRTOOLS_ACTIONS = {"dump": "pre-dump", "post-dump": "post-dump", "pre-restore": "pre-restore",
+                   "post-restore": "post-restore", "post-resume": "post-resume"}
+TAIL_BYTES = 4096
+
+
+class HookError(OperationError):
+    """Raised when a hook exits non-zero or times out; ``details`` has the point, the path,
+    the exit code and the tail of its output."""
+
+
+@dataclass(frozen=True)
+class HookContext:
+    engine: str
+    pid: int | None
+    state: str
+    generation: int
+    op_id: str
+    image_dir: Path
+    deadline_wall: float
+
+
+def find_hooks(hooks_dir: Path | None, point: str) -> list[Path]:
+    """The executables serving ``point``, in name order; refuses unsafe ones."""
+    if point not in POINTS:
+        raise ConfigError("unknown hook point", point=point, allowed=list(POINTS))
+    if hooks_dir is None or not (hooks_dir / point).is_dir():
+        return []
+    found = []
+    for path in sorted((hooks_dir / point).iterdir()):
+        if path.name.startswith(".") or path.name.endswith(("~", ".md", ".txt")):
+            continue
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode) or not os.access(path, os.X_OK):
+            continue
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ConfigError("hook is writable by group or others; refusing to run it",
+                              path=str(path), mode=oct(stat.S_IMODE(st.st_mode)))
+        if st.st_uid not in (os.getuid(), 0):
+            raise ConfigError("hook is owned by another user; refusing to run it",
+                              path=str(path), owner=st.st_uid)
+        found.append(path)
+    return found
+
+
+def hook_env(point: str, ctx: HookContext) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "CKPT_ACTION": point,
+        "CKPT_ENGINE": ctx.engine,
+        "CKPT_ENGINE_PID": str(ctx.pid or ""),
+        "CKPT_STATE": ctx.state,
+        "CKPT_GENERATION": str(ctx.generation),
+        "CKPT_OP_ID": ctx.op_id,
+        "CKPT_IMAGE_DIR": str(ctx.image_dir),
+        "CKPT_DEADLINE": f"{ctx.deadline_wall:.3f}",
+        "CRTOOLS_SCRIPT_ACTION": CRTOOLS_ACTIONS.get(point, point),
+        "CRTOOLS_INIT_PID": str(ctx.pid or ""),
+    })
+    return env
+
+
+def run_hook(path: Path, point: str, ctx: HookContext, timeout_s: float,
+             grace_s: float = 5.0) -> HookRun:
+    """Run one hook to its end or its timeout; never raises for the hook's own failure."""
+    start = time.monotonic()
+    proc = subprocess.Popen([str(path)], env=hook_env(point, ctx), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, cwd=str(ctx.image_dir))
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        log.warning("hook %s (%s) passed its %.1fs timeout: SIGTERM", path, point, timeout_s)
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("hook %s ignored SIGTERM for %.1fs: SIGKILL", path, grace_s)
+            _signal_group(proc, signal.SIGKILL)
+            out, err = proc.communicate()
+    return HookRun(point=point, path=str(path), exit_code=proc.returncode,
+                   duration_s=time.monotonic() - start, timed_out=timed_out,
+                   stdout_tail=_tail(out), stderr_tail=_tail(err))
+
+
+def run_point(hooks_dir: Path | None, point: str, ctx: HookContext, timeout_s: float,
+              runs: list[HookRun]) -> None:
+    """Run every hook of ``point`` in order, appending each run to ``runs``; raise
+    ``HookError`` at the first failure (the caller applies ``POINTS[point]``)."""
+    for path in find_hooks(hooks_dir, point):
+        left = max(0.1, min(timeout_s, ctx.deadline_wall - time.time()))
+        run = run_hook(path, point, ctx, left)
+        runs.append(run)
+        if run.timed_out or run.exit_code != 0:
+            what = "timed out" if run.timed_out else f"exited {run.exit_code}"
+            raise HookError(f"{point} hook {path.name} {what}", engine=ctx.engine, point=point,
+                            path=str(path), exit_code=run.exit_code, timed_out=run.timed_out,
+                            stderr_tail=run.stderr_tail[-1000:])
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:  # policy: already gone is what we wanted
+        pass
+
+
+def _tail(data: bytes | None) -> str:
+    return (data or b"")[-TAIL_BYTES:].decode("utf-8", "replace")

@@ -1,0 +1,176 @@
+"""The controller's journal: every operation and everything that happened during it, in
+SQLite (WAL) under the state directory.
+
+Tables: ``operations`` (one row per operation id: kind, engines, parameters, status, result)
+and ``records`` (an append-only sequence: transitions, phases, drain and memory reports, hook
+runs, notes; each with wall and monotonic time). Each write is one transaction, so a controller
+killed at any instant leaves a journal that opens clean: an operation whose row still says
+``running`` is what restart reconciles. One connection, guarded by a lock, serves all threads.
+Neighbours: ``service`` writes it, ``server`` serves ``history`` from it.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ckpt_controller.errors import ConfigError
+from ckpt_controller.protocol import JournalRecord, OperationResult, OperationSummary
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS operations (
+    op_id      TEXT PRIMARY KEY,
+    kind       TEXT NOT NULL,
+    engines    TEXT NOT NULL,           -- JSON list
+    params     TEXT NOT NULL,           -- JSON object
+    status     TEXT NOT NULL,           -- running | succeeded | failed | rolled_back | interrupted
+    wall       REAL NOT NULL,
+    monotonic  REAL NOT NULL,
+    ended_wall REAL,
+    result     BLOB                     -- msgpack OperationResult once ended
+);
+CREATE TABLE IF NOT EXISTS records (
+    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+    op_id      TEXT,
+    engine     TEXT,
+    type       TEXT NOT NULL,
+    wall       REAL NOT NULL,
+    monotonic  REAL NOT NULL,
+    data       TEXT NOT NULL            -- JSON object
+);
+CREATE INDEX IF NOT EXISTS records_engine ON records(engine, seq);
+CREATE INDEX IF NOT EXISTS records_op ON records(op_id, seq);
+"""
+
+_result_dec = msgspec.msgpack.Decoder(OperationResult)
+_enc = msgspec.msgpack.Encoder()
+
+
+class Journal:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
+                                       timeout=30)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(SCHEMA)
+        except sqlite3.DatabaseError as exc:  # policy: an unusable journal stops the controller
+            raise ConfigError(f"cannot open the journal: {exc}", file=str(self.path),
+                              key="controller.state_dir", problem=str(exc)) from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _write(self, sql: str, args: tuple) -> int:
+        with self._lock:
+            cur = self._db.execute(sql, args)
+            return cur.lastrowid
+
+    def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # ---------------------------------------------------------------- operations
+
+    def begin(self, op_id: str, kind: str, engines: list[str], params: dict[str, Any]) -> None:
+        self._write(
+            "INSERT INTO operations (op_id, kind, engines, params, status, wall, monotonic) "
+            "VALUES (?, ?, ?, ?, 'running', ?, ?)",
+            (op_id, kind, json.dumps(engines), json.dumps(params), time.time(), time.monotonic()),
+        )
+
+    def finish(self, result: OperationResult) -> None:
+        self._write(
+            "UPDATE operations SET status = ?, ended_wall = ?, result = ? WHERE op_id = ?",
+            (result.status, time.time(), _enc.encode(result), result.op_id),
+        )
+
+    def result(self, op_id: str) -> OperationResult | None:
+        rows = self._read("SELECT result FROM operations WHERE op_id = ?", (op_id,))
+        if not rows or rows[0][0] is None:
+            return None
+        return _result_dec.decode(rows[0][0])
+
+    def exists(self, op_id: str) -> bool:
+        return bool(self._read("SELECT 1 FROM operations WHERE op_id = ?", (op_id,)))
+
+    def unfinished(self) -> list[tuple[str, str, list[str], dict[str, Any]]]:
+        """``(op_id, kind, engines, params)`` of every operation still marked running."""
+        rows = self._read("SELECT op_id, kind, engines, params FROM operations "
+                          "WHERE status = 'running' ORDER BY wall")
+        return [(r[0], r[1], json.loads(r[2]), json.loads(r[3])) for r in rows]
+
+    def operations(self, engine: str | None = None, op_id: str | None = None,
+                   limit: int = 50) -> list[OperationSummary]:
+        rows = self._read(
+            "SELECT op_id, kind, engines, status, wall, ended_wall FROM operations "
+            "ORDER BY wall DESC LIMIT ?", (max(limit, 1) * (20 if engine else 1),))
+        out = []
+        for op, kind, engines, status, wall, ended in rows:
+            names = json.loads(engines)
+            if (engine and engine not in names) or (op_id and op != op_id):
+                continue
+            out.append(OperationSummary(op_id=op, kind=kind, engines=names, status=status,
+                                        wall=wall, duration_s=None if ended is None else ended - wall))
+        return out[:limit]
+
+    # ---------------------------------------------------------------- records
+
+    def record(self, type_: str, data: dict[str, Any], *, op_id: str | None = None,
+               engine: str | None = None, wall: float | None = None,
+               monotonic: float | None = None) -> JournalRecord:
+        rec = JournalRecord(seq=0, op_id=op_id, engine=engine, type=type_,
+                            wall=time.time() if wall is None else wall,
+                            monotonic=time.monotonic() if monotonic is None else monotonic,
+                            data=data)
+        rec.seq = self._write(
+            "INSERT INTO records (op_id, engine, type, wall, monotonic, data) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (op_id, engine, type_, rec.wall, rec.monotonic,
+             msgspec.json.encode(data).decode()),
+        )
+        return rec
+
+    def records(self, *, engine: str | None = None, op_id: str | None = None,
+                since: int = 0, limit: int = 500) -> list[JournalRecord]:
+        where, args = ["seq > ?"], [since]
+        if engine:
+            where.append("engine = ?")
+            args.append(engine)
+        if op_id:
+            where.append("op_id = ?")
+            args.append(op_id)
+        rows = self._read(
+            f"SELECT seq, op_id, engine, type, wall, monotonic, data FROM records "
+            f"WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?", (*args, limit))
+        return [JournalRecord(seq=r[0], op_id=r[1], engine=r[2], type=r[3], wall=r[4],
+                              monotonic=r[5], data=json.loads(r[6])) for r in reversed(rows)]
+
+    # ---------------------------------------------------------------- consistency
+
+    def check(self) -> list[str]:
+        """Problems found (empty when consistent): SQLite's own integrity check, records of
+        unknown operations, operations ended without a result."""
+        problems = []
+        ok = self._read("PRAGMA integrity_check")
+        if ok != [("ok",)]:
+            problems.append(f"integrity_check: {ok}")
+        orphans = self._read("SELECT COUNT(*) FROM records WHERE op_id IS NOT NULL AND op_id "
+                             "NOT IN (SELECT op_id FROM operations)")[0][0]
+        if orphans:
+            problems.append(f"{orphans} records of unknown operations")
+        no_result = self._read("SELECT op_id FROM operations WHERE status != 'running' "
+                               "AND result IS NULL")
+        if no_result:
+            problems.append(f"ended without a result: {[r[0] for r in no_result]}")
+        return problems

@@ -1,0 +1,98 @@
+"""``ckptctl serve``: the controller's socket in front of ``service.Controller``.
+
+Serves handshake, status, operation, history, heartbeat and subscribe (``watch``: every
+journal record as it is written, plus heartbeats). Operations and status queries run on their
+own threads and answer through the outbox, so the control thread never blocks. On start it
+reconciles operations a previous controller left unfinished, then opens the optional
+Prometheus endpoint. Neighbours: ``rpcserver`` (socket loop), ``service``, ``metrics``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+from ckpt_controller import protocol as p
+from ckpt_controller.controller.config import ControllerConfig
+from ckpt_controller.controller.metrics import Metrics, MetricsServer
+from ckpt_controller.controller.service import Controller
+from ckpt_controller.errors import CkptError
+from ckpt_controller.rpcserver import RpcServer
+
+log = logging.getLogger("ckpt_controller.controller")
+
+
+class ControllerServer(RpcServer):
+    serves = frozenset({p.RequestType.HANDSHAKE, p.RequestType.STATUS,
+                        p.RequestType.OPERATION, p.RequestType.HISTORY})
+
+    def __init__(self, config: ControllerConfig) -> None:
+        super().__init__(config.endpoint, name="controller",
+                         heartbeat_interval_s=config.heartbeat_interval_s)
+        self.config = config
+        self.metrics = Metrics()
+        self.controller = Controller(config, metrics=self.metrics, publish=self.publish)
+        self.metrics_server: MetricsServer | None = None
+
+    def start(self) -> "ControllerServer":
+        super().start()
+        if self.config.metrics_port is not None:
+            self.metrics_server = MetricsServer(self.metrics, self.config.metrics_host,
+                                                self.config.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", self.config.metrics_host,
+                     self.metrics_server.port)
+        return self
+
+    def close(self) -> None:
+        super().close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        self.controller.close()
+
+    def heartbeat_body(self, seq: int) -> p.Heartbeat:
+        return p.Heartbeat(engine="controller", state="serving", seq=seq,
+                           monotonic=self.clock.monotonic(), incarnation=0)
+
+    def handle(self, identity: bytes, rtype: p.RequestType, cmd: p.Command) -> None:
+        call_id = cmd.call_id
+        if rtype is p.RequestType.HANDSHAKE:
+            self.reply(identity, call_id, p.HandshakeReply(
+                protocol_version=p.PROTOCOL_VERSION, engine="controller", pid=os.getpid(),
+                incarnation=0, state="serving", heartbeat_interval_s=self.heartbeat_interval_s))
+        elif rtype is p.RequestType.HISTORY:
+            self.reply(identity, call_id, self.controller.history(cmd))
+        elif rtype is p.RequestType.OPERATION:
+            self.controller.start(cmd, lambda result: self.reply(identity, call_id, result))
+        else:
+            self.controller.select(cmd.engines)  # unknown names: an immediate UsageError
+            threading.Thread(target=self._status, args=(identity, call_id, cmd.engines),
+                             daemon=True).start()
+
+    def _status(self, identity: bytes, call_id: int, engines: list[str]) -> None:
+        try:
+            self.reply(identity, call_id, self.controller.status(engines))
+        except CkptError as err:  # policy: answered, typed
+            self.reply_error(identity, call_id, err)
+
+
+def serve(config: ControllerConfig, ready=None) -> None:
+    """Run the controller until SIGTERM/SIGINT: reconcile, then serve."""
+    server = ControllerServer(config).start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a handler only sets a flag
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        recovered = server.controller.recover()
+        for result in recovered:
+            log.warning("recovered interrupted operation %s (%s): %s", result.op_id, result.kind,
+                        ", ".join(f"{o.engine} {o.state}" for o in result.engines))
+        if ready is not None:
+            ready({"event": "ready", "endpoint": server.endpoint, "pid": os.getpid(),
+                   "state_dir": str(config.state_dir), "recovered": len(recovered),
+                   "metrics_port": server.metrics_server.port if server.metrics_server else None})
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.close()

@@ -1,0 +1,392 @@
+"""The controller's operations: which engines, in which order, and what a failure undoes.
+
+``Controller.start`` takes an ``OperationCommand``, refuses it if another operation holds one of
+its engines (``BusyError`` naming the holder), returns the stored result for an operation id
+it has seen before, and otherwise runs it on a thread: each engine's steps run in an
+``EngineSession``, engines fan out concurrently (a group prepare takes about as long as its
+slowest engine), a failed all-or-nothing prepare rolls the prepared ones back, and a rolling
+``cycle`` keeps at most ``max_unavailable`` engines out of service. Everything is journaled;
+``recover`` brings every engine of an operation interrupted by a controller crash back to
+RUNNING (or leaves it FAILED, with the reason). Neighbours: ``session``, ``journal``,
+``config``; ``server`` is the socket in front of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import msgspec
+
+from ckpt_controller import protocol as p
+from ckpt_controller.agent.client import AgentClient
+from ckpt_controller.controller.config import ControllerConfig
+from ckpt_controller.controller.hooks import HookError
+from ckpt_controller.controller.journal import Journal
+from ckpt_controller.controller.session import EngineSession
+from ckpt_controller.errors import BusyError, CkptError, OperationError, UsageError
+
+log = logging.getLogger("ckpt_controller.controller")
+
+Done = Callable[[p.OperationResult], None]
+TRANSITIONAL = ("preparing", "restoring")
+
+
+@dataclass
+class _Running:
+    waiters: list[Done] = field(default_factory=list)
+
+
+def error_info(err: CkptError) -> p.ErrorInfo:
+    return p.ErrorInfo(kind=err.kind, message=err.message, details=p.to_plain(err.details))
+
+
+def exit_code(result: p.OperationResult) -> int:
+    """0 success; 3 if a deadline passed; 4 if an engine was unreachable; else 1."""
+    if result.status == "succeeded":
+        return 0
+    kinds = {o.error.kind for o in result.engines if o.error} | (
+        {result.error.kind} if result.error else set())
+    if "DeadlineError" in kinds:
+        return 3
+    if "UnreachableError" in kinds:
+        return 4
+    return 1
+
+
+class Controller:
+    def __init__(self, config: ControllerConfig, *, metrics=None,
+                 publish: Callable[[p.EventBody], None] | None = None) -> None:
+        self.config = config
+        config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.journal = Journal(config.state_dir / "journal.sqlite3")
+        self.metrics = metrics
+        self.publish = publish or (lambda body: None)
+        self._lock = threading.Lock()
+        self._holders: dict[str, str] = {}
+        self._running: dict[str, _Running] = {}
+
+    def close(self) -> None:
+        self.journal.close()
+
+    def record(self, type_: str, data: dict, **kw) -> p.JournalRecord:
+        rec = self.journal.record(type_, data, **kw)
+        self.publish(p.Journaled(record=rec))
+        return rec
+
+    # ---------------------------------------------------------------- accepting operations
+
+    def select(self, names: list[str]) -> list[str]:
+        if not self.config.engines:
+            raise UsageError("no engines are configured")
+        if not names:
+            return [e.name for e in self.config.engines]
+        for name in names:
+            self.config.engine(name)  # UsageError naming the known engines
+        return list(dict.fromkeys(names))
+
+    def start(self, cmd: p.OperationCommand, done: Done) -> None:
+        """Run ``cmd`` on a thread and call ``done(result)``; raise at once for a refusal."""
+        engines = self.select(cmd.engines)
+        _check(cmd)
+        with self._lock:
+            running = self._running.get(cmd.op_id)
+            if running is not None:
+                running.waiters.append(done)
+                return
+            stored = self.journal.result(cmd.op_id)
+            if stored is not None:
+                threading.Thread(target=done, args=(stored,), daemon=True).start()
+                return
+            if self.journal.exists(cmd.op_id):
+                raise BusyError("operation id belongs to an interrupted operation being "
+                                "recovered", op_id=cmd.op_id)
+            busy = {e: self._holders[e] for e in engines if e in self._holders}
+            if busy:
+                engine, holder = next(iter(busy.items()))
+                raise BusyError(f"engine {engine} is held by operation {holder}",
+                                engine=engine, holder=holder, busy=busy)
+            for e in engines:
+                self._holders[e] = cmd.op_id
+            self._running[cmd.op_id] = _Running([done])
+            params = {k: v for k, v in msgspec.to_builtins(cmd).items()
+                      if k not in ("call_id", "version", "op_id", "kind", "engines")}
+            self.journal.begin(cmd.op_id, cmd.kind, engines, params)
+        threading.Thread(target=self._run, args=(cmd, engines), daemon=True,
+                         name=f"op-{cmd.op_id}").start()
+
+    def run(self, cmd: p.OperationCommand, timeout_s: float | None = None) -> p.OperationResult:
+        """``start`` and wait: for in-process callers (tests, the demo)."""
+        box: list[p.OperationResult] = []
+        event = threading.Event()
+        self.start(cmd, lambda r: (box.append(r), event.set()))
+        if not event.wait(timeout_s):
+            raise OperationError("operation did not end in time", op_id=cmd.op_id)
+        return box[0]
+
+    def _run(self, cmd: p.OperationCommand, engines: list[str]) -> None:
+        wall, start = time.time(), time.monotonic()
+        self.record("operation_start", {"kind": cmd.kind, "engines": engines}, op_id=cmd.op_id)
+        try:
+            outcomes, peak = self._execute(cmd, engines)
+            result = _summarize(cmd.op_id, cmd.kind, outcomes, wall, time.monotonic() - start)
+            result.max_unavailable_seen = peak
+        except Exception as exc:  # policy: a controller bug still ends the operation, journaled
+            log.exception("operation %s crashed", cmd.op_id)
+            result = p.OperationResult(
+                op_id=cmd.op_id, kind=cmd.kind, status="failed", engines=[], wall=wall,
+                duration_s=time.monotonic() - start,
+                error=p.ErrorInfo(kind="OperationError", message=f"controller error: {exc!r}"))
+        self._finish(result)
+
+    def _finish(self, result: p.OperationResult) -> None:
+        self.journal.finish(result)
+        self.record("operation_end", {"status": result.status, "duration_s": result.duration_s},
+                    op_id=result.op_id)
+        if self.metrics:
+            self.metrics.operation_finished(result.kind, result.status)
+        with self._lock:
+            for e in [e for e, holder in self._holders.items() if holder == result.op_id]:
+                del self._holders[e]
+            running = self._running.pop(result.op_id, _Running())
+        for done in running.waiters:
+            done(result)
+
+    # ---------------------------------------------------------------- running them
+
+    def _session(self, cmd: p.OperationCommand, engine: str) -> EngineSession:
+        overrides = {k: getattr(cmd, k) for k in
+                     ("drain", "on_deadline", "level", "tags", "residual_budget_bytes")
+                     if getattr(cmd, k) is not None}
+        if "tags" in overrides:
+            overrides["tags"] = tuple(overrides["tags"])
+        params = self.config.prepare_defaults(engine).merged(overrides)
+        return EngineSession(self.config, engine, cmd.op_id, params,
+                             cmd.deadline_s or self.config.deadlines.operation,
+                             self.record, self.metrics)
+
+    def _execute(self, cmd: p.OperationCommand, engines: list[str]):
+        sessions = [self._session(cmd, e) for e in engines]
+        try:
+            if cmd.kind == "cycle":
+                return self._rolling(sessions, cmd.max_unavailable or len(sessions))
+            step = {"prepare": _prepare, "capture": _capture, "restore": _restore,
+                    "rollback": lambda s: _rollback(s, cmd.reason or "rollback requested")}[cmd.kind]
+            _fan_out(sessions, step)
+            if cmd.kind == "prepare" and cmd.all_or_nothing and len(sessions) > 1:
+                failed = [s.engine.name for s in sessions if s.outcome.status != "succeeded"]
+                if failed:
+                    undo = [s for s in sessions if s.outcome.status == "succeeded"]
+                    _fan_out(undo, lambda s: _undo_prepare(s, failed))
+            return [s.outcome for s in sessions], len(sessions)
+        finally:
+            for s in sessions:
+                s.close()
+
+    def _rolling(self, sessions: list[EngineSession], max_unavailable: int):
+        lock = threading.Lock()
+        state = {"out": 0, "peak": 0, "halt": False}
+
+        def one(s: EngineSession) -> None:
+            with lock:
+                if state["halt"]:
+                    s.outcome.status = "skipped"
+                    return
+                state["out"] += 1
+                state["peak"] = max(state["peak"], state["out"])
+            try:
+                _cycle(s)
+            finally:
+                with lock:
+                    state["out"] -= 1
+                    if s.outcome.status != "succeeded":
+                        state["halt"] = True  # a rolling cycle stops at its first failure
+
+        _fan_out(sessions, one, workers=max_unavailable, guard=False)
+        return [s.outcome for s in sessions], state["peak"]
+
+    # ---------------------------------------------------------------- status, history
+
+    def status(self, names: list[str]) -> p.ControllerStatusReply:
+        engines = self.select(names)
+
+        def view(name: str) -> p.EngineView:
+            eng = self.config.engine(name)
+            v = p.EngineView(engine=name, kind=eng.kind, control=eng.control, reachable=False,
+                             holder=self._holders.get(name))
+            try:
+                with AgentClient(eng.control, timeout_s=2.0, retries=0) as c:
+                    v.status, v.reachable = c.status(), True
+            except CkptError as err:  # policy: an unreachable engine is part of the answer
+                v.error = error_info(err)
+            return v
+
+        with ThreadPoolExecutor(max_workers=min(len(engines), 64)) as pool:
+            views = list(pool.map(view, engines))
+        if self.metrics:
+            counts: dict[str, int] = {}
+            for v in views:
+                key = v.status.state if v.status else "unreachable"
+                counts[key] = counts.get(key, 0) + 1
+            self.metrics.engine_states(counts)
+        return p.ControllerStatusReply(controller_pid=os.getpid(), engines=views)
+
+    def history(self, cmd: p.HistoryCommand) -> p.HistoryReply:
+        return p.HistoryReply(
+            operations=self.journal.operations(engine=cmd.engine, op_id=cmd.op_id,
+                                               limit=cmd.limit),
+            records=self.journal.records(engine=cmd.engine, op_id=cmd.op_id,
+                                         limit=cmd.limit * 20))
+
+    # ---------------------------------------------------------------- after a crash
+
+    def recover(self) -> list[p.OperationResult]:
+        """Finish every operation a previous controller left running: each of its engines is
+        brought back to RUNNING (rolled back if PREPARED) or left FAILED, with the reason."""
+        results = []
+        for op_id, kind, engines, params in self.journal.unfinished():
+            wall, start = time.time(), time.monotonic()
+            cmd = p.OperationCommand(call_id=0, op_id=op_id, kind=kind, engines=engines)
+            known = [e for e in engines if any(c.name == e for c in self.config.engines)]
+            sessions = [self._session(cmd, e) for e in known]
+            try:
+                _fan_out(sessions, lambda s: _reconcile(s, self.config.deadlines.operation))
+            finally:
+                for s in sessions:
+                    s.close()
+            result = p.OperationResult(op_id=op_id, kind=kind, status="interrupted",
+                                       engines=[s.outcome for s in sessions], wall=wall,
+                                       duration_s=time.monotonic() - start)
+            self._finish(result)
+            results.append(result)
+        return results
+
+
+# -------------------------------------------------------------------- one engine's steps
+
+
+def _check(cmd: p.OperationCommand) -> None:
+    if cmd.level is not None and cmd.level not in (0, 1, 2):
+        raise UsageError("level must be 0, 1 or 2", level=cmd.level)
+    if cmd.level is not None and cmd.tags:
+        raise UsageError("give a level or tags, not both", level=cmd.level, tags=cmd.tags)
+    if cmd.max_unavailable is not None and cmd.max_unavailable < 1:
+        raise UsageError("max_unavailable must be at least 1", max_unavailable=cmd.max_unavailable)
+    for name in ("deadline_s", "drain_timeout_s"):
+        value = getattr(cmd, name)
+        if value is not None and value <= 0:
+            raise UsageError(f"{name} must be positive", **{name: value})
+    if not cmd.op_id:
+        raise UsageError("an operation needs an id")
+
+
+def _guarded(step: Callable[[EngineSession], None]) -> Callable[[EngineSession], None]:
+    def run(s: EngineSession) -> None:
+        try:
+            s.open()
+            step(s)
+            if s.outcome.status == "running":
+                s.outcome.status = "succeeded"
+        except CkptError as err:
+            # policy: a step's failure is its engine's outcome; the others go on
+            s.outcome.error = error_info(err)
+            if err.details.get("rolled_back"):
+                s.outcome.status = "rolled_back"
+            elif s.outcome.status == "running":
+                s.outcome.status = "failed"
+            state = err.details.get("state")
+            s.outcome.state = state if isinstance(state, str) else s.refresh_state()
+            s.record("error", {"kind": err.kind, "message": err.message,
+                               "details": p.to_plain(err.details)})
+    return run
+
+
+def _fan_out(sessions: list[EngineSession], step, workers: int | None = None,
+             guard: bool = True) -> None:
+    """Run ``step`` for every session concurrently (``workers`` at a time)."""
+    if not sessions:
+        return
+    with ThreadPoolExecutor(max_workers=min(workers or len(sessions), 512)) as pool:
+        list(pool.map(_guarded(step) if guard else step, sessions))
+
+
+def _prepare(s: EngineSession) -> None:
+    s.prepare()
+
+
+def _capture(s: EngineSession) -> None:
+    if s.outcome.state != "prepared":
+        raise UsageError(f"capture needs a PREPARED engine; {s.engine.name} is {s.outcome.state}",
+                         engine=s.engine.name, state=s.outcome.state)
+    try:
+        s.capture()
+    except HookError as err:
+        # policy: a failed dump or post-dump rolls back when the engine still lives
+        if s.refresh_state() == "prepared":
+            s.rollback(f"capture failed: {err.message}", step="rollback")
+            err.details["rolled_back"] = True
+        raise
+
+
+def _restore(s: EngineSession) -> None:
+    try:
+        s.restore()
+    except HookError as err:
+        if err.details.get("point") == "pre-restore":  # policy: pre-restore failure is FAILED
+            s.mark_failed(err.message)
+            err.details["state"] = "failed"
+        raise
+
+
+def _rollback(s: EngineSession, reason: str) -> None:
+    s.rollback(reason)
+
+
+def _cycle(s: EngineSession) -> None:
+    def steps(sess: EngineSession) -> None:
+        _prepare(sess)
+        _capture(sess)
+        _restore(sess)
+    _guarded(steps)(s)
+
+
+def _undo_prepare(s: EngineSession, failed: list[str]) -> None:
+    s.rollback(f"group prepare failed on {', '.join(failed)}")
+    s.outcome.status = "rolled_back"
+    s.outcome.error = p.ErrorInfo(kind="OperationError",
+                                  message=f"rolled back: prepare failed on {', '.join(failed)}",
+                                  details={"failed": failed})
+
+
+def _reconcile(s: EngineSession, wait_s: float) -> None:
+    """Wait for the agent to settle, then bring a PREPARED engine back to RUNNING."""
+    deadline = time.monotonic() + wait_s
+    status = s.client.status()
+    while (status.state in TRANSITIONAL or status.current_op) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        status = s.client.status()
+    before = status.state
+    if before == "prepared":
+        s.rollback("controller restarted: interrupted operation rolled back", step="recover")
+    s.outcome.state = s.refresh_state() or before
+    s.outcome.status = {"running": "recovered", "failed": "failed"}.get(s.outcome.state, "failed")
+    s.record("reconciled", {"found": before, "now": s.outcome.state})
+
+
+def _summarize(op_id: str, kind: str, outcomes: list[p.EngineOutcome], wall: float,
+               duration: float) -> p.OperationResult:
+    statuses = {o.status for o in outcomes}
+    if statuses <= {"succeeded"}:
+        status = "succeeded"
+    elif statuses <= {"succeeded", "rolled_back", "skipped"}:
+        status = "rolled_back"
+    else:
+        status = "failed"
+    first = next((o.error for o in outcomes if o.error is not None), None)
+    return p.OperationResult(op_id=op_id, kind=kind, status=status, engines=outcomes,
+                             wall=wall, duration_s=duration, error=first)

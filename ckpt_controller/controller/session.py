@@ -1,0 +1,192 @@
+"""One engine's part of one operation: its phases, hooks and journal records.
+
+An ``EngineSession`` talks to the engine's agent (subscribed, so the agent's heartbeats bound
+every wait: a dead engine fails the session within a few heartbeat intervals), runs the hook
+points around each phase, journals the agent's transitions, drain and memory reports, and
+fills an ``EngineOutcome``. Agent operation ids are derived from the controller's operation id
+(``<op>/<engine>/<step>``), so a step sent again (a retry, a restarted controller) is not run
+twice. Neighbours: ``service`` (which sessions run when), ``hooks``, ``journal``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ckpt_controller import protocol as p
+from ckpt_controller.agent.client import AgentClient
+from ckpt_controller.controller.config import ControllerConfig, PrepareDefaults
+from ckpt_controller.controller.hooks import HookContext, HookError, run_point
+from ckpt_controller.errors import CkptError, DeadlineError
+
+log = logging.getLogger("ckpt_controller.controller")
+
+#: records every step journals: (type, data, engine)
+Recorder = Callable[..., p.JournalRecord]
+
+
+class EngineSession:
+    def __init__(self, config: ControllerConfig, engine: str, op_id: str,
+                 params: PrepareDefaults, deadline_s: float, record: Recorder,
+                 metrics=None) -> None:
+        self.config = config
+        self.engine = config.engine(engine)
+        self.op_id = op_id
+        self.params = params
+        self.deadline = time.monotonic() + deadline_s
+        self.deadline_wall = time.time() + deadline_s
+        self._record = record
+        self.metrics = metrics
+        self.outcome = p.EngineOutcome(engine=engine, status="running")
+        self.pid: int | None = None
+        self.generation = 0
+        self.client = AgentClient(self.engine.control, timeout_s=5.0,
+                                  heartbeat_interval_s=config.heartbeat_interval_s,
+                                  missed_beats=config.missed_beats, name=f"controller/{op_id}",
+                                  on_event=self._on_agent_event)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def record(self, type_: str, data: dict[str, Any], **kw) -> None:
+        self._record(type_, data, op_id=self.op_id, engine=self.engine.name, **kw)
+
+    # ---------------------------------------------------------------- agent events
+
+    def _on_agent_event(self, ev: p.EventBody) -> None:
+        if isinstance(ev, p.StateChanged):
+            t = ev.transition
+            self.outcome.state = t.dest
+            self.generation = t.generation
+            self.record("transition", {"trigger": t.trigger, "source": t.source, "dest": t.dest,
+                                       "generation": t.generation, "reason": t.reason},
+                        wall=t.wall, monotonic=t.monotonic)
+            if self.metrics:
+                self.metrics.transition(self.engine.name, t.source, t.dest)
+        elif isinstance(ev, p.DrainProgress):
+            self.record("drain_progress", msgspec.to_builtins(ev))
+
+    # ---------------------------------------------------------------- steps
+
+    def open(self) -> p.StatusReply:
+        """Subscribe to the agent; raises ``UnreachableError`` when it does not answer."""
+        self.client.subscribe()
+        status = self.client.status()
+        self.pid, self.outcome.state, self.generation = status.pid, status.state, status.generation
+        return status
+
+    def remaining(self, phase_limit: float) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineError("operation deadline passed", engine=self.engine.name,
+                                op_id=self.op_id, state=self.outcome.state)
+        return min(left, phase_limit)
+
+    @contextmanager
+    def phase(self, name: str):
+        wall, start = time.time(), time.monotonic()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            rec = p.PhaseRecord(name=name, wall=wall, duration_s=time.monotonic() - start, ok=ok)
+            self.outcome.phases.append(rec)
+            self.record("phase", msgspec.to_builtins(rec))
+            if self.metrics:
+                self.metrics.phase(name, rec.duration_s)
+
+    def hooks(self, point: str) -> None:
+        ctx = HookContext(engine=self.engine.name, pid=self.pid, state=self.outcome.state or "",
+                          generation=self.generation, op_id=self.op_id,
+                          image_dir=self.image_dir(), deadline_wall=self.deadline_wall)
+        runs: list[p.HookRun] = []
+        try:
+            run_point(self.config.hooks_dir, point, ctx, self.config.deadlines.hook, runs)
+        finally:
+            for run in runs:
+                self.outcome.hooks.append(run)
+                self.record("hook", msgspec.to_builtins(run))
+
+    def image_dir(self) -> Path:
+        path = self.config.image_dir / self.engine.name / self.op_id.replace("/", "_")
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return path
+
+    def prepare(self) -> None:
+        d = self.config.deadlines
+        with self.phase("pre-prepare"):
+            self.hooks("pre-prepare")  # a failure vetoes: nothing moved yet
+        prm = self.params
+        with self.phase("prepare"):
+            drain_s = self.remaining(d.drain)
+            reply = self.client.prepare(
+                op_id=f"{self.op_id}/{self.engine.name}/prepare", drain=prm.drain,
+                drain_timeout_s=drain_s, on_deadline=prm.on_deadline, level=prm.level,
+                tags=list(prm.tags) if prm.tags else None,
+                residual_budget_bytes=prm.residual_budget_bytes,
+                deadline_s=self.remaining(d.drain + d.release),
+            )
+        self.outcome.state, self.outcome.drain = reply.state, reply.drain
+        self.outcome.released = reply.memory
+        self.record("drain", msgspec.to_builtins(reply.drain))
+        self.record("memory", msgspec.to_builtins(reply.memory))
+        if self.metrics:
+            self.metrics.drained(reply.drain.completed, reply.drain.aborted, reply.drain.kept)
+            self.metrics.freed_bytes(max(0, reply.memory.freed_bytes))
+
+    def capture(self) -> None:
+        with self.phase("capture"):
+            self.remaining(self.config.deadlines.capture)
+            self.hooks("dump")
+            self.hooks("post-dump")
+
+    def restore(self) -> None:
+        d = self.config.deadlines
+        with self.phase("pre-restore"):
+            self.hooks("pre-restore")
+        with self.phase("restore"):
+            reply = self.client.restore(op_id=f"{self.op_id}/{self.engine.name}/restore",
+                                        deadline_s=self.remaining(d.restore))
+        self.outcome.state, self.outcome.rewoken = reply.state, reply.memory
+        self.outcome.generation = reply.generation
+        if reply.memory is not None:
+            self.record("memory", msgspec.to_builtins(reply.memory))
+        self._log_only("post-resume")
+
+    def rollback(self, reason: str, step: str = "rollback") -> None:
+        with self.phase(step):
+            reply = self.client.rollback(op_id=f"{self.op_id}/{self.engine.name}/{step}",
+                                         reason=reason,
+                                         deadline_s=self.config.deadlines.restore)
+        self.outcome.state, self.outcome.rewoken = reply.state, reply.memory
+
+    def mark_failed(self, reason: str) -> None:
+        """Tell the agent the engine is FAILED (e.g. a pre-restore hook failed)."""
+        try:
+            self.client.fail(reason=reason, op_id=f"{self.op_id}/{self.engine.name}/fail")
+            self.outcome.state = "failed"
+        except CkptError as exc:  # policy: the original failure is what the caller reports
+            log.warning("%s: could not mark FAILED: %s", self.engine.name, exc)
+        self._log_only("on-fail")
+
+    def _log_only(self, point: str) -> None:
+        try:
+            self.hooks(point)
+        except HookError as exc:  # policy: post-resume and on-fail failures are logged only
+            log.warning("%s: %s", self.engine.name, exc)
+
+    def refresh_state(self) -> str | None:
+        """The agent's state now, or ``None`` if it does not answer."""
+        try:
+            status = self.client.status()
+        except CkptError:  # policy: unknown is an answer too
+            return None
+        self.outcome.state, self.generation = status.state, status.generation
+        return status.state

@@ -1,0 +1,184 @@
+"""The server half of the wire protocol, shared by the agent and the controller.
+
+One control thread owns the ROUTER socket: it decodes requests and calls ``handle`` (which must
+not block: long work goes to other threads, which answer through ``reply``), forwards what any
+thread queued on the outbox, serves subscribe/unsubscribe and heartbeat requests, and every
+``heartbeat_interval_s`` calls ``on_tick`` and sends a ``Heartbeat`` event to subscribers. A bad
+frame is answered with a typed error (or dropped by zmq when over the hard size limit) and the
+server keeps serving. Neighbours: ``protocol`` (frames), ``zmqutil.Outbox``; subclasses
+``agent.server.Agent`` and ``controller.server.ControllerServer``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import weakref
+
+import zmq
+
+from ckpt_controller import protocol as p
+from ckpt_controller.endpoints import secure_ipc
+from ckpt_controller.clock import Clock
+from ckpt_controller.errors import CkptError, ProtocolError
+from ckpt_controller.zmqutil import Outbox
+
+log = logging.getLogger("ckpt_controller.rpc")
+
+
+class RpcServer:
+    #: request types this server answers besides subscribe/unsubscribe/heartbeat
+    serves: frozenset[p.RequestType] = frozenset()
+
+    def __init__(self, endpoint: str, *, name: str, heartbeat_interval_s: float = 0.5,
+                 clock: Clock | None = None) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.clock = clock or Clock()
+        self._ctx = zmq.Context()
+        self._outbox: Outbox | None = None
+        self._router: zmq.Socket | None = None
+        self._subscribers_lock = threading.Lock()
+        self._subscribers: set[bytes] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._heartbeat_seq = itertools.count(1)
+        self._finalizer = weakref.finalize(self, _close_context, self._ctx)
+
+    # ------------------------------------------------------------------ life
+
+    def start(self):
+        """Bind the endpoint and start serving; returns once bound."""
+        try:
+            self._outbox = Outbox(self._ctx, self.name)
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.MAXMSGSIZE, p.HARD_MAX_MESSAGE_BYTES)
+            self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self._router.bind(self.endpoint)
+            if self.endpoint.startswith("tcp://") and self.endpoint.endswith(":0"):
+                self.endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            secure_ipc(self.endpoint)
+        except (zmq.ZMQError, OSError) as exc:  # policy: a half-built server closes what it opened
+            self.close()
+            raise CkptError(f"cannot bind {self.endpoint}: {exc}", endpoint=self.endpoint) from exc
+        self._thread = threading.Thread(target=self._serve, name=f"rpc-{self.name}", daemon=True)
+        self._thread.start()
+        log.info("%s serving on %s (pid %d)", self.name, self.endpoint, os.getpid())
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._outbox is not None:
+            self._outbox.close()
+        self._router = self._outbox = None
+        self._finalizer()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ sending (any thread)
+
+    def publish(self, body: p.EventBody) -> None:
+        """Send an event to every subscriber."""
+        frames = p.event_frames(body)
+        with self._subscribers_lock:
+            targets = list(self._subscribers)
+        for identity in targets:
+            self.send(identity, frames)
+
+    def send(self, identity: bytes, frames: list[bytes]) -> None:
+        outbox = self._outbox
+        if outbox is not None:
+            outbox.send([identity, *frames])
+
+    def reply(self, identity: bytes, call_id: int, result: p.Result) -> None:
+        self.send(identity, p.reply_frames(call_id, result))
+
+    def reply_error(self, identity: bytes, call_id: int, err: CkptError) -> None:
+        self.send(identity, p.error_frames(call_id, err))
+
+    # ------------------------------------------------------------------ to override
+
+    def handle(self, identity: bytes, rtype: p.RequestType, cmd: p.Command) -> None:
+        """Answer ``cmd`` (now, or later from another thread) with ``reply``/``reply_error``,
+        or raise a ``CkptError`` to have it sent back. Must not block the control thread."""
+        raise NotImplementedError
+
+    def on_tick(self) -> None:
+        """Runs on the control thread every heartbeat interval, before the heartbeat."""
+
+    def heartbeat_body(self, seq: int) -> p.Heartbeat:
+        return p.Heartbeat(engine=self.name, state="serving", seq=seq,
+                           monotonic=self.clock.monotonic(), incarnation=0)
+
+    # ------------------------------------------------------------------ control thread
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._outbox.inbox, zmq.POLLIN)
+        interval_ms = max(1, int(self.heartbeat_interval_s * 1000))
+        next_beat = self.clock.monotonic()
+        while not self._stop.is_set():
+            try:
+                events = dict(poller.poll(timeout=min(interval_ms, 100)))
+            except zmq.ZMQError:  # policy: socket closed under us means we are stopping
+                break
+            if self._outbox.inbox in events:
+                try:
+                    self._outbox.forward(self._router)
+                except zmq.ZMQError as exc:  # policy: an undeliverable reply is logged
+                    log.warning("%s: send failed: %s", self.name, exc)
+            if self._router in events:
+                while True:
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._dispatch(frames)
+            if self.clock.monotonic() >= next_beat:
+                next_beat = self.clock.monotonic() + self.heartbeat_interval_s
+                self.on_tick()
+                self.publish(self.heartbeat_body(next(self._heartbeat_seq)))
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        identity, rest = frames[0], frames[1:]
+        try:
+            rtype, cmd = p.decode_command(rest)
+        except ProtocolError as err:
+            log.warning("%s: bad frame from %s: %s", self.name, identity.hex(), err)
+            self.reply_error(identity, int(err.details.pop("call_id", 0) or 0), err)
+            return
+        try:
+            if rtype is p.RequestType.SUBSCRIBE or rtype is p.RequestType.UNSUBSCRIBE:
+                with self._subscribers_lock:
+                    if rtype is p.RequestType.SUBSCRIBE:
+                        self._subscribers.add(identity)
+                    else:
+                        self._subscribers.discard(identity)
+                self.reply(identity, cmd.call_id, p.Ack())
+            elif rtype is p.RequestType.HEARTBEAT:
+                self.reply(identity, cmd.call_id, p.HeartbeatReply(
+                    state=self.heartbeat_body(0).state, seq=0, monotonic=self.clock.monotonic()))
+            elif rtype in self.serves:
+                self.handle(identity, rtype, cmd)
+            else:
+                raise ProtocolError(f"{rtype.name} is not served here", request=rtype.name,
+                                    server=self.name)
+        except CkptError as err:  # policy: every refusal is a typed reply
+            self.reply_error(identity, cmd.call_id, err)
+
+
+def _close_context(ctx: zmq.Context) -> None:
+    ctx.destroy(linger=0)

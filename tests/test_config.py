@@ -1,0 +1,343 @@
+"""The controller's TOML config: a full file, defaults, relative paths, and every error naming
+the file, the exact dotted key and the problem."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+from ckpt_controller.controller.config import (
+    ControllerConfig,
+    Deadlines,
+    EngineConfig,
+    PrepareDefaults,
+    default_config,
+    load_config,
+    parse_config,
+)
+from ckpt_controller.errors import ConfigError, UsageError
+from ckpt_controller.units import human_bytes, parse_bytes
+
+FULL = """
+[controller]
+endpoint = "tcp://127.0.0.1:5600"
+state_dir = "/var/lib/ckpt"
+hooks_dir = "/etc/ckpt/hooks"
+image_dir = "/scratch/images"
+metrics_port = 9400
+metrics_host = "0.0.0.0"
+heartbeat_interval_s = 0.25
+missed_beats = 4
+
+[deadlines]
+drain = 10
+release = 20.5
+capture = 30.0
+restore = 40.0
+hook = 50.0
+operation = 600.0
+
+[defaults]
+drain = "abort"
+on_deadline = "fail"
+level = 2
+residual_budget = "1GiB"
+
+[[engine]]
+name = "engine-a"
+control = "ipc:///run/ckpt/engine-a.sock"
+kind = "vllm"
+[engine.defaults]
+level = 0
+drain = "keep"
+
+[[engine]]
+name = "engine.b_2"
+control = "tcp://10.0.0.2:5555"
+"""
+
+
+@pytest.fixture(autouse=True)
+def private_dirs(tmp_path, monkeypatch):
+    """Keep the default runtime and state dirs inside the test's own temp directory."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    (tmp_path / "run").mkdir(mode=0o700)
+
+
+def write(tmp_path: Path, text: str, name: str = "conf/ckpt.toml") -> Path:
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_full_file(tmp_path):
+    path = write(tmp_path, FULL)
+    cfg = load_config(path)
+    assert cfg.endpoint == "tcp://127.0.0.1:5600"
+    assert cfg.state_dir == Path("/var/lib/ckpt")
+    assert cfg.hooks_dir == Path("/etc/ckpt/hooks")
+    assert cfg.image_dir == Path("/scratch/images")
+    assert (cfg.metrics_port, cfg.metrics_host) == (9400, "0.0.0.0")
+    assert (cfg.heartbeat_interval_s, cfg.missed_beats) == (0.25, 4)
+    assert cfg.deadlines == Deadlines(drain=10.0, release=20.5, capture=30.0, restore=40.0,
+                                      hook=50.0, operation=600.0)
+    assert isinstance(cfg.deadlines.drain, float)
+    assert cfg.defaults == PrepareDefaults(drain="abort", on_deadline="fail", level=2, tags=None,
+                                           residual_budget_bytes=1 << 30)
+    assert cfg.engines == (
+        EngineConfig("engine-a", "ipc:///run/ckpt/engine-a.sock", "vllm",
+                     {"level": 0, "drain": "keep"}),
+        EngineConfig("engine.b_2", "tcp://10.0.0.2:5555", "native", {}),
+    )
+    assert cfg.engine("engine.b_2").kind == "native"
+
+
+def test_defaults(tmp_path):
+    cfg = parse_config("")
+    assert cfg.endpoint == f"ipc://{tmp_path}/run/ckpt-controller/controller.sock"
+    assert cfg.state_dir == tmp_path / "state" / "ckpt-controller"
+    assert cfg.image_dir == cfg.state_dir / "images"
+    assert cfg.hooks_dir is None and cfg.metrics_port is None
+    assert (cfg.metrics_host, cfg.heartbeat_interval_s, cfg.missed_beats) == ("127.0.0.1", 0.5, 6)
+    assert cfg.deadlines == Deadlines(30.0, 60.0, 600.0, 300.0, 60.0, 900.0)
+    assert cfg.defaults == PrepareDefaults("wait", "abort", 1, None, None)
+    assert cfg.engines == ()
+    assert not cfg.state_dir.exists()  # the server creates it, not the parser
+
+
+def test_state_dir_without_xdg(tmp_path, monkeypatch):
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert parse_config("").state_dir == tmp_path / "home/.local/state/ckpt-controller"
+
+
+def test_relative_paths_resolve_against_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = write(tmp_path, """
+[controller]
+endpoint = "ipc://run/ctl.sock"
+state_dir = "state"
+hooks_dir = "../hooks"
+[[engine]]
+name = "a"
+control = "ipc://a.sock"
+[[engine]]
+name = "b"
+control = "ipc://@abstract-b"
+""")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(Path("conf/ckpt.toml"))
+    conf = tmp_path / "conf"
+    assert cfg.state_dir == conf / "state"
+    assert cfg.image_dir == conf / "state" / "images"
+    assert cfg.hooks_dir == conf / "../hooks"
+    assert cfg.endpoint == f"ipc://{conf}/run/ctl.sock"
+    assert [e.control for e in cfg.engines] == [f"ipc://{conf}/a.sock", "ipc://@abstract-b"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt.toml"]  # nothing created
+    home = parse_config('[controller]\nimage_dir = "~/img"', str(path))
+    assert home.image_dir == tmp_path / "home" / "img"
+
+
+def engines(*tables: str) -> str:
+    return "".join(f'\n[[engine]]\nname = "e{i}"\ncontrol = "ipc:///tmp/e{i}"\n{extra}\n'
+                   for i, extra in enumerate(tables))
+
+
+BAD = [
+    # unknown keys: typos must not pass silently
+    ("[controler]\n", "controler", "did you mean 'controller'"),
+    ("[deadlines]\ndrian = 1.0\n", "deadlines.drian", "did you mean 'drain'"),
+    ("[controller]\nmetrics-port = 1\n", "controller.metrics-port", "unknown key"),
+    (engines("", 'contrl = "ipc:///x"'), "engine[1].contrl", "did you mean 'control'"),
+    (engines("[engine.defaults]\nlevle = 2"), "engine[0].defaults.levle", "did you mean 'level'"),
+    # wrong types and ranges
+    ("controller = 1\n", "controller", "must be a table"),
+    ("[controller]\nmetrics_port = \"9400\"\n", "controller.metrics_port", "'9400'"),
+    ("[controller]\nmetrics_port = 70000\n", "controller.metrics_port", "0..65535"),
+    ("[controller]\nmetrics_port = true\n", "controller.metrics_port", "True"),
+    ("[controller]\nmissed_beats = 0\n", "controller.missed_beats", ">= 1"),
+    ("[controller]\nheartbeat_interval_s = false\n", "controller.heartbeat_interval_s", "> 0"),
+    ("[controller]\nstate_dir = \"\"\n", "controller.state_dir", "non-empty string"),
+    ("[controller]\nhooks_dir = 3\n", "controller.hooks_dir", "non-empty string"),
+    ("[controller]\nmetrics_host = [\"a\"]\n", "controller.metrics_host", "non-empty string"),
+    # deadlines: seconds > 0
+    ("[deadlines]\ndrain = -1\n", "deadlines.drain", "> 0, got -1"),
+    ("[deadlines]\noperation = 0\n", "deadlines.operation", "> 0"),
+    ("[deadlines]\nhook = inf\n", "deadlines.hook", "finite"),
+    ("[deadlines]\nrestore = nan\n", "deadlines.restore", "finite"),
+    ("[deadlines]\ncapture = \"10s\"\n", "deadlines.capture", "'10s'"),
+    # engines
+    ("[engine]\nname = \"a\"\n", "engine", "[[engine]]"),
+    ("engine = [1]\n", "engine", "array of tables"),
+    (engines("", "", "").replace('name = "e2"', 'name = "e0"'),
+     "engine[2].name", "duplicate engine name 'e0' (also engine[0])"),
+    ('[[engine]]\ncontrol = "ipc:///x"\n', "engine[0].name", "is required"),
+    ('[[engine]]\nname = "a"\n', "engine[0].control", "is required"),
+    ('[[engine]]\nname = "-a"\ncontrol = "ipc:///x"\n', "engine[0].name", "letter or digit"),
+    ('[[engine]]\nname = "a b"\ncontrol = "ipc:///x"\n', "engine[0].name", "1-64"),
+    (f'[[engine]]\nname = "{"a" * 65}"\ncontrol = "ipc:///x"\n', "engine[0].name", "1-64"),
+    ('[[engine]]\nname = "a\\n"\ncontrol = "ipc:///x"\n', "engine[0].name", "'a\\n'"),
+    ('[[engine]]\nname = 7\ncontrol = "ipc:///x"\n', "engine[0].name", "non-empty string"),
+    (engines("", "", "").replace('control = "ipc:///tmp/e2"', 'control = "http://h:1"'),
+     "engine[2].control", "ipc://, tcp:// or inproc://"),
+    ('[[engine]]\nname = "a"\ncontrol = "tcp://"\n', "engine[0].control", "no address"),
+    ("[controller]\nendpoint = \"localhost:5555\"\n", "controller.endpoint", "tcp://"),
+    (engines('kind = "sglang"'), "engine[0].kind", "'native', 'vllm'"),
+    (engines("defaults = 3"), "engine[0].defaults", "must be a table"),
+    # prepare defaults
+    ("[defaults]\ndrain = \"later\"\n", "defaults.drain", "'wait', 'abort', 'keep'"),
+    ("[defaults]\non_deadline = \"wait\"\n", "defaults.on_deadline", "'abort', 'keep', 'fail'"),
+    ("[defaults]\nlevel = 3\n", "defaults.level", "one of 0, 1, 2"),
+    ("[defaults]\nlevel = true\n", "defaults.level", "one of 0, 1, 2"),
+    ("[defaults]\ntags = []\n", "defaults.tags", "non-empty array"),
+    ("[defaults]\ntags = \"kv_cache\"\n", "defaults.tags", "array"),
+    ("[defaults]\ntags = [\"kv\", \"\"]\n", "defaults.tags", "non-empty strings"),
+    ("[defaults]\ntags = [\"kv\", \"kv\"]\n", "defaults.tags", "distinct"),
+    ("[defaults]\ntags = [\"kv\", 1]\n", "defaults.tags", "strings"),
+    ("[defaults]\nlevel = 1\ntags = [\"kv\"]\n", "defaults.tags", "exclude each other"),
+    (engines("[engine.defaults]\nlevel = 0\ntags = [\"kv\"]"), "engine[0].defaults.tags",
+     "exclude each other"),
+    ("[defaults]\nresidual_budget = \"lots\"\n", "defaults.residual_budget", "not a size"),
+    ("[defaults]\nresidual_budget = -1\n", "defaults.residual_budget", ">= 0"),
+    ("[defaults]\nresidual_budget = 1.5\n", "defaults.residual_budget", "size string"),
+]
+
+
+@pytest.mark.parametrize("text,key,problem", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
+def test_every_problem_names_the_key(tmp_path, text, key, problem):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    err = info.value
+    assert err.details["file"] == str(path)
+    assert err.details["key"] == key
+    assert problem in err.details["problem"]
+    assert key in err.message and problem in str(err)
+    assert err.exit_code == 2
+
+
+def test_invalid_toml_says_where(tmp_path):
+    path = write(tmp_path, '[controller]\nendpoint = "tcp://h:1"\nmissed_beats = = 3\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    d = info.value.details
+    assert d["file"] == str(path) and d["key"] is None
+    assert "invalid TOML" in d["problem"] and (d["line"], d["column"]) == (3, 16)
+    with pytest.raises(ConfigError, match="line 2"):
+        parse_config("[a]\n[a]\n")  # a table defined twice
+
+
+def test_unreadable_files(tmp_path):
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match="cannot read the file") as info:
+        load_config(missing)
+    assert info.value.details["file"] == str(missing) and info.value.details["key"] is None
+    with pytest.raises(ConfigError, match="cannot read the file"):
+        load_config(tmp_path)  # a directory
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b'[controller]\nmetrics_host = "\xff"\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(binary)
+    if os.getuid() != 0:  # root reads anything
+        locked = write(tmp_path, "", "locked.toml")
+        locked.chmod(0)
+        with pytest.raises(ConfigError, match="Permission denied"):
+            load_config(locked)
+
+
+def test_engine_defaults_override_global_ones():
+    cfg = parse_config("""
+[defaults]
+drain = "wait"
+tags = ["kv_cache"]
+residual_budget = 1024
+[[engine]]
+name = "a"
+control = "ipc:///tmp/a"
+[engine.defaults]
+level = 2
+drain = "abort"
+[[engine]]
+name = "b"
+control = "ipc:///tmp/b"
+[engine.defaults]
+tags = ["weights", "kv_cache"]
+residual_budget = "2MiB"
+on_deadline = "keep"
+[[engine]]
+name = "c"
+control = "ipc:///tmp/c"
+""")
+    assert cfg.defaults == PrepareDefaults("wait", "abort", None, ("kv_cache",), 1024)
+    assert cfg.engine("a").defaults == {"level": 2, "drain": "abort"}
+    assert cfg.prepare_defaults("a") == PrepareDefaults("abort", "abort", 2, None, 1024)
+    assert cfg.prepare_defaults("b") == PrepareDefaults("wait", "keep", None,
+                                                        ("weights", "kv_cache"), 2 << 20)
+    assert cfg.prepare_defaults("c") == cfg.defaults
+
+
+def test_unknown_engine_is_a_usage_error_naming_the_known_ones():
+    cfg = parse_config(engines("", ""))
+    with pytest.raises(UsageError, match="unknown engine 'zz'; known engines: e0, e1") as info:
+        cfg.engine("zz")
+    assert type(info.value) is UsageError and info.value.details["known"] == ["e0", "e1"]
+    with pytest.raises(UsageError, match="known engines: none"):
+        parse_config("").prepare_defaults("zz")
+
+
+def test_tags_and_level_exclude_each_other():
+    assert parse_config("[defaults]\nlevel = 0\n").defaults.level == 0
+    tagged = parse_config("[defaults]\ntags = [\"weights\"]\n").defaults
+    assert (tagged.level, tagged.tags) == (None, ("weights",))
+    # a global tag list, an engine level: the engine's level wins and its tags are cleared
+    cfg = parse_config("[defaults]\ntags = [\"weights\"]\n" + engines("[engine.defaults]\nlevel = 1"))
+    assert (cfg.prepare_defaults("e0").level, cfg.prepare_defaults("e0").tags) == (1, None)
+
+
+@pytest.mark.parametrize("value,expected", [('"512MiB"', 512 << 20), ('"1.5 KiB"', 1536),
+                                            ('"3GB"', 3 * 10**9), ("4096", 4096), ('"0"', 0),
+                                            ('"2 gib"', 2 << 30)])
+def test_size_strings(value, expected):
+    cfg = parse_config(f"[defaults]\nresidual_budget = {value}\n")
+    assert cfg.defaults.residual_budget_bytes == expected
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "-1", "1.5.2", "12 parsecs", "0x10"])
+def test_parse_bytes_rejects_non_sizes(text):
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes(text)
+
+
+def test_human_bytes():
+    assert [human_bytes(n) for n in (None, 1023, 1536, 5 << 30, 3 << 40)] == \
+        ["-", "1023 B", "1.5 KiB", "5.0 GiB", "3.0 TiB"]
+
+
+def test_default_config(tmp_path):
+    a = EngineConfig("a", "ipc:///tmp/a.sock")
+    cfg = default_config([a], state_dir=tmp_path / "s")
+    assert isinstance(cfg, ControllerConfig) and cfg.engines == (a,)
+    assert (cfg.state_dir, cfg.image_dir) == (tmp_path / "s", tmp_path / "s" / "images")
+    assert cfg.endpoint == f"ipc://{tmp_path}/run/ckpt-controller/controller.sock"
+    assert default_config().engines == () and default_config().deadlines == Deadlines()
+    with pytest.raises(ConfigError, match="duplicate") as info:
+        default_config([a, a])
+    assert info.value.details["key"] == "engine[1].name"
+    with pytest.raises(ConfigError) as info:
+        default_config([EngineConfig("a", "a.sock")])
+    assert info.value.details["key"] == "engine[0].control"
+    with pytest.raises(ConfigError) as info:
+        default_config([EngineConfig("a", "tcp://h:1", kind="docker")])
+    assert info.value.details["key"] == "engine[0].kind"
+
+
+def test_config_is_frozen_and_hashable():
+    cfg = parse_config(FULL)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.missed_beats = 1  # type: ignore[misc]
+    assert hash(cfg) == hash(parse_config(FULL))
