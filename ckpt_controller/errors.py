@@ -9,10 +9,10 @@ back into the same class on the other side. Neighbours: ``protocol`` carries err
     +-- UsageError             exit 2  the caller asked for something malformed or impossible
     |   +-- ConfigError                a bad configuration value
     |   +-- InvalidTransitionError     a trigger not allowed in the current state
-    |   +-- BusyError                  another operation holds the engine
     +-- ProtocolError          exit 2  a frame broke the wire contract
     |   +-- VersionMismatchError       the peer speaks another protocol version
     +-- RejectedError          exit 1  admission closed: retry after ``retry_after_s`` (temporary)
+    +-- BusyError              exit 1  another operation holds the engine (temporary)
     +-- OperationError         exit 1  an operation ran and failed (it was rolled back or FAILED)
     |   +-- DrainError                 in-flight requests could not be drained as asked
     |   +-- MemoryError_               releasing or re-waking memory failed
@@ -71,8 +71,9 @@ class InvalidTransitionError(UsageError):
     """
 
 
-class BusyError(UsageError):
-    """Raised when another operation holds the engine; ``details['holder']`` names it. Retry later."""
+class BusyError(CkptError):
+    """Raised when another operation holds the engine; ``details['holder']`` names it. Retry
+    once it ended (or use the holder's id to wait for its result)."""
 
     retryable = True
 

@@ -126,15 +126,14 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[_Child]) -> int:
     if not any(h.point == "dump" for o in result.engines for h in o.hooks):
         _say("  (capture ran no dump hook: none is installed in this demo's hooks directory)")
 
-    kept = [rid for rid, c in requests.items()
-            if [e.type for e in c.events].count("scheduled") >= 2]
+    kept = sum(o.drain.kept for o in result.engines if o.drain is not None)
     completed = {rid: c.token_ids for rid, c in requests.items()
                  if c.finish_reason in ("stop", "length")}
     again = replay(api, 7, list(completed))
     mismatched = [rid for rid, tokens in completed.items() if again[rid] != tokens]
     _say(f"\nrequests: sent {report.sent}, completed {report.completed}, aborted "
          f"{report.aborted}, rejected while not RUNNING {report.rejected}, lost {report.lost}")
-    _say(f"  {len(kept)} requests were kept across the cycle and finished after restore")
+    _say(f"  {kept} requests were kept across the cycle and finished after restore")
     _say(f"  {len(completed) - len(mismatched)} of {len(completed)} completed outputs are "
          f"identical to an uninterrupted run")
     ok = result.status == "succeeded" and report.lost == 0 and not mismatched

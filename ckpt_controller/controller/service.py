@@ -29,7 +29,13 @@ from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.hooks import HookError
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.session import EngineSession
-from ckpt_controller.errors import BusyError, CkptError, OperationError, UsageError
+from ckpt_controller.errors import (
+    BusyError,
+    CkptError,
+    OperationError,
+    UnreachableError,
+    UsageError,
+)
 
 log = logging.getLogger("ckpt_controller.controller")
 
@@ -300,7 +306,10 @@ def _guarded(step: Callable[[EngineSession], None]) -> Callable[[EngineSession],
             elif s.outcome.status == "running":
                 s.outcome.status = "failed"
             state = err.details.get("state")
-            s.outcome.state = state if isinstance(state, str) else s.refresh_state()
+            if isinstance(state, str):
+                s.outcome.state = state
+            elif not isinstance(err, UnreachableError):  # an unreachable engine has no state
+                s.outcome.state = s.refresh_state()
             s.record("error", {"kind": err.kind, "message": err.message,
                                "details": p.to_plain(err.details)})
     return run

@@ -46,7 +46,8 @@ class EngineSession:
         self.outcome = p.EngineOutcome(engine=engine, status="running")
         self.pid: int | None = None
         self.generation = 0
-        self.client = AgentClient(self.engine.control, timeout_s=5.0,
+        # quick requests: 2 s, one resend; operations are bounded by heartbeats instead
+        self.client = AgentClient(self.engine.control, timeout_s=2.0, retries=1,
                                   heartbeat_interval_s=config.heartbeat_interval_s,
                                   missed_beats=config.missed_beats, name=f"controller/{op_id}",
                                   on_event=self._on_agent_event)

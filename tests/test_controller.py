@@ -1,0 +1,222 @@
+"""The controller as operators and scripts use it: a real ``ckptctl serve`` process, real
+reference-engine processes, the CLI with ``--json`` and its exit codes, and kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import threading
+import time
+import urllib.request
+from subprocess import run
+
+import pytest
+
+from ckpt_controller.agent import AgentClient
+from ckpt_controller.controller.client import ControllerClient
+from ckpt_controller.controller.journal import Journal
+from ckpt_controller.engine.client import EngineClient
+from ckpt_controller.errors import BusyError
+
+
+def engines_toml(*engines, defaults: str = "") -> str:
+    text = "[defaults]\n" + defaults + "\n" if defaults else ""
+    for eng, extra in engines:
+        text += f'[[engine]]\nname = "{eng.name}"\ncontrol = "{eng.control}"\n{extra}\n'
+    return text
+
+
+def test_full_cycle_through_the_cli_with_json(spawn_reference, spawn_controller):
+    eng = spawn_reference("e1")
+    ctl = spawn_controller(engines_toml((eng, ""), defaults='drain = "keep"\nlevel = 2'))
+    out = ctl.ckptctl("cycle", "e1", "--json", "--op-id", "first")
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout)
+    assert result["status"] == "succeeded" and result["op_id"] == "first"
+    (e1,) = result["engines"]
+    assert e1["state"] == "running" and e1["generation"] == 1
+    assert [p["name"] for p in e1["phases"]] == ["pre-prepare", "prepare", "capture",
+                                                   "pre-restore", "restore"]
+    assert e1["released"]["level"] == 2 and e1["drain"]["mode"] == "keep"
+    status = json.loads(ctl.ckptctl("status", "--json").stdout)
+    assert status["engines"][0]["status"]["state"] == "running"
+    hist = json.loads(ctl.ckptctl("history", "--op-id", "first", "--json").stdout)
+    types = [r["type"] for r in hist["records"]]
+    dests = [r["data"]["dest"] for r in hist["records"] if r["type"] == "transition"]
+    assert dests == ["preparing", "prepared", "restoring", "running"]
+    assert {"operation_start", "phase", "drain", "memory", "operation_end"} <= set(types)
+    human = ctl.ckptctl("history")
+    assert "first cycle e1: succeeded" in human.stdout
+
+
+def test_conflicts_and_repeated_ids(spawn_reference, spawn_controller):
+    eng = spawn_reference("e1")
+    ctl = spawn_controller(engines_toml((eng, "")))
+    with EngineClient(eng.api) as api:
+        api.submit([1, 2, 3], 1000)  # keeps a wait drain busy for a while
+        time.sleep(0.2)
+        done = {}
+        with ControllerClient(ctl.endpoint) as first:
+            def long_prepare():
+                with ControllerClient(ctl.endpoint) as other:
+                    done["r"] = other.prepare(["e1"], op_id="long", drain="wait", level=1)
+
+            t = threading.Thread(target=long_prepare)
+            t.start()
+            deadline = time.monotonic() + 10
+            while first.status(["e1"]).engines[0].holder != "long":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            with pytest.raises(BusyError) as info:
+                first.rollback(["e1"], op_id="other")
+            assert info.value.details["holder"] == "long"
+            out = ctl.ckptctl("restore", "e1", "--json")
+            assert out.returncode == 1
+            assert json.loads(out.stdout)["error"]["details"]["holder"] == "long"
+            t.join(60)
+            assert done["r"].status == "succeeded"
+            # the same id again: the stored result, not a second prepare
+            again = first.prepare(["e1"], op_id="long", drain="wait", level=1)
+            assert again == done["r"]
+            assert first.restore(["e1"], op_id="back").status == "succeeded"
+            hist = first.history(op_id="long", limit=500)
+            assert [r.type for r in hist.records].count("operation_start") == 1
+            assert len(hist.operations) == 1
+
+
+def test_group_prepare_is_all_or_nothing(spawn_reference, spawn_controller):
+    a, b, c = (spawn_reference(n) for n in ("ga", "gb", "gc"))
+    ctl = spawn_controller(engines_toml((a, ""), (b, ""), (c, "[engine.defaults]\n"
+                                                               "residual_budget = 1\n")))
+    out = ctl.ckptctl("prepare", "--all", "--json", "--level", "2")
+    assert out.returncode == 1
+    result = json.loads(out.stdout)
+    assert result["status"] == "rolled_back"
+    by = {o["engine"]: o for o in result["engines"]}
+    assert by["gc"]["error"]["kind"] == "ResidualOverBudgetError"
+    for name in ("ga", "gb"):
+        assert by[name]["status"] == "rolled_back" and by[name]["state"] == "running"
+        assert "gc" in by[name]["error"]["message"]
+    for eng in (a, b, c):
+        with AgentClient(eng.control) as agent:
+            assert agent.status().state == "running"
+
+
+def test_rolling_cycle_respects_max_unavailable(spawn_reference, spawn_controller):
+    engines = [spawn_reference(f"r{i}") for i in range(3)]
+    ctl = spawn_controller(engines_toml(*((e, "") for e in engines)))
+    out = ctl.ckptctl("cycle", "--all", "--max-unavailable", "1", "--json", "--op-id", "roll")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["max_unavailable_seen"] == 1
+    # independent of the controller's own count: out-of-service intervals from the journal
+    journal = Journal(ctl.dir / "state" / "journal.sqlite3")
+    spans: dict[str, list[float]] = {}
+    for rec in journal.records(op_id="roll"):
+        if rec.type == "transition" and rec.data["source"] == "running":
+            spans[rec.engine] = [rec.monotonic]
+        elif rec.type == "transition" and rec.data["dest"] == "running":
+            spans[rec.engine].append(rec.monotonic)
+    journal.close()
+    assert len(spans) == 3 and all(len(s) == 2 for s in spans.values())
+    intervals = sorted(spans.values())
+    assert all(prev[1] <= nxt[0] for prev, nxt in zip(intervals, intervals[1:]))
+
+
+def test_bad_config_and_unreachable_engine(spawn_controller, ipc_dir):
+    bad = ipc_dir / "bad.toml"
+    bad.write_text('[deadlines]\ndrain = -1\n')
+    out = run([sys.executable, "-m", "ckpt_controller", "serve", "--config", str(bad)],
+              capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "deadlines.drain" in out.stderr and str(bad) in out.stderr
+    ctl = spawn_controller(f'[[engine]]\nname = "ghost"\ncontrol = "ipc://{ipc_dir}/none"\n')
+    start = time.monotonic()
+    out = ctl.ckptctl("prepare", "ghost", "--json")
+    assert out.returncode == 4 and time.monotonic() - start < 30
+    result = json.loads(out.stdout)
+    assert result["engines"][0]["error"]["kind"] == "UnreachableError"
+    out = ctl.ckptctl("prepare", "nobody")
+    assert out.returncode == 2 and "unknown engine 'nobody'" in out.stderr
+    out = ctl.ckptctl("status")
+    assert out.returncode == 4 and "ghost: UNREACHABLE" in out.stdout
+    out = run([sys.executable, "-m", "ckpt_controller", "--controller",
+               f"ipc://{ipc_dir}/nothing.sock", "status"], capture_output=True, text=True,
+              timeout=60)
+    assert out.returncode == 4 and "UnreachableError" in out.stderr
+
+
+def _wait_state(control: str, state: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    with AgentClient(control) as agent:
+        while agent.status().state != state:
+            assert time.monotonic() < deadline, f"never {state}"
+            time.sleep(0.005)
+
+
+def test_controller_killed_mid_preparing_recovers_to_running(spawn_reference, spawn_controller):
+    eng = spawn_reference("k1")
+    ctl = spawn_controller(engines_toml((eng, "")))
+    with EngineClient(eng.api) as api:
+        rid = api.submit([4, 4], 600)
+        t = threading.Thread(target=lambda: ctl.ckptctl("prepare", "k1", "--drain", "wait",
+                                                        "--op-id", "cut"))
+        t.start()
+        _wait_state(eng.control, "preparing")
+        ctl.kill9()
+        t.join(60)
+        ctl.start()
+        assert ctl.info["recovered"] == 1
+        with AgentClient(eng.control) as agent:
+            assert agent.status().state == "running"
+        while not api.requests[rid].ended:
+            api.poll(0.5)
+        assert api.requests[rid].finish_reason == "length"
+    journal = Journal(ctl.dir / "state" / "journal.sqlite3")
+    assert journal.check() == [] and journal.unfinished() == []
+    result = journal.result("cut")
+    assert result.status == "interrupted" and result.engines[0].state == "running"
+    journal.close()
+
+
+def test_controller_killed_mid_restoring_recovers(spawn_reference, spawn_controller):
+    eng = spawn_reference("k2", "--model", "small", "--kv-blocks", "256")
+    ctl = spawn_controller(engines_toml((eng, ""), defaults="level = 2"))
+    assert ctl.ckptctl("prepare", "k2").returncode == 0
+    t = threading.Thread(target=lambda: ctl.ckptctl("restore", "k2", "--op-id", "cut2"))
+    t.start()
+    _wait_state(eng.control, "restoring")
+    ctl.kill9()
+    t.join(60)
+    ctl.start()
+    assert ctl.info["recovered"] == 1
+    with AgentClient(eng.control) as agent:
+        assert agent.status().state == "running"
+    journal = Journal(ctl.dir / "state" / "journal.sqlite3")
+    assert journal.check() == []
+    assert journal.result("cut2").status == "interrupted"
+    journal.close()
+    with EngineClient(eng.api) as api:
+        assert api.generate([1, 2], 4).finish_reason == "length"
+
+
+def test_metrics_endpoint(spawn_reference, spawn_controller):
+    eng = spawn_reference("m1")
+    ctl = spawn_controller("metrics_port = 0\n" + engines_toml((eng, "")))
+    ctl_conf = ctl.config.read_text()
+    assert "metrics_port" in ctl_conf
+    assert ctl.ckptctl("cycle", "m1").returncode == 0
+    port = ctl.info["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'ckpt_operations_total{kind="cycle",outcome="succeeded"} 1' in text
+    assert 'ckpt_transitions_total{engine="m1",source="running",dest="preparing"} 1' in text
+    assert "ckpt_phase_duration_seconds_count" in text
+
+
+def test_journal_is_private(spawn_reference, spawn_controller):
+    eng = spawn_reference("p1")
+    ctl = spawn_controller(engines_toml((eng, "")))
+    assert ctl.ckptctl("status").returncode == 0
+    st = os.stat(ctl.dir / "state")
+    assert stat.S_IMODE(st.st_mode) == 0o700
