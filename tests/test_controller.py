@@ -220,3 +220,45 @@ def test_journal_is_private(spawn_reference, spawn_controller):
     assert ctl.ckptctl("status").returncode == 0
     st = os.stat(ctl.dir / "state")
     assert stat.S_IMODE(st.st_mode) == 0o700
+
+
+def _hook(ctl, point: str, name: str, body: str) -> None:
+    folder = ctl.dir / "hooks" / point
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def test_hooks_veto_and_roll_back(spawn_reference, spawn_controller):
+    eng = spawn_reference("h1")
+    ctl = spawn_controller(engines_toml((eng, "")))
+    _hook(ctl, "pre-prepare", "10-no", 'echo "not today: $CKPT_ENGINE $CKPT_ACTION" >&2; exit 3')
+    out = ctl.ckptctl("prepare", "h1", "--json")
+    assert out.returncode == 1
+    (o,) = json.loads(out.stdout)["engines"]
+    assert o["state"] == "running" and o["error"]["details"]["exit_code"] == 3
+    assert o["hooks"][0]["stderr_tail"].strip() == "not today: h1 pre-prepare"
+    (ctl.dir / "hooks" / "pre-prepare" / "10-no").unlink()
+    _hook(ctl, "dump", "10-dump", 'echo "$CRTOOLS_SCRIPT_ACTION $CRTOOLS_INIT_PID" > '
+                                  '"$CKPT_IMAGE_DIR/seen"; exit 1')
+    out = ctl.ckptctl("cycle", "h1", "--json")
+    assert out.returncode == 1
+    (o,) = json.loads(out.stdout)["engines"]
+    assert o["status"] == "rolled_back" and o["state"] == "running"
+    seen = list((ctl.dir / "state" / "images" / "h1").glob("*/seen"))
+    assert seen and seen[0].read_text().split() == ["pre-dump", str(eng.pid)]
+    _hook(ctl, "dump", "10-dump", "sleep 30")
+    (ctl.dir / "hooks" / "dump" / "10-dump").chmod(0o775)  # group-writable: refused
+    out = ctl.ckptctl("cycle", "h1", "--json")
+    (o,) = json.loads(out.stdout)["engines"]
+    assert o["error"]["kind"] == "ConfigError" and "writable" in o["error"]["message"]
+    assert o["state"] == "running"
+
+
+def test_demo_runs_end_to_end():
+    out = run([sys.executable, "-m", "ckpt_controller", "demo", "--duration", "3"],
+              capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "demo passed" in out.stdout and "lost 0" in out.stdout
+    assert "running -> preparing" in out.stdout and "restoring -> running" in out.stdout

@@ -84,7 +84,6 @@ def test_level2_frees_rss_and_rewakes_into_the_same_objects(tmp_path):
     assert reg.registered_bytes()["weights"] >= 256 * MIB
 
     params = list(model.parameters())
-    storages = [p.untyped_storage().data_ptr() for p in params]
     view = model.layers[0].weight[5:9]  # a view made before the release
     want = checksums(model)
 
@@ -115,9 +114,9 @@ def test_level2_frees_rss_and_rewakes_into_the_same_objects(tmp_path):
 
     # the same objects, the same storage sharing, the same bits
     assert all(a is b for a, b in zip(params, model.parameters()))
-    assert [p.untyped_storage().data_ptr() for p in params] != storages  # fresh memory...
+    # (the allocator may or may not hand back the same addresses; old views follow either way)
     assert view.untyped_storage().data_ptr() == model.layers[0].weight.untyped_storage().data_ptr()
-    assert torch.equal(view, model.layers[0].weight[5:9])  # ...seen through old views too
+    assert torch.equal(view, model.layers[0].weight[5:9])
     assert checksums(model) == want
     assert torch.count_nonzero(kv) == 0  # scratch comes back zero-filled
     reference = safetensors.torch.load_file(source)  # after the RSS measurements

@@ -334,8 +334,8 @@ def _capture(s: EngineSession) -> None:
                          engine=s.engine.name, state=s.outcome.state)
     try:
         s.capture()
-    except HookError as err:
-        # policy: a failed dump or post-dump rolls back when the engine still lives
+    except CkptError as err:
+        # policy: a failed (or refused) dump or post-dump rolls back when the engine lives
         if s.refresh_state() == "prepared":
             s.rollback(f"capture failed: {err.message}", step="rollback")
             err.details["rolled_back"] = True
