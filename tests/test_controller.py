@@ -14,7 +14,7 @@ from subprocess import run
 
 import pytest
 
-from ckpt_controller.agent import AgentClient
+from ckpt_controller.agent import AgentClient, EngineHooks
 from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.engine.client import EngineClient
@@ -262,3 +262,91 @@ def test_demo_runs_end_to_end():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "demo passed" in out.stdout and "lost 0" in out.stdout
     assert "running -> preparing" in out.stdout and "restoring -> running" in out.stdout
+
+
+def test_deadline_is_a_failure_with_exit_3(spawn_reference, spawn_controller):
+    eng = spawn_reference("d1")
+    ctl = spawn_controller(engines_toml((eng, "")))
+    with EngineClient(eng.api) as api:
+        rid = api.submit([3, 3], 800)
+        time.sleep(0.2)
+        out = ctl.ckptctl("prepare", "d1", "--drain", "wait", "--deadline", "0.5", "--json")
+        assert out.returncode == 3, out.stdout + out.stderr
+        (o,) = json.loads(out.stdout)["engines"]
+        assert o["error"]["kind"] == "DeadlineError" and o["state"] == "running"
+        assert o["status"] == "rolled_back"
+        while not api.requests[rid].ended:  # the deadline did not abort the request
+            api.poll(0.5)
+        assert api.requests[rid].finish_reason == "length"
+
+
+def test_engine_death_fails_the_operation_promptly(spawn_reference, spawn_controller):
+    eng = spawn_reference("dead")
+    ctl = spawn_controller(engines_toml((eng, "")))
+    with EngineClient(eng.api) as api:
+        api.submit([5, 5], 100_000)
+        box = {}
+        t = threading.Thread(target=lambda: box.update(out=ctl.ckptctl(
+            "prepare", "dead", "--drain", "wait", "--deadline", "300", "--json")))
+        t.start()
+        _wait_state(eng.control, "preparing")
+        killed = time.monotonic()
+        eng.proc.kill()
+        t.join(60)
+    assert time.monotonic() - killed < 20  # heartbeats, not the 300 s deadline
+    out = box["out"]
+    assert out.returncode == 4
+    (o,) = json.loads(out.stdout)["engines"]
+    assert o["error"]["kind"] == "UnreachableError" and o["status"] == "failed"
+
+
+def test_watch_shows_an_operation_live(spawn_reference, spawn_controller):
+    import subprocess
+
+    eng = spawn_reference("w1")
+    ctl = spawn_controller(engines_toml((eng, "")))
+    watch = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+                              ctl.endpoint, "watch", "--duration", "6", "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2)
+    assert ctl.ckptctl("cycle", "w1", "--op-id", "seen").returncode == 0
+    out, _ = watch.communicate(timeout=30)
+    records = [json.loads(line) for line in out.splitlines()]
+    assert {r["op_id"] for r in records} == {"seen"}
+    dests = [r["data"]["dest"] for r in records if r["type"] == "transition"]
+    assert dests == ["preparing", "prepared", "restoring", "running"]
+    seqs = [r["seq"] for r in records]
+    assert seqs == sorted(seqs)
+
+
+class _SlowPause(EngineHooks):
+    """Agent hooks whose pause takes a fixed time: a stand-in for a slow release."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def pause_scheduling(self) -> None:
+        time.sleep(self.seconds)
+
+
+def test_group_prepare_fans_out_concurrently(spawn_controller, ipc_dir):
+    """20 agents whose prepare takes 0.3 s each: the group takes about as long as one."""
+    from ckpt_controller.agent import Agent
+
+    agents = [Agent(f"fan{i}", hooks=_SlowPause(0.3), control=f"ipc://{ipc_dir}/fan{i}.ctl",
+                    heartbeat_interval_s=0.2).start() for i in range(20)]
+    try:
+        ctl = spawn_controller("".join(f'[[engine]]\nname = "{a.name}"\ncontrol = '
+                                       f'"{a.endpoint}"\n' for a in agents))
+        with ControllerClient(ctl.endpoint) as c:
+            one = c.prepare(["fan0"], level=0)
+            c.rollback(["fan0"])
+            group = c.prepare(level=0)
+            c.rollback()
+        assert one.status == group.status == "succeeded"
+        assert len(group.engines) == 20
+        # the sum would be 20 x one; concurrent fan-out stays within a few times one
+        assert group.duration_s < 4 * one.duration_s, (group.duration_s, one.duration_s)
+    finally:
+        for a in agents:
+            a.close()
