@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -15,11 +14,13 @@ import msgspec
 import pytest
 import zmq
 
+from ckpt_controller.procutil import ReadyProcess
+
 ROOT = Path(__file__).resolve().parent.parent
 STEP_ENGINE = Path(__file__).resolve().parent / "engines" / "step_engine.py"
 
 
-class EngineProcess:
+class EngineProcess(ReadyProcess):
     """A step engine child process and a client for its request API."""
 
     def __init__(self, tmp: Path, name: str, **opts) -> None:
@@ -30,14 +31,7 @@ class EngineProcess:
                 "--api", self.api, "--dir", str(tmp)]
         for key, value in opts.items():
             args += [f"--{key.replace('_', '-')}", str(value)]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, cwd=ROOT)
-        line = self.proc.stdout.readline()  # the engine prints READY within seconds
-        if not line.startswith("READY "):
-            self.proc.kill()
-            raise RuntimeError(f"engine did not start: {line!r} {self.proc.stderr.read()[-2000:]}")
-        self.info = json.loads(line[6:])
-        self.pid = self.info["pid"]
+        super().__init__(args, tmp / f"{name}.log", f"step engine {name}", cwd=ROOT)
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -76,15 +70,7 @@ class EngineProcess:
     def stop(self) -> None:
         self.sock.close(linger=0)
         self._ctx.term()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
+        super().stop(grace_s=5)
 
 
 @pytest.fixture
@@ -110,35 +96,17 @@ def spawn_engine(ipc_dir):
         eng.stop()
 
 
-class ReferenceProcess:
+class ReferenceProcess(ReadyProcess):
     """``ckptctl engine serve`` as a child process."""
 
     def __init__(self, tmp: Path, model_dir: Path, name: str, *extra: str) -> None:
         self.name = name
         self.api = f"ipc://{tmp}/{name}.api"
         self.control = f"ipc://{tmp}/{name}.ctl"
-        self.args = [sys.executable, "-m", "ckpt_controller", "engine", "serve", "--name", name,
-                     "--api", self.api, "--control", self.control, "--model-dir", str(model_dir),
-                     "--heartbeat", "0.2", *extra]
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, cwd=ROOT)
-        line = self.proc.stdout.readline()
-        if not line.startswith("{"):
-            self.proc.kill()
-            raise RuntimeError(f"engine did not start: {line!r} {self.proc.stderr.read()[-3000:]}")
-        self.info = json.loads(line)
-        self.pid = self.info["pid"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
+        super().__init__([sys.executable, "-m", "ckpt_controller", "engine", "serve", "--name",
+                          name, "--api", self.api, "--control", self.control, "--model-dir",
+                          str(model_dir), "--heartbeat", "0.2", *extra],
+                         tmp / f"{name}.log", f"engine {name}", cwd=ROOT)
 
 
 @pytest.fixture(scope="session")
@@ -160,7 +128,7 @@ def spawn_reference(ipc_dir, model_dir):
         eng.stop()
 
 
-class ControllerProcess:
+class ControllerProcess(ReadyProcess):
     """``ckptctl serve --config`` as a child process, with a config written for the test."""
 
     def __init__(self, tmp: Path, config_text: str) -> None:
@@ -170,44 +138,13 @@ class ControllerProcess:
         self.config.write_text(f'[controller]\nendpoint = "{self.endpoint}"\n'
                                f'state_dir = "{tmp}/state"\nhooks_dir = "{tmp}/hooks"\n'
                                f'heartbeat_interval_s = 0.2\n' + config_text)
-        self.start()
-
-    def start(self) -> None:
-        self.log = (self.dir / "controller.log").open("a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ckpt_controller", "serve", "--config", str(self.config)],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT)
-        line = self.proc.stdout.readline()
-        if not line.startswith("{"):
-            self.proc.kill()
-            self.proc.wait()
-            raise RuntimeError(f"controller did not start: {line!r}: "
-                               f"{(self.dir / 'controller.log').read_text()[-3000:]}")
-        self.info = json.loads(line)
+        super().__init__([sys.executable, "-m", "ckpt_controller", "serve", "--config",
+                          str(self.config)], tmp / "controller.log", "controller", cwd=ROOT)
 
     def ckptctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
                                self.endpoint, *args], capture_output=True, text=True,
                               timeout=timeout, cwd=ROOT)
-
-    def kill9(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self.proc.stdout.close()
-        self.log.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if not self.proc.stdout.closed:
-            self.proc.stdout.close()
-        if not self.log.closed:
-            self.log.close()
 
 
 @pytest.fixture

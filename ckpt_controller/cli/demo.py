@@ -10,8 +10,6 @@ Exit code 0 only when all of that holds.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import threading
@@ -19,6 +17,7 @@ import time
 from pathlib import Path
 
 from ckpt_controller.cli.common import EXIT_CODES, human_bytes, positive
+from ckpt_controller.procutil import ReadyProcess
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,42 +31,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.set_defaults(run=run)
 
 
-class _Child:
-    """A child process that prints one JSON line when ready."""
-
-    def __init__(self, args: list[str], log: Path, what: str, timeout_s: float = 120) -> None:
-        self.what = what
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        box: list[str] = []
-        reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()),
-                                  daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not box or not box[0].startswith("{"):
-            self.stop()
-            raise RuntimeError(f"{what} did not start; see {log}")
-        self.info = json.loads(box[0])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
-        self.log.close()
-
-
 def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="ckpt-demo-"))
-    children: list[_Child] = []
+    children: list[ReadyProcess] = []
     try:
         return _demo(args, tmp, children)
     finally:
@@ -81,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _demo(args: argparse.Namespace, tmp: Path, children: list[_Child]) -> int:
+def _demo(args: argparse.Namespace, tmp: Path, children: list[ReadyProcess]) -> int:
     from ckpt_controller.cli.controller_cmds import describe_result
     from ckpt_controller.controller.client import ControllerClient
     from ckpt_controller.engine.load import replay, run_load
@@ -90,7 +60,7 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[_Child]) -> int:
     api, control, ctl = f"ipc://{tmp}/engine.api", f"ipc://{tmp}/engine.ctl", f"ipc://{tmp}/ctl"
     _say("ckpt-controller demo: one reference engine, one controller, load, one full cycle")
     _say(f"  working in {tmp}")
-    eng = _Child(py + ["engine", "serve", "--name", "demo-engine", "--api", api, "--control",
+    eng = ReadyProcess(py + ["engine", "serve", "--name", "demo-engine", "--api", api, "--control",
                        control, "--model", "tiny", "--model-dir", str(tmp / "models")],
                  tmp / "engine.log", "the reference engine")
     children.append(eng)
@@ -102,7 +72,7 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[_Child]) -> int:
         f'hooks_dir = "{tmp / "hooks"}"\n\n'
         f'[defaults]\ndrain = "keep"\nlevel = 2\n\n'
         f'[[engine]]\nname = "demo-engine"\ncontrol = "{control}"\n')
-    ctl_proc = _Child(py + ["serve", "--config", str(tmp / "controller.toml")],
+    ctl_proc = ReadyProcess(py + ["serve", "--config", str(tmp / "controller.toml")],
                       tmp / "controller.log", "the controller")
     children.append(ctl_proc)
     _say(f"  controller (pid {ctl_proc.info['pid']}) on {ctl}")

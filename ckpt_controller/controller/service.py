@@ -255,7 +255,7 @@ class Controller:
         """Finish every operation a previous controller left running: each of its engines is
         brought back to RUNNING (rolled back if PREPARED) or left FAILED, with the reason."""
         results = []
-        for op_id, kind, engines, params in self.journal.unfinished():
+        for op_id, kind, engines, _params in self.journal.unfinished():
             wall, start = time.time(), time.monotonic()
             cmd = p.OperationCommand(call_id=0, op_id=op_id, kind=kind, engines=engines)
             known = [e for e in engines if any(c.name == e for c in self.config.engines)]

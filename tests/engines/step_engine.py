@@ -11,7 +11,7 @@ ran straight through. Request API: a ROUTER speaking msgpack dicts:
                                                  or at once {"id", "status": "rejected", ...}
     {"op": "introspect"}                       -> {"param_ids", "storage_ptrs", "weights_sha256", "rss"}
 
-Prints ``READY {json}`` on stdout once both endpoints are bound.
+Prints one JSON ready line on stdout once both endpoints are bound.
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ def main() -> None:
     engine.agent.start()
     stop = threading.Event()
     threading.Thread(target=engine.loop, args=(stop,), daemon=True).start()
-    print("READY " + json.dumps({"pid": os.getpid(), "control": engine.agent.endpoint,
-                                 "api": args.api}), flush=True)
+    print(json.dumps({"event": "ready", "pid": os.getpid(), "control": engine.agent.endpoint,
+                      "api": args.api}), flush=True)
     try:
         engine.serve_api(api, stop)
     finally:
