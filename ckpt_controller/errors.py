@@ -19,7 +19,9 @@ back into the same class on the other side. Neighbours: ``protocol`` carries err
     |   |   +-- ResidualOverBudgetError   memory left after release exceeds the budget
     |   |   +-- VerificationError         re-woken weights differ from the release checksum
     |   +-- EngineError                the engine's own callback raised
+    |   +-- HookError                  a hook exited non-zero (or could not start)
     +-- DeadlineError          exit 3  a deadline passed (a failure, never a success)
+    |   +-- HookTimeoutError           a hook ran past its timeout and was stopped
     +-- UnreachableError       exit 4  the peer did not answer (temporary: reconnect, retry)
 """
 
@@ -119,10 +121,19 @@ class EngineError(OperationError):
     """Raised when one of the engine's own callbacks (abort, keep, pause, verify...) failed."""
 
 
+class HookError(OperationError):
+    """Raised when a hook exits non-zero (or cannot start: exit 127); ``details`` has the
+    point, the path, the exit code and the tail of its output."""
+
+
 class DeadlineError(CkptError):
     """Raised when a deadline passed. A timeout is a failure, never a success."""
 
     exit_code = 3
+
+
+class HookTimeoutError(DeadlineError):
+    """Raised when a hook ran past its timeout (it was stopped); same details as HookError."""
 
 
 class UnreachableError(CkptError):

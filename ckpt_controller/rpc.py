@@ -21,7 +21,7 @@ import zmq
 
 from ckpt_controller import protocol as p
 from ckpt_controller.endpoints import check_endpoint
-from ckpt_controller.errors import ConfigError, ProtocolError, UnreachableError
+from ckpt_controller.errors import ConfigError, DeadlineError, ProtocolError, UnreachableError
 
 
 def new_op_id() -> str:
@@ -73,6 +73,13 @@ class RpcClient:
 
     def close(self) -> None:
         if self._sock is not None:
+            if self._subscribed:  # best effort: the server also forgets peers that are gone
+                unsub = p.SubscribeCommand(call_id=next(self._calls))
+                try:
+                    self._sock.send_multipart(
+                        p.command_frames(p.RequestType.UNSUBSCRIBE, unsub), zmq.NOBLOCK)
+                except zmq.ZMQError:  # policy: nothing to tell a server we cannot reach
+                    pass
             self._sock.close(linger=0)
             self._sock = None
 
@@ -104,6 +111,7 @@ class RpcClient:
         """Send ``cmd`` and return the reply's result, or raise the server's typed error."""
         timeout = timeout_s or self.timeout_s
         last_exc: UnreachableError | None = None
+        self._take_pending()
         for _ in range(self.retries + 1):
             cmd = msgspec.structs.replace(cmd, call_id=next(self._calls))
             self._sock.send_multipart(p.command_frames(rtype, cmd))
@@ -121,12 +129,23 @@ class RpcClient:
         last_exc.details["attempts"] = self.retries + 1
         raise last_exc
 
+    def _take_pending(self) -> None:
+        """Handle events that arrived between calls, so they never pile up on the server."""
+        while self._sock.poll(0, zmq.POLLIN):
+            msg = self._receive()
+            if isinstance(msg, p.Event):
+                self._on_event(msg.body)
+
     def _await(self, call_id: int, timeout: float):
         start = time.monotonic()
         last_seen = start
         while True:
             now = time.monotonic()
             left = start + timeout - now
+            if self._subscribed and left <= 0 and now - last_seen < self.liveness_s:
+                # alive (heartbeats) but no answer in time: a deadline, not a lost peer
+                raise DeadlineError(f"no answer from {self.endpoint} in {timeout:.1f}s although "
+                                    f"it is alive", endpoint=self.endpoint, timeout_s=timeout)
             if self._subscribed:
                 left = min(left, last_seen + self.liveness_s - now)
             if left <= 0:

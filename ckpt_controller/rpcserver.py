@@ -22,7 +22,7 @@ import zmq
 from ckpt_controller import protocol as p
 from ckpt_controller.endpoints import secure_ipc
 from ckpt_controller.clock import Clock
-from ckpt_controller.errors import CkptError, ProtocolError
+from ckpt_controller.errors import CkptError, OperationError, ProtocolError
 from ckpt_controller.zmqutil import Outbox
 
 log = logging.getLogger("ckpt_controller.rpc")
@@ -58,6 +58,10 @@ class RpcServer:
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.MAXMSGSIZE, p.HARD_MAX_MESSAGE_BYTES)
             self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            # a message for a peer that left fails at once instead of queueing forever: that
+            # is how subscribers that went away are forgotten
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._router.setsockopt(zmq.SNDHWM, 100_000)
             self._router.bind(self.endpoint)
             if self.endpoint.startswith("tcp://") and self.endpoint.endswith(":0"):
                 self.endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -137,7 +141,7 @@ class RpcServer:
                 break
             if self._outbox.inbox in events:
                 try:
-                    self._outbox.forward(self._router)
+                    self._outbox.forward(self._router, self._forget)
                 except zmq.ZMQError as exc:  # policy: an undeliverable reply is logged
                     log.warning("%s: send failed: %s", self.name, exc)
             if self._router in events:
@@ -151,6 +155,12 @@ class RpcServer:
                 next_beat = self.clock.monotonic() + self.heartbeat_interval_s
                 self.on_tick()
                 self.publish(self.heartbeat_body(next(self._heartbeat_seq)))
+
+    def _forget(self, identity: bytes) -> None:
+        with self._subscribers_lock:
+            if identity in self._subscribers:
+                self._subscribers.discard(identity)
+                log.info("%s: subscriber %s is gone", self.name, identity.hex())
 
     def _dispatch(self, frames: list[bytes]) -> None:
         identity, rest = frames[0], frames[1:]
@@ -178,6 +188,10 @@ class RpcServer:
                                     server=self.name)
         except CkptError as err:  # policy: every refusal is a typed reply
             self.reply_error(identity, cmd.call_id, err)
+        except Exception as exc:  # policy: a bug answers this request, typed, and we go on
+            log.exception("%s: %s failed", self.name, rtype.name)
+            self.reply_error(identity, cmd.call_id, OperationError(
+                f"{self.name} failed to handle {rtype.name}: {exc!r}", request=rtype.name))
 
 
 def _close_context(ctx: zmq.Context) -> None:

@@ -10,6 +10,7 @@ and ``engine.server`` own such sockets.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import zmq
 
@@ -34,16 +35,29 @@ class Outbox:
             if not self._closed:
                 self._push.send_multipart(frames)
 
-    def forward(self, sock: zmq.Socket) -> int:
-        """Send everything queued through ``sock``; returns how many messages went."""
+    def forward(self, sock: zmq.Socket,
+                on_gone: Callable[[bytes], None] | None = None) -> int:
+        """Send everything queued through ``sock``; returns how many messages went.
+
+        With a ROUTER set to ``ROUTER_MANDATORY``, a message for a peer that is gone (or whose
+        queue is full) is dropped and ``on_gone(identity)`` called instead of blocking."""
         sent = 0
         while True:
             try:
                 frames = self.inbox.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return sent
-            sock.send_multipart(frames)
-            sent += 1
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+                sent += 1
+            except (zmq.Again, zmq.ZMQError) as exc:
+                # policy: an unreachable peer loses this message; a request it resends with
+                # the same id gets the stored answer
+                if on_gone is not None and (isinstance(exc, zmq.Again)
+                                            or exc.errno == zmq.EHOSTUNREACH):
+                    on_gone(frames[0])
+                else:
+                    raise
 
     def close(self) -> None:
         with self._lock:

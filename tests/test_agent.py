@@ -286,3 +286,21 @@ def test_default_endpoint_lives_in_a_private_runtime_dir(tmp_path, monkeypatch):
         default_endpoint("engine-a")
     with pytest.raises(ConfigError):
         Agent("x", control="http://nope")
+
+
+def test_subscribers_that_vanish_are_forgotten(ipc_dir):
+    from ckpt_controller.rpc import RpcClient
+
+    with Agent("subs", control=f"ipc://{ipc_dir}/s.ctl", heartbeat_interval_s=0.05) as a:
+        polite = AgentClient(a.endpoint)
+        polite.subscribe()
+        crashed = RpcClient(a.endpoint)
+        crashed.subscribe()
+        assert len(a._subscribers) == 2
+        polite.close()  # says UNSUBSCRIBE
+        crashed._sock.close(linger=0)  # vanishes without a word
+        crashed._sock = None
+        deadline = time.monotonic() + 5
+        while a._subscribers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not a._subscribers

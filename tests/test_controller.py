@@ -350,3 +350,61 @@ def test_group_prepare_fans_out_concurrently(spawn_controller, ipc_dir):
     finally:
         for a in agents:
             a.close()
+
+
+def test_hook_failures_of_every_kind(spawn_reference, spawn_controller):
+    eng = spawn_reference("hk")
+    ctl = spawn_controller("[deadlines]\nhook = 0.5\n" + engines_toml((eng, "")))
+    folder = ctl.dir / "hooks" / "dump"
+    folder.mkdir(parents=True)
+    (folder / "10-no-shebang").write_text("echo hi\n")
+    (folder / "10-no-shebang").chmod(0o755)
+    out = ctl.ckptctl("cycle", "hk", "--json")
+    (o,) = json.loads(out.stdout)["engines"]
+    assert out.returncode == 1 and o["status"] == "rolled_back" and o["state"] == "running"
+    assert o["hooks"][0]["exit_code"] == 127
+    (folder / "10-no-shebang").unlink()
+    _hook(ctl, "dump", "20-slow", "sleep 30")
+    start = time.monotonic()
+    out = ctl.ckptctl("cycle", "hk", "--json")
+    assert out.returncode == 3 and time.monotonic() - start < 20  # a hook timeout: a deadline
+    (o,) = json.loads(out.stdout)["engines"]
+    assert o["error"]["kind"] == "HookTimeoutError" and o["state"] == "running"
+    assert o["hooks"][0]["timed_out"]
+    # restore of a RUNNING engine runs no hook and fails nothing
+    _hook(ctl, "pre-restore", "10-fail", "exit 1")
+    out = ctl.ckptctl("restore", "hk", "--json")
+    (o,) = json.loads(out.stdout)["engines"]
+    assert out.returncode == 2 and o["state"] == "running" and o["hooks"] == []
+    with ControllerClient(ctl.endpoint) as c:
+        from ckpt_controller.errors import UsageError
+
+        with pytest.raises(UsageError):
+            c.history(limit=2**62)
+        assert c.status().engines[0].status.state == "running"
+
+
+def test_controller_killed_during_capture_stops_the_orphan_hook(spawn_reference,
+                                                                 spawn_controller):
+    eng = spawn_reference("cap")
+    ctl = spawn_controller(engines_toml((eng, "")))
+    _hook(ctl, "dump", "10-long", 'echo $$ > "$CKPT_IMAGE_DIR/../hook.pid"; sleep 300')
+    t = threading.Thread(target=lambda: ctl.ckptctl("cycle", "cap", "--op-id", "cut3"))
+    t.start()
+    pidfile = ctl.dir / "state" / "images" / "cap" / "hook.pid"
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    hook_pid = int(pidfile.read_text())
+    ctl.kill9()
+    t.join(60)
+    ctl.start()
+    assert ctl.info["recovered"] == 1
+    with pytest.raises(ProcessLookupError):  # recovery stopped the dump left running
+        os.kill(hook_pid, 0)
+    with AgentClient(eng.control) as agent:
+        assert agent.status().state == "running"
+    journal = Journal(ctl.dir / "state" / "journal.sqlite3")
+    assert journal.check() == [] and journal.result("cut3").status == "interrupted"
+    journal.close()

@@ -212,3 +212,18 @@ def test_golden_mismatch_fails_the_restore(tmp_path, ipc_dir):
             assert ctl.status().state == "failed"
     finally:
         eng.stop()
+
+
+def test_a_failed_prefill_ends_the_request_with_error(tiny):
+    class BrokenPrefill(BrokenOnce):
+        def prefill(self, *a):
+            raise RuntimeError("prefill blew up")
+
+    rec = Recorder()
+    sched = Scheduler(BrokenPrefill(tiny), BlockPool(tiny.cfg, 256), max_batch=8,
+                      emit=rec.emit, on_finish=rec.finish)
+    sched.add(Request("x", [1, 2], 10, None, 0.0, b""))
+    with pytest.raises(RuntimeError):
+        sched.step()
+    sched.fail_all("prefill blew up")
+    assert rec.finished == {"x": "error"} and sched.pool.free_blocks == 256

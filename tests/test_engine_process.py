@@ -184,3 +184,23 @@ def test_client_abort_ends_a_request_with_its_partial_output(spawn_reference, cl
     done = c.requests[rid]
     assert done.finish_reason == "abort" and 5 <= len(done.token_ids) < 1000
     assert clients(AgentClient, eng.control).status().in_flight == 0
+
+
+def test_two_keep_cycles_in_a_row_keep_outputs_exact(spawn_reference, clients):
+    """Requests kept by one cycle and resumed are in flight for the next one."""
+    eng = spawn_reference("twice")
+    ctl = clients(AgentClient, eng.control, timeout_s=30)
+    c = clients(EngineClient, eng.api)
+    prompts = [[i, 7, 9] for i in range(6)]
+    ids = [c.submit(pr, 400) for pr in prompts]
+    time.sleep(0.1)
+    first = ctl.prepare(drain="keep", level=2)
+    ctl.restore()
+    second = ctl.prepare(drain="keep", level=2)
+    ctl.restore()
+    assert first.drain.kept == 6 and second.drain.in_flight_at_start == second.drain.kept > 0
+    deadline = time.monotonic() + 60
+    while not all(c.requests[i].ended for i in ids) and time.monotonic() < deadline:
+        c.poll(0.2)
+    want = [c.generate(pr, 400).token_ids for pr in prompts]
+    assert [c.requests[i].token_ids for i in ids] == want

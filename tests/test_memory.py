@@ -594,3 +594,19 @@ def test_a_storage_exported_to_numpy_is_refused_before_anything_is_freed(tmp_pat
     assert reg.released_tags == [] and kv.untyped_storage().nbytes() == 4096
     reg.release(level=1)
     assert reg.rewake().verified_tensors == 3
+
+
+def test_status_readers_do_not_wait_for_a_release_in_progress():
+    """The agent's control thread reads these for status and heartbeats while a release or
+    re-wake holds the registry's lock for seconds."""
+    import threading
+
+    reg = MemoryRegistry()
+    reg.register("kv_cache", {"kv": filled(MIB)})
+    got = {}
+    with reg._lock:  # as a long release would
+        t = threading.Thread(target=lambda: got.update(tags=reg.released_tags,
+                                                       sizes=reg.registered_bytes()))
+        t.start()
+        t.join(2)
+    assert got == {"tags": [], "sizes": {"kv_cache": MIB}}

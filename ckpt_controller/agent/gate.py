@@ -126,6 +126,15 @@ class AdmissionGate:
             self.lock.notify_all()
             return n
 
+    def resume_kept(self) -> int:
+        """Kept requests run again (after restore): they count as in flight for the next
+        drain like any other request. Returns how many there were."""
+        with self.lock:
+            n = len(self._kept)
+            self._kept.clear()
+            self.lock.notify_all()
+            return n
+
     def drain_counts(self) -> DrainCounts:
         with self.lock:
             d = self._drain or DrainCounts()

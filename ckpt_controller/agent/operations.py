@@ -131,6 +131,7 @@ class Operations:
                     self._call_engine("drain", self.hooks.abort_requests, ids)
                 grace = _earlier(Deadline.after(ABORT_GRACE_S, self.clock), deadline)
                 if not self._wait_idle(grace, cmd.op_id, start):
+                    self._check(deadline, cmd.op_id, "drain")  # the op's deadline: exit 3
                     raise DrainError("aborted requests did not end", engine=self.name,
                                      in_flight=len(self.gate.in_flight()))
             elif mode == "keep":
@@ -192,8 +193,7 @@ class Operations:
         kept = self.gate.kept_count
         self.lifecycle.fire(trigger, reason=f"op {op_id}" + (f": {reason}" if reason else ""))
         try:
-            memory = self._rewake_and_resume(f"op {op_id}", op_id)
-            self._check(deadline, op_id, "restore")
+            memory = self._rewake_and_resume(f"op {op_id}", op_id, deadline)
         except Exception as exc:  # policy: whatever failed while RESTORING, the engine is unfit
             err = _typed(exc, self.name, "restore")
             self._fail(f"op {op_id}: {err.message}")
@@ -204,16 +204,21 @@ class Operations:
             memory=memory, duration_s=self.clock.monotonic() - start, resumed_kept=kept,
         )
 
-    def _rewake_and_resume(self, reason: str, op_id: str | None = None):
+    def _rewake_and_resume(self, reason: str, op_id: str | None = None,
+                           deadline: Deadline | None = None):
         """RESTORING -> RUNNING: weights, then KV cache (the memory manager orders tags), then
-        the engine's verification, then scheduling, then admission."""
+        the engine's verification, then scheduling, then admission. A deadline that passed
+        before admission reopens fails the step: the engine never serves late and unchecked."""
         memory = None
         if self.memory.released_tags:
             memory = self.memory.rewake()
             if op_id is not None:
                 self.emit(MemoryReported(engine=self.name, op_id=op_id, report=memory))
         self._call_engine("verify", self.hooks.verify)
+        if deadline is not None:
+            self._check(deadline, op_id or "", "restore")
         self._call_engine("resume", self.hooks.resume_scheduling)
+        self.gate.resume_kept()
         self.lifecycle.fire(Trigger.RESTORED, reason=reason)
         return memory
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt_controller.errors import ConfigError, OperationError
+from ckpt_controller.errors import ConfigError, HookError, HookTimeoutError
 from ckpt_controller.protocol import HookRun
 
 log = logging.getLogger("ckpt_controller.hooks")
@@ -43,11 +43,6 @@ POINTS = {
 CRTOOLS_ACTIONS = {"dump": "pre-dump", "post-dump": "post-dump", "pre-restore": "pre-restore",
                    "post-restore": "post-restore", "post-resume": "post-resume"}
 TAIL_BYTES = 4096
-
-
-class HookError(OperationError):
-    """Raised when a hook exits non-zero or times out; ``details`` has the point, the path,
-    the exit code and the tail of its output."""
 
 
 @dataclass(frozen=True)
@@ -105,9 +100,16 @@ def run_hook(path: Path, point: str, ctx: HookContext, timeout_s: float,
              grace_s: float = 5.0) -> HookRun:
     """Run one hook to its end or its timeout; never raises for the hook's own failure."""
     start = time.monotonic()
-    proc = subprocess.Popen([str(path)], env=hook_env(point, ctx), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, cwd=str(ctx.image_dir))
+    try:
+        proc = subprocess.Popen([str(path)], env=hook_env(point, ctx), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, cwd=str(ctx.image_dir))
+    except OSError as exc:  # policy: a hook that cannot start is a failed hook (exit 127)
+        return HookRun(point=point, path=str(path), exit_code=127,
+                       duration_s=time.monotonic() - start, stderr_tail=f"cannot run: {exc}")
+    # the hook's process group, so a controller restarted after a crash can stop it
+    pidfile = ctx.image_dir / f".hook-{point}-{proc.pid}.pid"
+    pidfile.write_text(str(proc.pid))
     timed_out = False
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -121,9 +123,48 @@ def run_hook(path: Path, point: str, ctx: HookContext, timeout_s: float,
             log.warning("hook %s ignored SIGTERM for %.1fs: SIGKILL", path, grace_s)
             _signal_group(proc, signal.SIGKILL)
             out, err = proc.communicate()
+    pidfile.unlink(missing_ok=True)
     return HookRun(point=point, path=str(path), exit_code=proc.returncode,
                    duration_s=time.monotonic() - start, timed_out=timed_out,
                    stdout_tail=_tail(out), stderr_tail=_tail(err))
+
+
+def stop_orphan_hooks(engine_image_dir: Path, op_id: str, grace_s: float = 5.0) -> int:
+    """After a controller crash: stop hooks of ``op_id`` still running (SIGTERM, grace,
+    SIGKILL to each process group), so recovery never races a half-finished dump."""
+    folder = engine_image_dir / op_id.replace("/", "_")
+    stopped = 0
+    for pidfile in folder.glob(".hook-*.pid") if folder.is_dir() else []:
+        try:
+            pgid = int(pidfile.read_text())
+            os.killpg(pgid, signal.SIGTERM)
+        except (ValueError, ProcessLookupError, PermissionError):  # policy: gone, or not ours
+            pidfile.unlink(missing_ok=True)
+            continue
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _group_alive(pgid):
+            time.sleep(0.05)
+        if _group_alive(pgid):
+            _kill_group(pgid)
+        log.warning("stopped hook process group %d left by an interrupted operation", pgid)
+        pidfile.unlink(missing_ok=True)
+        stopped += 1
+    return stopped
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):  # policy: no such group left
+        return False
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:  # policy: already gone
+        pass
 
 
 def run_point(hooks_dir: Path | None, point: str, ctx: HookContext, timeout_s: float,
@@ -136,9 +177,10 @@ def run_point(hooks_dir: Path | None, point: str, ctx: HookContext, timeout_s: f
         runs.append(run)
         if run.timed_out or run.exit_code != 0:
             what = "timed out" if run.timed_out else f"exited {run.exit_code}"
-            raise HookError(f"{point} hook {path.name} {what}", engine=ctx.engine, point=point,
-                            path=str(path), exit_code=run.exit_code, timed_out=run.timed_out,
-                            stderr_tail=run.stderr_tail[-1000:])
+            error = HookTimeoutError if run.timed_out else HookError
+            raise error(f"{point} hook {path.name} {what}", engine=ctx.engine, point=point,
+                        path=str(path), exit_code=run.exit_code, timed_out=run.timed_out,
+                        stderr_tail=run.stderr_tail[-1000:])
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

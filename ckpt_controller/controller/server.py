@@ -18,7 +18,7 @@ from ckpt_controller import protocol as p
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.metrics import Metrics, MetricsServer
 from ckpt_controller.controller.service import Controller
-from ckpt_controller.errors import CkptError
+from ckpt_controller.errors import CkptError, UsageError
 from ckpt_controller.rpcserver import RpcServer
 
 log = logging.getLogger("ckpt_controller.controller")
@@ -62,6 +62,8 @@ class ControllerServer(RpcServer):
                 protocol_version=p.PROTOCOL_VERSION, engine="controller", pid=os.getpid(),
                 incarnation=0, state="serving", heartbeat_interval_s=self.heartbeat_interval_s))
         elif rtype is p.RequestType.HISTORY:
+            if not 1 <= cmd.limit <= 10_000:
+                raise UsageError("history limit must be 1 to 10000", limit=cmd.limit)
             self.reply(identity, call_id, self.controller.history(cmd))
         elif rtype is p.RequestType.OPERATION:
             self.controller.start(cmd, lambda result: self.reply(identity, call_id, result))
@@ -79,12 +81,14 @@ class ControllerServer(RpcServer):
 
 def serve(config: ControllerConfig, ready=None) -> None:
     """Run the controller until SIGTERM/SIGINT: reconcile, then serve."""
-    server = ControllerServer(config).start()
+    server = ControllerServer(config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # a handler only sets a flag
         signal.signal(sig, lambda *_: stop.set())
     try:
+        # before the socket opens: no new operation may touch an engine being reconciled
         recovered = server.controller.recover()
+        server.start()
         for result in recovered:
             log.warning("recovered interrupted operation %s (%s): %s", result.op_id, result.kind,
                         ", ".join(f"{o.engine} {o.state}" for o in result.engines))

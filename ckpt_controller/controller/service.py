@@ -26,12 +26,14 @@ import msgspec
 from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig
-from ckpt_controller.controller.hooks import HookError
+from ckpt_controller.controller.hooks import stop_orphan_hooks
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.session import EngineSession
 from ckpt_controller.errors import (
     BusyError,
     CkptError,
+    HookError,
+    HookTimeoutError,
     OperationError,
     UnreachableError,
     UsageError,
@@ -53,16 +55,16 @@ def error_info(err: CkptError) -> p.ErrorInfo:
 
 
 def exit_code(result: p.OperationResult) -> int:
-    """0 success; 3 if a deadline passed; 4 if an engine was unreachable; else 1."""
+    """0 success; 3 if a deadline passed; 4 if an engine was unreachable; 2 if every error
+    was a usage error (nothing was tried); else 1."""
     if result.status == "succeeded":
         return 0
-    kinds = {o.error.kind for o in result.engines if o.error} | (
-        {result.error.kind} if result.error else set())
-    if "DeadlineError" in kinds:
-        return 3
-    if "UnreachableError" in kinds:
-        return 4
-    return 1
+    infos = [o.error for o in result.engines if o.error] + ([result.error] if result.error else [])
+    codes = {info.to_exception().exit_code for info in infos}
+    for code in (3, 4):
+        if code in codes:
+            return code
+    return 2 if codes == {2} else 1
 
 
 class Controller:
@@ -117,12 +119,12 @@ class Controller:
                 engine, holder = next(iter(busy.items()))
                 raise BusyError(f"engine {engine} is held by operation {holder}",
                                 engine=engine, holder=holder, busy=busy)
+            params = {k: v for k, v in msgspec.to_builtins(cmd).items()
+                      if k not in ("call_id", "version", "op_id", "kind", "engines")}
+            self.journal.begin(cmd.op_id, cmd.kind, engines, params)  # first: may raise
             for e in engines:
                 self._holders[e] = cmd.op_id
             self._running[cmd.op_id] = _Running([done])
-            params = {k: v for k, v in msgspec.to_builtins(cmd).items()
-                      if k not in ("call_id", "version", "op_id", "kind", "engines")}
-            self.journal.begin(cmd.op_id, cmd.kind, engines, params)
         threading.Thread(target=self._run, args=(cmd, engines), daemon=True,
                          name=f"op-{cmd.op_id}").start()
 
@@ -137,8 +139,9 @@ class Controller:
 
     def _run(self, cmd: p.OperationCommand, engines: list[str]) -> None:
         wall, start = time.time(), time.monotonic()
-        self.record("operation_start", {"kind": cmd.kind, "engines": engines}, op_id=cmd.op_id)
         try:
+            self.record("operation_start", {"kind": cmd.kind, "engines": engines},
+                        op_id=cmd.op_id)
             outcomes, peak = self._execute(cmd, engines)
             result = _summarize(cmd.op_id, cmd.kind, outcomes, wall, time.monotonic() - start)
             result.max_unavailable_seen = peak
@@ -259,6 +262,8 @@ class Controller:
             wall, start = time.time(), time.monotonic()
             cmd = p.OperationCommand(call_id=0, op_id=op_id, kind=kind, engines=engines)
             known = [e for e in engines if any(c.name == e for c in self.config.engines)]
+            for engine in known:
+                stop_orphan_hooks(self.config.image_dir / engine, op_id)
             sessions = [self._session(cmd, e) for e in known]
             try:
                 _fan_out(sessions, lambda s: _reconcile(s, self.config.deadlines.operation))
@@ -298,13 +303,15 @@ def _guarded(step: Callable[[EngineSession], None]) -> Callable[[EngineSession],
             step(s)
             if s.outcome.status == "running":
                 s.outcome.status = "succeeded"
-        except CkptError as err:
-            # policy: a step's failure is its engine's outcome; the others go on
+        except Exception as exc:
+            # policy: a step's failure is its engine's outcome (a bug becomes a typed
+            # OperationError); the other engines go on
+            err = exc if isinstance(exc, CkptError) else OperationError(
+                f"controller step failed: {exc!r}", engine=s.engine.name)
+            if not isinstance(exc, CkptError):
+                log.error("%s: step failed", s.engine.name, exc_info=exc)
             s.outcome.error = error_info(err)
-            if err.details.get("rolled_back"):
-                s.outcome.status = "rolled_back"
-            elif s.outcome.status == "running":
-                s.outcome.status = "failed"
+            s.outcome.status = "rolled_back" if err.details.get("rolled_back") else "failed"
             state = err.details.get("state")
             if isinstance(state, str):
                 s.outcome.state = state
@@ -343,9 +350,12 @@ def _capture(s: EngineSession) -> None:
 
 
 def _restore(s: EngineSession) -> None:
+    if s.outcome.state not in ("prepared", "failed"):
+        raise UsageError(f"restore needs a PREPARED or FAILED engine; {s.engine.name} is "
+                         f"{s.outcome.state}", engine=s.engine.name, state=s.outcome.state)
     try:
         s.restore()
-    except HookError as err:
+    except (HookError, HookTimeoutError) as err:
         if err.details.get("point") == "pre-restore":  # policy: pre-restore failure is FAILED
             s.mark_failed(err.message)
             err.details["state"] = "failed"
@@ -360,11 +370,20 @@ def _cycle(s: EngineSession) -> None:
     def steps(sess: EngineSession) -> None:
         _prepare(sess)
         _capture(sess)
-        _restore(sess)
+        try:
+            _restore(sess)
+        except CkptError as err:
+            # policy: a restore that never reached the agent (deadline, refused) leaves the
+            # engine PREPARED: a cycle must not strand it, so roll it back
+            if sess.refresh_state() == "prepared":
+                sess.rollback(f"restore did not run: {err.message}")
+                err.details["rolled_back"] = True
+            raise
     _guarded(steps)(s)
 
 
 def _undo_prepare(s: EngineSession, failed: list[str]) -> None:
+    s.outcome.status = "running"  # from "succeeded": a failing rollback must not read as one
     s.rollback(f"group prepare failed on {', '.join(failed)}")
     s.outcome.status = "rolled_back"
     s.outcome.error = p.ErrorInfo(kind="OperationError",

@@ -22,8 +22,8 @@ import msgspec
 from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig, PrepareDefaults
-from ckpt_controller.controller.hooks import HookContext, HookError, run_point
-from ckpt_controller.errors import CkptError, DeadlineError
+from ckpt_controller.controller.hooks import HookContext, run_point
+from ckpt_controller.errors import CkptError, DeadlineError, HookError, HookTimeoutError
 
 log = logging.getLogger("ckpt_controller.controller")
 
@@ -180,7 +180,7 @@ class EngineSession:
     def _log_only(self, point: str) -> None:
         try:
             self.hooks(point)
-        except HookError as exc:  # policy: post-resume and on-fail failures are logged only
+        except (HookError, HookTimeoutError) as exc:  # policy: post-resume/on-fail: logged only
             log.warning("%s: %s", self.engine.name, exc)
 
     def refresh_state(self) -> str | None:

@@ -159,9 +159,9 @@ class Scheduler:
             self.waiting.popleft()
             req.blocks = blocks
             self._event(req, "scheduled")
+            self.running.append(req)  # first: if prefill raises, fail_all still ends it
             token = self.model.prefill(req.tokens, self.pool.kv, req.blocks)
             req.computed = len(req.tokens)
-            self.running.append(req)
             self._append(req, token)
         batch = [r for r in self.running if r.computed == len(r.tokens) - 1]
         for req in list(batch):

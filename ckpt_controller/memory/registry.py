@@ -137,16 +137,19 @@ class MemoryRegistry:
         with self._lock:
             return list(self._tags)
 
+    # The two readers below take no lock: the agent's control thread calls them for status
+    # and heartbeats while a release or re-wake (which holds the lock for seconds) runs.
+    # ``dict(...)`` copies under the GIL, so each sees a consistent snapshot.
+
     @property
     def released_tags(self) -> list[str]:
         """Tags released and not yet re-woken, in registration order."""
-        with self._lock:
-            return [t for t in self._tags if t in self._released]
+        released = dict(self._released)
+        return [t for t in dict(self._tags) if t in released]
 
     def registered_bytes(self) -> dict[str, int]:
         """Tag -> bytes of its distinct storages (as registered, also while released)."""
-        with self._lock:
-            return {name: tag.nbytes for name, tag in self._tags.items()}
+        return {name: tag.nbytes for name, tag in dict(self._tags).items()}
 
     # ---------------------------------------------------------------- planning
 
