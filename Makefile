@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-slow demo clean
+.PHONY: install test test-slow demo criu clean
 
 install: $(STAMP)
 
@@ -25,6 +25,12 @@ demo: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+# CRIU 4.2+ from Debian's unstable suite in a private prefix (.cache/criu/bin/criu)
+criu: .cache/criu/bin/criu
+
+.cache/criu/bin/criu: tools/install-criu
+	tools/install-criu .cache/criu
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -52,12 +52,16 @@ class RpcClient:
         self._ctx = context or zmq.Context.instance()
         self._calls = itertools.count(1)
         self._subscribed = False
+        # one identity for the client's life: after a reconnect (ours, or the server's
+        # process restored from a checkpoint image) replies and events still find us
+        self.identity = f"{name}-{uuid.uuid4().hex[:12]}".encode()
         self._sock: zmq.Socket | None = None
         self._open()
 
     def _open(self) -> None:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTING_ID, self.identity)
         self._sock.setsockopt(zmq.MAXMSGSIZE, p.HARD_MAX_MESSAGE_BYTES)
         try:
             self._sock.connect(self.endpoint)

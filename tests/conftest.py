@@ -99,10 +99,11 @@ def spawn_engine(ipc_dir):
 class ReferenceProcess(ReadyProcess):
     """``ckptctl engine serve`` as a child process."""
 
-    def __init__(self, tmp: Path, model_dir: Path, name: str, *extra: str) -> None:
+    def __init__(self, tmp: Path, model_dir: Path, name: str, *extra: str,
+                 api: str | None = None, control: str | None = None) -> None:
         self.name = name
-        self.api = f"ipc://{tmp}/{name}.api"
-        self.control = f"ipc://{tmp}/{name}.ctl"
+        self.api = api or f"ipc://{tmp}/{name}.api"
+        self.control = control or f"ipc://{tmp}/{name}.ctl"
         super().__init__([sys.executable, "-m", "ckpt_controller", "engine", "serve", "--name",
                           name, "--api", self.api, "--control", self.control, "--model-dir",
                           str(model_dir), "--heartbeat", "0.2", *extra],
@@ -118,8 +119,8 @@ def model_dir(tmp_path_factory):
 def spawn_reference(ipc_dir, model_dir):
     started: list[ReferenceProcess] = []
 
-    def spawn(name: str = "ref", *extra: str) -> ReferenceProcess:
-        eng = ReferenceProcess(ipc_dir, model_dir, name, *extra)
+    def spawn(name: str = "ref", *extra: str, **endpoints) -> ReferenceProcess:
+        eng = ReferenceProcess(ipc_dir, model_dir, name, *extra, **endpoints)
         started.append(eng)
         return eng
 

@@ -26,7 +26,7 @@ import msgspec
 from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig
-from ckpt_controller.controller.hooks import stop_orphan_hooks
+from ckpt_controller.controller.hooks import find_hooks, stop_orphan_hooks
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.session import EngineSession
 from ckpt_controller.errors import (
@@ -184,7 +184,12 @@ class Controller:
         try:
             if cmd.kind == "cycle":
                 return self._rolling(sessions, cmd.max_unavailable or len(sessions))
-            step = {"prepare": _prepare, "capture": _capture, "restore": _restore,
+            if cmd.kind == "restore":
+                # an engine whose process is gone (dumped with stop, or a migration) may be
+                # brought back by a pre-restore hook (criu-restore): open only after it
+                _fan_out(sessions, _guarded(_revive_and_restore, open_first=False), guard=False)
+                return [s.outcome for s in sessions], len(sessions)
+            step = {"prepare": _prepare, "capture": _capture,
                     "rollback": lambda s: _rollback(s, cmd.reason or "rollback requested")}[cmd.kind]
             _fan_out(sessions, step)
             if cmd.kind == "prepare" and cmd.all_or_nothing and len(sessions) > 1:
@@ -296,10 +301,12 @@ def _check(cmd: p.OperationCommand) -> None:
         raise UsageError("an operation needs an id")
 
 
-def _guarded(step: Callable[[EngineSession], None]) -> Callable[[EngineSession], None]:
+def _guarded(step: Callable[[EngineSession], None],
+             open_first: bool = True) -> Callable[[EngineSession], None]:
     def run(s: EngineSession) -> None:
         try:
-            s.open()
+            if open_first:
+                s.open()
             step(s)
             if s.outcome.status == "running":
                 s.outcome.status = "succeeded"
@@ -360,6 +367,21 @@ def _restore(s: EngineSession) -> None:
             s.mark_failed(err.message)
             err.details["state"] = "failed"
         raise
+
+
+def _revive_and_restore(s: EngineSession) -> None:
+    try:
+        s.open()
+    except UnreachableError:
+        if not find_hooks(s.config.hooks_dir, "pre-restore"):
+            raise
+        # policy: the process is gone and pre-restore hooks may bring it back from an image
+        with s.phase("pre-restore"):
+            s.hooks("pre-restore")
+        s.reconnect()
+        s.restore(run_pre_restore=False)
+        return
+    _restore(s)
 
 
 def _rollback(s: EngineSession, reason: str) -> None:

@@ -47,10 +47,20 @@ class EngineSession:
         self.pid: int | None = None
         self.generation = 0
         # quick requests: 2 s, one resend; operations are bounded by heartbeats instead
-        self.client = AgentClient(self.engine.control, timeout_s=2.0, retries=1,
-                                  heartbeat_interval_s=config.heartbeat_interval_s,
-                                  missed_beats=config.missed_beats, name=f"controller/{op_id}",
-                                  on_event=self._on_agent_event)
+        self.client = self._connect()
+
+    def _connect(self) -> AgentClient:
+        return AgentClient(self.engine.control, timeout_s=2.0, retries=1,
+                           heartbeat_interval_s=self.config.heartbeat_interval_s,
+                           missed_beats=self.config.missed_beats, name=f"controller/{self.op_id}",
+                           on_event=self._on_agent_event)
+
+    def reconnect(self) -> p.StatusReply:
+        """A fresh connection and subscription: after a hook restored the engine's process
+        from an image, the old connection belongs to a process that no longer exists."""
+        self.client.close()
+        self.client = self._connect()
+        return self.open()
 
     def close(self) -> None:
         self.client.close()
@@ -103,7 +113,8 @@ class EngineSession:
             if self.metrics:
                 self.metrics.phase(name, rec.duration_s)
 
-    def hooks(self, point: str) -> None:
+    def hooks(self, point: str) -> int:
+        """Run ``point``'s hooks; returns how many ran (raises at the first failure)."""
         ctx = HookContext(engine=self.engine.name, pid=self.pid, state=self.outcome.state or "",
                           generation=self.generation, op_id=self.op_id,
                           image_dir=self.image_dir(), deadline_wall=self.deadline_wall)
@@ -114,6 +125,7 @@ class EngineSession:
             for run in runs:
                 self.outcome.hooks.append(run)
                 self.record("hook", msgspec.to_builtins(run))
+        return len(runs)
 
     def image_dir(self) -> Path:
         path = self.config.image_dir / self.engine.name / self.op_id.replace("/", "_")
@@ -148,10 +160,12 @@ class EngineSession:
             self.hooks("dump")
             self.hooks("post-dump")
 
-    def restore(self) -> None:
+    def restore(self, run_pre_restore: bool = True) -> None:
         d = self.config.deadlines
-        with self.phase("pre-restore"):
-            self.hooks("pre-restore")
+        if run_pre_restore:
+            with self.phase("pre-restore"):
+                if self.hooks("pre-restore"):
+                    self.reconnect()  # a hook may have restored the process from an image
         with self.phase("restore"):
             reply = self.client.restore(op_id=f"{self.op_id}/{self.engine.name}/restore",
                                         deadline_s=self.remaining(d.restore))

@@ -44,6 +44,9 @@ class EngineClient:
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # a stable identity: when the engine comes back from a checkpoint image and we
+        # reconnect, the outputs of our kept requests still reach us
+        self._sock.setsockopt(zmq.ROUTING_ID, f"client-{uuid.uuid4().hex[:12]}".encode())
         try:
             self._sock.connect(endpoint)
         except zmq.ZMQError as exc:  # policy: a malformed endpoint is the caller's error

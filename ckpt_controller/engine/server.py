@@ -82,6 +82,7 @@ class ReferenceEngine(EngineHooks):
     def start(self) -> "ReferenceEngine":
         self._api_sock = self._ctx.socket(zmq.ROUTER)
         self._api_sock.setsockopt(zmq.LINGER, 0)
+        self._api_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client takes over
         self._api_sock.bind(self.opts.api)
         self.agent.start()
         for target, name in ((self._schedule_loop, "sched"), (self._api_loop, "api")):
