@@ -57,7 +57,10 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[ReadyProcess]) -> 
     from ckpt_controller.engine.load import replay, run_load
 
     py = [sys.executable, "-m", "ckpt_controller"]
-    api, control, ctl = f"ipc://{tmp}/engine.api", f"ipc://{tmp}/engine.ctl", f"ipc://{tmp}/ctl"
+    # the engine listens on TCP loopback so CRIU can checkpoint it with clients connected
+    api, control = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    ctl = f"ipc://{tmp}/ctl"
+    criu_hook = _install_criu_hook(tmp / "hooks")
     _say("ckpt-controller demo: one reference engine, one controller, load, one full cycle")
     _say(f"  working in {tmp}")
     eng = ReadyProcess(py + ["engine", "serve", "--name", "demo-engine", "--api", api, "--control",
@@ -93,8 +96,11 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[ReadyProcess]) -> 
     _say("\ntimeline:")
     for offset, what in _timeline(history.records):
         _say(f"  +{offset * 1000:8.1f} ms  {what}")
-    if not any(h.point == "dump" for o in result.engines for h in o.hooks):
-        _say("  (capture ran no dump hook: none is installed in this demo's hooks directory)")
+    dumps = [h for o in result.engines for h in o.hooks if h.point == "dump"]
+    if dumps:
+        _say(f"  capture: {dumps[0].stdout_tail.strip().splitlines()[-1]}")
+    else:
+        _say(f"  (capture ran no dump hook: {criu_hook})")
 
     kept = sum(o.drain.kept for o in result.engines if o.drain is not None)
     completed = {rid: c.token_ids for rid, c in requests.items()
@@ -130,10 +136,37 @@ def _timeline(records) -> list[tuple[float, str]]:
                     f"{'freed' if d['freed_bytes'] >= 0 else 'back'} "
                     f"{human_bytes(abs(d['freed_bytes']))}")
         elif rec.type == "hook":
-            what = f"  hook {d['point']}: exit {d['exit_code']}"
+            at -= d["duration_s"]
+            what = f"    hook {d['point']}: exit {d['exit_code']} in {d['duration_s'] * 1000:.1f} ms"
         else:
             continue
         rows.append((at, what))
     rows.sort(key=lambda row: row[0])
     start = rows[0][0] if rows else 0.0
     return [(at - start, what) for at, what in rows]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _install_criu_hook(hooks_dir: Path) -> str:
+    """Link the shipped criu-dump hook when CRIU is installed; else say why not."""
+    import os
+
+    root = Path(__file__).resolve().parents[2]
+    hook = root / "hooks" / "criu-dump"
+    criu = os.environ.get("CKPT_CRIU") or str(root / ".cache" / "criu" / "bin" / "criu")
+    if not hook.exists():
+        return "the criu-dump hook is not next to this installation"
+    if not os.path.exists(criu):
+        return "CRIU is not installed; `make criu` installs it"
+    if os.geteuid() != 0:
+        return "CRIU needs root"
+    (hooks_dir / "dump").mkdir(parents=True, exist_ok=True)
+    (hooks_dir / "dump" / "10-criu-dump").symlink_to(hook)
+    return "installed"
