@@ -104,6 +104,10 @@ class PrepareCommand(Command, kw_only=True):
     tags: list[str] | None = None
     residual_budget_bytes: int | None = None
     deadline_s: float | None = None
+    #: all: drain, release, PREPARED in one go. Or one step at a time, so a controller can run
+    #: hooks between them: drain (-> stays PREPARING), release (stays PREPARING), seal
+    #: (-> PREPARED). A failure in any step rolls back to RUNNING.
+    step: Literal["all", "drain", "release", "seal"] = "all"
 
 
 class RestoreCommand(Command, kw_only=True):
@@ -111,6 +115,9 @@ class RestoreCommand(Command, kw_only=True):
 
     op_id: str
     deadline_s: float | None = None
+    #: all; or rewake (-> RESTORING: memory back and verified, admission still closed) and
+    #: then resume (-> RUNNING), so post-restore hooks can check the engine in between
+    step: Literal["all", "rewake", "resume"] = "all"
 
 
 class RollbackCommand(Command, kw_only=True):

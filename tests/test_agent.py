@@ -304,3 +304,28 @@ def test_subscribers_that_vanish_are_forgotten(ipc_dir):
         while a._subscribers and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not a._subscribers
+
+
+def test_stepwise_prepare_and_restore(agent, client):
+    """Steps let a controller run hooks inside PREPARING and RESTORING."""
+    agent.gate.admit("r")
+    agent.gate.finish("r", "stop")
+    r = client.prepare(op_id="s1", level=0, step="drain")
+    assert r.state == "preparing" and client.status().state == "preparing"
+    with pytest.raises(InvalidTransitionError) as info:
+        client.prepare(op_id="s-bad", level=0, step="seal")
+    assert info.value.details["allowed"] == ["release"]
+    assert client.prepare(op_id="s2", level=0, step="release").state == "preparing"
+    with pytest.raises(RejectedError):
+        agent.gate.admit("late")  # admission stays closed between steps
+    assert client.prepare(op_id="s3", level=0, step="seal").state == "prepared"
+    assert client.restore(op_id="s4", step="rewake").state == "restoring"
+    with pytest.raises(RejectedError):
+        agent.gate.admit("late")
+    r = client.restore(op_id="s5", step="resume")
+    assert r.state == "running" and r.generation == 1
+    # a rollback between steps brings the engine back
+    client.prepare(op_id="s6", level=0, step="drain")
+    assert client.rollback(op_id="s7").state == "running"
+    with pytest.raises(InvalidTransitionError):
+        client.restore(op_id="s8", step="resume")

@@ -408,3 +408,33 @@ def test_controller_killed_during_capture_stops_the_orphan_hook(spawn_reference,
     journal = Journal(ctl.dir / "state" / "journal.sqlite3")
     assert journal.check() == [] and journal.result("cut3").status == "interrupted"
     journal.close()
+
+
+def test_hooks_inside_preparing_and_restoring(spawn_reference, spawn_controller):
+    eng = spawn_reference("in")
+    ctl = spawn_controller(engines_toml((eng, ""), defaults="level = 2"))
+    log = ctl.dir / "hooks.log"
+    for point in ("post-drain", "post-release", "post-restore"):
+        _hook(ctl, point, "10-note", f'echo "$CKPT_ACTION $CKPT_STATE" >> {log}')
+    out = ctl.ckptctl("cycle", "in", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    (o,) = json.loads(out.stdout)["engines"]
+    assert [p["name"] for p in o["phases"]] == [
+        "pre-prepare", "drain", "post-drain", "release", "post-release", "seal", "capture",
+        "pre-restore", "rewake", "post-restore", "resume"]
+    assert log.read_text().split("\n")[:3] == ["post-drain preparing", "post-release preparing",
+                                               "post-restore restoring"]
+    assert o["released"]["tensor_bytes"] > 0 and o["rewoken"]["verified_tensors"] > 0
+    _hook(ctl, "post-release", "20-veto", "exit 4")
+    out = ctl.ckptctl("prepare", "in", "--json")
+    (o,) = json.loads(out.stdout)["engines"]
+    assert out.returncode == 1 and o["status"] == "rolled_back" and o["state"] == "running"
+    (ctl.dir / "hooks" / "post-release" / "20-veto").unlink()
+    _hook(ctl, "post-restore", "20-veto", "exit 5")
+    out = ctl.ckptctl("cycle", "in", "--json")
+    (o,) = json.loads(out.stdout)["engines"]
+    assert out.returncode == 1 and o["state"] == "failed"
+    with AgentClient(eng.control) as agent:
+        assert agent.status().state == "failed"
+    (ctl.dir / "hooks" / "post-restore" / "20-veto").unlink()
+    assert ctl.ckptctl("restore", "in").returncode == 0  # recovery from FAILED

@@ -20,8 +20,9 @@ class AgentClient(RpcClient):
         return self.call(p.RequestType.PREPARE, cmd, timeout_s=timeout_s or self._op_timeout(cmd))
 
     def restore(self, *, op_id: str | None = None, deadline_s: float | None = None,
-                timeout_s: float | None = None) -> p.RestoreReply:
-        cmd = p.RestoreCommand(call_id=0, op_id=op_id or new_op_id(), deadline_s=deadline_s)
+                timeout_s: float | None = None, step: str = "all") -> p.RestoreReply:
+        cmd = p.RestoreCommand(call_id=0, op_id=op_id or new_op_id(), deadline_s=deadline_s,
+                               step=step)
         return self.call(p.RequestType.RESTORE, cmd, timeout_s=timeout_s or self._op_timeout(cmd))
 
     def rollback(self, *, op_id: str | None = None, reason: str = "",

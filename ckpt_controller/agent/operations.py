@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from ckpt_controller.agent.engine import EngineHooks, MemoryManager
@@ -22,6 +23,7 @@ from ckpt_controller.errors import (
     DeadlineError,
     DrainError,
     EngineError,
+    InvalidTransitionError,
     OperationError,
     UsageError,
 )
@@ -30,6 +32,7 @@ from ckpt_controller.protocol import (
     Ack,
     DrainProgress,
     DrainReport,
+    MemoryReport,
     EventBody,
     FailCommand,
     MemoryReported,
@@ -71,10 +74,74 @@ class Operations:
         self.emit = emit
         self.clock = clock or Clock()
         self.progress_tick_s = progress_tick_s
+        #: between the steps of a stepwise prepare / restore
+        self._pending: _Pending | None = None
+        self._restoring: int | None = None
 
     # ------------------------------------------------------------------ prepare
 
     def prepare(self, cmd: PrepareCommand) -> PrepareReply:
+        if cmd.step == "all":
+            return self._prepare_all(cmd)
+        start = self.clock.monotonic()
+        deadline = Deadline.after(cmd.deadline_s, self.clock)
+        if cmd.step == "drain":
+            plan = self._enter_preparing(cmd)
+            self._pending = _Pending(plan=plan)
+            steps = ("drain", "pause")
+        else:
+            if self.lifecycle.state is not CheckpointState.PREPARING or self._pending is None \
+                    or (cmd.step == "seal") != (self._pending.memory is not None):
+                raise InvalidTransitionError(
+                    f"prepare step {cmd.step} does not follow the steps before it",
+                    state=self.lifecycle.state.value, step=cmd.step,
+                    allowed=["drain"] if self._pending is None else
+                    ["seal" if self._pending.memory is not None else "release"])
+            steps = (cmd.step,)
+        pending = self._pending
+        step = steps[0]
+        try:
+            for step in steps:
+                if step != "drain":
+                    self._check(deadline, cmd.op_id, step)
+                if step == "drain":
+                    pending.drain = self._drain(cmd, deadline)
+                elif step == "pause":
+                    self._call_engine(step, self.hooks.pause_scheduling)
+                elif step == "release":
+                    pending.memory = self.memory.release(
+                        pending.plan, residual_budget_bytes=cmd.residual_budget_bytes)
+                    self.emit(MemoryReported(engine=self.name, op_id=cmd.op_id,
+                                             report=pending.memory))
+                else:
+                    self.lifecycle.fire(Trigger.PREPARED, reason=f"op {cmd.op_id}")
+                    self._pending = None
+        except Exception as exc:  # policy: every failure while PREPARING rolls back
+            self._pending = None
+            err = _typed(exc, self.name, step)
+            self._roll_back_after(err, cmd.op_id)
+            raise err from (None if err is exc else exc)
+        return PrepareReply(
+            op_id=cmd.op_id, state=self.lifecycle.state.value,
+            drain=pending.drain or DrainReport(mode=cmd.drain),
+            memory=pending.memory or MemoryReport(action="release"),
+            duration_s=self.clock.monotonic() - start,
+        )
+
+    def _enter_preparing(self, cmd: PrepareCommand):
+        """Check everything, then RUNNING -> PREPARING with admission closed; the plan."""
+        self.lifecycle.check(Trigger.PREPARE)  # the state is the first thing a caller must fix
+        if (cmd.level is None) == (not cmd.tags):
+            raise UsageError("give a level or tags, not both and not neither",
+                             level=cmd.level, tags=cmd.tags)
+        if cmd.drain_timeout_s < 0:
+            raise UsageError("drain timeout must not be negative", drain_timeout_s=cmd.drain_timeout_s)
+        plan = self.memory.plan(level=cmd.level, tags=cmd.tags)  # bad level/tags: nothing moved
+        with self.gate.lock:  # admission closes at the same instant the state leaves RUNNING
+            self.lifecycle.fire(Trigger.PREPARE, reason=f"op {cmd.op_id}")
+        return plan
+
+    def _prepare_all(self, cmd: PrepareCommand) -> PrepareReply:
         start = self.clock.monotonic()
         deadline = Deadline.after(cmd.deadline_s, self.clock)
         self.lifecycle.check(Trigger.PREPARE)  # the state is the first thing a caller must fix
@@ -177,12 +244,47 @@ class Operations:
     # ------------------------------------------------------------------ restore, rollback, fail
 
     def restore(self, cmd: RestoreCommand) -> RestoreReply:
-        return self._bring_back(Trigger.RESTORE, cmd.op_id, cmd.deadline_s, "")
+        if cmd.step == "all":
+            return self._bring_back(Trigger.RESTORE, cmd.op_id, cmd.deadline_s, "")
+        start = self.clock.monotonic()
+        deadline = Deadline.after(cmd.deadline_s, self.clock)
+        memory = None
+        if cmd.step == "rewake":
+            kept = self.gate.kept_count
+            self.lifecycle.fire(Trigger.RESTORE, reason=f"op {cmd.op_id}")
+            try:
+                memory = self._rewake(cmd.op_id)
+                self._check(deadline, cmd.op_id, "restore")
+            except Exception as exc:  # policy: whatever failed while RESTORING, the engine is unfit
+                raise self._unfit(exc, cmd.op_id) from None
+            self._restoring = kept
+        else:
+            if self.lifecycle.state is not CheckpointState.RESTORING or self._restoring is None:
+                raise InvalidTransitionError("restore step resume needs a rewake before it",
+                                             state=self.lifecycle.state.value, step=cmd.step,
+                                             allowed=["rewake"])
+            kept, self._restoring = self._restoring, None
+            try:
+                self._resume(f"op {cmd.op_id}", cmd.op_id, deadline)
+            except Exception as exc:  # policy: as above
+                raise self._unfit(exc, cmd.op_id) from None
+        return RestoreReply(
+            op_id=cmd.op_id, state=self.lifecycle.state.value, generation=self.lifecycle.generation,
+            memory=memory, duration_s=self.clock.monotonic() - start, resumed_kept=kept,
+        )
+
+    def _unfit(self, exc: Exception, op_id: str) -> CkptError:
+        self._restoring = None
+        err = _typed(exc, self.name, "restore")
+        self._fail(f"op {op_id}: {err.message}")
+        err.details["state"] = self.lifecycle.state.value
+        return err
 
     def rollback(self, cmd: RollbackCommand) -> RestoreReply:
         return self._bring_back(Trigger.ROLLBACK, cmd.op_id, cmd.deadline_s, cmd.reason)
 
     def fail(self, cmd: FailCommand) -> Ack:
+        self._pending = self._restoring = None
         self._fail(cmd.reason or f"op {cmd.op_id}")
         return Ack()
 
@@ -195,10 +297,7 @@ class Operations:
         try:
             memory = self._rewake_and_resume(f"op {op_id}", op_id, deadline)
         except Exception as exc:  # policy: whatever failed while RESTORING, the engine is unfit
-            err = _typed(exc, self.name, "restore")
-            self._fail(f"op {op_id}: {err.message}")
-            err.details["state"] = self.lifecycle.state.value
-            raise err from (None if err is exc else exc)
+            raise self._unfit(exc, op_id) from None
         return RestoreReply(
             op_id=op_id, state=self.lifecycle.state.value, generation=self.lifecycle.generation,
             memory=memory, duration_s=self.clock.monotonic() - start, resumed_kept=kept,
@@ -209,18 +308,29 @@ class Operations:
         """RESTORING -> RUNNING: weights, then KV cache (the memory manager orders tags), then
         the engine's verification, then scheduling, then admission. A deadline that passed
         before admission reopens fails the step: the engine never serves late and unchecked."""
+        memory = self._rewake(op_id)
+        self._resume(reason, op_id, deadline)
+        return memory
+
+    def _rewake(self, op_id: str | None):
+        """Memory back (weights first) and verified, the engine's own check; still closed."""
+        self._pending = None  # a rollback abandons any half-done stepwise prepare
         memory = None
         if self.memory.released_tags:
             memory = self.memory.rewake()
             if op_id is not None:
                 self.emit(MemoryReported(engine=self.name, op_id=op_id, report=memory))
         self._call_engine("verify", self.hooks.verify)
+        return memory
+
+    def _resume(self, reason: str, op_id: str | None, deadline: Deadline | None) -> None:
+        """Scheduling, kept requests, then admission (RESTORED). A deadline that passed before
+        admission reopens fails the step: the engine never serves late and unchecked."""
         if deadline is not None:
             self._check(deadline, op_id or "", "restore")
         self._call_engine("resume", self.hooks.resume_scheduling)
         self.gate.resume_kept()
         self.lifecycle.fire(Trigger.RESTORED, reason=reason)
-        return memory
 
     def _fail(self, reason: str) -> None:
         if self.lifecycle.state is not CheckpointState.FAILED:
@@ -242,6 +352,15 @@ class Operations:
         if deadline.passed():
             raise DeadlineError("operation deadline passed", engine=self.name, op_id=op_id,
                                 step=step)
+
+
+@dataclass
+class _Pending:
+    """What a stepwise prepare carries from one step to the next."""
+
+    plan: object
+    drain: DrainReport | None = None
+    memory: MemoryReport | None = None
 
 
 def _typed(exc: Exception, engine: str, step: str) -> CkptError:

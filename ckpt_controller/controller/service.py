@@ -421,8 +421,10 @@ def _reconcile(s: EngineSession, wait_s: float) -> None:
         time.sleep(0.1)
         status = s.client.status()
     before = status.state
-    if before == "prepared":
+    if before in ("prepared", "preparing"):  # PREPARING here: stopped between two steps
         s.rollback("controller restarted: interrupted operation rolled back", step="recover")
+    elif before == "restoring":  # re-woken and verified, stopped before re-admission: finish
+        s.client.restore(op_id=f"{s.op_id}/{s.engine.name}/recover", step="resume")
     s.outcome.state = s.refresh_state() or before
     s.outcome.status = {"running": "recovered", "failed": "failed"}.get(s.outcome.state, "failed")
     s.record("reconciled", {"found": before, "now": s.outcome.state})

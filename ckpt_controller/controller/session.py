@@ -22,7 +22,7 @@ import msgspec
 from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig, PrepareDefaults
-from ckpt_controller.controller.hooks import HookContext, run_point
+from ckpt_controller.controller.hooks import HookContext, find_hooks, run_point
 from ckpt_controller.errors import CkptError, DeadlineError, HookError, HookTimeoutError
 
 log = logging.getLogger("ckpt_controller.controller")
@@ -137,15 +137,33 @@ class EngineSession:
         with self.phase("pre-prepare"):
             self.hooks("pre-prepare")  # a failure vetoes: nothing moved yet
         prm = self.params
-        with self.phase("prepare"):
-            drain_s = self.remaining(d.drain)
-            reply = self.client.prepare(
-                op_id=f"{self.op_id}/{self.engine.name}/prepare", drain=prm.drain,
-                drain_timeout_s=drain_s, on_deadline=prm.on_deadline, level=prm.level,
-                tags=list(prm.tags) if prm.tags else None,
-                residual_budget_bytes=prm.residual_budget_bytes,
-                deadline_s=self.remaining(d.drain + d.release),
-            )
+        args = dict(drain=prm.drain, on_deadline=prm.on_deadline, level=prm.level,
+                    tags=list(prm.tags) if prm.tags else None,
+                    residual_budget_bytes=prm.residual_budget_bytes)
+        stepwise = self.has_hooks("post-drain") or self.has_hooks("post-release")
+        if not stepwise:  # one round trip when no hook needs to run inside PREPARING
+            with self.phase("prepare"):
+                reply = self.client.prepare(
+                    op_id=f"{self.op_id}/{self.engine.name}/prepare",
+                    drain_timeout_s=self.remaining(d.drain),
+                    deadline_s=self.remaining(d.drain + d.release), **args)
+        else:
+            with self.phase("drain"):
+                reply = self.client.prepare(
+                    op_id=f"{self.op_id}/{self.engine.name}/drain", step="drain",
+                    drain_timeout_s=self.remaining(d.drain), deadline_s=self.remaining(d.drain),
+                    **args)
+            self._inside("post-drain")
+            with self.phase("release"):
+                released = self.client.prepare(
+                    op_id=f"{self.op_id}/{self.engine.name}/release", step="release",
+                    deadline_s=self.remaining(d.release), **args)
+            self._inside("post-release")
+            with self.phase("seal"):
+                sealed = self.client.prepare(
+                    op_id=f"{self.op_id}/{self.engine.name}/seal", step="seal",
+                    deadline_s=self.remaining(d.release), **args)
+            reply = msgspec.structs.replace(sealed, drain=reply.drain, memory=released.memory)
         self.outcome.state, self.outcome.drain = reply.state, reply.drain
         self.outcome.released = reply.memory
         self.record("drain", msgspec.to_builtins(reply.drain))
@@ -153,6 +171,20 @@ class EngineSession:
         if self.metrics:
             self.metrics.drained(reply.drain.completed, reply.drain.aborted, reply.drain.kept)
             self.metrics.freed_bytes(max(0, reply.memory.freed_bytes))
+
+    def has_hooks(self, point: str) -> bool:
+        return bool(find_hooks(self.config.hooks_dir, point))
+
+    def _inside(self, point: str) -> None:
+        """Hooks inside PREPARING: a failure rolls the engine back to RUNNING."""
+        try:
+            with self.phase(point):
+                self.hooks(point)
+        except CkptError as err:
+            self.rollback(f"{point} hook failed: {err.message}")
+            err.details["rolled_back"] = True
+            err.details["state"] = self.outcome.state
+            raise
 
     def capture(self) -> None:
         with self.phase("capture"):
@@ -166,9 +198,26 @@ class EngineSession:
             with self.phase("pre-restore"):
                 if self.hooks("pre-restore"):
                     self.reconnect()  # a hook may have restored the process from an image
-        with self.phase("restore"):
-            reply = self.client.restore(op_id=f"{self.op_id}/{self.engine.name}/restore",
-                                        deadline_s=self.remaining(d.restore))
+        base = f"{self.op_id}/{self.engine.name}"
+        if not self.has_hooks("post-restore"):
+            with self.phase("restore"):
+                reply = self.client.restore(op_id=f"{base}/restore",
+                                            deadline_s=self.remaining(d.restore))
+        else:  # post-restore hooks check the engine after re-wake, before re-admission
+            with self.phase("rewake"):
+                rewoken = self.client.restore(op_id=f"{base}/rewake", step="rewake",
+                                              deadline_s=self.remaining(d.restore))
+            try:
+                with self.phase("post-restore"):
+                    self.hooks("post-restore")
+            except CkptError as err:  # policy: a failed post-restore check is FAILED
+                self.mark_failed(f"post-restore hook failed: {err.message}")
+                err.details["state"] = "failed"
+                raise
+            with self.phase("resume"):
+                reply = self.client.restore(op_id=f"{base}/resume", step="resume",
+                                            deadline_s=self.remaining(d.restore))
+            reply = msgspec.structs.replace(reply, memory=rewoken.memory)
         self.outcome.state, self.outcome.rewoken = reply.state, reply.memory
         self.outcome.generation = reply.generation
         if reply.memory is not None:
