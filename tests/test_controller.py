@@ -438,3 +438,48 @@ def test_hooks_inside_preparing_and_restoring(spawn_reference, spawn_controller)
         assert agent.status().state == "failed"
     (ctl.dir / "hooks" / "post-restore" / "20-veto").unlink()
     assert ctl.ckptctl("restore", "in").returncode == 0  # recovery from FAILED
+
+
+# point -> (state the engine ends in, operation status) after a cycle whose hook at that point
+# fails; on-fail needs a failure to run, so a failing post-restore hook comes with it
+HOOK_EFFECTS = {
+    "pre-prepare": ("running", "failed"),
+    "post-drain": ("running", "rolled_back"),
+    "post-release": ("running", "rolled_back"),
+    "dump": ("running", "rolled_back"),
+    "post-dump": ("running", "rolled_back"),
+    "pre-restore": ("failed", "failed"),
+    "post-restore": ("failed", "failed"),
+    "post-resume": ("running", "succeeded"),
+    "on-fail": ("failed", "failed"),
+}
+
+
+@pytest.mark.parametrize("how", ["fails", "hangs"])
+def test_every_hook_point_has_its_documented_effect(spawn_reference, spawn_controller, how):
+    from ckpt_controller.controller.hooks import POINTS
+
+    assert set(HOOK_EFFECTS) == set(POINTS)
+    eng = spawn_reference(f"pt-{how}")
+    ctl = spawn_controller("[deadlines]\nhook = 0.4\n" + engines_toml((eng, "")))
+    body = "exit 7" if how == "fails" else "sleep 30"
+    for point, (state, status) in HOOK_EFFECTS.items():
+        _hook(ctl, point, "50-bad", body)
+        if point == "on-fail":
+            _hook(ctl, "post-restore", "50-bad", "exit 7")
+        out = ctl.ckptctl("cycle", eng.name, "--json")
+        (o,) = json.loads(out.stdout)["engines"]
+        assert (o["state"], json.loads(out.stdout)["status"]) == (state, status), point
+        bad = [h for h in o["hooks"] if h["point"] == point]
+        assert bad and (bad[0]["timed_out"] if how == "hangs" else bad[0]["exit_code"] == 7)
+        if status != "succeeded":
+            kind = o["error"]["kind"]
+            assert out.returncode == (3 if how == "hangs" and point != "on-fail" else 1), point
+            # on-fail's own failure is only logged: the error is the post-restore one
+            hung = how == "hangs" and point != "on-fail"
+            assert kind == ("HookTimeoutError" if hung else "HookError"), point
+        for folder in ("hooks/" + point, "hooks/post-restore"):
+            for f in (ctl.dir / folder).glob("50-bad"):
+                f.unlink()
+        if o["state"] == "failed":
+            assert ctl.ckptctl("restore", eng.name).returncode == 0  # recovery from FAILED
