@@ -129,3 +129,73 @@ def test_restore_hook_without_an_image_fails_the_engine(spawn_controller, tmp_pa
                          text=True, timeout=30)
     assert out.returncode == 2 and "no CRIU image" in out.stderr
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_under_load_dump_kill_restore_loses_nothing(spawn_reference, spawn_controller,
+                                                    monkeypatch):
+    """The whole migration path under load: prepare (level 2, keep), dump and stop, restore
+    from the image, re-wake, serve; every request ends, outputs equal an uninterrupted run."""
+    import threading
+
+    from ckpt_controller.engine.load import replay, run_load
+
+    monkeypatch.setenv("CKPT_CRIU_MODE", "stop")
+    eng = tcp_engine(spawn_reference, "crload")
+    try:
+        ctl = spawn_controller(config_for(eng))
+        install_hook(ctl, "dump", "10-criu-dump", "criu-dump")
+        install_hook(ctl, "pre-restore", "10-criu-restore", "criu-restore")
+        box = {}
+        load = threading.Thread(target=lambda: box.update(zip(("report", "requests"), run_load(
+            eng.api, rate=30, duration_s=4.0, seed=5, settle_s=60))))
+        load.start()
+        time.sleep(1.5)
+        out = ctl.ckptctl("prepare", eng.name)
+        assert out.returncode == 0, out.stderr
+        assert ctl.ckptctl("capture", eng.name).returncode == 0
+        eng.proc.wait(timeout=10)  # the dump stopped it
+        out = ctl.ckptctl("restore", eng.name, "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        load.join(120)
+        report, requests = box["report"], box["requests"]
+        assert report.lost == 0 and report.sent >= 100, report
+        assert report.completed + report.aborted + report.rejected == report.sent
+        completed = {rid: c.token_ids for rid, c in requests.items()
+                     if c.finish_reason in ("stop", "length")}
+        assert completed == replay(eng.api, 5, list(completed))
+        with AgentClient(eng.control) as agent:
+            assert agent.status().restored_from_image
+    finally:
+        subprocess.run(["pkill", "-f", f"--name {eng.name} "], check=False)
+
+
+def test_prepared_image_is_much_smaller(spawn_reference, tmp_path, capsys):
+    """The same engine dumped as it serves and dumped PREPARED at level 2 (weights and KV
+    cache released): the sizes are printed, and the prepared one must be far smaller."""
+    eng = tcp_engine(spawn_reference, "crsize")
+    eng_small = spawn_reference("crsize2", "--model", "small", "--kv-blocks", "256",
+                                api=f"tcp://127.0.0.1:{free_port()}",
+                                control=f"tcp://127.0.0.1:{free_port()}")
+    del eng
+    sizes = {}
+    for label in ("unprepared", "prepared"):
+        if label == "prepared":
+            with AgentClient(eng_small.control) as agent:
+                agent.prepare(level=2)
+        images = tmp_path / label
+        images.mkdir()
+        env = dict(os.environ, CKPT_ENGINE_PID=str(eng_small.pid), CKPT_IMAGE_DIR=str(images),
+                   CKPT_CRIU=CRIU, CKPT_ACTION="dump")
+        out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        sizes[label] = sum(f.stat().st_size for f in images.iterdir())
+    with capsys.disabled():
+        print(f"\nCRIU image of a small reference engine: unprepared "
+              f"{sizes['unprepared'] / 2**20:.0f} MiB, prepared at level 2 "
+              f"{sizes['prepared'] / 2**20:.0f} MiB")
+    released = eng_small.info["weight_bytes"] + eng_small.info["kv_bytes"]
+    assert sizes["unprepared"] - sizes["prepared"] >= 0.8 * released
+    assert sizes["prepared"] < sizes["unprepared"] / 2
+    with AgentClient(eng_small.control) as agent:
+        agent.restore()

@@ -32,6 +32,9 @@ class Completion:
     sent_at: float = 0.0
     first_token_at: float | None = None
     ended_at: float | None = None
+    heard: bool = False
+    attempts: int = 1
+    request: api.EngineRequest | None = None
 
     @property
     def ended(self) -> bool:
@@ -39,7 +42,15 @@ class Completion:
 
 
 class EngineClient:
-    def __init__(self, endpoint: str, *, context: zmq.Context | None = None) -> None:
+    """``resend_after_s``: a request that got no answer at all (not even ``queued``) in that
+    time is sent again with the same id, up to ``max_attempts`` times. A message in flight when
+    the engine was checkpointed and stopped is gone with the old connection; the engine ignores
+    a repeated id that it already has, so a resend never runs a request twice."""
+
+    def __init__(self, endpoint: str, *, context: zmq.Context | None = None,
+                 resend_after_s: float = 2.0, max_attempts: int = 5) -> None:
+        self.resend_after_s = resend_after_s
+        self.max_attempts = max_attempts
         self.endpoint = check_endpoint(endpoint)
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -70,9 +81,19 @@ class EngineClient:
         req = api.EngineRequest(request_id=rid, prompt_token_ids=list(prompt),
                                 max_tokens=max_tokens, stop_token_id=stop_token_id,
                                 arrival_time=time.time())
-        self.requests[rid] = Completion(rid, sent_at=time.monotonic())
+        self.requests[rid] = Completion(rid, sent_at=time.monotonic(), request=req)
         self._sock.send_multipart(api.encode(api.EngineRequestType.ADD.value, req))
         return rid
+
+    def _resend_unheard(self) -> None:
+        now = time.monotonic()
+        for c in self.requests.values():
+            if c.heard or c.ended or c.request is None or c.attempts >= self.max_attempts:
+                continue
+            if now - c.sent_at >= self.resend_after_s * c.attempts:
+                c.attempts += 1
+                self._sock.send_multipart(api.encode(api.EngineRequestType.ADD.value,
+                                                     c.request))
 
     def abort(self, request_ids: list[str]) -> None:
         self._sock.send_multipart(api.encode(api.EngineRequestType.ABORT.value,
@@ -82,6 +103,7 @@ class EngineClient:
         """Wait up to ``timeout_s`` for outputs, take in all that arrived, and return the
         requests that ended among them (possibly none: call again)."""
         ended: list[Completion] = []
+        self._resend_unheard()
         if not self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
             return ended
         while self._sock.poll(0, zmq.POLLIN):
@@ -95,6 +117,7 @@ class EngineClient:
         if c is None:
             return None  # not ours (e.g. a rejection of a malformed frame)
         now = time.monotonic()
+        c.heard = True
         if isinstance(msg, api.RequestRejected):
             c.rejected, c.ended_at = msg, now
             return c

@@ -163,6 +163,8 @@ class ReferenceEngine(EngineHooks):
 
     def _admit(self, client: bytes, msg: api.EngineRequest) -> None:
         """On the scheduler thread: admitted and queued as one step, so a drain sees both."""
+        if self.scheduler.find(msg.request_id) is not None:
+            return  # a client's resend of a request we already have: it keeps its one run
         try:
             self.agent.gate.admit(msg.request_id)
         except CkptError as err:  # policy: not RUNNING (or a duplicate id): typed answer
