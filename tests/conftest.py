@@ -112,7 +112,11 @@ class ReferenceProcess(ReadyProcess):
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("models")
+    path = tmp_path_factory.mktemp("models")
+    yield path
+    # engines restored from a CRIU image are no children of ours: every engine of this session
+    # names this folder on its command line, so nothing it started outlives the session
+    subprocess.run(["pkill", "-9", "-f", "--", str(path)], check=False)
 
 
 @pytest.fixture

@@ -92,7 +92,7 @@ def test_dump_stops_the_engine_and_restore_brings_it_back(spawn_reference, spawn
     try:
         _stop_and_restore(eng, spawn_controller)
     finally:  # the restored copy is no child of ours: end it by name
-        subprocess.run(["pkill", "-f", f"--name {eng.name} "], check=False)
+        subprocess.run(["pkill", "-f", "--", f"--name {eng.name} "], check=False)
 
 
 def _stop_and_restore(eng, spawn_controller) -> None:
@@ -166,7 +166,7 @@ def test_under_load_dump_kill_restore_loses_nothing(spawn_reference, spawn_contr
         with AgentClient(eng.control) as agent:
             assert agent.status().restored_from_image
     finally:
-        subprocess.run(["pkill", "-f", f"--name {eng.name} "], check=False)
+        subprocess.run(["pkill", "-f", "--", f"--name {eng.name} "], check=False)
 
 
 def test_prepared_image_is_much_smaller(spawn_reference, tmp_path, capsys):
@@ -199,3 +199,46 @@ def test_prepared_image_is_much_smaller(spawn_reference, tmp_path, capsys):
     assert sizes["prepared"] < sizes["unprepared"] / 2
     with AgentClient(eng_small.control) as agent:
         agent.restore()
+
+
+def test_leave_running_then_a_copy_in_its_own_pid_namespace(ipc_dir, model_dir):
+    """An engine started in its own PID namespace is dumped with leave-running, and a copy
+    restored from the image runs beside the still-running original."""
+    from ckpt_controller.procutil import ReadyProcess
+
+    api, control = f"ipc://{ipc_dir}/pns.api", f"ipc://{ipc_dir}/pns.ctl"
+    original = ReadyProcess(["unshare", "--pid", "--fork", "setsid", os.sys.executable, "-m",
+                             "ckpt_controller", "engine", "serve", "--name", "pns", "--api", api,
+                             "--control", control, "--model-dir", str(model_dir)],
+                            ipc_dir / "pns.log", "engine in a PID namespace", cwd=ROOT)
+    try:
+        assert original.info["pid"] == 1  # it sees itself as its namespace's init
+        kids = Path(f"/proc/{original.pid}/task/{original.pid}/children").read_text().split()
+        engine_pid = int(kids[0])
+        with AgentClient(control) as agent:
+            agent.prepare(level=2)
+        images = ipc_dir / "img"
+        images.mkdir()
+        env = dict(os.environ, CKPT_ENGINE_PID=str(engine_pid), CKPT_IMAGE_DIR=str(images),
+                   CKPT_CRIU=CRIU, CKPT_ACTION="dump")
+        out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        env.update(CKPT_ACTION="pre-restore", CKPT_RESTORE_FROM=str(images), CKPT_CRIU_BESIDE="1")
+        out = subprocess.run([str(ROOT / "hooks" / "criu-restore")], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        copies = [int(p) for p in subprocess.run(["pgrep", "-f", "--", "--name pns "],
+                                                 capture_output=True, text=True).stdout.split()]
+        copies = set(copies) - {original.pid}  # not `unshare` itself
+        assert engine_pid in copies and len(copies) == 2  # the original and its copy
+        with AgentClient(control) as agent:  # the socket path now leads to the copy
+            st = agent.status()
+            assert st.restored_from_image and st.state == "prepared"
+            assert agent.restore().state == "running"
+        with EngineClient(api) as c:
+            assert c.generate([1, 2, 3], 5).finish_reason == "length"
+        assert Path(f"/proc/{engine_pid}").exists()  # the original still runs
+    finally:
+        subprocess.run(["pkill", "-9", "-f", "--", "--name pns "], check=False)
+        original.stop()

@@ -113,6 +113,7 @@ class Agent(RpcServer):
                            incarnation=self.incarnation.incarnation)
 
     def handle(self, identity: bytes, rtype: p.RequestType, cmd: p.Command) -> None:
+        self.on_tick()  # the first request after a restore from an image already knows it
         if rtype in _OPERATIONS:
             self._start_operation(identity, rtype, cmd)
         elif rtype is p.RequestType.HANDSHAKE:
