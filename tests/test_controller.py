@@ -483,3 +483,19 @@ def test_every_hook_point_has_its_documented_effect(spawn_reference, spawn_contr
                 f.unlink()
         if o["state"] == "failed":
             assert ctl.ckptctl("restore", eng.name).returncode == 0  # recovery from FAILED
+
+
+def test_hook_owned_by_another_user_is_refused(spawn_reference, spawn_controller):
+    import pwd
+
+    if os.getuid() != 0:
+        pytest.skip("changing a file's owner needs root")
+    eng = spawn_reference("own")
+    ctl = spawn_controller(engines_toml((eng, "")))
+    _hook(ctl, "pre-prepare", "10-theirs", "exit 0")
+    nobody = pwd.getpwnam("nobody")
+    os.chown(ctl.dir / "hooks" / "pre-prepare" / "10-theirs", nobody.pw_uid, nobody.pw_gid)
+    out = ctl.ckptctl("prepare", "own", "--json")
+    (o,) = json.loads(out.stdout)["engines"]
+    assert out.returncode == 2 and o["error"]["kind"] == "ConfigError"
+    assert "owned by another user" in o["error"]["message"] and o["state"] == "running"
