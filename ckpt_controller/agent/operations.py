@@ -81,14 +81,15 @@ class Operations:
     # ------------------------------------------------------------------ prepare
 
     def prepare(self, cmd: PrepareCommand) -> PrepareReply:
-        if cmd.step == "all":
-            return self._prepare_all(cmd)
+        """Drain, pause, release, seal (PREPARED); all at once, or the steps a controller asks
+        for one at a time (``cmd.step``). Any failure rolls back to RUNNING."""
         start = self.clock.monotonic()
         deadline = Deadline.after(cmd.deadline_s, self.clock)
-        if cmd.step == "drain":
+        if cmd.step in ("all", "drain"):
             plan = self._enter_preparing(cmd)
             self._pending = _Pending(plan=plan)
-            steps = ("drain", "pause")
+            steps = ("drain", "pause", "release", "seal") if cmd.step == "all" \
+                else ("drain", "pause")
         else:
             if self.lifecycle.state is not CheckpointState.PREPARING or self._pending is None \
                     or (cmd.step == "seal") != (self._pending.memory is not None):
@@ -140,38 +141,6 @@ class Operations:
         with self.gate.lock:  # admission closes at the same instant the state leaves RUNNING
             self.lifecycle.fire(Trigger.PREPARE, reason=f"op {cmd.op_id}")
         return plan
-
-    def _prepare_all(self, cmd: PrepareCommand) -> PrepareReply:
-        start = self.clock.monotonic()
-        deadline = Deadline.after(cmd.deadline_s, self.clock)
-        self.lifecycle.check(Trigger.PREPARE)  # the state is the first thing a caller must fix
-        if (cmd.level is None) == (not cmd.tags):
-            raise UsageError("give a level or tags, not both and not neither",
-                             level=cmd.level, tags=cmd.tags)
-        if cmd.drain_timeout_s < 0:
-            raise UsageError("drain timeout must not be negative", drain_timeout_s=cmd.drain_timeout_s)
-        plan = self.memory.plan(level=cmd.level, tags=cmd.tags)  # bad level/tags: nothing moved
-        with self.gate.lock:  # admission closes at the same instant the state leaves RUNNING
-            self.lifecycle.fire(Trigger.PREPARE, reason=f"op {cmd.op_id}")
-        step = "drain"
-        try:
-            drain = self._drain(cmd, deadline)
-            self._check(deadline, cmd.op_id, step)
-            step = "pause"
-            self._call_engine(step, self.hooks.pause_scheduling)
-            step = "release"
-            memory = self.memory.release(plan, residual_budget_bytes=cmd.residual_budget_bytes)
-            self.emit(MemoryReported(engine=self.name, op_id=cmd.op_id, report=memory))
-            self._check(deadline, cmd.op_id, step)
-            self.lifecycle.fire(Trigger.PREPARED, reason=f"op {cmd.op_id}")
-        except Exception as exc:  # policy: every failure while PREPARING rolls back
-            err = _typed(exc, self.name, step)
-            self._roll_back_after(err, cmd.op_id)
-            raise err from (None if err is exc else exc)
-        return PrepareReply(
-            op_id=cmd.op_id, state=self.lifecycle.state.value, drain=drain, memory=memory,
-            duration_s=self.clock.monotonic() - start,
-        )
 
     def _drain(self, cmd: PrepareCommand, deadline: Deadline) -> DrainReport:
         start = self.clock.monotonic()
