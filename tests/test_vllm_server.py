@@ -1,0 +1,104 @@
+"""A real vLLM CPU server (``make vllm``) and the dev-mode behaviours the vLLM adapter must
+live with, pinned so a vLLM upgrade that changes them is noticed. Marked ``vllm``: run with
+``make test PYTEST_ARGS="-m vllm"``; skips, saying why, without the vLLM venv."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PY = ROOT / ".cache" / "vllm" / "bin" / "python"
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VLLM_PY.exists(), reason="no vLLM venv: run `make vllm`"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tmp_path_factory):
+    model = tmp_path_factory.mktemp("tinyllama")
+    subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "vllm" / "make_tiny_llama.py"),
+                    str(model)], check=True, capture_output=True, timeout=300)
+    port = _free_port()
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               HF_HUB_OFFLINE="1")
+    log = (model / "server.log").open("w")
+    proc = subprocess.Popen(
+        [str(VLLM_PY), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model",
+         str(model), "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited: {(model / 'server.log').read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:  # not up yet
+                if time.monotonic() > deadline:
+                    raise RuntimeError("vLLM did not start in 240 s") from None
+                time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def call(url: str, path: str, method: str = "GET", body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+def complete(url: str) -> list[str]:
+    out = call(url, "/v1/completions", "POST", {"prompt": "the engine drains", "max_tokens": 8,
+                                                "temperature": 0})
+    return [c["text"] for c in out["choices"]]
+
+
+def test_paused_reads_as_sleeping_and_resume_undoes_it(vllm_url):
+    assert call(vllm_url, "/is_paused") == {"is_paused": False}
+    assert call(vllm_url, "/pause?mode=wait", "POST")["status"] == "paused"
+    assert call(vllm_url, "/is_paused")["is_paused"] is True
+    assert call(vllm_url, "/is_sleeping")["is_sleeping"] is True  # merely paused
+    call(vllm_url, "/resume", "POST")
+    assert call(vllm_url, "/is_paused")["is_paused"] is False
+    assert call(vllm_url, "/is_sleeping")["is_sleeping"] is False
+
+
+def test_sleep_and_a_full_wake_up_resume_and_complete_the_same(vllm_url):
+    golden = complete(vllm_url)
+    assert call(vllm_url, "/sleep?level=1", "POST")["status"] == "sleeping"
+    assert call(vllm_url, "/is_paused")["is_paused"] is True
+    call(vllm_url, "/collective_rpc", "POST", {"method": "checkpoint_prepare"})
+    half = call(vllm_url, "/wake_up?tags=weights", "POST")
+    assert half["status"] == "sleeping"  # the KV cache still sleeps
+    assert call(vllm_url, "/wake_up?tags=kv_cache", "POST")["status"] == "awake"
+    assert call(vllm_url, "/is_paused")["is_paused"] is False  # a full wake-up resumes
+    assert complete(vllm_url) == golden
