@@ -155,19 +155,25 @@ def _wait_state(control: str, state: str, timeout_s: float = 20) -> None:
             time.sleep(0.005)
 
 
+def _kill_mid(ctl, control: str, state: str, *op: str) -> None:
+    """Run ``ckptctl *op``, kill -9 the controller once the engine is in ``state``, restart
+    it, and check it recovered the one interrupted operation."""
+    t = threading.Thread(target=lambda: ctl.ckptctl(*op))
+    t.start()
+    _wait_state(control, state)
+    ctl.kill9()
+    t.join(60)
+    ctl.start()
+    assert ctl.info["recovered"] == 1
+
+
 def test_controller_killed_mid_preparing_recovers_to_running(spawn_reference, spawn_controller):
     eng = spawn_reference("k1")
     ctl = spawn_controller(engines_toml((eng, "")))
     with EngineClient(eng.api) as api:
         rid = api.submit([4, 4], 600)
-        t = threading.Thread(target=lambda: ctl.ckptctl("prepare", "k1", "--drain", "wait",
-                                                        "--op-id", "cut"))
-        t.start()
-        _wait_state(eng.control, "preparing")
-        ctl.kill9()
-        t.join(60)
-        ctl.start()
-        assert ctl.info["recovered"] == 1
+        _kill_mid(ctl, eng.control, "preparing", "prepare", "k1", "--drain", "wait",
+                  "--op-id", "cut")
         with AgentClient(eng.control) as agent:
             assert agent.status().state == "running"
         while not api.requests[rid].ended:
@@ -184,13 +190,7 @@ def test_controller_killed_mid_restoring_recovers(spawn_reference, spawn_control
     eng = spawn_reference("k2", "--model", "small", "--kv-blocks", "256")
     ctl = spawn_controller(engines_toml((eng, ""), defaults="level = 2"))
     assert ctl.ckptctl("prepare", "k2").returncode == 0
-    t = threading.Thread(target=lambda: ctl.ckptctl("restore", "k2", "--op-id", "cut2"))
-    t.start()
-    _wait_state(eng.control, "restoring")
-    ctl.kill9()
-    t.join(60)
-    ctl.start()
-    assert ctl.info["recovered"] == 1
+    _kill_mid(ctl, eng.control, "restoring", "restore", "k2", "--op-id", "cut2")
     with AgentClient(eng.control) as agent:
         assert agent.status().state == "running"
     journal = Journal(ctl.dir / "state" / "journal.sqlite3")
