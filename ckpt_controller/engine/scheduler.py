@@ -225,12 +225,13 @@ class Scheduler:
         else:
             self._unschedule(req)
         self.pool.free(req.blocks)
+        # the agent's books first: once the client sees the end, status no longer counts it
+        self.on_finish(req.request_id, reason)
         self.emit(req.client, RequestOutput(
             request_id=req.request_id, new_token_ids=new or [], finished=True,
             finish_reason=reason, events=req.events, error=error,
         ))
         req.events = []
-        self.on_finish(req.request_id, reason)
 
     @staticmethod
     def _event(req: Request, kind: str) -> None:

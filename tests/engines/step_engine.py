@@ -95,9 +95,9 @@ class StepEngine(EngineHooks):
             time.sleep(self.step_s)
 
     def _end(self, rid: str, req: dict, reason: str) -> None:
+        self.agent.gate.finish(rid, reason)  # booked before the client can see the end
         self.outbox.put((req["client"], {"id": rid, "status": "finished", "reason": reason,
                                          "output": req["output"]}))
-        self.agent.gate.finish(rid, reason)
 
     # ---------------------------------------------------------------- hooks
 
