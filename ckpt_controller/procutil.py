@@ -4,6 +4,11 @@
 sockets are bound; ``ReadyProcess`` starts such a command, waits for that line (with a
 deadline), and stops it the way product.md asks for any child: SIGTERM, a grace period,
 then SIGKILL. Used by the demo (and the tests, and drills). stderr goes to a log file.
+
+Each child leads its own session (``setsid``): CRIU can only dump a process whose session
+leader lives in the same PID namespace, and a child that inherited a session from outside a
+container's namespace could not be captured. It also keeps a terminal's Ctrl-C from reaching
+the child directly; the parent stops it in order instead.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ class ReadyProcess:
     def start(self, timeout_s: float = 120.0) -> None:
         self.log = self.log_path.open("a")
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self.log,
-                                     stdin=subprocess.DEVNULL, text=True, cwd=self.cwd)
+                                     stdin=subprocess.DEVNULL, text=True, cwd=self.cwd,
+                                     start_new_session=True)
         box: list[str] = []
         reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()),
                                   daemon=True)

@@ -98,7 +98,8 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[ReadyProcess]) -> 
         _say(f"  +{offset * 1000:8.1f} ms  {what}")
     dumps = [h for o in result.engines for h in o.hooks if h.point == "dump"]
     if dumps:
-        _say(f"  capture: {dumps[0].stdout_tail.strip().splitlines()[-1]}")
+        said = (dumps[0].stdout_tail.strip() or dumps[0].stderr_tail.strip()).splitlines()
+        _say(f"  capture: {said[-1] if said else f'dump hook exited {dumps[0].exit_code}'}")
     else:
         _say(f"  (capture ran no dump hook: {criu_hook})")
 
