@@ -22,7 +22,7 @@ import zmq
 from ckpt_controller import protocol as p
 from ckpt_controller.endpoints import secure_ipc
 from ckpt_controller.clock import Clock
-from ckpt_controller.errors import CkptError, OperationError, ProtocolError
+from ckpt_controller.errors import CkptError, EngineError, OperationError, ProtocolError
 from ckpt_controller.zmqutil import Outbox
 
 log = logging.getLogger("ckpt_controller.rpc")
@@ -122,7 +122,8 @@ class RpcServer:
     def on_tick(self) -> None:
         """Runs on the control thread every heartbeat interval, before the heartbeat."""
 
-    def heartbeat_body(self, seq: int) -> p.Heartbeat:
+    def heartbeat_body(self, seq: int) -> p.Heartbeat | None:
+        """The heartbeat to publish, or None to stay silent this interval."""
         return p.Heartbeat(engine=self.name, state="serving", seq=seq,
                            monotonic=self.clock.monotonic(), incarnation=0)
 
@@ -154,7 +155,9 @@ class RpcServer:
             if self.clock.monotonic() >= next_beat:
                 next_beat = self.clock.monotonic() + self.heartbeat_interval_s
                 self.on_tick()
-                self.publish(self.heartbeat_body(next(self._heartbeat_seq)))
+                beat = self.heartbeat_body(next(self._heartbeat_seq))
+                if beat is not None:  # None: the server knows it must not look alive
+                    self.publish(beat)
 
     def _forget(self, identity: bytes) -> None:
         with self._subscribers_lock:
@@ -179,8 +182,11 @@ class RpcServer:
                         self._subscribers.discard(identity)
                 self.reply(identity, cmd.call_id, p.Ack())
             elif rtype is p.RequestType.HEARTBEAT:
+                beat = self.heartbeat_body(0)
+                if beat is None:
+                    raise EngineError(f"{self.name}: the engine is not answering", server=self.name)
                 self.reply(identity, cmd.call_id, p.HeartbeatReply(
-                    state=self.heartbeat_body(0).state, seq=0, monotonic=self.clock.monotonic()))
+                    state=beat.state, seq=0, monotonic=self.clock.monotonic()))
             elif rtype in self.serves:
                 self.handle(identity, rtype, cmd)
             else:

@@ -8,10 +8,12 @@ imports neither torch nor an engine: both arrive through these interfaces.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
+from ckpt_controller.clock import Deadline
 from ckpt_controller.errors import EngineError, UsageError
-from ckpt_controller.protocol import MemoryReport
+from ckpt_controller.protocol import DrainProgress, DrainReport, MemoryReport, PrepareCommand
 
 
 class EngineHooks:
@@ -41,6 +43,21 @@ class EngineHooks:
     def verify(self) -> None:
         """Check the engine is fit to serve after re-wake (e.g. a golden prompt). Raise to
         fail the restore."""
+
+
+class ExternalDrain(Protocol):
+    """A drain the engine runs itself, for an engine whose requests do not pass through the
+    agent's admission gate (e.g. vLLM, driven over HTTP by a sidecar agent).
+
+    ``drain`` stops new work, then ends, waits for or keeps the in-flight requests as
+    ``cmd.drain`` says, enforcing ``cmd.drain_timeout_s`` and ``cmd.on_deadline`` itself, and
+    never running past ``deadline`` (raise ``DeadlineError``). It reports progress with
+    ``progress`` (about every quarter second) and returns the counts it saw. Raise a
+    ``CkptError`` to fail the prepare; the agent then rolls back.
+    """
+
+    def drain(self, cmd: PrepareCommand, deadline: Deadline,
+              progress: Callable[[DrainProgress], None]) -> DrainReport: ...
 
 
 class MemoryManager(Protocol):

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ckpt_controller.agent.engine import EngineHooks, MemoryManager
+from ckpt_controller.agent.engine import EngineHooks, ExternalDrain, MemoryManager
 from ckpt_controller.agent.gate import AdmissionGate
 from ckpt_controller.clock import Clock, Deadline
 from ckpt_controller.errors import (
@@ -65,6 +65,7 @@ class Operations:
         emit: Callable[[EventBody], None],
         clock: Clock | None = None,
         progress_tick_s: float = 0.25,
+        drain: ExternalDrain | None = None,
     ) -> None:
         self.name = engine_name
         self.lifecycle = lifecycle
@@ -74,6 +75,8 @@ class Operations:
         self.emit = emit
         self.clock = clock or Clock()
         self.progress_tick_s = progress_tick_s
+        #: an engine that drains itself (requests outside the gate); None: drain at the gate
+        self.external_drain = drain
         #: between the steps of a stepwise prepare / restore
         self._pending: _Pending | None = None
         self._restoring: int | None = None
@@ -105,7 +108,10 @@ class Operations:
             for step in steps:
                 if step != "drain":
                     self._check(deadline, cmd.op_id, step)
-                if step == "drain":
+                if step == "drain" and self.external_drain is not None:
+                    pending.drain = self._call_engine(
+                        step, self.external_drain.drain, cmd, deadline, self._progress)
+                elif step == "drain":
                     pending.drain = self._drain(cmd, deadline)
                 elif step == "pause":
                     self._call_engine(step, self.hooks.pause_scheduling)
@@ -187,6 +193,11 @@ class Operations:
             completed=counts.completed, aborted=counts.aborted, kept=counts.kept,
             drain_s=self.clock.monotonic() - start,
         )
+
+    def _progress(self, event: DrainProgress) -> None:
+        """An external drain's progress, under this engine's name."""
+        event.engine = self.name
+        self.emit(event)
 
     def _wait_idle(self, deadline: Deadline, op_id: str, start: float) -> bool:
         def progress() -> None:

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 
 from ckpt_controller import protocol as p
 from ckpt_controller.endpoints import check_endpoint, check_name, default_endpoint
-from ckpt_controller.agent.engine import EngineHooks, MemoryManager, NoMemory
+from collections.abc import Callable
+
+from ckpt_controller.agent.engine import EngineHooks, ExternalDrain, MemoryManager, NoMemory
 from ckpt_controller.agent.gate import AdmissionGate
 from ckpt_controller.agent.incarnation import IncarnationTracker
 from ckpt_controller.agent.operations import Operations
@@ -77,7 +79,16 @@ class Agent(RpcServer):
         heartbeat_interval_s: float = 0.5,
         retry_after_s: float = 1.0,
         incarnation: IncarnationTracker | None = None,
+        drain: ExternalDrain | None = None,
+        engine_pid: int | None = None,
+        engine_alive: Callable[[], bool] | None = None,
+        request_counts: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
+        """``drain``, ``engine_pid``, ``engine_alive`` and ``request_counts`` are for an agent
+        that runs beside an engine it does not own (a sidecar): the engine drains itself, its
+        PID is not ours (hooks such as ``criu-dump`` need the engine's), heartbeats stop while
+        ``engine_alive()`` is false so a controller sees the engine as gone, and
+        ``request_counts()`` gives (in flight, kept) for ``status`` instead of the gate's."""
         check_name(name)
         super().__init__(check_endpoint(control) if control else default_endpoint(name),
                          name=name, heartbeat_interval_s=heartbeat_interval_s, clock=clock)
@@ -87,8 +98,11 @@ class Agent(RpcServer):
         self.memory = memory or NoMemory()
         self.operations = Operations(
             engine_name=name, lifecycle=self.lifecycle, gate=self.gate, memory=self.memory,
-            hooks=hooks or EngineHooks(), emit=self.publish, clock=self.clock,
+            hooks=hooks or EngineHooks(), emit=self.publish, clock=self.clock, drain=drain,
         )
+        self.engine_pid = engine_pid or os.getpid()
+        self.engine_alive = engine_alive
+        self.request_counts = request_counts
         self.incarnation = incarnation or IncarnationTracker()
         self._ops: OrderedDict[str, _Op] = OrderedDict()
         self._current: _Op | None = None
@@ -107,7 +121,9 @@ class Agent(RpcServer):
             log.warning("agent %s: process was restored from a checkpoint image "
                         "(incarnation %d)", self.name, self.incarnation.incarnation)
 
-    def heartbeat_body(self, seq: int) -> p.Heartbeat:
+    def heartbeat_body(self, seq: int) -> p.Heartbeat | None:
+        if self.engine_alive is not None and not self.engine_alive():
+            return None  # silence: a controller must see a dead engine as gone, not slow
         return p.Heartbeat(engine=self.name, state=self.lifecycle.state.value, seq=seq,
                            monotonic=self.clock.monotonic(),
                            incarnation=self.incarnation.incarnation)
@@ -118,7 +134,7 @@ class Agent(RpcServer):
             self._start_operation(identity, rtype, cmd)
         elif rtype is p.RequestType.HANDSHAKE:
             self.reply(identity, cmd.call_id, p.HandshakeReply(
-                protocol_version=p.PROTOCOL_VERSION, engine=self.name, pid=os.getpid(),
+                protocol_version=p.PROTOCOL_VERSION, engine=self.name, pid=self.engine_pid,
                 incarnation=self.incarnation.incarnation, state=self.lifecycle.state.value,
                 heartbeat_interval_s=self.heartbeat_interval_s))
         else:
@@ -127,10 +143,12 @@ class Agent(RpcServer):
     def status(self) -> p.StatusReply:
         history = self.lifecycle.history
         current = self._current
+        in_flight, kept = (self.request_counts() if self.request_counts is not None
+                           else (len(self.gate.in_flight()), self.gate.kept_count))
         return p.StatusReply(
-            engine=self.name, pid=os.getpid(), state=self.lifecycle.state.value,
+            engine=self.name, pid=self.engine_pid, state=self.lifecycle.state.value,
             is_restored=self.lifecycle.state.is_restored, generation=self.lifecycle.generation,
-            in_flight=len(self.gate.in_flight()), kept=self.gate.kept_count,
+            in_flight=in_flight, kept=kept,
             released_tags=list(self.memory.released_tags),
             registered_bytes=self.memory.registered_bytes(),
             incarnation=self.incarnation.incarnation,

@@ -64,6 +64,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         if name == "rollback":
             sp.add_argument("--reason", default="", help="recorded with the transition")
 
+    sp = asub.add_parser(
+        "vllm", help="run an agent for a vLLM server (a sidecar over its HTTP dev-mode API)",
+        description="Run an agent beside a vLLM server started with VLLM_SERVER_DEV_MODE=1.\n"
+                    "It serves the control protocol on ENDPOINT and drives vLLM through\n"
+                    "/pause, /sleep, /wake_up, /collective_rpc and /resume. It prints one\n"
+                    "JSON ready line, then runs until SIGTERM or Ctrl-C.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("--url", required=True, metavar="URL",
+                    help="the vLLM server, e.g. http://127.0.0.1:8000")
+    sp.add_argument("--control", metavar="ENDPOINT",
+                    help="control endpoint to bind (default: ipc:// in the runtime folder)")
+    sp.add_argument("--name", default="vllm", help="engine name (default vllm)")
+    sp.add_argument("--pid", type=int, metavar="PID",
+                    help="the vLLM server's PID, for hooks and memory reports (default: the "
+                         "local process listening on the URL's port)")
+    sp.add_argument("--golden-prompt", default=None, metavar="TEXT",
+                    help="prompt of the golden completion compared after restore")
+    sp.add_argument("--golden-tokens", type=int, default=None, metavar="N",
+                    help="tokens of the golden completion (default 12)")
+    sp.add_argument("--no-verify-weights", action="store_true",
+                    help="skip the weight checksums (the golden completion still runs)")
+    sp.add_argument("--http-timeout", type=positive, default=30.0, metavar="S",
+                    help="seconds for one quick HTTP call to vLLM (default 30)")
+    sp.add_argument("--heartbeat", type=positive, default=0.5, metavar="S",
+                    help="heartbeat interval in seconds (default 0.5)")
+
     sp = asub.add_parser("watch", help="print the agent's events as they happen")
     common(sp)
     sp.add_argument("--duration", type=positive, metavar="S",
@@ -73,6 +99,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ckpt_controller.agent.client import AgentClient
+
+    if args.agent_command == "vllm":
+        return _vllm(args)
 
     progress = sys.stderr.isatty() and not args.json
     on_event = (lambda ev: print(describe_event(ev), file=sys.stderr)) if progress else None
@@ -120,4 +149,21 @@ def _watch(client, args: argparse.Namespace) -> int:
                 print(describe_event(ev), flush=True)
         if end is None:
             client.heartbeat()  # raises UnreachableError when the agent is gone
+    return 0
+
+
+def _vllm(args: argparse.Namespace) -> int:
+    from ckpt_controller.adapters.vllm import sidecar
+    from ckpt_controller.endpoints import check_name
+
+    check_name(args.name)
+    if args.golden_tokens is not None and not 1 <= args.golden_tokens <= 512:
+        raise UsageError("--golden-tokens must be between 1 and 512", value=args.golden_tokens)
+    if args.pid is not None and args.pid <= 0:
+        raise UsageError("--pid must be a positive process id", value=args.pid)
+    sidecar.serve(args.url, name=args.name, control=args.control, pid=args.pid,
+                  golden_prompt=args.golden_prompt or sidecar.GOLDEN_PROMPT,
+                  golden_tokens=args.golden_tokens or sidecar.GOLDEN_TOKENS,
+                  verify_weights=not args.no_verify_weights, timeout_s=args.http_timeout,
+                  heartbeat_interval_s=args.heartbeat)
     return 0

@@ -33,7 +33,7 @@ def main(out: Path) -> None:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                      max_position_embeddings=512, bos_token_id=0, eos_token_id=1,
+                      max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
                       torch_dtype="float32")
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(out, safe_serialization=True)

@@ -1,0 +1,225 @@
+"""A small client for a vLLM server's HTTP API: the dev-mode endpoints
+(``VLLM_SERVER_DEV_MODE=1``: pause, sleep, wake-up, collective RPC, weight checker), its
+Prometheus metrics and completions.
+
+Standard library only (``urllib``): the sidecar runs in our environment, not vLLM's. Every
+call has a timeout. Errors are typed: the server not answering (refused, reset, timed out)
+raises ``EngineError`` with ``unreachable=True``; an HTTP error status raises ``EngineError``
+with the status and the start of the body. Neighbours: ``sidecar`` (uses this to drive the
+lifecycle), ``docs/vllm-notes.md`` (the behaviours seen on a real server).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_controller.errors import EngineError, UsageError
+
+#: HTTP statuses a server sends for "not now, try again" (newer vLLM while paused)
+RETRYABLE = (429, 503)
+
+_METRIC = re.compile(r"^vllm:(num_requests_running|num_requests_waiting|request_success_total)"
+                     r"\{([^}]*)\} (\S+)$", re.M)
+_REASON = re.compile(r'finished_reason="([^"]+)"')
+
+
+@dataclass
+class RequestMetrics:
+    """Request counts from vLLM's ``/metrics`` (summed over its engines)."""
+
+    running: int = 0
+    waiting: int = 0
+    #: finished requests by finish reason (stop, length, abort, error, ...), since start
+    finished: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def in_flight(self) -> int:
+        return self.running + self.waiting
+
+    def ended_since(self, before: "RequestMetrics", *reasons: str) -> int:
+        return sum(max(0, self.finished.get(r, 0) - before.finished.get(r, 0)) for r in reasons)
+
+
+def parse_metrics(text: str) -> RequestMetrics:
+    m = RequestMetrics()
+    for name, labels, value in _METRIC.findall(text):
+        n = int(float(value))
+        if name == "num_requests_running":
+            m.running += n
+        elif name == "num_requests_waiting":
+            m.waiting += n
+        else:
+            reason = _REASON.search(labels)
+            if reason:
+                m.finished[reason.group(1)] = m.finished.get(reason.group(1), 0) + n
+    return m
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str | None
+    #: how many times the server said "not now" before it took the request
+    rejected: int = 0
+
+
+class VllmHttp:
+    def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UsageError("the vLLM URL must be http://HOST:PORT or https://HOST:PORT",
+                             url=url)
+        if parts.path not in ("", "/") or parts.query:
+            raise UsageError("the vLLM URL must be the server's root, with no path or query",
+                             url=url)
+        self.url = f"{parts.scheme}://{parts.netloc}"
+        self.host, self.port = parts.hostname, parts.port or (443 if parts.scheme == "https"
+                                                              else 80)
+        self.timeout_s = timeout_s
+
+    # ------------------------------------------------------------------ raw
+
+    def request(self, method: str, path: str, *, params: list[tuple[str, Any]] | None = None,
+                body: dict | None = None, timeout_s: float | None = None) -> Any:
+        """One call; the decoded JSON answer (None for an empty one)."""
+        raw = self._raw(method, path, params=params, body=body, timeout_s=timeout_s)
+        try:
+            return json.loads(raw) if raw.strip() else None
+        except ValueError:
+            raise EngineError(f"vLLM answered {method} {path} with something not JSON",
+                              url=self.url, path=path, body=raw[:300].decode(errors="replace"))
+
+    def _raw(self, method: str, path: str, *, params=None, body=None,
+             timeout_s: float | None = None) -> bytes:
+        target = self.url + path + ("?" + urllib.parse.urlencode(params) if params else "")
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(target, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as err:
+            text = err.read()[:500].decode(errors="replace")
+            retry_after = err.headers.get("Retry-After") if err.headers else None
+            raise EngineError(f"vLLM answered {method} {path} with HTTP {err.code}",
+                              url=self.url, path=path, http_status=err.code, body=text,
+                              retry_after=retry_after) from None
+        except (urllib.error.URLError, OSError) as err:  # refused, reset, timed out
+            reason = getattr(err, "reason", err)
+            raise EngineError(f"vLLM at {self.url} did not answer {method} {path}: {reason}",
+                              url=self.url, path=path, unreachable=True) from None
+
+    # ------------------------------------------------------------------ state
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            self._raw("GET", "/health", timeout_s=timeout_s)
+            return True
+        except EngineError:
+            return False
+
+    def is_paused(self) -> bool:
+        return bool(self.request("GET", "/is_paused")["is_paused"])
+
+    def is_sleeping(self) -> bool:
+        """True when paused too (vLLM's own definition): read ``is_paused`` with it."""
+        return bool(self.request("GET", "/is_sleeping")["is_sleeping"])
+
+    def metrics(self, timeout_s: float | None = None) -> RequestMetrics:
+        return parse_metrics(self._raw("GET", "/metrics", timeout_s=timeout_s)
+                             .decode(errors="replace"))
+
+    def model(self) -> str:
+        return self.request("GET", "/v1/models")["data"][0]["id"]
+
+    # ------------------------------------------------------------------ lifecycle calls
+
+    def pause(self, mode: str, timeout_s: float | None = None) -> None:
+        """``wait`` returns once in-flight requests have finished; ``abort`` and ``keep`` at
+        once. New requests are queued (this vLLM) or refused as retryable (newer ones)."""
+        self.request("POST", "/pause", params=[("mode", mode)], timeout_s=timeout_s)
+
+    def resume(self) -> None:
+        self.request("POST", "/resume")
+
+    def sleep(self, level: int, mode: str, timeout_s: float | None = None) -> None:
+        self.request("POST", "/sleep", params=[("level", level), ("mode", mode)],
+                     timeout_s=timeout_s)
+
+    def release_kv_cache_memory(self, timeout_s: float | None = None) -> None:
+        self.request("POST", "/release_kv_cache_memory", timeout_s=timeout_s)
+
+    def wake_up(self, tags: list[str] | None = None, timeout_s: float | None = None) -> bool:
+        """Wake ``tags`` (all when None); True when fully awake (vLLM then also resumes a
+        pause by itself)."""
+        out = self.request("POST", "/wake_up", params=[("tags", t) for t in tags or []],
+                           timeout_s=timeout_s)
+        return out.get("status") == "awake"
+
+    def collective_rpc(self, method: str, timeout_s: float | None = None) -> Any:
+        return self.request("POST", "/collective_rpc", body={"method": method},
+                            timeout_s=timeout_s)
+
+    def weight_checksums(self, timeout_s: float | None = None) -> dict[str, str] | None:
+        """Per-tensor digests of the loaded weights; None when this vLLM has no weight
+        checker (HTTP 404)."""
+        try:
+            out = self.request("POST", "/weight_checker", body={"action": "checksum"},
+                               timeout_s=timeout_s)
+        except EngineError as err:
+            if err.details.get("http_status") == 404:
+                return None
+            raise
+        return dict(out["checksums"])
+
+    def weight_mismatches(self, baseline: dict[str, str],
+                          timeout_s: float | None = None) -> list[str]:
+        out = self.request("POST", "/weight_checker",
+                           body={"action": "compare", "baseline": baseline}, timeout_s=timeout_s)
+        return list(out.get("mismatches", []))
+
+    # ------------------------------------------------------------------ requests
+
+    def complete(self, prompt: str, max_tokens: int, *, retry_for_s: float = 0.0,
+                 timeout_s: float | None = None, **sampling: Any) -> Completion:
+        """A greedy (temperature 0) completion. A retryable refusal (HTTP 429/503, as newer
+        vLLM sends while paused) is retried, after its Retry-After or 0.2 s, for up to
+        ``retry_for_s`` seconds; then the refusal is raised."""
+        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, **sampling}
+        end = time.monotonic() + retry_for_s
+        rejected = 0
+        while True:
+            try:
+                out = self.request("POST", "/v1/completions", body=body, timeout_s=timeout_s)
+            except EngineError as err:
+                status = err.details.get("http_status")
+                if status not in RETRYABLE or time.monotonic() >= end:
+                    raise
+                rejected += 1
+                time.sleep(min(_retry_after(err.details.get("retry_after")),
+                               max(0.0, end - time.monotonic())))
+                continue
+            choice = out["choices"][0]
+            return Completion(text=choice["text"], finish_reason=choice.get("finish_reason"),
+                              rejected=rejected)
+
+    @property
+    def model_name(self) -> str:
+        if not hasattr(self, "_model"):
+            self._model = self.model()
+        return self._model
+
+
+def _retry_after(value: str | None) -> float:
+    try:
+        return max(0.05, min(5.0, float(value))) if value else 0.2
+    except ValueError:  # an HTTP date: we do not wait that long
+        return 0.2

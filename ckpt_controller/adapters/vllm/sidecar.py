@@ -1,0 +1,460 @@
+"""The vLLM sidecar: an agent for a vLLM server we do not own, driven over its HTTP API.
+
+``ckptctl agent vllm --url http://HOST:PORT --control ENDPOINT`` runs an ``Agent`` whose
+engine side is ``VllmEngine``. The agent keeps the lifecycle, the control protocol and the
+heartbeats exactly as for an embedded engine; ``VllmEngine`` maps each step onto vLLM:
+
+==========  ================================================================================
+step        vLLM calls (``http``)
+==========  ================================================================================
+baseline    golden completion (temperature 0) and weight checksums, before pausing
+drain       ``/pause?mode=wait|abort|keep``; the drain deadline and its escalation are ours
+            (a pending ``wait`` is overtaken by ``/pause?mode=abort|keep``); counts come
+            from ``/metrics`` deltas
+release     level 1/2: ``/sleep?level=N&mode=keep`` (already drained: nothing queued is
+            lost); tags ``kv_cache``: ``/release_kv_cache_memory``; then ``collective_rpc
+            checkpoint_prepare``
+re-wake     ``collective_rpc checkpoint_restore``, ``/wake_up?tags=weights``,
+            ``reload_weights`` after level 2, weights compared with the baseline checksums
+            (still paused: before re-admission), then ``/wake_up?tags=kv_cache``
+resume      ``/resume`` if still paused, ``/wake_up`` if memory still sleeps, then the golden
+            completion; a mismatch pauses (abort) and fails the restore
+==========  ================================================================================
+
+vLLM's quirks it lives with (each pinned by a test in ``tests/test_vllm_adapter.py``):
+``is_sleeping`` is true while merely paused, so state reads ``is_paused`` too; a full
+``wake_up`` resumes a pause by itself (so weights are verified before the last wake-up);
+``/resume`` after ``/sleep`` leaves memory asleep (so resume checks and wakes); a failed
+``release_kv_cache_memory`` still marks ``kv_cache`` asleep (so the tags are recorded as
+released before the call, and a rollback wakes them); on CPU sleep and wake are accepted but
+free nothing (the memory report gives measured numbers only); newer vLLM refuses requests
+while paused with a retryable status where this one queues them (``http.complete`` retries).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+
+from ckpt_controller.adapters.vllm.http import RequestMetrics, VllmHttp
+from ckpt_controller.agent.engine import EngineHooks
+from ckpt_controller.clock import Clock, Deadline
+from ckpt_controller.errors import (
+    DeadlineError,
+    DrainError,
+    EngineError,
+    ResidualOverBudgetError,
+    UsageError,
+    VerificationError,
+)
+from ckpt_controller.protocol import (
+    DeviceMemory,
+    DrainProgress,
+    DrainReport,
+    MemoryReport,
+    PrepareCommand,
+)
+
+log = logging.getLogger("ckpt_controller.vllm")
+
+GOLDEN_PROMPT = "The checkpoint controller drains the engine, then"
+GOLDEN_TOKENS = 12
+#: a golden completion is tried this many times before a mismatch counts (batching can move
+#: a near-tie in greedy decoding; a broken model never matches)
+GOLDEN_ATTEMPTS = 3
+#: seconds without an answer to /health before the engine counts as gone
+DEAD_AFTER_S = 5.0
+_TAGS = ("weights", "kv_cache")
+
+
+@dataclass
+class _Plan:
+    level: int | None
+    tags: list[str]
+
+
+class VllmEngine(EngineHooks):
+    """The engine side of a vLLM sidecar: ``ExternalDrain``, ``MemoryManager`` and
+    ``EngineHooks`` in one, over ``VllmHttp``. One operation at a time (the agent's)."""
+
+    def __init__(self, http: VllmHttp, *, pid: int | None = None,
+                 golden_prompt: str = GOLDEN_PROMPT, golden_tokens: int = GOLDEN_TOKENS,
+                 verify_weights: bool = True, step_timeout_s: float = 600.0,
+                 poll_s: float = 0.5, dead_after_s: float = DEAD_AFTER_S,
+                 tick_s: float = 0.25) -> None:
+        self.http = http
+        self.pid = pid
+        self.golden_prompt, self.golden_tokens = golden_prompt, golden_tokens
+        self.verify_weights = verify_weights
+        self.step_timeout_s = step_timeout_s
+        self.tick_s = tick_s
+        self.golden: str | None = None
+        self.checksums: dict[str, str] | None = None
+        self._weights_checked = False
+        self._released: list[str] = []
+        self._level: int | None = None
+        self._checkpoint_prepared = False
+        self._kept = 0
+        self._metrics = RequestMetrics()
+        self._last_ok = time.monotonic()
+        self._poll_s, self._dead_after_s = poll_s, dead_after_s
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="vllm-poll", daemon=True)
+
+    # ------------------------------------------------------------------ liveness
+
+    def start(self) -> "VllmEngine":
+        self._poller.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._poller.is_alive():
+            self._poller.join(timeout=5)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            try:
+                self._metrics = self.http.metrics(timeout_s=2.0)
+                self._last_ok = time.monotonic()
+            except EngineError:  # not answering: alive() says so once it lasts
+                pass
+
+    def alive(self) -> bool:
+        if self.pid is not None and not psutil.pid_exists(self.pid):
+            return False
+        return time.monotonic() - self._last_ok < self._dead_after_s
+
+    def request_counts(self) -> tuple[int, int]:
+        """(in flight, kept) as last seen in vLLM's metrics."""
+        m = self._metrics
+        return (0, m.in_flight) if self._kept else (m.in_flight, 0)
+
+    # ------------------------------------------------------------------ drain
+
+    def drain(self, cmd: PrepareCommand, deadline: Deadline,
+              progress: Callable[[DrainProgress], None]) -> DrainReport:
+        start = time.monotonic()
+        self._baseline()
+        before = self.http.metrics()
+        mode, escalated = cmd.drain, None
+        if mode == "wait":
+            drain_deadline = _earlier(Deadline.after(cmd.drain_timeout_s, Clock()), deadline)
+            waiting = _Call(lambda: self.http.pause("wait", timeout_s=self._left(deadline)))
+            while not waiting.done.wait(self.tick_s):
+                self._progress(progress, cmd, before, start)
+                if drain_deadline.passed():
+                    break
+            if waiting.done.is_set():
+                waiting.result()  # a failed pause raises here
+            else:
+                if deadline.passed():  # the operation's own deadline: a failure, exit 3
+                    raise DeadlineError("operation deadline passed while draining",
+                                        step="drain", url=self.http.url)
+                if cmd.on_deadline == "fail":
+                    raise DrainError("requests still in flight at the drain deadline",
+                                     in_flight=self.http.metrics().in_flight,
+                                     drain_timeout_s=cmd.drain_timeout_s)
+                escalated = mode = cmd.on_deadline
+                log.info("vLLM drain deadline passed, escalating to %s", mode)
+        if mode in ("abort", "keep"):
+            self.http.pause(mode, timeout_s=self._left(deadline))
+        after = self.http.metrics()
+        self._metrics = after
+        kept = after.in_flight if mode == "keep" else 0
+        self._kept = kept
+        return DrainReport(
+            mode=cmd.drain, escalated_to=escalated, in_flight_at_start=before.in_flight,
+            completed=after.ended_since(before, "stop", "length", "repetition", "error"),
+            aborted=after.ended_since(before, "abort"), kept=kept,
+            drain_s=time.monotonic() - start)
+
+    def _baseline(self) -> None:
+        """Golden completion and weight checksums, taken while the engine still serves."""
+        self.golden = self._complete_golden()
+        self._weights_checked = False
+        self.checksums = self.http.weight_checksums(self.step_timeout_s) \
+            if self.verify_weights else None
+        if self.verify_weights and self.checksums is None:
+            log.warning("this vLLM has no /weight_checker: weights are checked by the golden "
+                        "completion only")
+
+    def _progress(self, progress, cmd: PrepareCommand, before: RequestMetrics,
+                  start: float) -> None:
+        try:
+            now = self.http.metrics(timeout_s=2.0)
+        except EngineError:
+            return
+        progress(DrainProgress(engine="", op_id=cmd.op_id, in_flight=now.in_flight,
+                               completed=now.ended_since(before, "stop", "length"),
+                               aborted=now.ended_since(before, "abort"), kept=0,
+                               elapsed_s=time.monotonic() - start))
+
+    # ------------------------------------------------------------------ memory
+
+    @property
+    def released_tags(self) -> list[str]:
+        return list(self._released)
+
+    def registered_bytes(self) -> dict[str, int]:
+        return {}  # vLLM does not tell; the memory reports measure the process tree
+
+    def plan(self, level: int | None = None, tags: list[str] | None = None) -> _Plan:
+        if tags:
+            unknown = sorted(set(tags) - set(_TAGS))
+            if unknown:
+                raise UsageError("vLLM releases only these tags", tags=tags, known=list(_TAGS))
+            if set(tags) == {"weights"}:
+                raise UsageError("vLLM cannot release its weights alone: use level 1 or 2, or "
+                                 "tags weights,kv_cache", tags=tags)
+            return _Plan(level=1 if "weights" in tags else None, tags=sorted(set(tags)))
+        if level not in (0, 1, 2):
+            raise UsageError("level must be 0, 1 or 2", level=level)
+        return _Plan(level=level, tags=[] if level == 0 else list(_TAGS))
+
+    def release(self, plan: _Plan, residual_budget_bytes: int | None = None) -> MemoryReport:
+        start = time.monotonic()
+        before = self._usage()
+        # recorded first: a failed release_kv_cache_memory still marks kv_cache asleep in vLLM
+        self._released, self._level = list(plan.tags), plan.level
+        if plan.level in (1, 2):
+            # already drained: keep leaves anything queued meanwhile queued, abort would end it
+            self.http.sleep(plan.level, "keep", timeout_s=self.step_timeout_s)
+        elif plan.tags == ["kv_cache"]:
+            self.http.release_kv_cache_memory(timeout_s=self.step_timeout_s)
+        self._checkpoint_prepared = True
+        self.http.collective_rpc("checkpoint_prepare", timeout_s=self.step_timeout_s)
+        report = self._report("release", plan.level, plan.tags, before, self._usage(), start,
+                              budget=residual_budget_bytes)
+        if residual_budget_bytes is not None and report.residual_bytes > residual_budget_bytes:
+            raise ResidualOverBudgetError(
+                "more memory remains after release than the budget allows",
+                residual_bytes=report.residual_bytes, budget_bytes=residual_budget_bytes)
+        return report
+
+    def rewake(self, tags: list[str] | None = None) -> MemoryReport:
+        """Weights back (and reloaded after level 2) and checked while still paused, then
+        the KV cache: vLLM resumes by itself once fully awake."""
+        start = time.monotonic()
+        before = self._usage()
+        released, level = self._released, self._level
+        self._undo_checkpoint_prepare()
+        verified = 0
+        if "weights" in released:
+            self.http.wake_up(["weights"], timeout_s=self.step_timeout_s)
+            if level == 2:
+                self.http.collective_rpc("reload_weights", timeout_s=self.step_timeout_s)
+            verified = self._check_weights()
+        if "kv_cache" in released:
+            self.http.wake_up(["kv_cache"], timeout_s=self.step_timeout_s)
+        self._released, self._level = [], None
+        report = self._report("rewake", level, released, before, self._usage(), start)
+        report.verified_tensors = verified
+        return report
+
+    def _undo_checkpoint_prepare(self) -> None:
+        if self._checkpoint_prepared:
+            self.http.collective_rpc("checkpoint_restore", timeout_s=self.step_timeout_s)
+            self._checkpoint_prepared = False
+
+    def _check_weights(self) -> int:
+        if not self.checksums:
+            return 0
+        bad = self.http.weight_mismatches(self.checksums, timeout_s=self.step_timeout_s)
+        if bad:
+            raise VerificationError("weights differ from before the prepare",
+                                    mismatched=len(bad), tensors=bad[:10])
+        self._weights_checked = True
+        return len(self.checksums)
+
+    # ------------------------------------------------------------------ hooks
+
+    def pause_scheduling(self) -> None:
+        """Nothing to do: the drain's ``/pause`` already stopped scheduling."""
+
+    def verify(self) -> None:
+        """Weights were compared in ``rewake`` (before the last wake-up re-admits); when
+        nothing was released, compare them here, still paused."""
+        if not self._weights_checked:
+            self._check_weights()
+
+    def resume_scheduling(self) -> None:
+        self._undo_checkpoint_prepare()  # level 0: nothing was re-woken
+        if self.http.is_paused():
+            self.http.resume()
+        # only now does is_sleeping speak of memory alone: /resume after /sleep leaves it asleep
+        if self.http.is_sleeping():
+            log.warning("vLLM memory still asleep after resume: waking all of it")
+            self.http.wake_up(None, timeout_s=self.step_timeout_s)
+            if self.http.is_paused():
+                self.http.resume()
+            if self.http.is_sleeping():
+                raise EngineError("vLLM still reports sleeping after a full wake-up",
+                                  url=self.http.url)
+        self._kept = 0
+        if self.golden is not None:
+            got = None
+            for _ in range(GOLDEN_ATTEMPTS):
+                got = self._complete_golden()
+                if got == self.golden:
+                    return
+            try:
+                self.http.pause("abort", timeout_s=30)
+            except EngineError as err:
+                log.error("could not pause vLLM after a golden mismatch: %s", err)
+            raise VerificationError("the golden completion differs after restore",
+                                    expected=self.golden, got=got, prompt=self.golden_prompt)
+
+    def _complete_golden(self) -> str:
+        return self.http.complete(self.golden_prompt, self.golden_tokens, retry_for_s=30.0,
+                                  timeout_s=self.step_timeout_s, ignore_eos=True).text
+
+    # ------------------------------------------------------------------ measuring
+
+    def _usage(self) -> dict[str, int]:
+        """Bytes the engine's process tree holds, by device: host RSS and, where
+        nvidia-smi can tell, GPU memory of those processes."""
+        if self.pid is None:
+            return {}
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return {}
+        out = {"cpu": 0}
+        for proc in procs:
+            try:
+                out["cpu"] += proc.memory_info().rss
+            except psutil.Error:
+                continue
+        out.update(_gpu_bytes({p.pid for p in procs}))
+        return out
+
+    def _report(self, action: str, level: int | None, tags: list[str], before: dict[str, int],
+                after: dict[str, int], start: float, *, budget: int | None = None
+                ) -> MemoryReport:
+        devices = []
+        for dev in sorted(set(before) | set(after)):
+            b, a = before.get(dev, 0), after.get(dev, 0)
+            devices.append(DeviceMemory(
+                device=dev, before_bytes=b, after_bytes=a, freed_bytes=b - a, residual_bytes=a,
+                note=("RSS of the vLLM process tree, measured" if dev == "cpu"
+                      else "GPU memory of the vLLM process tree (nvidia-smi), measured")))
+        gpu = [d for d in devices if d.device != "cpu"]
+        counted = gpu or devices  # on a GPU the release is about GPU memory
+        if not devices:
+            log.warning("no PID for the vLLM server: the memory report has no measurements")
+        return MemoryReport(
+            action=action, level=level, tags=list(tags), budget_bytes=budget, devices=devices,
+            freed_bytes=sum(d.freed_bytes for d in counted),
+            residual_bytes=sum(d.residual_bytes for d in counted),
+            duration_s=time.monotonic() - start)
+
+    def _left(self, deadline: Deadline) -> float:
+        left = deadline.remaining()
+        return self.step_timeout_s if left is None else max(0.5, left + 5.0)
+
+
+def _gpu_bytes(pids: set[int]) -> dict[str, int]:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {}
+    try:
+        out = subprocess.run([smi, "--query-compute-apps=pid,gpu_uuid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    usage: dict[str, int] = {}
+    for line in out.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 3 and parts[0].isdigit() and int(parts[0]) in pids:
+            key = f"cuda:{parts[1]}"
+            usage[key] = usage.get(key, 0) + int(float(parts[2])) * 1024 * 1024
+    return usage
+
+
+class _Call:
+    """Run ``fn`` on a thread; ``done`` is set when it returned or raised."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.done = threading.Event()
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # policy: handed to whoever asks for the result
+                self._error = exc
+            finally:
+                self.done.set()
+
+        threading.Thread(target=run, name="vllm-call", daemon=True).start()
+
+    def result(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+def _earlier(a: Deadline, b: Deadline) -> Deadline:
+    if a.at is None:
+        return b
+    if b.at is None:
+        return a
+    return a if a.at <= b.at else b
+
+
+def find_server_pid(port: int) -> int | None:
+    """The PID of the local process listening on TCP ``port`` (None if not visible)."""
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port \
+                    and conn.pid:
+                return conn.pid
+    except (psutil.Error, OSError):
+        return None
+    return None
+
+
+def serve(url: str, *, name: str, control: str | None, pid: int | None,
+          golden_prompt: str, golden_tokens: int, verify_weights: bool, timeout_s: float,
+          heartbeat_interval_s: float = 0.5, ready: Callable[[dict], None] | None = None) -> None:
+    """Run the sidecar until SIGTERM/SIGINT; prints one JSON ready line once bound."""
+    import signal
+
+    from ckpt_controller.agent.server import Agent
+
+    http = VllmHttp(url, timeout_s=timeout_s)
+    if not http.healthy(timeout_s=5.0):
+        raise EngineError(f"no vLLM server answers at {http.url}/health", url=http.url,
+                          unreachable=True)
+    if pid is None and http.host in ("127.0.0.1", "localhost", "::1"):
+        pid = find_server_pid(http.port)
+    engine = VllmEngine(http, pid=pid, golden_prompt=golden_prompt,
+                        golden_tokens=golden_tokens, verify_weights=verify_weights,
+                        step_timeout_s=max(timeout_s, 60.0)).start()
+    agent = Agent(name, hooks=engine, memory=engine, drain=engine, control=control,
+                  engine_pid=pid, engine_alive=engine.alive,
+                  request_counts=engine.request_counts,
+                  heartbeat_interval_s=heartbeat_interval_s).start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    info = {"event": "ready", "name": name, "pid": os.getpid(), "engine_pid": pid,
+            "url": http.url, "control": agent.endpoint, "model": http.model_name}
+    (ready or (lambda i: print(json.dumps(i), flush=True)))(info)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        agent.close()
+        engine.close()
