@@ -508,3 +508,24 @@ def test_hook_owned_by_another_user_is_refused(spawn_reference, spawn_controller
     (o,) = json.loads(out.stdout)["engines"]
     assert out.returncode == 2 and o["error"]["kind"] == "ConfigError"
     assert "owned by another user" in o["error"]["message"] and o["state"] == "running"
+
+
+def test_the_operations_drain_timeout_reaches_the_agent(spawn_reference, spawn_controller):
+    # --drain-timeout overrides the configured [deadlines] drain (30 s): the wait drain
+    # escalates to abort after it instead of waiting the requests out
+    eng = spawn_reference("dt")
+    ctl = spawn_controller(engines_toml((eng, "")))
+    with EngineClient(eng.api) as api:
+        ids = [api.submit([i, 2, 9], 300) for i in range(4)]
+        time.sleep(0.1)
+        out = ctl.ckptctl("prepare", "dt", "--drain", "wait", "--drain-timeout", "0.05",
+                          "--on-deadline", "abort", "--level", "0", "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        (e,) = json.loads(out.stdout)["engines"]
+        assert e["drain"]["escalated_to"] == "abort" and e["drain"]["aborted"] >= 1
+        ends: dict[str, str] = {}
+        deadline = time.monotonic() + 30
+        while len(ends) < len(ids) and time.monotonic() < deadline:
+            ends.update({c.request_id: c.finish_reason for c in api.poll(0.5)})
+    assert set(ends) == set(ids) and "abort" in ends.values()  # every request ended
+    assert ctl.ckptctl("restore", "dt").returncode == 0

@@ -177,7 +177,7 @@ class Controller:
         params = self.config.prepare_defaults(engine).merged(overrides)
         return EngineSession(self.config, engine, cmd.op_id, params,
                              cmd.deadline_s or self.config.deadlines.operation,
-                             self.record, self.metrics)
+                             self.record, self.metrics, drain_timeout_s=cmd.drain_timeout_s)
 
     def _execute(self, cmd: p.OperationCommand, engines: list[str]):
         sessions = [self._session(cmd, e) for e in engines]

@@ -34,8 +34,11 @@ Recorder = Callable[..., p.JournalRecord]
 class EngineSession:
     def __init__(self, config: ControllerConfig, engine: str, op_id: str,
                  params: PrepareDefaults, deadline_s: float, record: Recorder,
-                 metrics=None) -> None:
+                 metrics=None, drain_timeout_s: float | None = None) -> None:
         self.config = config
+        #: how long a wait drain may take before its escalation (the operation's own value,
+        #: else the configured drain deadline)
+        self.drain_timeout_s = drain_timeout_s or config.deadlines.drain
         self.engine = config.engine(engine)
         self.op_id = op_id
         self.params = params
@@ -141,18 +144,20 @@ class EngineSession:
                     tags=list(prm.tags) if prm.tags else None,
                     residual_budget_bytes=prm.residual_budget_bytes)
         stepwise = self.has_hooks("post-drain") or self.has_hooks("post-release")
+        drain = self.drain_timeout_s
+        # the escalation at the drain timeout (abort, keep) has the release allowance to finish
         if not stepwise:  # one round trip when no hook needs to run inside PREPARING
             with self.phase("prepare"):
                 reply = self.client.prepare(
                     op_id=f"{self.op_id}/{self.engine.name}/prepare",
-                    drain_timeout_s=self.remaining(d.drain),
-                    deadline_s=self.remaining(d.drain + d.release), **args)
+                    drain_timeout_s=self.remaining(drain),
+                    deadline_s=self.remaining(drain + 2 * d.release), **args)
         else:
             with self.phase("drain"):
                 reply = self.client.prepare(
                     op_id=f"{self.op_id}/{self.engine.name}/drain", step="drain",
-                    drain_timeout_s=self.remaining(d.drain), deadline_s=self.remaining(d.drain),
-                    **args)
+                    drain_timeout_s=self.remaining(drain),
+                    deadline_s=self.remaining(drain + d.release), **args)
             self._inside("post-drain")
             with self.phase("release"):
                 released = self.client.prepare(
