@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -164,3 +167,64 @@ def spawn_controller(ipc_dir):
     yield spawn
     for ctl in started:
         ctl.stop()
+
+
+# ---------------------------------------------------------------------------- vLLM (-m vllm)
+
+VLLM_PY = ROOT / ".cache" / "vllm" / "bin" / "python"
+
+
+class VllmServer:
+    """A real vLLM CPU server (``make vllm``) on a tiny random Llama, in dev mode."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = model / "server.log"
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
+                   HF_HUB_OFFLINE="1")
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [str(VLLM_PY), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model",
+             str(model), "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+        self.pid = self.proc.pid
+        deadline = time.monotonic() + 240
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2)
+                return
+            except OSError:  # not up yet
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("vLLM did not start in 240 s") from None
+                time.sleep(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """One vLLM server for the whole session (it takes about 35 s to start)."""
+    if not VLLM_PY.exists():
+        pytest.skip("no vLLM venv: run `make vllm`")
+    model = tmp_path_factory.mktemp("tinyllama")
+    subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "vllm" / "make_tiny_llama.py"),
+                    str(model)], check=True, capture_output=True, timeout=300)
+    server = VllmServer(model)
+    yield server
+    server.stop()

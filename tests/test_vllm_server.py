@@ -5,18 +5,13 @@ live with, pinned so a vLLM upgrade that changes them is noticed. Marked ``vllm`
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PY = ROOT / ".cache" / "vllm" / "bin" / "python"
+VLLM_PY = Path(__file__).resolve().parent.parent / ".cache" / "vllm" / "bin" / "python"
 
 pytestmark = [
     pytest.mark.vllm,
@@ -24,48 +19,9 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory):
-    model = tmp_path_factory.mktemp("tinyllama")
-    subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "vllm" / "make_tiny_llama.py"),
-                    str(model)], check=True, capture_output=True, timeout=300)
-    port = _free_port()
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               HF_HUB_OFFLINE="1")
-    log = (model / "server.log").open("w")
-    proc = subprocess.Popen(
-        [str(VLLM_PY), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model",
-         str(model), "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited: {(model / 'server.log').read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
-            except OSError:  # not up yet
-                if time.monotonic() > deadline:
-                    raise RuntimeError("vLLM did not start in 240 s") from None
-                time.sleep(1)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+@pytest.fixture
+def vllm_url(vllm_server):
+    return vllm_server.url
 
 
 def call(url: str, path: str, method: str = "GET", body: dict | None = None) -> dict:

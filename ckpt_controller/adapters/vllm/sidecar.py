@@ -53,6 +53,7 @@ from ckpt_controller.errors import (
     DrainError,
     EngineError,
     ResidualOverBudgetError,
+    UnreachableError,
     UsageError,
     VerificationError,
 )
@@ -435,8 +436,7 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
 
     http = VllmHttp(url, timeout_s=timeout_s)
     if not http.healthy(timeout_s=5.0):
-        raise EngineError(f"no vLLM server answers at {http.url}/health", url=http.url,
-                          unreachable=True)
+        raise UnreachableError(f"no vLLM server answers at {http.url}/health", url=http.url)
     if pid is None and http.host in ("127.0.0.1", "localhost", "::1"):
         pid = find_server_pid(http.port)
     engine = VllmEngine(http, pid=pid, golden_prompt=golden_prompt,

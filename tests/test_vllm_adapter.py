@@ -1,0 +1,374 @@
+"""The vLLM sidecar against a real vLLM server: cycles with each drain mode under concurrent
+completions, through the controller, and each of vLLM's known quirks handled. Marked
+``vllm`` (``make test PYTEST_ARGS="-m vllm"``); skips without the vLLM venv (``make vllm``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import pytest
+
+from ckpt_controller.adapters.vllm import VllmEngine, VllmHttp
+from ckpt_controller.agent import AgentClient
+from ckpt_controller.agent.server import Agent
+from ckpt_controller.controller.client import ControllerClient
+from ckpt_controller.errors import CkptError, EngineError, VerificationError
+from ckpt_controller.procutil import ReadyProcess
+from conftest import ROOT, VLLM_PY
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VLLM_PY.exists(), reason="no vLLM venv: run `make vllm`"),
+]
+
+#: long enough (about 10 s for six at once here) to be in flight when a prepare starts, even
+#: across the multi-second stalls this 2-core VM shows while vLLM saturates it
+LONG = 4000
+PROMPTS = [f"request {i} says" for i in range(6)]
+#: the sidecars' heartbeat: a controller declares silence after 6 of them (see above)
+HEARTBEAT = "1.0"
+
+
+class Recording(VllmHttp):
+    """A VllmHttp that remembers the lifecycle calls it made, in order."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.calls: list[str] = []
+
+    def request(self, method, path, *, params=None, body=None, timeout_s=None):
+        if path not in ("/metrics", "/v1/completions", "/v1/models"):
+            what = path + ("?" + "&".join(f"{k}={v}" for k, v in params) if params else "")
+            if body and "method" in body:
+                what += f" {body['method']}"
+            elif body and "action" in body:
+                what += f" {body['action']}"
+            self.calls.append(what)
+        return super().request(method, path, params=params, body=body, timeout_s=timeout_s)
+
+
+@dataclass
+class Outcome:
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    ended_wall: float = 0.0
+
+
+@dataclass
+class Batch:
+    """Concurrent long greedy completions on threads (each retries a retryable refusal)."""
+
+    url: str
+    prompts: list[str]
+    max_tokens: int = LONG
+    outcomes: dict[int, Outcome] = field(default_factory=dict)
+
+    def start(self) -> "Batch":
+        http = VllmHttp(self.url, timeout_s=300)
+
+        def one(i: int, prompt: str) -> None:
+            out = Outcome()
+            try:
+                c = http.complete(prompt, self.max_tokens, retry_for_s=120, ignore_eos=True)
+                out.text, out.finish_reason = c.text, c.finish_reason
+            except CkptError as err:
+                out.error = str(err)
+            out.ended_wall = time.time()
+            self.outcomes[i] = out
+
+        self._threads = [threading.Thread(target=one, args=(i, p), daemon=True)
+                         for i, p in enumerate(self.prompts)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def wait_running(self, n: int, timeout_s: float = 20) -> None:
+        http = VllmHttp(self.url)
+        end = time.monotonic() + timeout_s
+        while http.metrics().running < n:
+            assert time.monotonic() < end, "the completions never ran together"
+            time.sleep(0.05)
+
+    def join(self, timeout_s: float = 240) -> dict[int, Outcome]:
+        for t in self._threads:
+            t.join(timeout_s)
+        assert len(self.outcomes) == len(self.prompts), "a request was left without an end"
+        return self.outcomes
+
+
+@pytest.fixture
+def vllm(vllm_server):
+    """The shared server, made whole again after each test: not paused, awake, weights as
+    loaded (tests corrupt them on purpose)."""
+    http = VllmHttp(vllm_server.url, timeout_s=120)
+    yield http
+    if http.is_paused():
+        http.resume()
+    if http.is_sleeping():
+        http.wake_up(None)
+    if http.is_paused():
+        http.resume()
+    http.collective_rpc("reload_weights")
+
+
+@pytest.fixture
+def sidecar(vllm_server, ipc_dir):
+    started = []
+
+    def spawn(name: str = "vl", *extra: str) -> ReadyProcess:
+        proc = ReadyProcess([sys.executable, "-m", "ckpt_controller", "agent", "vllm",
+                             "--url", vllm_server.url, "--control", f"ipc://{ipc_dir}/{name}",
+                             "--name", name, "--heartbeat", HEARTBEAT, *extra],
+                            ipc_dir / f"{name}.log", f"vLLM sidecar {name}", cwd=ROOT)
+        started.append(proc)
+        return proc
+
+    yield spawn
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
+def in_process(vllm_server):
+    """A sidecar's agent in this process, with a recording HTTP client."""
+    made = []
+
+    def make(**opts) -> tuple[Agent, VllmEngine, Recording]:
+        http = Recording(vllm_server.url)
+        engine = VllmEngine(http, pid=vllm_server.pid, step_timeout_s=120, **opts).start()
+        agent = Agent(f"inproc{len(made)}", hooks=engine, memory=engine, drain=engine,
+                      engine_pid=vllm_server.pid, engine_alive=engine.alive,
+                      request_counts=engine.request_counts,
+                      heartbeat_interval_s=float(HEARTBEAT)).start()
+        made.append((agent, engine))
+        return agent, engine, http
+
+    yield make
+    for agent, engine in made:
+        agent.close()
+        engine.close()
+
+
+def under_load(vllm: VllmHttp, operation, undo=None, attempts: int = 3):
+    """Run ``operation()`` while ``PROMPTS`` are being generated; (result, outcomes).
+
+    This 2-core VM sometimes stalls a process for seconds while vLLM saturates it; when the
+    requests have ended before the operation reached its drain (``in_flight_at_start`` short
+    of them all), the scenario did not happen: ``undo()`` and try again."""
+    for attempt in range(attempts):
+        batch = Batch(vllm.url, PROMPTS).start()
+        batch.wait_running(len(PROMPTS))
+        result = operation(attempt)
+        outcomes = batch.join()
+        drain = result.engines[0].drain
+        if drain is not None and drain.in_flight_at_start == len(PROMPTS):
+            return result, outcomes
+        if undo is not None:
+            undo()
+    pytest.fail(f"the requests never were all in flight when the drain began ({attempts} tries)")
+
+
+def _transition_walls(ctl, op_id: str) -> dict[str, float]:
+    out = ctl.ckptctl("history", "--op-id", op_id, "--limit", "500", "--json")
+    records = json.loads(out.stdout)["records"]
+    return {r["data"]["dest"]: r["wall"] for r in records if r["type"] == "transition"}
+
+
+# ---------------------------------------------------------------------------- through the controller
+
+
+@pytest.mark.parametrize("mode", ["wait", "abort", "keep"])
+def test_cycle_under_concurrent_completions(mode, vllm, sidecar, spawn_controller):
+    side = sidecar()
+    ctl = spawn_controller(f'[[engine]]\nname = "vl"\ncontrol = "{side.info["control"]}"\n'
+                           f'kind = "vllm"\n')
+    golden = vllm.complete("the engine drains", 12, ignore_eos=True).text
+    uninterrupted = Batch(vllm.url, PROMPTS).start().join() if mode == "keep" else None
+
+    # in this process: a new process started while vLLM saturates both cores here can take
+    # seconds to start, long enough for the requests to end before the drain begins
+    with ControllerClient(ctl.endpoint) as client:
+        result, outcomes = under_load(vllm, lambda n: client.cycle(
+            ["vl"], drain=mode, level=1, op_id=f"vl-{mode}-{n}"))
+    op_id = result.op_id
+    assert result.status == "succeeded", result
+    (eng,) = json.loads(msgspec.json.encode(result))["engines"]
+    assert eng["status"] == "succeeded" and eng["state"] == "running"
+    drain = eng["drain"]
+    assert drain["mode"] == mode and drain["in_flight_at_start"] == len(PROMPTS)
+    assert not [o.error for o in outcomes.values() if o.error], outcomes  # nothing lost
+    walls = _transition_walls(ctl, op_id)
+    if mode == "wait":  # in-flight requests finished before PREPARED
+        assert {o.finish_reason for o in outcomes.values()} == {"length"}
+        assert max(o.ended_wall for o in outcomes.values()) <= walls["prepared"]
+        assert drain["completed"] == len(PROMPTS)
+    elif mode == "abort":  # ended at once, partial outputs, finish reason abort
+        assert {o.finish_reason for o in outcomes.values()} == {"abort"}
+        assert all(0 < len(o.text) for o in outcomes.values())
+        assert drain["aborted"] == len(PROMPTS)
+    else:  # kept: they finish after the restore, as if nothing had happened
+        assert {o.finish_reason for o in outcomes.values()} == {"length"}
+        assert min(o.ended_wall for o in outcomes.values()) >= walls["restoring"]
+        assert [outcomes[i].text for i in range(len(PROMPTS))] == \
+            [uninterrupted[i].text for i in range(len(PROMPTS))]
+        assert drain["kept"] == len(PROMPTS)
+    # the sidecar checked its golden completion; check one of ours too
+    assert vllm.complete("the engine drains", 12, ignore_eos=True).text == golden
+    # status and history show the vLLM engine like any other
+    status = json.loads(ctl.ckptctl("status", "--json").stdout)["engines"][0]
+    assert status["engine"] == "vl" and status["kind"] == "vllm" and status["reachable"]
+    assert status["status"]["state"] == "running" and status["status"]["generation"] >= 1
+    assert status["status"]["pid"] == vllm_pid(vllm)
+    assert list(walls) == ["preparing", "prepared", "restoring", "running"]
+
+
+def vllm_pid(http: VllmHttp) -> int:
+    from ckpt_controller.adapters.vllm.sidecar import find_server_pid
+
+    return find_server_pid(http.port)
+
+
+def test_wait_drain_deadline_escalates_to_abort(vllm, sidecar, spawn_controller):
+    side = sidecar()
+    ctl = spawn_controller(f'[[engine]]\nname = "vl"\ncontrol = "{side.info["control"]}"\n'
+                           f'kind = "vllm"\n')
+    with ControllerClient(ctl.endpoint) as client:
+        result, outcomes = under_load(vllm, lambda n: client.prepare(
+            ["vl"], drain="wait", drain_timeout_s=0.5, on_deadline="abort", level=0),
+            undo=lambda: client.restore(["vl"]))
+    (eng,) = result.engines
+    assert result.status == "succeeded", result
+    assert eng.drain.escalated_to == "abort" and eng.drain.aborted == len(PROMPTS)
+    assert {o.finish_reason for o in outcomes.values()} == {"abort"}
+    assert ctl.ckptctl("restore", "vl").returncode == 0
+    assert not vllm.is_paused()
+
+
+def test_a_dead_vllm_stops_the_heartbeats(vllm_server, sidecar, ipc_dir):
+    # the sidecar watches /health; a PID that no longer exists is the same as no answer
+    side = sidecar("ghost", "--pid", "999999")
+    with AgentClient(side.info["control"], timeout_s=3) as agent:
+        with pytest.raises(EngineError, match="not answering"):
+            agent.heartbeat()
+
+
+# ---------------------------------------------------------------------------- the quirks
+
+
+def test_paused_reads_as_sleeping_so_level_0_resumes_without_waking(vllm, in_process):
+    agent, _, http = in_process()
+    with AgentClient(agent.endpoint) as c:
+        c.prepare(level=0)
+        assert vllm.is_paused() and vllm.is_sleeping()  # merely paused
+        http.calls.clear()
+        c.restore()
+    assert not vllm.is_paused() and not vllm.is_sleeping()
+    assert not [x for x in http.calls if x.startswith("/wake_up")], http.calls
+    assert "/resume" in http.calls
+
+
+def test_a_full_wake_up_resumes_by_itself_so_weights_are_checked_before_it(vllm, in_process):
+    agent, _, http = in_process()
+    with AgentClient(agent.endpoint) as c:
+        c.prepare(level=1, drain="keep")
+        http.calls.clear()
+        reply = c.restore()
+    calls = http.calls
+    assert calls.index("/weight_checker compare") < calls.index("/wake_up?tags=kv_cache")
+    assert "/resume" not in calls  # vLLM resumed on the full wake-up
+    assert reply.memory.verified_tensors > 0
+    assert not vllm.is_paused()
+
+
+def test_resume_after_sleep_leaves_memory_asleep_and_resume_wakes_it(vllm, in_process):
+    # pinned: /resume after /sleep unpauses but memory sleeps on
+    vllm.sleep(1, "abort")
+    vllm.resume()
+    assert not vllm.is_paused() and vllm.is_sleeping()
+    # the sidecar's resume step notices and wakes it
+    _, engine, http = in_process()
+    vllm.pause("keep")
+    engine.resume_scheduling()
+    assert not vllm.is_sleeping() and not vllm.is_paused()
+    assert "/wake_up" in http.calls
+
+
+def test_failed_kv_cache_release_rolls_back_by_waking_kv_cache(vllm, in_process):
+    agent, _, http = in_process()
+    with AgentClient(agent.endpoint) as c:
+        with pytest.raises(EngineError) as err:
+            c.prepare(level=None, tags=["kv_cache"])  # vLLM's CPU worker cannot discard selectively
+        assert err.value.details["rolled_back"] is True
+        assert c.status().state == "running"
+    assert "/wake_up?tags=kv_cache" in http.calls
+    assert not vllm.is_paused() and not vllm.is_sleeping()
+    assert vllm.complete("still serving", 4).finish_reason == "length"
+
+
+def test_failed_kv_cache_release_still_marks_kv_cache_asleep(vllm):
+    vllm.pause("wait")
+    with pytest.raises(EngineError) as err:
+        vllm.release_kv_cache_memory()
+    assert err.value.details["http_status"] == 500
+    vllm.resume()
+    assert vllm.is_sleeping()  # kv_cache is marked asleep although nothing was released
+    assert vllm.wake_up(["kv_cache"]) and not vllm.is_sleeping()
+
+
+def test_on_cpu_sleep_frees_nothing_and_the_report_says_so(vllm, in_process):
+    agent, _, _ = in_process()
+    with AgentClient(agent.endpoint) as c:
+        reply = c.prepare(level=1)
+        c.restore()
+    m = reply.memory
+    assert m.tensor_bytes == m.offloaded_bytes == m.discarded_bytes == 0  # nothing claimed
+    (cpu,) = m.devices
+    assert cpu.device == "cpu" and "measured" in cpu.note and cpu.before_bytes > 100 * 2**20
+    assert abs(m.freed_bytes) < 0.02 * cpu.before_bytes  # the CPU worker ignores sleep
+
+
+def test_requests_sent_while_paused_wait_and_complete_after_resume(vllm, in_process):
+    # this vLLM queues them (newer ones refuse with a retryable status: http.complete retries)
+    agent, _, _ = in_process()
+    with AgentClient(agent.endpoint) as c:
+        c.prepare(level=1)
+        late = Batch(vllm.url, ["sent while prepared"], max_tokens=8).start()
+        time.sleep(1.0)
+        assert not late.outcomes  # held, not refused and not run
+        c.restore()
+    (outcome,) = late.join().values()
+    assert outcome.finish_reason == "length" and outcome.error is None
+
+
+# ---------------------------------------------------------------------------- verification
+
+
+def test_corrupted_weights_fail_the_restore_before_readmission(vllm, in_process):
+    agent, _, _ = in_process()
+    with AgentClient(agent.endpoint) as c:
+        c.prepare(level=1)
+        vllm.request("POST", "/weight_checker", body={"action": "reset"})  # zeroes the weights
+        with pytest.raises(VerificationError, match="weights differ"):
+            c.restore()
+        assert c.status().state == "failed"
+        assert vllm.is_paused()  # never re-admitted
+        vllm.collective_rpc("reload_weights")  # the operator's fix; then recovery
+        c.restore()
+        assert c.status().state == "running"
+
+
+def test_a_golden_mismatch_fails_the_restore(vllm, in_process):
+    agent, engine, _ = in_process(verify_weights=False)
+    with AgentClient(agent.endpoint) as c:
+        c.prepare(level=0)
+        vllm.request("POST", "/weight_checker", body={"action": "reset"})
+        with pytest.raises(VerificationError, match="golden completion differs"):
+            c.restore()
+        assert c.status().state == "failed"
+    assert vllm.is_paused()  # paused again (abort) once the mismatch was seen
