@@ -152,9 +152,9 @@ class VllmEngine(EngineHooks):
             drain_deadline = _earlier(Deadline.after(cmd.drain_timeout_s, Clock()), deadline)
             waiting = _Call(lambda: self.http.pause("wait", timeout_s=self._left(deadline)))
             while not waiting.done.wait(self.tick_s):
-                self._progress(progress, cmd, before, start)
                 if drain_deadline.passed():
                     break
+                self._progress(progress, cmd, before, start)
             if waiting.done.is_set():
                 waiting.result()  # a failed pause raises here
             else:
@@ -192,8 +192,8 @@ class VllmEngine(EngineHooks):
     def _progress(self, progress, cmd: PrepareCommand, before: RequestMetrics,
                   start: float) -> None:
         try:
-            now = self.http.metrics(timeout_s=2.0)
-        except EngineError:
+            now = self.http.metrics(timeout_s=min(1.0, self.tick_s * 4))
+        except EngineError:  # progress is best effort: the drain goes on
             return
         progress(DrainProgress(engine="", op_id=cmd.op_id, in_flight=now.in_flight,
                                completed=now.ended_since(before, "stop", "length"),

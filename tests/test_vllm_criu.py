@@ -1,0 +1,112 @@
+"""A whole vLLM server captured with the shipped CRIU hooks while PREPARED, stopped, and
+restored from the image serving the same completions; restore-to-first-token against vLLM's
+cold start. Marked ``vllm``; needs the vLLM venv (``make vllm``), CRIU 4.2+ (``make criu``),
+root, and a writable ``kernel.io_uring_disabled`` (vLLM's event loop opens an io_uring, which
+CRIU cannot dump, unless io_uring is off while it starts). Skips, saying which, otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt_controller.adapters.vllm import VllmHttp
+from ckpt_controller.procutil import ReadyProcess
+from conftest import ROOT, VLLM_PY, VllmServer
+from test_criu import CRIU, _reason as criu_missing
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VLLM_PY.exists(), reason="no vLLM venv: run `make vllm`"),
+    pytest.mark.skipif(criu_missing is not None, reason=criu_missing or ""),
+]
+
+URING = Path("/proc/sys/kernel/io_uring_disabled")
+PROMPT = "the restored engine says"
+
+
+@pytest.fixture(scope="module")
+def capturable_vllm(tmp_path_factory):
+    """A vLLM server started with io_uring off (the sysctl is put back as soon as it serves),
+    and its cold start: process start to the first token."""
+    try:
+        old = URING.read_text().strip()
+        URING.write_text("2")
+    except OSError as err:
+        pytest.skip(f"cannot turn io_uring off while vLLM starts ({URING}): {err}")
+    model = tmp_path_factory.mktemp("tinyllama-criu")
+    subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "vllm" / "make_tiny_llama.py"),
+                    str(model)], check=True, capture_output=True, timeout=300)
+    start = time.monotonic()
+    try:
+        server = VllmServer(model)
+    finally:
+        URING.write_text(old)
+    VllmHttp(server.url, timeout_s=120).complete(PROMPT, 1)
+    server.cold_start_s = time.monotonic() - start
+    yield server
+    # the restored tree is no child of ours, but it leads its own process group: SIGTERM (vLLM
+    # then removes its shared memory), SIGKILL if it lingers
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            break
+        end = time.monotonic() + wait_s
+        while os.path.exists(f"/proc/{server.pid}") and time.monotonic() < end:
+            time.sleep(0.2)
+    server.stop()
+
+
+def test_vllm_captured_stopped_and_restored_from_its_image(capturable_vllm, spawn_controller,
+                                                           ipc_dir, monkeypatch):
+    server = capturable_vllm
+    monkeypatch.setenv("CKPT_CRIU", CRIU)  # hooks get the controller's environment
+    monkeypatch.setenv("CKPT_CRIU_MODE", "stop")
+    side = ReadyProcess([sys.executable, "-m", "ckpt_controller", "agent", "vllm", "--url",
+                         server.url, "--control", f"ipc://{ipc_dir}/vc", "--name", "vc",
+                         "--heartbeat", "1.0"], ipc_dir / "vc.log", "vLLM sidecar", cwd=ROOT)
+    try:
+        ctl = spawn_controller(f'[[engine]]\nname = "vc"\ncontrol = "{side.info["control"]}"\n'
+                               f'kind = "vllm"\n')
+        for point, name, hook in (("dump", "10-criu-dump", "criu-dump"),
+                                  ("pre-restore", "10-criu-restore", "criu-restore")):
+            (ctl.dir / "hooks" / point).mkdir(parents=True, exist_ok=True)
+            (ctl.dir / "hooks" / point / name).symlink_to(ROOT / "hooks" / hook)
+        http = VllmHttp(server.url, timeout_s=120)
+        want = http.complete(PROMPT, 16, ignore_eos=True).text
+
+        out = ctl.ckptctl("prepare", "vc", "--level", "1", "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        out = ctl.ckptctl("capture", "vc", "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        (eng,) = json.loads(out.stdout)["engines"]
+        said = eng["hooks"][0]["stdout_tail"]
+        assert "criu-dump: dumped pid" in said
+        image_bytes = int(said.split(": ")[2].split(" bytes")[0])
+        server.proc.wait(timeout=60)  # the dump ended it; reaped, its PIDs are free again
+        assert not http.healthy()
+
+        start = time.monotonic()
+        out = ctl.ckptctl("restore", "vc", "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        got = http.complete(PROMPT, 16, ignore_eos=True).text
+        restore_s = time.monotonic() - start
+        (eng,) = json.loads(out.stdout)["engines"]
+        assert eng["state"] == "running"
+        assert "restored the engine" in eng["hooks"][0]["stdout_tail"]
+        assert got == want  # the same weights, the same greedy completion
+        status = json.loads(ctl.ckptctl("status", "--json").stdout)["engines"][0]["status"]
+        assert status["state"] == "running" and status["pid"] == server.pid
+        print(f"\nvLLM (tiny Llama, CPU): cold start to first token {server.cold_start_s:.1f} s; "
+              f"CRIU restore (restore op + first completion) {restore_s:.1f} s; image "
+              f"{image_bytes / 2**30:.2f} GiB")
+        assert restore_s < server.cold_start_s
+    finally:
+        side.stop()
