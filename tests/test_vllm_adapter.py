@@ -274,6 +274,17 @@ def test_a_dead_vllm_stops_the_heartbeats(vllm_server, sidecar, ipc_dir):
             agent.heartbeat()
 
 
+def test_a_sidecar_started_beside_a_paused_vllm_says_failed_and_restore_recovers(vllm, sidecar):
+    vllm.pause("keep")  # e.g. the sidecar restarted while its engine was PREPARED
+    side = sidecar("late")
+    with AgentClient(side.info["control"]) as c:
+        st = c.status()
+        assert st.state == "failed" and "found paused" in st.last_transition.reason
+        c.restore()
+        assert c.status().state == "running"
+    assert not vllm.is_paused() and not vllm.is_sleeping()
+
+
 # ---------------------------------------------------------------------------- the quirks
 
 

@@ -57,6 +57,7 @@ from ckpt_controller.errors import (
     UsageError,
     VerificationError,
 )
+from ckpt_controller.lifecycle import Trigger
 from ckpt_controller.protocol import (
     DeviceMemory,
     DrainProgress,
@@ -262,6 +263,15 @@ class VllmEngine(EngineHooks):
         report.verified_tensors = verified
         return report
 
+    def found_out_of_service(self) -> str | None:
+        """Why vLLM cannot count as RUNNING when the sidecar starts (paused or asleep: e.g.
+        a sidecar restarted while its engine was PREPARED), or None."""
+        paused = self.http.is_paused()
+        if paused or self.http.is_sleeping():
+            return ("vLLM was found " + ("paused" if paused else "asleep") + " when the sidecar "
+                    "started; restore brings it back")
+        return None
+
     def _undo_checkpoint_prepare(self) -> None:
         if self._checkpoint_prepared:
             self.http.collective_rpc("checkpoint_restore", timeout_s=self.step_timeout_s)
@@ -445,7 +455,14 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
     agent = Agent(name, hooks=engine, memory=engine, drain=engine, control=control,
                   engine_pid=pid, engine_alive=engine.alive,
                   request_counts=engine.request_counts,
-                  heartbeat_interval_s=heartbeat_interval_s).start()
+                  heartbeat_interval_s=heartbeat_interval_s)
+    # never claim RUNNING for an engine that is not serving: FAILED says why, and a restore
+    # (recovery) resumes and wakes it
+    why = engine.found_out_of_service()
+    if why is not None:
+        log.warning("%s", why)
+        agent.lifecycle.fire(Trigger.FAIL, reason=why)
+    agent.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
