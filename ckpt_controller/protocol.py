@@ -252,6 +252,8 @@ class PrepareReply(msgspec.Struct, kw_only=True, tag=True):
     drain: DrainReport
     memory: MemoryReport
     duration_s: float
+    #: the transitions this operation made (events can be lost; a reply is not)
+    transitions: list[TransitionRecord] = []
 
 
 class RestoreReply(msgspec.Struct, kw_only=True, tag=True):
@@ -261,6 +263,8 @@ class RestoreReply(msgspec.Struct, kw_only=True, tag=True):
     memory: MemoryReport | None
     duration_s: float
     resumed_kept: int = 0
+    #: the transitions this operation made (events can be lost; a reply is not)
+    transitions: list[TransitionRecord] = []
 
 
 class HeartbeatReply(msgspec.Struct, kw_only=True, tag=True):

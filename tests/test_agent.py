@@ -182,8 +182,11 @@ def test_dead_agent_is_unreachable_promptly(ipc_dir):
 
 def test_state_events_carry_the_operation(agent, client):
     client.subscribe()
-    client.prepare(op_id="op-7", level=0)
-    client.restore(op_id="op-8")
+    prepared = client.prepare(op_id="op-7", level=0)
+    restored = client.restore(op_id="op-8")
+    # the replies list the same transitions, for a caller that lost an event
+    assert [t.dest for t in prepared.transitions] == ["preparing", "prepared"]
+    assert [t.dest for t in restored.transitions] == ["restoring", "running"]
     events = client.poll_events(0.3)
     changes = [(e.transition.dest, e.op_id) for e in events if isinstance(e, p.StateChanged)]
     assert changes == [("preparing", "op-7"), ("prepared", "op-7"),

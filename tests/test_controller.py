@@ -529,3 +529,31 @@ def test_the_operations_drain_timeout_reaches_the_agent(spawn_reference, spawn_c
             ends.update({c.request_id: c.finish_reason for c in api.poll(0.5)})
     assert set(ends) == set(ids) and "abort" in ends.values()  # every request ended
     assert ctl.ckptctl("restore", "dt").returncode == 0
+
+
+def test_a_transition_whose_event_was_lost_is_journaled_from_the_reply(tmp_path):
+    # events can be lost (a connection reopened while the agent publishes); the operation's
+    # reply lists its transitions, and the session journals each one exactly once
+    from ckpt_controller import protocol as p
+    from ckpt_controller.controller.config import parse_config
+    from ckpt_controller.controller.session import EngineSession
+
+    cfg = parse_config(f'[[engine]]\nname = "x"\ncontrol = "ipc://{tmp_path}/none"\n')
+    records = []
+    session = EngineSession(cfg, "x", "op1", cfg.prepare_defaults("x"), 60,
+                            lambda type_, data, **kw: records.append((type_, data["dest"])))
+    try:
+        first = p.TransitionRecord(trigger="prepare", source="running", dest="preparing",
+                                   generation=0, monotonic=1.0, wall=10.0)
+        second = p.TransitionRecord(trigger="prepared", source="preparing", dest="prepared",
+                                    generation=0, monotonic=2.0, wall=11.0)
+        session._on_agent_event(p.StateChanged(engine="x", transition=first, op_id="op1"))
+        # the StateChanged of the second one never arrived; the reply lists both
+        session._on_agent_reply(p.PrepareReply(op_id="op1", state="prepared",
+                                               drain=p.DrainReport(mode="wait"),
+                                               memory=p.MemoryReport(action="release"),
+                                               duration_s=1.0, transitions=[first, second]))
+    finally:
+        session.close()
+    assert records == [("transition", "preparing"), ("transition", "prepared")]
+    assert session.outcome.state == "prepared"

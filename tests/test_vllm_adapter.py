@@ -205,8 +205,11 @@ def test_cycle_under_concurrent_completions(mode, vllm, sidecar, spawn_controlle
     # in this process: a new process started while vLLM saturates both cores here can take
     # seconds to start, long enough for the requests to end before the drain begins
     with ControllerClient(ctl.endpoint) as client:
+        counted = {"wait": "completed", "abort": "aborted", "keep": "kept"}[mode]
         result, outcomes = under_load(vllm, lambda n: client.cycle(
-            ["vl"], drain=mode, level=1, op_id=f"vl-{mode}-{n}"))
+            ["vl"], drain=mode, level=1, op_id=f"vl-{mode}-{n}"),
+            # a stall can hold vLLM's API server back until the requests have ended
+            happened=lambda drain: getattr(drain, counted) == len(PROMPTS))
     op_id = result.op_id
     assert result.status == "succeeded", result
     (eng,) = json.loads(msgspec.json.encode(result))["engines"]

@@ -57,6 +57,7 @@ class _Op:
     result: p.Result | None = None
     error: CkptError | None = None
     done: bool = False
+    transitions: list[p.TransitionRecord] = field(default_factory=list)
 
 
 class Agent(RpcServer):
@@ -111,7 +112,10 @@ class Agent(RpcServer):
 
     def _on_transition(self, t: Transition) -> None:
         current = self._current
-        self.publish(p.StateChanged(engine=self.name, transition=_record(t),
+        record = _record(t)
+        if current is not None:
+            current.transitions.append(record)
+        self.publish(p.StateChanged(engine=self.name, transition=record,
                                     op_id=current.op_id if current else None))
 
     # ------------------------------------------------------------------ control thread
@@ -195,6 +199,8 @@ class Agent(RpcServer):
             log.exception("agent %s: %s %s crashed", self.name, op.kind, op.op_id)
             op.error = OperationError(f"{op.kind} crashed: {exc!r}", engine=self.name,
                                       state=self.lifecycle.state.value)
+        if isinstance(op.result, (p.PrepareReply, p.RestoreReply)):
+            op.result.transitions = list(op.transitions)
         outcome = "ok" if op.error is None else f"{op.error.kind}: {op.error}"
         log.info("agent %s: %s %s ends: %s", self.name, op.kind, op.op_id, outcome)
         with self._ops_lock:

@@ -49,14 +49,17 @@ class EngineSession:
         self.outcome = p.EngineOutcome(engine=engine, status="running")
         self.pid: int | None = None
         self.generation = 0
+        #: (trigger, monotonic) of each transition journaled, from events or replies
+        self._journaled: set[tuple[str, float]] = set()
+        self._latest = float("-inf")
         # quick requests: 2 s, one resend; operations are bounded by heartbeats instead
         self.client = self._connect()
 
     def _connect(self) -> AgentClient:
-        return AgentClient(self.engine.control, timeout_s=2.0, retries=1,
-                           heartbeat_interval_s=self.config.heartbeat_interval_s,
-                           missed_beats=self.config.missed_beats, name=f"controller/{self.op_id}",
-                           on_event=self._on_agent_event)
+        return _Client(self.engine.control, timeout_s=2.0, retries=1,
+                       heartbeat_interval_s=self.config.heartbeat_interval_s,
+                       missed_beats=self.config.missed_beats, name=f"controller/{self.op_id}",
+                       on_event=self._on_agent_event, on_reply=self._on_agent_reply)
 
     def reconnect(self) -> p.StatusReply:
         """A fresh connection and subscription: after a hook restored the engine's process
@@ -75,16 +78,29 @@ class EngineSession:
 
     def _on_agent_event(self, ev: p.EventBody) -> None:
         if isinstance(ev, p.StateChanged):
-            t = ev.transition
-            self.outcome.state = t.dest
-            self.generation = t.generation
-            self.record("transition", {"trigger": t.trigger, "source": t.source, "dest": t.dest,
-                                       "generation": t.generation, "reason": t.reason},
-                        wall=t.wall, monotonic=t.monotonic)
-            if self.metrics:
-                self.metrics.transition(self.engine.name, t.source, t.dest)
+            self._transition(ev.transition)
         elif isinstance(ev, p.DrainProgress):
             self.record("drain_progress", msgspec.to_builtins(ev))
+
+    def _on_agent_reply(self, reply: object) -> None:
+        """The transitions an operation's reply lists: journal those no event brought (an
+        event is lost when the connection is reopened while the agent publishes)."""
+        for t in getattr(reply, "transitions", ()):
+            self._transition(t)
+
+    def _transition(self, t: p.TransitionRecord) -> None:
+        key = (t.trigger, t.monotonic)
+        if key in self._journaled:
+            return
+        self._journaled.add(key)
+        if t.monotonic >= self._latest:  # a late one (from a reply) does not undo a newer one
+            self._latest = t.monotonic
+            self.outcome.state, self.generation = t.dest, t.generation
+        self.record("transition", {"trigger": t.trigger, "source": t.source, "dest": t.dest,
+                                   "generation": t.generation, "reason": t.reason},
+                    wall=t.wall, monotonic=t.monotonic)
+        if self.metrics:
+            self.metrics.transition(self.engine.name, t.source, t.dest)
 
     # ---------------------------------------------------------------- steps
 
@@ -259,3 +275,17 @@ class EngineSession:
             return None
         self.outcome.state, self.generation = status.state, status.generation
         return status.state
+
+
+class _Client(AgentClient):
+    """An AgentClient that shows every reply to ``on_reply`` (the session journals the
+    transitions listed there)."""
+
+    def __init__(self, *args, on_reply, **kw) -> None:
+        super().__init__(*args, **kw)
+        self._on_reply = on_reply
+
+    def call(self, rtype, cmd, **kw):
+        result = super().call(rtype, cmd, **kw)
+        self._on_reply(result)
+        return result

@@ -73,8 +73,9 @@ GOLDEN_TOKENS = 12
 #: a golden completion is tried this many times before a mismatch counts (batching can move
 #: a near-tie in greedy decoding; a broken model never matches)
 GOLDEN_ATTEMPTS = 3
-#: seconds without an answer to /health before the engine counts as gone
-DEAD_AFTER_S = 5.0
+#: seconds without an answer from vLLM before the engine counts as gone (its API server can be
+#: slow to answer while its engine core is busy; a vanished process counts at once)
+DEAD_AFTER_S = 30.0
 _TAGS = ("weights", "kv_cache")
 
 
@@ -132,8 +133,12 @@ class VllmEngine(EngineHooks):
                 pass
 
     def alive(self) -> bool:
-        if self.pid is not None and not psutil.pid_exists(self.pid):
-            return False
+        if self.pid is not None:
+            try:
+                if psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE:
+                    return False
+            except psutil.NoSuchProcess:
+                return False
         return time.monotonic() - self._last_ok < self._dead_after_s
 
     def request_counts(self) -> tuple[int, int]:
