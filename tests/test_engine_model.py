@@ -227,3 +227,23 @@ def test_a_failed_prefill_ends_the_request_with_error(tiny):
         sched.step()
     sched.fail_all("prefill blew up")
     assert rec.finished == {"x": "error"} and sched.pool.free_blocks == 256
+
+
+def test_the_final_output_repairs_deltas_lost_with_a_connection(tmp_path):
+    # a checkpoint with --tcp-close can lose deltas still in the socket at dump time; the end
+    # is sent after the restore and carries the whole output
+    from ckpt_controller.engine import api
+    from ckpt_controller.engine.client import Completion, EngineClient
+
+    with EngineClient(f"ipc://{tmp_path}/nobody") as client:
+        c = client.requests["r1"] = Completion(request_id="r1")
+        client._take(api.RequestOutput(request_id="r1", new_token_ids=[5]))
+        # the delta [6] was lost; then the end
+        client._take(api.RequestOutput(request_id="r1", new_token_ids=[7], finished=True,
+                                       finish_reason="length", token_ids=[5, 6, 7]))
+        assert c.token_ids == [5, 6, 7] and c.repaired and c.finish_reason == "length"
+        d = client.requests["r2"] = Completion(request_id="r2")
+        client._take(api.RequestOutput(request_id="r2", new_token_ids=[1]))
+        client._take(api.RequestOutput(request_id="r2", new_token_ids=[2], finished=True,
+                                       finish_reason="stop", token_ids=[1, 2]))
+        assert d.token_ids == [1, 2] and not d.repaired

@@ -60,6 +60,10 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     events: list[RequestEvent] = []
     #: for an ``error`` finish: what went wrong
     error: str | None = None
+    #: on the final output: every output token of the request. Deltas sent just before a
+    #: checkpoint can be lost with the connection (CRIU's --tcp-close); the end never is
+    #: (it is sent after restore), so a client ends with the whole output either way.
+    token_ids: list[int] | None = None
 
 
 class RequestRejected(msgspec.Struct, kw_only=True):

@@ -33,6 +33,8 @@ class Completion:
     first_token_at: float | None = None
     ended_at: float | None = None
     heard: bool = False
+    #: the streamed deltas missed tokens that the final output supplied
+    repaired: bool = False
     attempts: int = 1
     request: api.EngineRequest | None = None
 
@@ -127,6 +129,10 @@ class EngineClient:
         c.events.extend(msg.events)
         if msg.finished:
             c.finish_reason, c.error, c.ended_at = msg.finish_reason, msg.error, now
+            if msg.token_ids is not None:
+                # the end carries the whole output: deltas lost with a connection are repaired
+                c.repaired = c.token_ids != msg.token_ids
+                c.token_ids = list(msg.token_ids)
         return c
 
     def generate(self, prompt: list[int], max_tokens: int, *, stop_token_id: int | None = None,

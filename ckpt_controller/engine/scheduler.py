@@ -229,7 +229,7 @@ class Scheduler:
         self.on_finish(req.request_id, reason)
         self.emit(req.client, RequestOutput(
             request_id=req.request_id, new_token_ids=new or [], finished=True,
-            finish_reason=reason, events=req.events, error=error,
+            finish_reason=reason, events=req.events, error=error, token_ids=list(req.output),
         ))
         req.events = []
 
