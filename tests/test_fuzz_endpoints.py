@@ -1,0 +1,111 @@
+"""Protocol fuzzing of live endpoints: the agent's and the controller's control sockets get
+arbitrary frames (random bytes, known and unknown request types with random or truncated
+payloads, wrong versions) over real ZMQ sockets. Each must be answered with a typed error or
+dropped, and the server must go on answering a handshake after every one."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckpt_controller import protocol as p
+from ckpt_controller.agent import Agent, AgentClient
+from ckpt_controller.controller.client import ControllerClient
+from ckpt_controller.controller.config import parse_config
+from ckpt_controller.controller.server import ControllerServer
+
+VALID_COMMANDS = [
+    (p.RequestType.HANDSHAKE, p.Handshake(call_id=1, client="fuzz")),
+    (p.RequestType.STATUS, p.StatusCommand(call_id=2)),
+    (p.RequestType.PREPARE, p.PrepareCommand(call_id=3, op_id="fuzz-op", level=0)),
+    (p.RequestType.RESTORE, p.RestoreCommand(call_id=4, op_id="fuzz-op2")),
+    (p.RequestType.OPERATION, p.OperationCommand(call_id=5, op_id="fuzz-op3", kind="prepare",
+                                                 engines=["nobody"])),
+    (p.RequestType.HISTORY, p.HistoryCommand(call_id=6)),
+]
+TYPE_BYTES = [t.value for t in p.RequestType] + [b"\x7f", b"\xff", b"", b"\x01\x02"]
+
+
+@st.composite
+def frames(draw) -> list[bytes]:
+    kind = draw(st.sampled_from(["random", "typed-random", "truncated", "mutated", "version"]))
+    if kind == "random":
+        return draw(st.lists(st.binary(max_size=64), min_size=1, max_size=4))
+    if kind == "typed-random":
+        return [draw(st.sampled_from(TYPE_BYTES)), draw(st.binary(max_size=128))]
+    rtype, cmd = draw(st.sampled_from(VALID_COMMANDS))
+    payload = p.encode(cmd)
+    if kind == "truncated":
+        return [rtype.value, payload[:draw(st.integers(0, max(0, len(payload) - 1)))]]
+    if kind == "mutated":
+        i = draw(st.integers(0, len(payload) - 1))
+        return [draw(st.sampled_from(TYPE_BYTES)),
+                payload[:i] + bytes([draw(st.integers(0, 255))]) + payload[i + 1:]]
+    fields = msgspec.to_builtins(cmd)
+    fields["version"] = draw(st.integers(-2**31, 2**31).filter(lambda v: v != p.PROTOCOL_VERSION))
+    return [rtype.value, msgspec.msgpack.encode(fields)]
+
+
+class Poker:
+    """Sends raw frames from a fresh DEALER; returns the answer if one comes."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.ctx = zmq.Context.instance()
+
+    def send(self, frames: list[bytes], wait_ms: int = 300):
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.endpoint)
+        try:
+            s.send_multipart(frames)
+            if s.poll(wait_ms):
+                return p.decode_reply(s.recv_multipart())  # whatever comes back decodes
+            return None
+        finally:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz-agent")
+    a = Agent("fuzzed", control=f"ipc://{d}/a.ctl", heartbeat_interval_s=0.2).start()
+    yield a
+    a.close()
+
+
+@pytest.fixture(scope="module")
+def controller(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz-ctl")
+    cfg = parse_config(f'[controller]\nendpoint = "ipc://{d}/c.sock"\nstate_dir = "{d}/state"\n'
+                       f'[[engine]]\nname = "nobody"\ncontrol = "ipc://{d}/nobody.ctl"\n')
+    server = ControllerServer(cfg).start()
+    yield server
+    server.close()
+
+
+SETTINGS = settings(max_examples=120, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@SETTINGS
+@given(fr=frames())
+def test_the_agent_answers_or_drops_any_frame_and_keeps_serving(agent, fr):
+    reply = Poker(agent.endpoint).send(fr)
+    assert reply is None or isinstance(reply, (p.Reply, p.ErrorReply))
+    with AgentClient(agent.endpoint, timeout_s=3, retries=0) as c:
+        assert c.handshake().engine == "fuzzed"
+    assert agent.lifecycle.state.value in ("running", "prepared", "preparing", "restoring",
+                                           "failed")
+
+
+@SETTINGS
+@given(fr=frames())
+def test_the_controller_answers_or_drops_any_frame_and_keeps_serving(controller, fr):
+    reply = Poker(controller.endpoint).send(fr)
+    assert reply is None or isinstance(reply, (p.Reply, p.ErrorReply))
+    with ControllerClient(controller.endpoint, timeout_s=3, retries=0) as c:
+        assert c.handshake().engine == "controller"
