@@ -68,3 +68,11 @@ class Deadline:
 
     def passed(self) -> bool:
         return self.at is not None and self.clock.monotonic() >= self.at
+
+    def earlier(self, other: "Deadline") -> "Deadline":
+        """Whichever of the two comes first (an unbounded one never does)."""
+        if self.at is None:
+            return other
+        if other.at is None or self.at <= other.at:
+            return self
+        return other

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ckpt_controller import CheckpointState
-from ckpt_controller.clock import ManualClock
+from ckpt_controller.clock import Deadline, ManualClock
 from ckpt_controller.errors import InvalidTransitionError, UsageError
 from ckpt_controller.lifecycle import TRANSITIONS, Lifecycle, Trigger
 
@@ -92,3 +92,11 @@ def test_listeners_see_every_transition():
     lc.fire(T.FAIL, reason="boom")
     assert [(r.source, r.dest) for r in seen] == [(S.RUNNING, S.PREPARING), (S.PREPARING, S.FAILED)]
     assert seen == lc.history
+
+
+def test_the_earlier_of_two_deadlines():
+    clock = ManualClock()
+    soon, late, never = (Deadline.after(s, clock) for s in (1.0, 5.0, None))
+    assert soon.earlier(late) is soon and late.earlier(soon) is soon
+    assert never.earlier(late) is late and late.earlier(never) is late
+    assert never.earlier(never).at is None

@@ -155,7 +155,7 @@ class Operations:
         try:
             mode = cmd.drain
             if mode == "wait":
-                drain_deadline = _earlier(Deadline.after(cmd.drain_timeout_s, self.clock), deadline)
+                drain_deadline = Deadline.after(cmd.drain_timeout_s, self.clock).earlier(deadline)
                 if not self._wait_idle(drain_deadline, cmd.op_id, start):
                     # the operation's own deadline is a failure, not a reason to escalate
                     self._check(deadline, cmd.op_id, "drain")
@@ -171,7 +171,7 @@ class Operations:
                 ids = self.gate.in_flight()
                 if ids:
                     self._call_engine("drain", self.hooks.abort_requests, ids)
-                grace = _earlier(Deadline.after(ABORT_GRACE_S, self.clock), deadline)
+                grace = Deadline.after(ABORT_GRACE_S, self.clock).earlier(deadline)
                 if not self._wait_idle(grace, cmd.op_id, start):
                     self._check(deadline, cmd.op_id, "drain")  # the op's deadline: exit 3
                     raise DrainError("aborted requests did not end", engine=self.name,
@@ -350,11 +350,3 @@ def _typed(exc: Exception, engine: str, step: str) -> CkptError:
         return exc
     log.error("%s: unexpected error in %s: %r", engine, step, exc, exc_info=exc)
     return OperationError(f"{step} failed: {exc!r}", engine=engine, step=step)
-
-
-def _earlier(a: Deadline, b: Deadline) -> Deadline:
-    if a.at is None:
-        return b
-    if b.at is None:
-        return a
-    return a if a.at <= b.at else b

@@ -47,7 +47,7 @@ import psutil
 
 from ckpt_controller.adapters.vllm.http import RequestMetrics, VllmHttp
 from ckpt_controller.agent.engine import EngineHooks
-from ckpt_controller.clock import Clock, Deadline
+from ckpt_controller.clock import Deadline
 from ckpt_controller.errors import (
     DeadlineError,
     DrainError,
@@ -155,7 +155,7 @@ class VllmEngine(EngineHooks):
         before = self.http.metrics()
         mode, escalated = cmd.drain, None
         if mode == "wait":
-            drain_deadline = _earlier(Deadline.after(cmd.drain_timeout_s, Clock()), deadline)
+            drain_deadline = Deadline.after(cmd.drain_timeout_s, deadline.clock).earlier(deadline)
             waiting = _Call(lambda: self.http.pause("wait", timeout_s=self._left(deadline)))
             while not waiting.done.wait(self.tick_s):
                 if drain_deadline.passed():
@@ -419,14 +419,6 @@ class _Call:
     def result(self) -> None:
         if self._error is not None:
             raise self._error
-
-
-def _earlier(a: Deadline, b: Deadline) -> Deadline:
-    if a.at is None:
-        return b
-    if b.at is None:
-        return a
-    return a if a.at <= b.at else b
 
 
 def find_server_pid(port: int) -> int | None:
