@@ -137,7 +137,7 @@ def test_bad_urls_are_usage_errors(url):
         VllmHttp(url)
 
 
-def test_the_engine_counts_as_gone_when_health_stops_answering(stand):
+def test_the_engine_counts_as_gone_when_it_stops_answering(stand):
     s = stand()
     engine = VllmEngine(VllmHttp(s.url, timeout_s=1), poll_s=0.05, dead_after_s=0.5).start()
     try:
