@@ -167,7 +167,8 @@ def test_generate_and_load_commands(spawn_reference):
     assert bad.returncode == 2 and json.loads(bad.stdout)["error"]["kind"] == "UsageError"
     loads = [json.loads(run("load", "--api", eng.api, "--rate", "30", "--duration", "1",
                             "--json", "--seed", "4").stdout) for _ in range(2)]
-    assert loads[0]["sent"] == 30 and loads[0]["completed"] == 30 and loads[0]["lost"] == 0
+    for load in loads:
+        assert load["sent"] == 30 and load["completed"] == 30 and load["lost"] == 0, load
     assert loads[0]["digest"] == loads[1]["digest"]  # same seed, same requests, same tokens
 
 

@@ -10,6 +10,7 @@ Neighbours: ``client``; ``cli`` (``ckptctl load``), tests, drills and benchmarks
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import random
 import time
@@ -57,18 +58,19 @@ def run_load(
     report = LoadReport()
     with EngineClient(endpoint) as client:
         start = time.monotonic()
-        interval = 1.0 / rate
-        next_send = start
+        # exactly rate x duration requests, the i-th at start + i / rate: two runs send the
+        # same ones (an accumulated float interval could squeeze one more in before the end)
+        total = math.ceil(rate * duration_s - 1e-9)  # those that start before the end
         end_send = start + duration_s
         i = 0
         last_progress = start
         while time.monotonic() < end_send:
             now = time.monotonic()
-            while next_send <= now and next_send < end_send:
+            while i < total and start + i / rate <= now:
                 prompt, max_tokens = prompt_for(seed, i, vocab_size)
                 client.submit(prompt, max_tokens, request_id=f"load-{seed}-{i}")
                 i += 1
-                next_send += interval
+            next_send = start + i / rate if i < total else end_send
             client.poll(max(0.0, min(next_send, end_send) - time.monotonic()))
             if on_progress and time.monotonic() - last_progress >= 1.0:
                 last_progress = time.monotonic()
