@@ -23,15 +23,15 @@ from ckpt_controller.errors import OperationError
 
 class ReadyProcess:
     def __init__(self, args: list[str], log: Path, what: str, *, timeout_s: float = 120.0,
-                 cwd: Path | None = None) -> None:
-        self.args, self.log_path, self.what, self.cwd = args, log, what, cwd
+                 cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
+        self.args, self.log_path, self.what, self.cwd, self.env = args, log, what, cwd, env
         self.info: dict = {}
         self.start(timeout_s)
 
     def start(self, timeout_s: float = 120.0) -> None:
         self.log = self.log_path.open("a")
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self.log,
-                                     stdin=subprocess.DEVNULL, text=True, cwd=self.cwd,
+                                     stdin=subprocess.DEVNULL, text=True, cwd=self.cwd, env=self.env,
                                      start_new_session=True)
         box: list[str] = []
         reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()),

@@ -342,6 +342,8 @@ class EngineView(msgspec.Struct, kw_only=True):
     status: StatusReply | None = None
     holder: str | None = None
     error: ErrorInfo | None = None
+    #: the operation that lost contact with this engine, until the reconciler settles it
+    unsettled_by: str | None = None
 
 
 class ControllerStatusReply(msgspec.Struct, kw_only=True, tag=True):

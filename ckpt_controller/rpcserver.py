@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import weakref
 
 import zmq
@@ -46,6 +47,7 @@ class RpcServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._heartbeat_seq = itertools.count(1)
+        self._stalled_until = 0.0
         self._finalizer = weakref.finalize(self, _close_context, self._ctx)
 
     # ------------------------------------------------------------------ life
@@ -112,6 +114,11 @@ class RpcServer:
     def reply_error(self, identity: bytes, call_id: int, err: CkptError) -> None:
         self.send(identity, p.error_frames(call_id, err))
 
+    def stall(self, seconds: float) -> None:
+        """Stop the control thread for ``seconds``: no heartbeats, no answers (a fault a
+        drill injects; requests queue in the socket meanwhile)."""
+        self._stalled_until = time.monotonic() + seconds
+
     # ------------------------------------------------------------------ to override
 
     def handle(self, identity: bytes, rtype: p.RequestType, cmd: p.Command) -> None:
@@ -136,6 +143,9 @@ class RpcServer:
         interval_ms = max(1, int(self.heartbeat_interval_s * 1000))
         next_beat = self.clock.monotonic()
         while not self._stop.is_set():
+            if time.monotonic() < self._stalled_until:
+                time.sleep(min(0.1, self._stalled_until - time.monotonic()))
+                continue
             try:
                 events = dict(poller.poll(timeout=min(interval_ms, 100)))
             except zmq.ZMQError:  # policy: socket closed under us means we are stopping

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ckpt_controller.agent.engine import EngineHooks, ExternalDrain, MemoryManager
+from ckpt_controller.agent.failpoints import Failpoints
 from ckpt_controller.agent.gate import AdmissionGate
 from ckpt_controller.clock import Clock, Deadline
 from ckpt_controller.errors import (
@@ -66,6 +67,7 @@ class Operations:
         clock: Clock | None = None,
         progress_tick_s: float = 0.25,
         drain: ExternalDrain | None = None,
+        failpoints: Failpoints | None = None,
     ) -> None:
         self.name = engine_name
         self.lifecycle = lifecycle
@@ -77,6 +79,8 @@ class Operations:
         self.progress_tick_s = progress_tick_s
         #: an engine that drains itself (requests outside the gate); None: drain at the gate
         self.external_drain = drain
+        #: faults a drill armed (none in normal service)
+        self.failpoints = failpoints or Failpoints()
         #: between the steps of a stepwise prepare / restore
         self._pending: _Pending | None = None
         self._restoring: int | None = None
@@ -108,6 +112,8 @@ class Operations:
             for step in steps:
                 if step != "drain":
                     self._check(deadline, cmd.op_id, step)
+                if step in ("drain", "release"):
+                    self.failpoints.hit(step)
                 if step == "drain" and self.external_drain is not None:
                     pending.drain = self._call_engine(
                         step, self.external_drain.drain, cmd, deadline, self._progress)
@@ -295,6 +301,7 @@ class Operations:
     def _rewake(self, op_id: str | None):
         """Memory back (weights first) and verified, the engine's own check; still closed."""
         self._pending = None  # a rollback abandons any half-done stepwise prepare
+        self.failpoints.hit("rewake")
         memory = None
         if self.memory.released_tags:
             memory = self.memory.rewake()
@@ -308,6 +315,7 @@ class Operations:
         admission reopens fails the step: the engine never serves late and unchecked."""
         if deadline is not None:
             self._check(deadline, op_id or "", "restore")
+        self.failpoints.hit("resume")
         self._call_engine("resume", self.hooks.resume_scheduling)
         self.gate.resume_kept()
         self.lifecycle.fire(Trigger.RESTORED, reason=reason)

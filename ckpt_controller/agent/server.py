@@ -29,6 +29,7 @@ from ckpt_controller.endpoints import check_endpoint, check_name, default_endpoi
 from collections.abc import Callable
 
 from ckpt_controller.agent.engine import EngineHooks, ExternalDrain, MemoryManager, NoMemory
+from ckpt_controller.agent.failpoints import Failpoints
 from ckpt_controller.agent.gate import AdmissionGate
 from ckpt_controller.agent.incarnation import IncarnationTracker
 from ckpt_controller.agent.operations import Operations
@@ -84,6 +85,7 @@ class Agent(RpcServer):
         engine_pid: int | None = None,
         engine_alive: Callable[[], bool] | None = None,
         request_counts: Callable[[], tuple[int, int]] | None = None,
+        failpoints: Failpoints | None = None,
     ) -> None:
         """``drain``, ``engine_pid``, ``engine_alive`` and ``request_counts`` are for an agent
         that runs beside an engine it does not own (a sidecar): the engine drains itself, its
@@ -97,9 +99,16 @@ class Agent(RpcServer):
         self.gate = AdmissionGate(self.lifecycle, engine=name, clock=self.clock,
                                   retry_after=lambda: retry_after_s)
         self.memory = memory or NoMemory()
+        # faults a drill armed through the environment (see failpoints); none normally
+        self.failpoints = failpoints if failpoints is not None else Failpoints.from_env()
+        self.failpoints.stall = self.stall
+        if hasattr(self.memory, "after_refill"):  # a MemoryRegistry: the corrupt-weight seam
+            self.memory.after_refill = self.failpoints.after_refill
+            self.failpoints.corrupt = lambda: self.memory.flip_bit("weights")
         self.operations = Operations(
             engine_name=name, lifecycle=self.lifecycle, gate=self.gate, memory=self.memory,
             hooks=hooks or EngineHooks(), emit=self.publish, clock=self.clock, drain=drain,
+            failpoints=self.failpoints,
         )
         self.engine_pid = engine_pid or os.getpid()
         self.engine_alive = engine_alive
@@ -199,6 +208,7 @@ class Agent(RpcServer):
             log.exception("agent %s: %s %s crashed", self.name, op.kind, op.op_id)
             op.error = OperationError(f"{op.kind} crashed: {exc!r}", engine=self.name,
                                       state=self.lifecycle.state.value)
+        self.failpoints.operation_ended()
         if isinstance(op.result, (p.PrepareReply, p.RestoreReply)):
             op.result.transitions = list(op.transitions)
         outcome = "ok" if op.error is None else f"{op.error.kind}: {op.error}"

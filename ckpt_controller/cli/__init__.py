@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from ckpt_controller import __version__
 from ckpt_controller import protocol as p
-from ckpt_controller.cli import agent_cmds, controller_cmds, demo, engine_cmds
+from ckpt_controller.cli import agent_cmds, controller_cmds, demo, drill_cmd, engine_cmds
 from ckpt_controller.cli.common import EXIT_CODES, human_bytes, parse_bytes, print_json
 from ckpt_controller.errors import CkptError
 
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent_cmds.add_parser(sub)
     engine_cmds.add_parsers(sub)
     demo.add_parser(sub)
+    drill_cmd.add_parser(sub)
     return parser
 
 

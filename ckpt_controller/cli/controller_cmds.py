@@ -189,12 +189,14 @@ def _status(args: argparse.Namespace) -> int:
         print_json(reply)
         return 0
     for v in reply.engines:
+        unsettled = (f"; unsettled since operation {v.unsettled_by} lost contact"
+                     if v.unsettled_by else "")
         if v.status is None:
             why = v.error.message if v.error else "no answer"
-            print(f"{v.engine}: UNREACHABLE ({why})")
+            print(f"{v.engine}: UNREACHABLE ({why}){unsettled}")
             continue
         s = v.status
-        held = f", held by {v.holder}" if v.holder else ""
+        held = (f", held by {v.holder}" if v.holder else "") + unsettled
         print(f"{v.engine}: {s.state}, generation {s.generation}, in flight {s.in_flight}, "
               f"kept {s.kept}{held}")
     return 0 if all(v.reachable for v in reply.engines) else 4

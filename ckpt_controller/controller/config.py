@@ -94,6 +94,8 @@ class ControllerConfig:
     metrics_host: str = "127.0.0.1"
     heartbeat_interval_s: float = 0.5
     missed_beats: int = 6
+    #: how often engines that an operation lost contact with are looked at again
+    reconcile_interval_s: float = 2.0
     deadlines: Deadlines = field(default_factory=Deadlines)
     defaults: PrepareDefaults = field(default_factory=PrepareDefaults)
     engines: tuple[EngineConfig, ...] = ()
@@ -139,7 +141,7 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
     top = _Table(data, "", file, base, ("controller", "deadlines", "defaults", "engine"))
     ctl = top.table("controller", ("endpoint", "state_dir", "hooks_dir", "image_dir",
                                    "metrics_port", "metrics_host", "heartbeat_interval_s",
-                                   "missed_beats"))
+                                   "missed_beats", "reconcile_interval_s"))
     dl = top.table("deadlines", tuple(f.name for f in fields(Deadlines)))
     deadlines = Deadlines(**{f.name: dl.seconds(f.name, f.default) for f in fields(Deadlines)})
     defaults = PrepareDefaults().merged(_prepare_overrides(top.table("defaults", _PREPARE_KEYS)))
@@ -155,6 +157,7 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
         heartbeat_interval_s=ctl.seconds("heartbeat_interval_s", 0.5),
         missed_beats=ctl.value("missed_beats", 6, lambda v: _is_int(v) and v >= 1,
                                "an integer >= 1"),
+        reconcile_interval_s=ctl.seconds("reconcile_interval_s", 2.0),
         deadlines=deadlines, defaults=defaults, engines=_engines(top))
 
 

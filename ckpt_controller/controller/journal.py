@@ -156,6 +156,15 @@ class Journal:
         return [JournalRecord(seq=r[0], op_id=r[1], engine=r[2], type=r[3], wall=r[4],
                               monotonic=r[5], data=json.loads(r[6])) for r in reversed(rows)]
 
+    def unsettled(self) -> dict[str, str]:
+        """Engine -> op id of every engine whose last ``contact_lost`` record has no
+        ``reconciled`` record after it: an operation ended without knowing how it left it."""
+        rows = self._read(
+            "SELECT engine, type, op_id FROM records WHERE seq IN (SELECT MAX(seq) FROM records "
+            "WHERE type IN ('contact_lost', 'reconciled') AND engine IS NOT NULL "
+            "GROUP BY engine)")
+        return {engine: op for engine, type_, op in rows if type_ == "contact_lost"}
+
     # ---------------------------------------------------------------- consistency
 
     def check(self) -> list[str]:

@@ -38,6 +38,7 @@ class ControllerServer(RpcServer):
 
     def start(self) -> "ControllerServer":
         super().start()
+        self.controller.start_reconciler()
         if self.config.metrics_port is not None:
             self.metrics_server = MetricsServer(self.metrics, self.config.metrics_host,
                                                 self.config.metrics_port)

@@ -7,7 +7,11 @@ it has seen before, and otherwise runs it on a thread: each engine's steps run i
 slowest engine), a failed all-or-nothing prepare rolls the prepared ones back, and a rolling
 ``cycle`` keeps at most ``max_unavailable`` engines out of service. Everything is journaled;
 ``recover`` brings every engine of an operation interrupted by a controller crash back to
-RUNNING (or leaves it FAILED, with the reason). Neighbours: ``session``, ``journal``,
+RUNNING (or leaves it FAILED, with the reason). An operation that ends without knowing where
+it left an engine (the agent stopped answering, a link was cut, it was still PREPARING at a
+deadline) journals ``contact_lost``; the reconciler looks at such engines every
+``reconcile_interval_s`` and, once one answers and has settled, rolls a PREPARED one back to
+RUNNING and journals ``reconciled``. Neighbours: ``session``, ``journal``,
 ``config``; ``server`` is the socket in front of it.
 """
 
@@ -78,8 +82,15 @@ class Controller:
         self._lock = threading.Lock()
         self._holders: dict[str, str] = {}
         self._running: dict[str, _Running] = {}
+        #: engine -> the operation that lost contact with it (kept in the journal)
+        self._unsettled: dict[str, str] = self.journal.unsettled()
+        self._stop = threading.Event()
+        self._reconciler: threading.Thread | None = None
 
     def close(self) -> None:
+        self._stop.set()
+        if self._reconciler is not None:
+            self._reconciler.join(timeout=10)
         self.journal.close()
 
     def record(self, type_: str, data: dict, **kw) -> p.JournalRecord:
@@ -159,6 +170,8 @@ class Controller:
                     op_id=result.op_id)
         if self.metrics:
             self.metrics.operation_finished(result.kind, result.status)
+        for outcome in result.engines:  # while the engines are still held
+            self._note_contact(result.op_id, outcome)
         with self._lock:
             for e in [e for e, holder in self._holders.items() if holder == result.op_id]:
                 del self._holders[e]
@@ -224,6 +237,84 @@ class Controller:
         _fan_out(sessions, one, workers=max_unavailable, guard=False)
         return [s.outcome for s in sessions], state["peak"]
 
+    # ---------------------------------------------------------------- engines left unsettled
+
+    def _note_contact(self, op_id: str, o: p.EngineOutcome) -> None:
+        lost = (o.error is not None and o.error.kind == "UnreachableError") or \
+            (o.status not in ("succeeded", "skipped") and o.state in (None, *TRANSITIONAL))
+        if lost:
+            self._unsettled[o.engine] = op_id
+            self.record("contact_lost", {"state": o.state,
+                                         "error": o.error.message if o.error else None},
+                        op_id=op_id, engine=o.engine)
+        elif o.engine in self._unsettled and o.state in ("running", "prepared", "failed"):
+            was = self._unsettled.pop(o.engine)
+            self.record("reconciled", {"found": o.state, "now": o.state, "by": op_id},
+                        op_id=was, engine=o.engine)
+
+    @property
+    def unsettled(self) -> dict[str, str]:
+        """Engine -> operation id, for each engine an operation lost contact with."""
+        return dict(self._unsettled)
+
+    def start_reconciler(self) -> None:
+        """Look at unsettled engines every ``reconcile_interval_s`` on a thread."""
+        def loop() -> None:
+            while not self._stop.wait(self.config.reconcile_interval_s):
+                try:
+                    self.reconcile_unsettled()
+                except Exception:  # policy: the reconciler logs and tries again next round
+                    log.exception("reconciling unsettled engines failed")
+        self._reconciler = threading.Thread(target=loop, name="reconciler", daemon=True)
+        self._reconciler.start()
+
+    def reconcile_unsettled(self) -> list[str]:
+        """One round: every unsettled engine that answers, holds no operation and has
+        settled is brought back (PREPARED -> rolled back to RUNNING). Returns those settled."""
+        with self._lock:
+            todo = {e: op for e, op in self._unsettled.items() if e not in self._holders
+                    and any(c.name == e for c in self.config.engines)}
+            for e, op in todo.items():
+                self._holders[e] = f"reconcile:{op}"
+        settled: list[str] = []
+
+        def one(item: tuple[str, str]) -> None:
+            engine, op_id = item
+            try:
+                if self._settle(engine, op_id):
+                    settled.append(engine)
+            finally:
+                with self._lock:
+                    self._holders.pop(engine, None)
+
+        if todo:
+            with ThreadPoolExecutor(max_workers=min(len(todo), 64)) as pool:
+                list(pool.map(one, todo.items()))
+        return settled
+
+    def _settle(self, engine: str, op_id: str) -> bool:
+        cmd = p.OperationCommand(call_id=0, op_id=op_id, kind="rollback", engines=[engine])
+        s = self._session(cmd, engine)
+        try:
+            status = s.client.status()
+            if status.current_op:
+                return False  # the agent is still finishing what it was doing
+            found = status.state
+            now = _settle_state(s, found, f"reconciled after operation {op_id} lost contact",
+                                step="reconcile")
+        except CkptError as err:  # policy: not reachable (or refused) yet: next round
+            log.info("%s: still unsettled (operation %s): %s", engine, op_id, err.message)
+            return False
+        finally:
+            s.close()
+        with self._lock:
+            if self._unsettled.get(engine) == op_id:
+                del self._unsettled[engine]
+        self.record("reconciled", {"found": found, "now": now}, op_id=op_id, engine=engine)
+        log.warning("%s: reconciled after operation %s: found %s, now %s", engine, op_id,
+                    found, now)
+        return True
+
     # ---------------------------------------------------------------- status, history
 
     def status(self, names: list[str]) -> p.ControllerStatusReply:
@@ -232,7 +323,8 @@ class Controller:
         def view(name: str) -> p.EngineView:
             eng = self.config.engine(name)
             v = p.EngineView(engine=name, kind=eng.kind, control=eng.control, reachable=False,
-                             holder=self._holders.get(name))
+                             holder=self._holders.get(name),
+                             unsettled_by=self._unsettled.get(name))
             try:
                 with AgentClient(eng.control, timeout_s=2.0, retries=0) as c:
                     v.status, v.reachable = c.status(), True
@@ -417,17 +509,27 @@ def _reconcile(s: EngineSession, wait_s: float) -> None:
     """Wait for the agent to settle, then bring a PREPARED engine back to RUNNING."""
     deadline = time.monotonic() + wait_s
     status = s.client.status()
-    while (status.state in TRANSITIONAL or status.current_op) and time.monotonic() < deadline:
+    # an agent still running a step finishes it; one left PREPARING or RESTORING between two
+    # steps (no current operation) is handled below at once
+    while status.current_op and time.monotonic() < deadline:
         time.sleep(0.1)
         status = s.client.status()
     before = status.state
-    if before in ("prepared", "preparing"):  # PREPARING here: stopped between two steps
-        s.rollback("controller restarted: interrupted operation rolled back", step="recover")
-    elif before == "restoring":  # re-woken and verified, stopped before re-admission: finish
-        s.client.restore(op_id=f"{s.op_id}/{s.engine.name}/recover", step="resume")
-    s.outcome.state = s.refresh_state() or before
+    s.outcome.state = _settle_state(s, before, "controller restarted: interrupted operation "
+                                    "rolled back", step="recover")
     s.outcome.status = {"running": "recovered", "failed": "failed"}.get(s.outcome.state, "failed")
     s.record("reconciled", {"found": before, "now": s.outcome.state})
+
+
+def _settle_state(s: EngineSession, found: str, reason: str, step: str) -> str:
+    """Bring an engine an operation left behind to a settled state; returns the state now.
+    PREPARED (or PREPARING between two steps) is rolled back; RESTORING between re-wake and
+    resume (re-woken and verified) is resumed; RUNNING and FAILED stay."""
+    if found in ("prepared", "preparing"):
+        s.rollback(reason, step=step)
+    elif found == "restoring":
+        s.client.restore(op_id=f"{s.op_id}/{s.engine.name}/{step}", step="resume")
+    return s.refresh_state() or found
 
 
 def _summarize(op_id: str, kind: str, outcomes: list[p.EngineOutcome], wall: float,

@@ -71,6 +71,24 @@ class EngineClient:
     def close(self) -> None:
         self._sock.close(linger=0)
 
+    def engine_lost(self, reason: str) -> list[str]:
+        """The engine process died: every request without an end ends now with finish reason
+        ``error`` (``reason``), and the connection is replaced, so that nothing queued for
+        the dead process reaches its successor. Returns the ids ended."""
+        now = time.monotonic()
+        ended = []
+        for c in self.requests.values():
+            if not c.ended:
+                c.finish_reason, c.error, c.ended_at = "error", reason, now
+                ended.append(c.request_id)
+        old = self._sock
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTING_ID, f"client-{uuid.uuid4().hex[:12]}".encode())
+        self._sock.connect(self.endpoint)
+        old.close(linger=0)
+        return ended
+
     def __enter__(self) -> "EngineClient":
         return self
 

@@ -10,9 +10,10 @@ Neighbours: ``client``; ``cli`` (``ckptctl load``), tests, drills and benchmarks
 from __future__ import annotations
 
 import hashlib
-import math
 import json
+import math
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -39,6 +40,27 @@ class LoadReport:
         return asdict(self)
 
 
+class LoadControl:
+    """Tells a running ``run_load`` (from another thread) that its engine process died: its
+    requests without an end then end with an error instead of waiting to be counted lost."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lost: str | None = None
+        #: ids ended because the engine died
+        self.ended_by_loss: list[str] = []
+
+    def engine_lost(self, reason: str) -> None:
+        with self._lock:
+            self._lost = reason
+
+    def _apply(self, client: EngineClient) -> None:
+        with self._lock:
+            reason, self._lost = self._lost, None
+        if reason is not None:
+            self.ended_by_loss += client.engine_lost(reason)
+
+
 def prompt_for(seed: int, index: int, vocab_size: int) -> tuple[list[int], int]:
     rng = random.Random(seed * 1_000_003 + index)
     prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(4, 24))]
@@ -54,8 +76,10 @@ def run_load(
     vocab_size: int = 1024,
     settle_s: float = 60.0,
     on_progress: Callable[[LoadReport], None] | None = None,
+    control: LoadControl | None = None,
 ) -> tuple[LoadReport, dict[str, Completion]]:
     report = LoadReport()
+    control = control or LoadControl()
     with EngineClient(endpoint) as client:
         start = time.monotonic()
         # exactly rate x duration requests, the i-th at start + i / rate: two runs send the
@@ -72,12 +96,15 @@ def run_load(
                 i += 1
             next_send = start + i / rate if i < total else end_send
             client.poll(max(0.0, min(next_send, end_send) - time.monotonic()))
+            control._apply(client)
             if on_progress and time.monotonic() - last_progress >= 1.0:
                 last_progress = time.monotonic()
                 on_progress(_tally(report, client.requests, i))
         settle_end = time.monotonic() + settle_s
         while time.monotonic() < settle_end and not all(c.ended for c in client.requests.values()):
             client.poll(0.2)
+            control._apply(client)
+        control._apply(client)
         report = _tally(report, client.requests, i)
         report.duration_s = time.monotonic() - start
         return report, dict(client.requests)

@@ -23,7 +23,7 @@ through the same code; device branches exist only for pinned memory, synchronisa
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +85,8 @@ class MemoryRegistry:
         self._released_level: int | None = None
         #: tag -> {tensor name: checksum at release}; verified (and dropped) by ``rewake``
         self._checksums: dict[str, dict[str, str]] = {}
+        #: called between refilling and verifying (a drill's failpoint corrupts a weight here)
+        self.after_refill: Callable[[], None] | None = None
 
     # ---------------------------------------------------------------- registration
 
@@ -392,6 +394,8 @@ class MemoryRegistry:
             self._released_level = None
         for dev in devices:
             measure.synchronize(dev)
+        if self.after_refill is not None:
+            self.after_refill()
         verified = self._verify()
         after = {d: measure.usage(d) for d in devices}
         report = MemoryReport(
@@ -445,6 +449,22 @@ class MemoryRegistry:
                 mismatches=[f"{m[0]}/{m[1]}" for m in mismatches], verified_tensors=verified,
             )
         return verified
+
+    def flip_bit(self, tag: str = "weights") -> str:
+        """Flip the lowest bit of the first byte of ``tag``'s first non-empty tensor (a
+        drill's corrupted weight); returns ``tag/tensor``."""
+        with self._lock:
+            entry = self._known(tag)
+            for name, item in entry.names.items():
+                t = item.tensor
+                if t.numel() and t.untyped_storage().nbytes():
+                    view = t.detach().reshape(-1).view(torch.uint8) if t.is_contiguous() \
+                        else None
+                    if view is None:
+                        continue
+                    view[0] ^= 1
+                    return f"{tag}/{name}"
+        raise UsageError("no tensor to corrupt", tag=tag)
 
     # ---------------------------------------------------------------- helpers
 
