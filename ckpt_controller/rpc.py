@@ -22,6 +22,7 @@ import zmq
 from ckpt_controller import protocol as p
 from ckpt_controller.endpoints import check_endpoint
 from ckpt_controller.errors import ConfigError, DeadlineError, ProtocolError, UnreachableError
+from ckpt_controller.security import CurveClient
 
 
 def new_op_id() -> str:
@@ -40,8 +41,11 @@ class RpcClient:
         name: str = "ckpt-client",
         on_event: Callable[[p.EventBody], None] | None = None,
         context: zmq.Context | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
         self.endpoint = check_endpoint(endpoint)
+        #: CURVE keys for a server that requires them
+        self.curve = curve
         self.timeout_s = timeout_s
         self.retries = retries
         self.missed_beats = missed_beats
@@ -63,6 +67,13 @@ class RpcClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTING_ID, self.identity)
         self._sock.setsockopt(zmq.MAXMSGSIZE, p.HARD_MAX_MESSAGE_BYTES)
+        if self.curve is not None:
+            try:
+                self.curve.apply(self._sock)
+            except ConfigError:
+                self._sock.close(linger=0)
+                self._sock = None
+                raise
         try:
             self._sock.connect(self.endpoint)
         except zmq.ZMQError as exc:  # policy: an endpoint zmq cannot parse is the caller's error
@@ -153,9 +164,11 @@ class RpcClient:
             if self._subscribed:
                 left = min(left, last_seen + self.liveness_s - now)
             if left <= 0:
+                hint = {"hint": "the server may have refused this client's CURVE key"} \
+                    if self.curve is not None else {}
                 raise UnreachableError(
                     f"no answer from {self.endpoint}", endpoint=self.endpoint,
-                    waited_s=round(now - start, 3), silent_s=round(now - last_seen, 3),
+                    waited_s=round(now - start, 3), silent_s=round(now - last_seen, 3), **hint,
                 )
             if not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 continue

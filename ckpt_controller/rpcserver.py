@@ -19,11 +19,13 @@ import time
 import weakref
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ckpt_controller import protocol as p
 from ckpt_controller.endpoints import secure_ipc
 from ckpt_controller.clock import Clock
 from ckpt_controller.errors import CkptError, EngineError, OperationError, ProtocolError
+from ckpt_controller.security import CurveServer, ZapHandler, log_handshake_failures
 from ckpt_controller.zmqutil import Outbox
 
 log = logging.getLogger("ckpt_controller.rpc")
@@ -34,8 +36,12 @@ class RpcServer:
     serves: frozenset[p.RequestType] = frozenset()
 
     def __init__(self, endpoint: str, *, name: str, heartbeat_interval_s: float = 0.5,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, curve: CurveServer | None = None) -> None:
         self.endpoint = endpoint
+        #: CURVE keys: clients must hold an authorized key (tcp:// endpoints)
+        self.curve = curve
+        self._zap: ZapHandler | None = None
+        self._monitor: zmq.Socket | None = None
         self.name = name
         self.heartbeat_interval_s = heartbeat_interval_s
         self.clock = clock or Clock()
@@ -64,12 +70,23 @@ class RpcServer:
             # is how subscribers that went away are forgotten
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._router.setsockopt(zmq.SNDHWM, 100_000)
+            if self.curve is not None:  # the handler first: without one, libzmq admits anyone
+                self._zap = ZapHandler(self._ctx, self.curve, self.name)
+                self.curve.apply(self._router)
+                self._monitor = self._router.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            elif self.endpoint.startswith("tcp://"):
+                log.warning("%s: control endpoint %s has no CURVE keys: anyone who can reach "
+                            "it can drive it", self.name, self.endpoint)
             self._router.bind(self.endpoint)
             if self.endpoint.startswith("tcp://") and self.endpoint.endswith(":0"):
                 self.endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
             secure_ipc(self.endpoint)
-        except (zmq.ZMQError, OSError) as exc:  # policy: a half-built server closes what it opened
+        except (zmq.ZMQError, OSError, CkptError) as exc:
+            # policy: a half-built server closes what it opened
             self.close()
+            if isinstance(exc, CkptError):
+                raise
             raise CkptError(f"cannot bind {self.endpoint}: {exc}", endpoint=self.endpoint) from exc
         self._thread = threading.Thread(target=self._serve, name=f"rpc-{self.name}", daemon=True)
         self._thread.start()
@@ -80,6 +97,11 @@ class RpcServer:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
+        self._monitor = self._zap = None
         if self._router is not None:
             self._router.close(linger=0)
         if self._outbox is not None:
@@ -140,6 +162,9 @@ class RpcServer:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._outbox.inbox, zmq.POLLIN)
+        if self._zap is not None:
+            poller.register(self._zap.socket, zmq.POLLIN)
+            poller.register(self._monitor, zmq.POLLIN)
         interval_ms = max(1, int(self.heartbeat_interval_s * 1000))
         next_beat = self.clock.monotonic()
         while not self._stop.is_set():
@@ -150,6 +175,10 @@ class RpcServer:
                 events = dict(poller.poll(timeout=min(interval_ms, 100)))
             except zmq.ZMQError:  # policy: socket closed under us means we are stopping
                 break
+            if self._zap is not None and self._zap.socket in events:
+                self._zap.handle()
+            if self._monitor is not None and self._monitor in events:
+                log_handshake_failures(recv_monitor_message(self._monitor), self.name)
             if self._outbox.inbox in events:
                 try:
                     self._outbox.forward(self._router, self._forget)

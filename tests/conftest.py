@@ -139,15 +139,18 @@ def spawn_reference(ipc_dir, model_dir):
 class ControllerProcess(ReadyProcess):
     """``ckptctl serve --config`` as a child process, with a config written for the test."""
 
-    def __init__(self, tmp: Path, config_text: str) -> None:
+    def __init__(self, tmp: Path, config_text: str, endpoint: str | None = None,
+                 controller_keys: str = "") -> None:
         self.dir = tmp
-        self.endpoint = f"ipc://{tmp}/controller.sock"
+        self.endpoint = endpoint or f"ipc://{tmp}/controller.sock"
+        self.state_dir = tmp / "state"
         self.config = tmp / "controller.toml"
         self.config.write_text(f'[controller]\nendpoint = "{self.endpoint}"\n'
                                f'state_dir = "{tmp}/state"\nhooks_dir = "{tmp}/hooks"\n'
-                               f'heartbeat_interval_s = 0.2\n' + config_text)
+                               f'heartbeat_interval_s = 0.2\n{controller_keys}' + config_text)
         super().__init__([sys.executable, "-m", "ckpt_controller", "serve", "--config",
                           str(self.config)], tmp / "controller.log", "controller", cwd=ROOT)
+        self.endpoint = self.info.get("endpoint", self.endpoint)  # tcp://...:0 -> the port
 
     def ckptctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
@@ -159,8 +162,8 @@ class ControllerProcess(ReadyProcess):
 def spawn_controller(ipc_dir):
     started: list[ControllerProcess] = []
 
-    def spawn(config_text: str) -> ControllerProcess:
-        ctl = ControllerProcess(ipc_dir, config_text)
+    def spawn(config_text: str, **kw) -> ControllerProcess:
+        ctl = ControllerProcess(ipc_dir, config_text, **kw)
         started.append(ctl)
         return ctl
 

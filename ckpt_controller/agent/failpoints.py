@@ -57,7 +57,10 @@ class Failpoint:
     amount: float = 0.0
 
     def __str__(self) -> str:
-        return f"{self.point}:{self.action}" + (f"={self.amount:g}" if self.amount else "")
+        if not self.amount:
+            return f"{self.point}:{self.action}"
+        amount = int(self.amount) if self.action == "ballast" else f"{self.amount:g}"
+        return f"{self.point}:{self.action}={amount}"
 
 
 def parse(spec: str) -> list[Failpoint]:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from ckpt_controller.agent.engine import EngineHooks, ExternalDrain, MemoryManager, NoMemory
 from ckpt_controller.agent.failpoints import Failpoints
+from ckpt_controller.security import CurveServer
 from ckpt_controller.agent.gate import AdmissionGate
 from ckpt_controller.agent.incarnation import IncarnationTracker
 from ckpt_controller.agent.operations import Operations
@@ -86,6 +87,7 @@ class Agent(RpcServer):
         engine_alive: Callable[[], bool] | None = None,
         request_counts: Callable[[], tuple[int, int]] | None = None,
         failpoints: Failpoints | None = None,
+        curve: CurveServer | None = None,
     ) -> None:
         """``drain``, ``engine_pid``, ``engine_alive`` and ``request_counts`` are for an agent
         that runs beside an engine it does not own (a sidecar): the engine drains itself, its
@@ -94,7 +96,8 @@ class Agent(RpcServer):
         ``request_counts()`` gives (in flight, kept) for ``status`` instead of the gate's."""
         check_name(name)
         super().__init__(check_endpoint(control) if control else default_endpoint(name),
-                         name=name, heartbeat_interval_s=heartbeat_interval_s, clock=clock)
+                         name=name, heartbeat_interval_s=heartbeat_interval_s, clock=clock,
+                         curve=curve)
         self.lifecycle = Lifecycle(self.clock)
         self.gate = AdmissionGate(self.lifecycle, engine=name, clock=self.clock,
                                   retry_after=lambda: retry_after_s)

@@ -15,8 +15,14 @@ from collections.abc import Sequence
 
 from ckpt_controller import __version__
 from ckpt_controller import protocol as p
-from ckpt_controller.cli import agent_cmds, controller_cmds, demo, drill_cmd, engine_cmds
-from ckpt_controller.cli.common import EXIT_CODES, human_bytes, parse_bytes, print_json
+from ckpt_controller.cli import agent_cmds, controller_cmds, demo, drill_cmd, engine_cmds, keys_cmd
+from ckpt_controller.cli.common import (
+    EXIT_CODES,
+    add_curve_client_args,
+    human_bytes,
+    parse_bytes,
+    print_json,
+)
 from ckpt_controller.errors import CkptError
 
 __all__ = ["build_parser", "human_bytes", "main", "parse_bytes"]
@@ -41,12 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--controller", metavar="ENDPOINT", default=default_controller(),
                         help="the controller's endpoint (default: $CKPT_CONTROLLER, else "
                              "ipc://<runtime dir>/controller.sock)")
+    add_curve_client_args(parser, "controller")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     controller_cmds.add_parsers(sub)
     agent_cmds.add_parser(sub)
     engine_cmds.add_parsers(sub)
     demo.add_parser(sub)
     drill_cmd.add_parser(sub)
+    keys_cmd.add_parser(sub)
     return parser
 
 

@@ -11,6 +11,10 @@ import msgspec
 from ckpt_controller import protocol as p
 from ckpt_controller.cli.common import (
     EXIT_CODES,
+    add_curve_client_args,
+    add_curve_server_args,
+    curve_client,
+    curve_server,
     describe,
     describe_event,
     parse_bytes,
@@ -32,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         sp.add_argument("--json", action="store_true", help="print one JSON document")
         sp.add_argument("--timeout", type=positive, default=5.0, metavar="S",
                         help="seconds to wait for an answer to a quick request (default 5)")
+        add_curve_client_args(sp, "agent")
 
     sp = asub.add_parser("status", help="state, generation, in-flight and released memory")
     common(sp)
@@ -89,6 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="seconds for one quick HTTP call to vLLM (default 30)")
     sp.add_argument("--heartbeat", type=positive, default=0.5, metavar="S",
                     help="heartbeat interval in seconds (default 0.5)")
+    add_curve_server_args(sp)
 
     sp = asub.add_parser("watch", help="print the agent's events as they happen")
     common(sp)
@@ -105,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
 
     progress = sys.stderr.isatty() and not args.json
     on_event = (lambda ev: print(describe_event(ev), file=sys.stderr)) if progress else None
-    with AgentClient(args.control, timeout_s=args.timeout, on_event=on_event) as client:
+    with AgentClient(args.control, timeout_s=args.timeout, on_event=on_event,
+                     curve=curve_client(args)) as client:
         action = args.agent_command
         if action == "watch":
             return _watch(client, args)
@@ -165,5 +172,5 @@ def _vllm(args: argparse.Namespace) -> int:
                   golden_prompt=args.golden_prompt or sidecar.GOLDEN_PROMPT,
                   golden_tokens=args.golden_tokens or sidecar.GOLDEN_TOKENS,
                   verify_weights=not args.no_verify_weights, timeout_s=args.http_timeout,
-                  heartbeat_interval_s=args.heartbeat)
+                  heartbeat_interval_s=args.heartbeat, curve=curve_server(args))
     return 0

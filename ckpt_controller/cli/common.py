@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 import msgspec
 
 from ckpt_controller import protocol as p
 from ckpt_controller import units
+from ckpt_controller.errors import UsageError
 from ckpt_controller.units import human_bytes
 
 EXIT_CODES = """exit codes:
@@ -81,3 +84,48 @@ def describe_event(ev: p.EventBody) -> str:
     return repr(ev)
 
 
+
+
+# ---------------------------------------------------------------- CURVE keys
+
+
+def add_curve_server_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--curve-secret-key", type=Path, metavar="FILE",
+                    help="serve the control endpoint with CURVE, with this secret key "
+                         "(NAME.key_secret from `ckptctl keys`)")
+    sp.add_argument("--curve-clients", type=Path, metavar="DIR",
+                    help="admit only clients whose public key (*.key) is in DIR")
+
+
+def curve_server(args: argparse.Namespace):
+    from ckpt_controller.security import CurveServer, load
+
+    if (args.curve_secret_key is None) != (args.curve_clients is None):
+        raise UsageError("--curve-secret-key and --curve-clients go together")
+    if args.curve_secret_key is None:
+        return None
+    load(args.curve_secret_key, secret=True, what="--curve-secret-key")
+    if not args.curve_clients.is_dir():
+        raise UsageError(f"--curve-clients {args.curve_clients} is not a directory")
+    return CurveServer(args.curve_secret_key, args.curve_clients)
+
+
+def add_curve_client_args(sp: argparse.ArgumentParser, server: str) -> None:
+    sp.add_argument("--curve-key", type=Path, metavar="FILE",
+                    default=os.environ.get("CKPT_CURVE_KEY") or None,
+                    help="connect with CURVE using this secret key (default $CKPT_CURVE_KEY)")
+    sp.add_argument("--curve-server-key", type=Path, metavar="FILE",
+                    default=os.environ.get("CKPT_CURVE_SERVER_KEY") or None,
+                    help=f"the {server}'s public key file (default $CKPT_CURVE_SERVER_KEY)")
+
+
+def curve_client(args: argparse.Namespace):
+    from ckpt_controller.security import CurveClient, load
+
+    if (args.curve_key is None) != (args.curve_server_key is None):
+        raise UsageError("--curve-key and --curve-server-key go together")
+    if args.curve_key is None:
+        return None
+    load(args.curve_key, secret=True, what="--curve-key")
+    load(args.curve_server_key, secret=False, what="--curve-server-key")
+    return CurveClient(args.curve_key, args.curve_server_key)

@@ -13,7 +13,14 @@ from datetime import datetime
 import msgspec
 
 from ckpt_controller import protocol as p
-from ckpt_controller.cli.common import EXIT_CODES, human_bytes, parse_bytes, positive, print_json
+from ckpt_controller.cli.common import (
+    EXIT_CODES,
+    curve_client,
+    human_bytes,
+    parse_bytes,
+    positive,
+    print_json,
+)
 from ckpt_controller.errors import UsageError
 
 OPS = ("prepare", "capture", "restore", "cycle", "rollback")
@@ -86,7 +93,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def _client(args: argparse.Namespace, **kw):
     from ckpt_controller.controller.client import ControllerClient
 
-    return ControllerClient(args.controller, **kw)
+    return ControllerClient(args.controller, curve=curve_client(args), **kw)
 
 
 # ---------------------------------------------------------------- serve

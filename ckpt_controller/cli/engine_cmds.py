@@ -8,7 +8,13 @@ import os
 import sys
 from pathlib import Path
 
-from ckpt_controller.cli.common import EXIT_CODES, positive, print_json
+from ckpt_controller.cli.common import (
+    EXIT_CODES,
+    add_curve_server_args,
+    curve_server,
+    positive,
+    print_json,
+)
 from ckpt_controller.errors import OperationError
 
 
@@ -56,6 +62,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--max-batch", type=_count, default=16, help="requests decoded together")
     sp.add_argument("--heartbeat", type=positive, default=0.5, metavar="S",
                     help="agent heartbeat interval (default 0.5)")
+    add_curve_server_args(sp)
 
     sp = sub.add_parser("generate", help="send one request to an engine, print its tokens", **fmt)
     sp.set_defaults(run=_generate)
@@ -89,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
         name=args.name, api=args.api, control=args.control, model=args.model, seed=args.seed,
         model_dir=args.model_dir or default_model_dir(), dtype=args.dtype,
         kv_blocks=args.kv_blocks, block_size=args.block_size, max_batch=args.max_batch,
-        heartbeat_interval_s=args.heartbeat,
+        heartbeat_interval_s=args.heartbeat, curve=curve_server(args),
     ))
     return 0
 

@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 from ckpt_controller import units
 from ckpt_controller.endpoints import check_endpoint, check_name, runtime_dir
 from ckpt_controller.errors import ConfigError, UsageError
+from ckpt_controller.security import CurveClient
 
 DRAIN_MODES = ("wait", "abort", "keep")
 ON_DEADLINE = ("abort", "keep", "fail")
@@ -80,6 +81,8 @@ class EngineConfig:
     control: str
     kind: str = "native"
     defaults: dict[str, Any] = field(default_factory=dict, hash=False)
+    #: the agent's CURVE public key file: the controller connects with CURVE when set
+    curve_server_key: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,10 @@ class ControllerConfig:
     missed_beats: int = 6
     #: how often engines that an operation lost contact with are looked at again
     reconcile_interval_s: float = 2.0
+    #: the controller's CURVE secret key file (its identity towards agents and clients)
+    curve_secret_key: Path | None = None
+    #: public keys of the clients admitted to the controller's own endpoint (with CURVE)
+    curve_clients: Path | None = None
     deadlines: Deadlines = field(default_factory=Deadlines)
     defaults: PrepareDefaults = field(default_factory=PrepareDefaults)
     engines: tuple[EngineConfig, ...] = ()
@@ -108,6 +115,13 @@ class ControllerConfig:
         known = [e.name for e in self.engines]
         raise UsageError(f"unknown engine {name!r}; known engines: {', '.join(known) or 'none'}",
                          engine=name, known=known)
+
+    def agent_curve(self, name: str) -> CurveClient | None:
+        """The CURVE keys to reach engine ``name``'s agent with, when it has a server key."""
+        key = self.engine(name).curve_server_key
+        if key is None or self.curve_secret_key is None:
+            return None
+        return CurveClient(self.curve_secret_key, key)
 
     def prepare_defaults(self, name: str) -> PrepareDefaults:
         """The global prepare defaults overridden by engine ``name``'s own."""
@@ -141,12 +155,13 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
     top = _Table(data, "", file, base, ("controller", "deadlines", "defaults", "engine"))
     ctl = top.table("controller", ("endpoint", "state_dir", "hooks_dir", "image_dir",
                                    "metrics_port", "metrics_host", "heartbeat_interval_s",
-                                   "missed_beats", "reconcile_interval_s"))
+                                   "missed_beats", "reconcile_interval_s", "curve_secret_key",
+                                   "curve_clients"))
     dl = top.table("deadlines", tuple(f.name for f in fields(Deadlines)))
     deadlines = Deadlines(**{f.name: dl.seconds(f.name, f.default) for f in fields(Deadlines)})
     defaults = PrepareDefaults().merged(_prepare_overrides(top.table("defaults", _PREPARE_KEYS)))
     state_dir = ctl.path("state_dir", None) or _default_state_dir()
-    return ControllerConfig(
+    config = ControllerConfig(
         endpoint=ctl.endpoint("endpoint", None) or _default_endpoint(file),
         state_dir=state_dir,
         hooks_dir=ctl.path("hooks_dir", None),
@@ -158,7 +173,37 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
         missed_beats=ctl.value("missed_beats", 6, lambda v: _is_int(v) and v >= 1,
                                "an integer >= 1"),
         reconcile_interval_s=ctl.seconds("reconcile_interval_s", 2.0),
+        curve_secret_key=_curve_key(ctl, "curve_secret_key", secret=True),
+        curve_clients=_curve_clients(ctl),
         deadlines=deadlines, defaults=defaults, engines=_engines(top))
+    engines_with_keys = [e.name for e in config.engines if e.curve_server_key]
+    if engines_with_keys and config.curve_secret_key is None:
+        raise _error(file, "controller.curve_secret_key", "engines with curve_server_key ("
+                     + ", ".join(engines_with_keys) + ") need the controller's own secret key")
+    return config
+
+
+def _curve_key(t: _Table, name: str, secret: bool) -> Path | None:
+    from ckpt_controller.security import load
+
+    path = t.path(name, None)
+    if path is not None:
+        try:
+            load(path, secret=secret)
+        except ConfigError as err:
+            t.fail(name, err.message)
+    return path
+
+
+def _curve_clients(t: _Table) -> Path | None:
+    path = t.path("curve_clients", None)
+    if path is None:
+        return None
+    if not Path(path).is_dir():
+        t.fail("curve_clients", f"{path} is not a directory of client public keys (*.key)")
+    if "curve_secret_key" not in t.data:
+        t.fail("curve_clients", "needs curve_secret_key (the controller's own key) too")
+    return path
 
 
 def default_config(engines: Iterable[EngineConfig] = (),
@@ -201,13 +246,15 @@ def _engines(top: _Table) -> tuple[EngineConfig, ...]:
         isinstance(item, dict) for item in v), "an array of tables: [[engine]]")
     engines = []
     for i, item in enumerate(items):
-        t = _Table(item, f"engine[{i}]", top.file, top.base, ("name", "control", "kind", "defaults"))
+        t = _Table(item, f"engine[{i}]", top.file, top.base,
+                   ("name", "control", "kind", "defaults", "curve_server_key"))
         name = t.string("name")
         _check_engine_name(name, t.file, t.key("name"))
         engines.append(EngineConfig(
             name=name, control=t.endpoint("control"),
             kind=t.value("kind", "native", KINDS.__contains__, _one_of(KINDS)),
-            defaults=_prepare_overrides(t.table("defaults", _PREPARE_KEYS))))
+            defaults=_prepare_overrides(t.table("defaults", _PREPARE_KEYS)),
+            curve_server_key=_curve_key(t, "curve_server_key", secret=False)))
     _check_unique(engines, top.file)
     return tuple(engines)
 

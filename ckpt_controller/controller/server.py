@@ -20,6 +20,7 @@ from ckpt_controller.controller.metrics import Metrics, MetricsServer
 from ckpt_controller.controller.service import Controller
 from ckpt_controller.errors import CkptError, UsageError
 from ckpt_controller.rpcserver import RpcServer
+from ckpt_controller.security import CurveServer
 
 log = logging.getLogger("ckpt_controller.controller")
 
@@ -30,7 +31,9 @@ class ControllerServer(RpcServer):
 
     def __init__(self, config: ControllerConfig) -> None:
         super().__init__(config.endpoint, name="controller",
-                         heartbeat_interval_s=config.heartbeat_interval_s)
+                         heartbeat_interval_s=config.heartbeat_interval_s,
+                         curve=CurveServer(config.curve_secret_key, config.curve_clients)
+                         if config.curve_clients is not None else None)
         self.config = config
         self.metrics = Metrics()
         self.controller = Controller(config, metrics=self.metrics, publish=self.publish)

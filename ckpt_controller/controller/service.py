@@ -326,7 +326,8 @@ class Controller:
                              holder=self._holders.get(name),
                              unsettled_by=self._unsettled.get(name))
             try:
-                with AgentClient(eng.control, timeout_s=2.0, retries=0) as c:
+                with AgentClient(eng.control, timeout_s=2.0, retries=0,
+                                 curve=self.config.agent_curve(name)) as c:
                     v.status, v.reachable = c.status(), True
             except CkptError as err:  # policy: an unreachable engine is part of the answer
                 v.error = error_info(err)

@@ -59,6 +59,7 @@ class EngineSession:
         return _Client(self.engine.control, timeout_s=2.0, retries=1,
                        heartbeat_interval_s=self.config.heartbeat_interval_s,
                        missed_beats=self.config.missed_beats, name=f"controller/{self.op_id}",
+                       curve=self.config.agent_curve(self.engine.name),
                        on_event=self._on_agent_event, on_reply=self._on_agent_reply)
 
     def reconnect(self) -> p.StatusReply:

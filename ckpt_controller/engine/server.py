@@ -49,6 +49,8 @@ class EngineOptions:
     block_size: int = 16
     max_batch: int = 16
     heartbeat_interval_s: float = 0.5
+    #: CURVE keys for a tcp:// control endpoint (``security.CurveServer``)
+    curve: object | None = None
 
 
 class ReferenceEngine(EngineHooks):
@@ -66,7 +68,7 @@ class ReferenceEngine(EngineHooks):
         self._ctx = zmq.Context()
         self._outbox = Outbox(self._ctx, f"engine-{opts.name}")
         self.agent = Agent(opts.name, hooks=self, memory=self.registry, control=opts.control,
-                           heartbeat_interval_s=opts.heartbeat_interval_s)
+                           heartbeat_interval_s=opts.heartbeat_interval_s, curve=opts.curve)
         self.scheduler = Scheduler(self.model, self.pool, max_batch=opts.max_batch,
                                    emit=self._emit, on_finish=self.agent.gate.finish)
         self._stop = threading.Event()

@@ -435,7 +435,8 @@ def find_server_pid(port: int) -> int | None:
 
 def serve(url: str, *, name: str, control: str | None, pid: int | None,
           golden_prompt: str, golden_tokens: int, verify_weights: bool, timeout_s: float,
-          heartbeat_interval_s: float = 0.5, ready: Callable[[dict], None] | None = None) -> None:
+          heartbeat_interval_s: float = 0.5, ready: Callable[[dict], None] | None = None,
+          curve=None) -> None:
     """Run the sidecar until SIGTERM/SIGINT; prints one JSON ready line once bound."""
     import signal
 
@@ -452,7 +453,7 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
     agent = Agent(name, hooks=engine, memory=engine, drain=engine, control=control,
                   engine_pid=pid, engine_alive=engine.alive,
                   request_counts=engine.request_counts,
-                  heartbeat_interval_s=heartbeat_interval_s)
+                  heartbeat_interval_s=heartbeat_interval_s, curve=curve)
     # never claim RUNNING for an engine that is not serving: FAILED says why, and a restore
     # (recovery) resumes and wakes it
     why = engine.found_out_of_service()

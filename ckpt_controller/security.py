@@ -1,0 +1,187 @@
+"""CURVE security for TCP control endpoints: key files, server and client socket setup, and
+the ZAP handler that admits only authorized client keys and logs every refusal.
+
+Key files are ZeroMQ certificates (ZPL text, as pyzmq's ``zmq.auth`` reads them): ``NAME.key``
+holds the public key, ``NAME.key_secret`` the public and the secret key and is created with
+mode 0600 (a secret file readable by group or others is refused). ``ckptctl keys NAME``
+makes a pair. A server (agent or controller) has a secret key and a directory of the public
+keys it admits; a client has its own secret key and the server's public key. Public keys
+(Z85 text) may appear in logs; secret keys never do: the config and the journal hold paths.
+
+Neighbours: ``rpcserver`` (binds with ``CurveServer``), ``rpc`` (connects with
+``CurveClient``), ``controller.config`` and the CLI (where the paths come from).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+from zmq.utils import z85
+
+from ckpt_controller.errors import ConfigError, UsageError
+
+log = logging.getLogger("ckpt_controller.security")
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_BANNER = "#   ckpt-controller CURVE {what} key, made by `ckptctl keys` on {when}\n"
+
+
+def generate(directory: Path, name: str, *, force: bool = False) -> tuple[Path, Path]:
+    """Write ``NAME.key`` (public) and ``NAME.key_secret`` (0600); returns both paths."""
+    if not zmq.has("curve"):
+        raise UsageError("this libzmq was built without CURVE")
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    public_path, secret_path = directory / f"{name}.key", directory / f"{name}.key_secret"
+    for path in (public_path, secret_path):
+        if path.exists() and not force:
+            raise UsageError(f"{path} exists; pass --force to replace it", path=str(path))
+    public, secret = zmq.curve_keypair()
+    when = datetime.datetime.now().isoformat(timespec="seconds")
+    body = f'metadata\ncurve\n    public-key = "{public.decode()}"\n'
+    _write(public_path, _BANNER.format(what="public", when=when) + body, 0o644)
+    _write(secret_path, _BANNER.format(what="SECRET", when=when)
+           + "#   Do not share this file or loosen its mode.\n"
+           + body + f'    secret-key = "{secret.decode()}"\n', 0o600)
+    return public_path, secret_path
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)  # never wider, not even once
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def load(path: Path | str, *, secret: bool, what: str = "key") -> tuple[bytes, bytes | None]:
+    """(public, secret) from a key file; ``ConfigError`` naming the file otherwise."""
+    path = Path(path)
+    try:
+        st = path.stat()
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} file {path}: {exc.strerror}",
+                          file=str(path), key=what, problem=str(exc.strerror)) from None
+    keys = {}
+    for line in text.splitlines():
+        name, sep, value = line.strip().partition("=")
+        if sep and name.strip() in ("public-key", "secret-key"):
+            keys[name.strip()] = value.strip().strip("'\"").encode()
+    public, secret_key = keys.get("public-key"), keys.get("secret-key")
+    if public is None or len(public) != 40:
+        raise ConfigError(f"{path} holds no CURVE public key", file=str(path), key=what,
+                          problem="no public-key")
+    if secret:
+        if secret_key is None or len(secret_key) != 40:
+            raise ConfigError(f"{path} holds no CURVE secret key (is it the .key_secret file?)",
+                              file=str(path), key=what, problem="no secret-key")
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(f"{path} is readable by others (mode {stat.S_IMODE(st.st_mode):o});"
+                              f" chmod 600 it", file=str(path), key=what, problem="mode")
+    return public, secret_key
+
+
+@dataclass(frozen=True)
+class CurveServer:
+    """A server's secret key file and the directory of client public keys it admits."""
+
+    secret_key: Path
+    clients: Path
+
+    def apply(self, sock: zmq.Socket) -> None:
+        public, secret = load(self.secret_key, secret=True, what="secret key")
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 0)
+
+    def authorized(self) -> set[bytes]:
+        """The public keys in ``clients`` (``*.key`` files), read again on every call so a key
+        added or removed takes effect without a restart."""
+        if not self.clients.is_dir():
+            raise ConfigError(f"the authorized keys directory {self.clients} does not exist",
+                              file=str(self.clients), key="curve clients", problem="missing")
+        return {load(p, secret=False)[0] for p in sorted(self.clients.glob("*.key"))}
+
+
+@dataclass(frozen=True)
+class CurveClient:
+    """A client's secret key file and the server's public key file."""
+
+    secret_key: Path
+    server_key: Path
+
+    def apply(self, sock: zmq.Socket) -> None:
+        public, secret = load(self.secret_key, secret=True, what="secret key")
+        server, _ = load(self.server_key, secret=False, what="server key")
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+
+
+class ZapHandler:
+    """Answers libzmq's authentication requests for one context: a CURVE client whose public
+    key is in the server's authorized directory gets 200, anyone else 400 and a log line.
+    ``handle`` runs on the server's control thread (it polls ``socket``)."""
+
+    def __init__(self, ctx: zmq.Context, curve: CurveServer, server: str) -> None:
+        self.curve, self.server = curve, server
+        self.socket = ctx.socket(zmq.REP)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(ZAP_ENDPOINT)
+        self.refused = 0
+
+    def handle(self) -> None:
+        frames = self.socket.recv_multipart()
+        try:
+            ok = self._decide(frames)
+        except Exception:  # policy: a request we cannot judge is refused, and we go on
+            log.exception("%s: bad authentication request", self.server)
+            ok = False
+        version, request_id = (frames + [b"1.0", b""])[:2]
+        self.socket.send_multipart([version, request_id, b"200" if ok else b"400",
+                                    b"OK" if ok else b"refused", b"", b""])
+
+    def _decide(self, frames: list[bytes]) -> bool:
+        _version, _request_id, _domain, address, _identity, mechanism = frames[:6]
+        credentials = frames[6:]
+        ok, why = False, f"mechanism {mechanism.decode(errors='replace')}"
+        if mechanism == b"CURVE" and credentials:
+            key = z85.encode(credentials[0])
+            try:
+                ok = key in self.curve.authorized()
+                why = "key not authorized"
+            except ConfigError as err:  # policy: no readable allow-list admits nobody
+                why = err.message
+            if not ok:
+                self.refused += 1
+                log.warning("%s: refused a CURVE client from %s: %s (public key %s)",
+                            self.server, address.decode(errors="replace"), why, key.decode())
+        else:
+            self.refused += 1
+            log.warning("%s: refused a client from %s: %s", self.server,
+                        address.decode(errors="replace"), why)
+        return ok
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+def log_handshake_failures(event: dict, server: str) -> None:
+    """Log a handshake that failed before ZAP was asked (e.g. a client without CURVE)."""
+    names = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
+             zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error (a client without CURVE, "
+                                                  "or the wrong server key)",
+             zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication refused"}
+    if event["event"] in names and event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        log.warning("%s: refused a connection from %s: %s", server,
+                    event.get("endpoint", b"?").decode(errors="replace")
+                    if isinstance(event.get("endpoint"), bytes) else event.get("endpoint"),
+                    names[event["event"]])

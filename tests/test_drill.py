@@ -1,0 +1,152 @@
+"""``ckptctl drill``: real controller and reference-engine processes, real faults.
+
+The 20-cycle drill and one fault of each kind run by default; every fault at every place
+(about four minutes) is marked slow. Each fault's outcome is checked here against the table
+in README.md, not only against the drill's own verdict."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from ckpt_controller.drill import faults as f
+from ckpt_controller.drill import report as r
+from ckpt_controller.errors import UsageError
+
+CKPTCTL = [sys.executable, "-m", "ckpt_controller"]
+
+
+def drill(tmp_path, *args: str, timeout: float = 900) -> tuple[int, dict, str]:
+    out = subprocess.run(CKPTCTL + ["drill", *args, "--report", str(tmp_path / "rep")],
+                         capture_output=True, text=True, timeout=timeout)
+    path = tmp_path / "rep" / "report.json"
+    rep = json.loads(path.read_text()) if path.exists() else {}
+    return out.returncode, rep, out.stdout + out.stderr
+
+
+# kind@where -> (operation status, engine right after it, what followed)
+OUTCOMES = {
+    "kill-engine": ("failed", "gone", "engine started again"),
+    "stall-agent": ("failed", "unknown", "reconciled by the controller"),
+    "kill-controller": ("interrupted", "running", "controller restarted and reconciled"),
+    "corrupt-weight": ("failed", "failed", "engine started again"),
+    "residual": ("rolled_back", "running", None),
+}
+
+
+def _check_faults(rep: dict, spec: str) -> None:
+    faults = rep["summary"]["faults"]
+    assert [x["fault"] for x in faults] == spec.split(",")
+    for x in faults:
+        kind, where = x["fault"].split("@")
+        if kind in OUTCOMES:
+            status, state, after = OUTCOMES[kind]
+        else:
+            hook_state, hook_status, _ = f._HOOK_EFFECTS[where]
+            status, state = hook_status, hook_state
+            after = "restore (recovery from FAILED): succeeded" if state == "failed" else None
+        assert (x["status"], x["seen_state"]) == (status, state), x
+        assert x["after"] == ([after] if after else []), x
+        assert x["ok"], x
+    for cycle in rep["cycles"]:
+        for e in cycle["engines"]:
+            assert e["requests"]["lost"] == 0, cycle
+        assert cycle["ok"], cycle
+
+
+def test_twenty_cycles_under_load_lose_nothing(tmp_path):
+    code, rep, out = drill(tmp_path, "d1", "d2", "--cycles", "20", "--load", "10",
+                           "--load-seconds", "2")
+    assert code == 0, out
+    s = rep["summary"]
+    assert s["ok"] and s["cycles"] == 20 and not s["cycles_with_problems"]
+    assert s["requests"]["lost"] == 0 and s["outputs_mismatched"] == 0
+    assert s["requests"]["sent"] == 20 * 2 * 20
+    assert s["requests"]["completed"] + s["requests"]["rejected"] == s["requests"]["sent"]
+    assert s["outputs_compared"] == s["requests"]["completed"] > 0
+    assert {m["engine"] for m in s["memory"]} == {"d1", "d2"}
+    assert not any(m["leaked"] for m in s["memory"]) and all(m["cycles"] == 20
+                                                           for m in s["memory"])
+    for cycle in rep["cycles"]:
+        assert cycle["status"] == "succeeded"
+        for e in cycle["engines"]:
+            assert e["state"] == "running"
+            assert {ph["name"] for ph in e["phases"]} >= {"prepare", "capture", "restore"}
+            assert e["drain"]["mode"] == "keep"
+            assert e["memory"]["freed_bytes"] > 0 and e["memory"]["verified_tensors"] > 0
+            assert e["requests"]["kept"] == e["drain"]["kept"]
+    assert sum(e["requests"]["kept"] for c in rep["cycles"] for e in c["engines"]) > 0
+    with Image.open(tmp_path / "rep" / "timeline.png") as img:
+        assert img.format == "PNG" and img.height > 20 * 2 * 18  # a row per engine and cycle
+    assert "20 cycles" in out and "0 lost" in out
+
+
+SOME = ("kill-engine@release,stall-agent@drain,fail-hook@post-release,hang-hook@pre-restore,"
+        "kill-controller@restoring,corrupt-weight@rewake,residual@release")
+
+
+def test_one_fault_of_each_kind_ends_as_documented(tmp_path):
+    code, rep, out = drill(tmp_path, "e1", "--cycles", "8", "--faults", SOME,
+                           "--load-seconds", "2")
+    assert code == 0, out
+    _check_faults(rep, SOME)
+    assert rep["cycles"][-1]["fault"] is None and rep["cycles"][-1]["status"] == "succeeded"
+    died = sum(e["requests"]["ended_by_engine_death"] for c in rep["cycles"]
+               for e in c["engines"])
+    assert died > 0  # kill-engine and the corrupted engine's replacement ended some
+
+
+@pytest.mark.slow
+def test_every_fault_at_every_point_ends_as_documented(tmp_path):
+    spec = f.every_fault()
+    n = len(spec.split(","))
+    code, rep, out = drill(tmp_path, "e1", "--cycles", str(n), "--faults", "all",
+                           "--load-seconds", "2", timeout=1800)
+    assert code == 0, out
+    _check_faults(rep, spec)
+
+
+def test_a_lost_request_a_mismatch_or_a_leak_fails_the_drill():
+    def cycle(n: int, rss: int, lost: int = 0, mismatched=(), ok=True) -> dict:
+        return {"cycle": n, "fault": None, "ok": ok, "status": "succeeded", "after": [],
+                "engines": [{"engine": "e", "incarnation": 1, "rss_bytes": rss,
+                             "verification": {"compared": 3, "mismatched": list(mismatched)},
+                             "requests": {"sent": 3, "completed": 3 - lost, "aborted": 0,
+                                          "kept": 0, "rejected": 0, "errored": 0,
+                                          "ended_by_engine_death": 0, "lost": lost}}]}
+    mib = 1 << 20
+    good = [cycle(1, 300 * mib), cycle(2, 310 * mib), cycle(3, 320 * mib)]
+    assert r.build({}, good, 1.0)["summary"]["ok"]
+    assert not r.build({}, good[:2] + [cycle(3, 400 * mib)], 1.0)["summary"]["ok"]  # leak
+    assert not r.build({}, good[:2] + [cycle(3, 300 * mib, lost=1)], 1.0)["summary"]["ok"]
+    assert not r.build({}, good[:2] + [cycle(3, 300 * mib, mismatched=["x"])],
+                       1.0)["summary"]["ok"]
+    assert not r.build({}, good[:2] + [cycle(3, 300 * mib, ok=False)], 1.0)["summary"]["ok"]
+
+
+def test_fault_specs():
+    assert [str(x) for x in f.parse_faults("kill-engine@drain#3,residual@release", 4)] == \
+        ["residual@release", "kill-engine@drain"]
+    assert [x.cycle for x in f.parse_faults("kill-engine@drain#3,residual@release", 4)] == [1, 3]
+    for bad, words in [("kill-engine", "KIND@WHERE"), ("explode@drain", "unknown fault kind"),
+                       ("kill-engine@seal", "strikes at"), ("residual@release#9", "not in 1..4"),
+                       ("residual@release#2,kill-engine@drain#2", "two faults"),
+                       ("residual@release," * 5, "at least as many cycles")]:
+        with pytest.raises(UsageError, match=words):
+            f.parse_faults(bad, 4)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["e1", "--cycles", "0"], "--cycles must be at least 1"),
+    (["e1", "--cycles", "2", "--faults", "kill-engine@nowhere"], "strikes at"),
+    (["bad name!", "--cycles", "1"], "name"),
+    (["e1", "e1", "--cycles", "1"], "must differ"),
+    (["e1"], "required"),
+])
+def test_bad_drill_arguments_exit_2(tmp_path, args, words):
+    code, _, out = drill(tmp_path, *args, timeout=60)
+    assert code == 2 and words in out, out

@@ -1,0 +1,133 @@
+"""CURVE on TCP control endpoints: key files, admission by key, refusals logged, no secret in
+logs or the journal. Real sockets, a real agent in this process and real engine and
+controller processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from ckpt_controller.agent import Agent, AgentClient
+from ckpt_controller.errors import ConfigError, UnreachableError
+from ckpt_controller.security import CurveClient, CurveServer, generate, load
+
+CKPTCTL = [sys.executable, "-m", "ckpt_controller"]
+
+
+@pytest.fixture
+def keys(tmp_path):
+    """agent, operator and stranger key pairs; the agent admits only the operator."""
+    d = tmp_path / "keys"
+    out = {n: generate(d, n) for n in ("agent", "operator", "stranger")}
+    clients = tmp_path / "clients"
+    clients.mkdir()
+    (clients / "operator.key").write_text(out["operator"][0].read_text())
+    return out, clients
+
+
+def test_keys_command_writes_a_private_secret(tmp_path):
+    out = subprocess.run(CKPTCTL + ["keys", "node-a", "--dir", str(tmp_path), "--json"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert os.stat(info["secret"]).st_mode & 0o777 == 0o600
+    public, secret = load(info["secret"], secret=True)
+    assert public.decode() == info["public_key"] and len(secret) == 40
+    assert load(info["public"], secret=False) == (public, None)
+    again = subprocess.run(CKPTCTL + ["keys", "node-a", "--dir", str(tmp_path)],
+                           capture_output=True, text=True)
+    assert again.returncode == 2 and "--force" in again.stderr
+    os.chmod(info["secret"], 0o640)
+    with pytest.raises(ConfigError, match="readable by others"):
+        load(info["secret"], secret=True)
+    with pytest.raises(ConfigError, match="no CURVE secret key"):
+        load(info["public"], secret=True)
+
+
+def test_only_an_authorized_key_gets_in_and_refusals_are_logged(keys, caplog):
+    pairs, clients = keys
+    agent_pub, agent_secret = pairs["agent"]
+    caplog.set_level(logging.INFO)
+    with Agent("secure", control="tcp://127.0.0.1:0", heartbeat_interval_s=0.1,
+               curve=CurveServer(agent_secret, clients)) as agent:
+
+        def client(**kw):
+            return AgentClient(agent.endpoint, timeout_s=1.0, retries=0, **kw)
+
+        with client(curve=CurveClient(pairs["operator"][1], agent_pub)) as c:
+            assert c.status().state == "running"
+        with client(curve=CurveClient(pairs["stranger"][1], agent_pub)) as c:
+            with pytest.raises(UnreachableError) as info:
+                c.status()
+            assert "CURVE" in info.value.details["hint"]
+        stranger_pub = load(pairs["stranger"][0], secret=False)[0].decode()
+        assert any("refused a CURVE client" in r.message and stranger_pub in r.message
+                   for r in caplog.records)
+        with client() as c:  # no CURVE at all
+            with pytest.raises(UnreachableError):
+                c.status()
+        with client(curve=CurveClient(pairs["operator"][1], pairs["stranger"][0])) as c:
+            with pytest.raises(UnreachableError):  # the wrong server key
+                c.status()
+        # a key added to the directory is admitted without a restart
+        (clients / "stranger.key").write_text(pairs["stranger"][0].read_text())
+        with client(curve=CurveClient(pairs["stranger"][1], agent_pub)) as c:
+            assert c.status().state == "running"
+    assert sum("refused" in r.message for r in caplog.records) >= 2
+    secrets = [load(s, secret=True)[1].decode() for _, s in pairs.values()]
+    assert not any(s in caplog.text for s in secrets)
+
+
+def test_tcp_without_curve_is_warned_about(caplog):
+    caplog.set_level(logging.WARNING)
+    with Agent("open", control="tcp://127.0.0.1:0"):
+        pass
+    assert any("no CURVE keys" in r.message for r in caplog.records)
+
+
+def test_controller_and_engine_over_curve_tcp(tmp_path, spawn_reference, spawn_controller):
+    d = tmp_path / "k"
+    names = ("engine", "controller", "operator", "stranger")
+    pair = {n: generate(d, n) for n in names}
+    engine_clients, ctl_clients = tmp_path / "engine-clients", tmp_path / "ctl-clients"
+    for folder, who in ((engine_clients, "controller"), (ctl_clients, "operator")):
+        folder.mkdir()
+        (folder / f"{who}.key").write_text(pair[who][0].read_text())
+    eng = spawn_reference("sec", "--curve-secret-key", str(pair["engine"][1]),
+                          "--curve-clients", str(engine_clients),
+                          control="tcp://127.0.0.1:0")
+    ctl = spawn_controller(
+        f'\n[[engine]]\nname = "sec"\ncontrol = "{eng.info["control"]}"\n'
+        f'curve_server_key = "{pair["engine"][0]}"\n',
+        endpoint="tcp://127.0.0.1:0",
+        controller_keys=f'curve_secret_key = "{pair["controller"][1]}"\n'
+                        f'curve_clients = "{ctl_clients}"\n')
+    ok = ["--curve-key", str(pair["operator"][1]), "--curve-server-key",
+          str(pair["controller"][0])]
+    out = ctl.ckptctl(*ok, "cycle", "sec", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout)["status"] == "succeeded"
+    bad = ["--curve-key", str(pair["stranger"][1]), "--curve-server-key",
+           str(pair["controller"][0])]
+    refused = ctl.ckptctl(*bad, "status")
+    assert refused.returncode == 4, refused.stdout + refused.stderr
+    plain = ctl.ckptctl("status")
+    assert plain.returncode == 4
+    ctl.stop()
+    eng.stop()
+    log = ctl.log_path.read_text()
+    assert "refused a CURVE client" in log and \
+        load(pair["stranger"][0], secret=False)[0].decode() in log
+    secrets = [load(s, secret=True)[1].decode() for _, s in pair.values()]
+    texts = [log, eng.log_path.read_text()]
+    with sqlite3.connect(ctl.state_dir / "journal.sqlite3") as db:
+        texts += [str(row) for row in db.execute("SELECT * FROM records")]
+        texts += [str(row) for row in db.execute("SELECT op_id, params FROM operations")]
+    for secret in secrets:
+        assert not any(secret in t for t in texts)
