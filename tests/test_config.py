@@ -341,3 +341,32 @@ def test_config_is_frozen_and_hashable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.missed_beats = 1  # type: ignore[misc]
     assert hash(cfg) == hash(parse_config(FULL))
+
+
+def test_curve_keys_are_checked_and_named(tmp_path):
+    from ckpt_controller.security import generate
+
+    pub, secret = generate(tmp_path, "ctl")
+    eng_pub, _ = generate(tmp_path, "eng")
+    clients = tmp_path / "clients"
+    clients.mkdir()
+    engine = f'[[engine]]\nname = "a"\ncontrol = "tcp://127.0.0.1:7000"\n' \
+             f'curve_server_key = "{eng_pub}"\n'
+    cfg = parse_config(f'[controller]\ncurve_secret_key = "{secret}"\ncurve_clients = '
+                       f'"{clients}"\n\n' + engine)
+    assert cfg.curve_secret_key == secret and cfg.curve_clients == clients
+    assert cfg.agent_curve("a").server_key == eng_pub
+    for text, key, words in [
+        (engine, "controller.curve_secret_key", "need the controller's own secret key"),
+        (f'[controller]\ncurve_secret_key = "{pub}"\n', "controller.curve_secret_key",
+         "no CURVE secret key"),
+        (f'[controller]\ncurve_secret_key = "{tmp_path}/none"\n',
+         "controller.curve_secret_key", "cannot read"),
+        (f'[controller]\ncurve_clients = "{clients}"\n', "controller.curve_clients",
+         "needs curve_secret_key"),
+        (f'[controller]\ncurve_secret_key = "{secret}"\ncurve_clients = "{pub}"\n',
+         "controller.curve_clients", "not a directory"),
+    ]:
+        with pytest.raises(ConfigError, match=words) as info:
+            parse_config(text)
+        assert info.value.details["key"] == key
