@@ -18,6 +18,7 @@ from ckpt_controller.errors import (
     VerificationError,
 )
 from ckpt_controller.memory import MemoryRegistry, measure
+from ckpt_controller.memory.safetensors_io import save_file
 
 
 def test_parse_and_refuse():
@@ -38,16 +39,21 @@ def _agent(ipc_dir, spec: str, registry: MemoryRegistry | None = None) -> Agent:
                  heartbeat_interval_s=0.05, failpoints=Failpoints(parse(spec)))
 
 
-def _registry(tmp_path) -> tuple[MemoryRegistry, torch.Tensor]:
+def _registry(tmp_path, source: bool = False) -> tuple[MemoryRegistry, torch.Tensor]:
     w = torch.arange(4096, dtype=torch.float32)
     reg = MemoryRegistry()
-    reg.register("weights", {"w": w})
+    path = None
+    if source:
+        path = tmp_path / "w.safetensors"
+        save_file({"w": w}, path)
+    reg.register("weights", {"w": w}, source=path)
     reg.register("kv_cache", {"kv": torch.zeros(8192)})
     return reg, w
 
 
-def test_corrupt_flips_a_weight_bit_that_verification_catches(ipc_dir, tmp_path):
-    reg, w = _registry(tmp_path)
+@pytest.mark.parametrize("source", [True, False])
+def test_corrupt_flips_a_weight_bit_that_verification_catches(ipc_dir, tmp_path, source):
+    reg, w = _registry(tmp_path, source)
     want = w.clone()
     with _agent(ipc_dir, "rewake:corrupt", reg) as agent, \
             AgentClient(agent.endpoint, timeout_s=5) as c:
@@ -55,10 +61,18 @@ def test_corrupt_flips_a_weight_bit_that_verification_catches(ipc_dir, tmp_path)
         with pytest.raises(VerificationError) as info:
             c.restore(op_id="r1")
         assert info.value.details["tensor"] == "w" and c.status().state == "failed"
-        assert not torch.equal(w, want)
+        assert info.value.details["got"] != info.value.details["expected"]
         assert agent.failpoints.armed == []  # fired once
-        c.restore(op_id="r2")  # recovery from FAILED, nothing armed any more
-        assert c.status().state == "running"
+        # (with a source file the weights are released again: not to be read until restored)
+        if source:  # recovery from FAILED reloads the weights from their file and checks them
+            assert "reloads weights" in info.value.details["recovery"]
+            c.restore(op_id="r2")
+            assert c.status().state == "running" and torch.equal(w, want)
+        else:  # no file to reload from: the bad bytes are never served
+            assert not torch.equal(w, want)
+            with pytest.raises(VerificationError):
+                c.restore(op_id="r2")
+            assert c.status().state == "failed"
 
 
 def test_ballast_makes_the_residual_exceed_its_budget_and_rolls_back(ipc_dir, tmp_path):

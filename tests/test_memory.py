@@ -229,7 +229,15 @@ def test_corrupted_source_is_detected_at_level2_rewake(tmp_path):
     d = info.value.details
     assert d["tag"] == "weights" and d["tensor"] == "layers.1.weight"
     assert d["expected"] != d["got"] and d["mismatches"] == ["weights/layers.1.weight"]
-    assert reg.released_tags == []  # re-woken (and failed): the engine must be marked FAILED
+    # the bad bytes are released again, to be reloaded and checked by the next re-wake
+    assert reg.released_tags == ["weights"] and "reloads weights" in d["recovery"]
+    with pytest.raises(VerificationError):
+        reg.rewake()  # the file is still bad: never served
+    with open(source, "r+b") as raw:  # the file repaired (e.g. copied again)
+        raw.seek(at)
+        raw.write(bytes([byte]))
+    reg.rewake()
+    assert reg.released_tags == [] and model.layers[1].weight.untyped_storage().nbytes() > 0
 
 
 def test_corruption_through_the_kept_host_copy_is_detected_at_level1():
@@ -242,6 +250,9 @@ def test_corruption_through_the_kept_host_copy_is_detected_at_level1():
     with pytest.raises(VerificationError) as info:
         reg.rewake()
     assert info.value.details["tensor"] == "layers.0.bias"
+    assert "fails the same check" in info.value.details["recovery"]
+    with pytest.raises(VerificationError):  # no source: the bad bytes are checked again
+        reg.rewake()
 
 
 def test_failed_reload_leaves_the_tag_released_and_a_retry_works(tmp_path):

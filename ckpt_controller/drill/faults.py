@@ -82,9 +82,10 @@ def expected(kind: str, where: str) -> Expected:
         return Expected(("interrupted",), "running", None, "restart-controller",
                         "the controller restarts, reconciles, and the engine is RUNNING")
     if kind == "corrupt-weight":
-        return Expected(("failed",), "failed", "VerificationError", "replace",
+        return Expected(("failed",), "failed", "VerificationError", "recover",
                         "the bit-exact check fails the restore: FAILED with the tensor named; "
-                        "the engine is started again")
+                        "restore (recovery) reloads the weights from their file and checks "
+                        "them again")
     return Expected(("rolled_back",), "running", "ResidualOverBudgetError", "none",
                     "the prepare fails on the budget and rolls back to RUNNING")
 

@@ -21,8 +21,9 @@ from ckpt_controller.errors import UsageError
 from ckpt_controller.memory.checksum import tensor_checksum
 
 #: what a release does to one tag: ``offload`` keeps the bytes in host memory, ``reload``
-#: frees them and reads them back from the source file, ``discard`` frees them for good
-TagAction = Literal["offload", "reload", "discard"]
+#: frees them and reads them back from the source file, ``discard`` frees them for good,
+#: ``verify`` (after a failed check, with no source) keeps them and checks them again
+TagAction = Literal["offload", "reload", "discard", "verify"]
 
 
 @dataclass

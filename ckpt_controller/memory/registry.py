@@ -433,22 +433,47 @@ class MemoryRegistry:
         verified = 0
         mismatches: list[tuple[str, str, str, str]] = []
         pending = [t for t in self._checksums if t not in self._released]
+        checked: dict[str, dict[str, str]] = {}
         for name in _rewake_order(pending, list(self._tags)):
             tag = self._tags[name]
-            for tensor_name, want in self._checksums.pop(name).items():
+            checked[name] = self._checksums.pop(name)
+            for tensor_name, want in checked[name].items():
                 got = tensor_checksum(tag.names[tensor_name].tensor)
                 if got == want:
                     verified += 1
                 else:
                     mismatches.append((name, tensor_name, want, got))
         if mismatches:
+            recovery = self._unverified({m[0] for m in mismatches}, checked)
             tag, tensor, want, got = mismatches[0]
             raise VerificationError(
                 "re-woken bytes differ from the checksum taken at release", tag=tag,
                 tensor=tensor, expected=want, got=got,
                 mismatches=[f"{m[0]}/{m[1]}" for m in mismatches], verified_tensors=verified,
+                recovery=recovery,
             )
         return verified
+
+    def _unverified(self, names: set[str], checked: dict[str, dict[str, str]]) -> str:
+        """After a mismatch, bad bytes must never be served by a later re-wake: each tag that
+        failed keeps its checksums pending, and one with a source file is released again for
+        a reload from it, so the next ``rewake`` (a recovery) reads good bytes and checks
+        them. Returns what that recovery will do."""
+        reload = []
+        for name in names:
+            self._checksums[name] = checked[name]
+            tag = self._tags[name]
+            if tag.source is not None:
+                for block in tag.blocks:
+                    if block.nbytes:
+                        block.storage.resize_(0)
+                self._released[name] = "reload"
+                reload.append(name)
+            else:  # the bytes stay; the next re-wake only checks them (and fails again)
+                self._released[name] = "verify"
+        if reload:
+            return f"the next re-wake reloads {', '.join(sorted(reload))} from source"
+        return "no source file to reload from: the next re-wake fails the same check"
 
     def flip_bit(self, tag: str = "weights") -> str:
         """Flip the lowest bit of the first byte of ``tag``'s first non-empty tensor (a
