@@ -5,6 +5,8 @@ dropped, and the server must go on answering a handshake after every one."""
 
 from __future__ import annotations
 
+import uuid
+
 import msgspec
 import pytest
 import zmq
@@ -109,3 +111,91 @@ def test_the_agent_answers_or_drops_any_frame_and_keeps_serving(agent, fr):
 @given(fr=frames())
 def test_the_controller_answers_or_drops_any_frame_and_keeps_serving(controller, fr):
     _answers_or_drops_and_keeps_serving(controller.endpoint, ControllerClient, "controller", fr)
+
+
+# ---------------------------------------------------------------- out-of-order commands
+
+AGENT_STEPS = ["prepare", "drain", "release", "seal", "restore", "rewake", "resume",
+               "rollback", "fail", "status"]
+
+
+def _agent_step(c: AgentClient, step: str, n: int) -> None:
+    op = f"ooo-{uuid.uuid4().hex[:8]}-{step}"  # a new id: a repeated one returns its result
+    if step == "prepare":
+        c.prepare(op_id=op, level=0, drain="abort")
+    elif step in ("drain", "release", "seal"):
+        c.prepare(op_id=op, level=0, drain="abort", step=step)
+    elif step == "restore":
+        c.restore(op_id=op)
+    elif step in ("rewake", "resume"):
+        c.restore(op_id=op, step=step)
+    elif step == "rollback":
+        c.rollback(op_id=op, reason="fuzz")
+    elif step == "fail":
+        c.fail(op_id=op, reason="fuzz")
+    else:
+        c.status()
+
+
+def _back_to_running(c: AgentClient, n: int) -> None:
+    """Whatever order the commands came in, the agent is never wedged: this brings it back."""
+    state = c.status().state
+    op = f"ooo-{uuid.uuid4().hex[:8]}-back"
+    if state in ("preparing", "prepared"):
+        c.rollback(op_id=op, reason="fuzz")
+    elif state == "restoring":
+        c.restore(op_id=op, step="resume")
+    elif state == "failed":
+        c.restore(op_id=op)
+    assert c.status().state == "running"
+
+
+@SETTINGS
+@given(steps=st.lists(st.sampled_from(AGENT_STEPS), min_size=1, max_size=10))
+def test_the_agent_answers_commands_in_any_order(agent, steps):
+    from ckpt_controller.errors import CkptError
+
+    with AgentClient(agent.endpoint, timeout_s=5, retries=0) as c:
+        for n, step in enumerate(steps):
+            try:
+                _agent_step(c, step, n)
+            except CkptError as err:  # a typed refusal is a right answer
+                assert err.kind != "OperationError" or "crashed" not in err.message
+            status = c.status()
+            assert status.current_op is None  # every step ended before its answer
+        _back_to_running(c, len(steps))
+
+
+@pytest.fixture(scope="module")
+def controller_with_engine(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz-ooo")
+    eng = Agent("ooo", control=f"ipc://{d}/ooo.ctl", heartbeat_interval_s=0.2).start()
+    cfg = parse_config(f'[controller]\nendpoint = "ipc://{d}/c.sock"\nstate_dir = "{d}/state"\n'
+                       f'[defaults]\nlevel = 0\ndrain = "abort"\n'
+                       f'[[engine]]\nname = "ooo"\ncontrol = "{eng.endpoint}"\n')
+    server = ControllerServer(cfg).start()
+    yield server, eng
+    server.close()
+    eng.close()
+
+
+@SETTINGS
+@given(kinds=st.lists(st.sampled_from(["prepare", "capture", "restore", "rollback", "cycle"]),
+                      min_size=1, max_size=8))
+def test_the_controller_answers_operations_in_any_order(controller_with_engine, kinds):
+    from ckpt_controller.errors import CkptError
+
+    server, eng = controller_with_engine
+    with ControllerClient(server.endpoint, timeout_s=10, retries=0) as c:
+        for kind in kinds:
+            try:
+                result = c.operation(kind, ["ooo"])
+            except CkptError:  # policy: refused at once, typed
+                continue
+            assert result.status in ("succeeded", "failed", "rolled_back")
+            (o,) = result.engines
+            assert o.state in ("running", "prepared", "failed"), (kind, o)
+            if o.status != "succeeded":
+                assert o.error is not None and o.error.kind != "OperationError"
+    with AgentClient(eng.endpoint, timeout_s=5) as a:
+        _back_to_running(a, len(kinds))
