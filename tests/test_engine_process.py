@@ -205,3 +205,21 @@ def test_two_keep_cycles_in_a_row_keep_outputs_exact(spawn_reference, clients):
         c.poll(0.2)
     want = [c.generate(pr, 400).token_ids for pr in prompts]
     assert [c.requests[i].token_ids for i in ids] == want
+
+
+def test_a_client_that_reads_late_still_gets_every_end(spawn_reference, clients):
+    """Thousands of streamed outputs pile up while the client does not read (a script busy
+    elsewhere): none may be dropped, above all not the final ones."""
+    eng = spawn_reference("late")
+    client = clients(EngineClient, eng.api)
+    ids = [client.submit([9, i], 900) for i in range(16)]  # 14,400 outputs
+    with AgentClient(eng.control) as agent:
+        deadline = time.monotonic() + 120
+        time.sleep(0.5)
+        while agent.status().in_flight:  # not reading the outputs meanwhile
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    while not all(client.requests[r].ended for r in ids) and time.monotonic() < deadline:
+        client.poll(0.2)
+    assert [client.requests[r].finish_reason for r in ids] == ["length"] * 16
+    assert [len(client.requests[r].token_ids) for r in ids] == [900] * 16

@@ -19,6 +19,10 @@ from ckpt_controller.engine import api
 from ckpt_controller.errors import ConfigError, DeadlineError, OperationError
 
 
+#: outputs queued in this client before the engine's own queue takes over
+RCV_HWM = 1_000_000
+
+
 @dataclass
 class Completion:
     """Everything a request produced, as collected from its outputs."""
@@ -57,6 +61,7 @@ class EngineClient:
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, RCV_HWM)  # outputs wait here while we do not read
         # a stable identity: when the engine comes back from a checkpoint image and we
         # reconnect, the outputs of our kept requests still reach us
         self._sock.setsockopt(zmq.ROUTING_ID, f"client-{uuid.uuid4().hex[:12]}".encode())
@@ -84,6 +89,7 @@ class EngineClient:
         old = self._sock
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, RCV_HWM)
         self._sock.setsockopt(zmq.ROUTING_ID, f"client-{uuid.uuid4().hex[:12]}".encode())
         self._sock.connect(self.endpoint)
         old.close(linger=0)
@@ -123,19 +129,23 @@ class EngineClient:
         """Wait up to ``timeout_s`` for outputs, take in all that arrived, and return the
         requests that ended among them (possibly none: call again)."""
         ended: list[Completion] = []
+
+        def take_all() -> None:
+            while self._sock.poll(0, zmq.POLLIN):
+                c = self._take(api.decode_reply(self._sock.recv_multipart()))
+                if c is not None and c.ended:
+                    ended.append(c)
+
+        take_all()  # what already arrived first: a request is unheard only if nothing came
         self._resend_unheard()
-        if not self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
-            return ended
-        while self._sock.poll(0, zmq.POLLIN):
-            c = self._take(api.decode_reply(self._sock.recv_multipart()))
-            if c is not None and c.ended:
-                ended.append(c)
+        if self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+            take_all()
         return ended
 
     def _take(self, msg: api.RequestOutput | api.RequestRejected) -> Completion | None:
         c = self.requests.get(msg.request_id)
-        if c is None:
-            return None  # not ours (e.g. a rejection of a malformed frame)
+        if c is None or c.ended:
+            return None  # not ours (e.g. a rejection of a malformed frame), or a late echo
         now = time.monotonic()
         c.heard = True
         if isinstance(msg, api.RequestRejected):

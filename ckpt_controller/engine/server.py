@@ -53,6 +53,10 @@ class EngineOptions:
     curve: object | None = None
 
 
+#: outputs queued per client before any is dropped (about 100 bytes each)
+OUTPUT_HWM = 1_000_000
+
+
 class ReferenceEngine(EngineHooks):
     def __init__(self, opts: EngineOptions) -> None:
         self.opts = opts
@@ -85,6 +89,10 @@ class ReferenceEngine(EngineHooks):
         self._api_sock = self._ctx.socket(zmq.ROUTER)
         self._api_sock.setsockopt(zmq.LINGER, 0)
         self._api_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client takes over
+        # a ROUTER drops what it cannot queue: a client that reads late (busy elsewhere for a
+        # few seconds while thousands of tokens stream) must still get every output, above
+        # all the final ones
+        self._api_sock.setsockopt(zmq.SNDHWM, OUTPUT_HWM)
         self._api_sock.bind(self.opts.api)
         self.agent.start()
         for target, name in ((self._schedule_loop, "sched"), (self._api_loop, "api")):
