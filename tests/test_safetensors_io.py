@@ -254,3 +254,21 @@ def test_save_file_is_atomic(tmp_path, monkeypatch):
         save_file({"new": torch.zeros(1000)}, path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
+
+
+def test_large_tensors_are_read_in_parallel_parts(tmp_path, monkeypatch):
+    import ckpt_controller.memory.safetensors_io as sio
+
+    monkeypatch.setattr(sio, "PARALLEL_READ_BYTES", 1 << 16)  # this tensor takes that path
+    want = torch.arange(300_001, dtype=torch.float32)  # parts of unequal size
+    path = tmp_path / "big.safetensors"
+    sio.save_file({"big": want}, path)
+    got = torch.empty_like(want)
+    with sio.SafetensorsFile(path) as f:
+        f.read_into("big", got)
+    assert torch.equal(got, want)
+    with open(path, "r+b") as raw:  # the file shrinks after its header was read
+        f = sio.SafetensorsFile(path)
+        raw.truncate(path.stat().st_size - 1000)
+    with f, pytest.raises(MemoryError_, match="file ended inside a tensor"):
+        f.read_into("big", got)

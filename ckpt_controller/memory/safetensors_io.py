@@ -57,6 +57,9 @@ _NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000
 #: size of each of the two host staging buffers used to fill a non-CPU tensor
 STAGING_BYTES = 64 << 20
+#: a CPU tensor this large is read by several threads at once, each into its own part (the
+#: page faults of fresh memory then run on every core, not one)
+PARALLEL_READ_BYTES = 64 << 20
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
@@ -265,7 +268,9 @@ class SafetensorsFile:
         if entry.nbytes == 0:
             return
         flat = tensor.detach().reshape(-1).view(torch.uint8)
-        if flat.device.type == "cpu":
+        if flat.device.type == "cpu" and entry.nbytes >= PARALLEL_READ_BYTES:
+            self._read_parallel(entry.begin, host_buffer(flat), entry.name)
+        elif flat.device.type == "cpu":
             self._read_exact(entry.begin, host_buffer(flat), entry.name)
         else:
             self._read_staged(entry, flat)
@@ -297,6 +302,28 @@ class SafetensorsFile:
                     raise self._bad("file ended inside a tensor (changed on disk?)", tensor=name,
                                     expected_bytes=len(buf), got_bytes=got)
                 got += n
+
+    def _read_parallel(self, begin: int, buf: memoryview, name: str) -> None:
+        """``pread`` of ``buf``'s parts on ``torch.get_num_threads()`` threads (no seek, so
+        no lock: each part has its own offset). Any short read is the file's fault."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        workers = max(1, min(torch.get_num_threads(), len(buf) // (PARALLEL_READ_BYTES // 2)))
+        step = -(-len(buf) // workers)
+        fd = self._file.fileno()
+
+        def part(lo: int) -> None:
+            view = buf[lo:lo + step]
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], self._data_start + begin + lo + got)
+                if not n:
+                    raise self._bad("file ended inside a tensor (changed on disk?)",
+                                    tensor=name, expected_bytes=len(buf), got_bytes=lo + got)
+                got += n
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(part, range(0, len(buf), step)))
 
     def _read_staged(self, entry: SafetensorsEntry, flat: torch.Tensor) -> None:
         """Read through two host buffers; on CUDA the copy of one chunk to the device runs
