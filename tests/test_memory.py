@@ -621,3 +621,28 @@ def test_status_readers_do_not_wait_for_a_release_in_progress():
         t.start()
         t.join(2)
     assert got == {"tags": [], "sizes": {"kv_cache": MIB}}
+
+
+def test_reloaded_bytes_are_checked_as_they_are_read(tmp_path, monkeypatch):
+    """The reload's fused check (a checksum of each chunk as it arrives) catches what the
+    second pass would: a source whose bytes differ from the release checksum."""
+    import ckpt_controller.memory.safetensors_io as sio
+
+    monkeypatch.setattr(sio, "PARALLEL_READ_BYTES", 1 << 16)
+    monkeypatch.setattr(sio, "READ_CHUNK_BYTES", 1 << 14)
+    model = Stack(2, 256)
+    source = tmp_path / "w.safetensors"
+    save_file(model.state_dict(), source)
+    reg = MemoryRegistry()
+    reg.register("weights", model, source=source)
+    reg.release(level=2)
+    report = reg.rewake()
+    assert report.verified_tensors == len(model.state_dict()) and not reg._read_checksums
+    reg.release(level=2)
+    with torch.no_grad():
+        other = Stack(2, 256)
+        other.layers[1].weight.add_(1.0)
+    save_file(other.state_dict(), source)  # a different file under the same name
+    with pytest.raises(VerificationError) as info:
+        reg.rewake()
+    assert "weights/layers.1.weight" in info.value.details["mismatches"]

@@ -111,6 +111,9 @@ class Failpoints:
         if self.armed:
             log.warning("failpoints armed: %s", ", ".join(map(str, self.armed)))
 
+    def armed_at(self, point: str) -> bool:
+        return any(fp.point == point for fp in self.armed)
+
     @classmethod
     def from_env(cls) -> Failpoints:
         return cls(parse(os.environ.get(ENV, "")))

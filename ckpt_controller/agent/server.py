@@ -105,7 +105,8 @@ class Agent(RpcServer):
         # faults a drill armed through the environment (see failpoints); none normally
         self.failpoints = failpoints if failpoints is not None else Failpoints.from_env()
         self.failpoints.stall = self.stall
-        if hasattr(self.memory, "after_refill"):  # a MemoryRegistry: the corrupt-weight seam
+        if hasattr(self.memory, "after_refill") and self.failpoints.armed_at("rewake"):
+            # a MemoryRegistry: the corrupt-weight seam
             self.memory.after_refill = self.failpoints.after_refill
             self.failpoints.corrupt = lambda: self.memory.flip_bit("weights")
         self.operations = Operations(

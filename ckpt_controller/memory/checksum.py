@@ -26,6 +26,7 @@ preserved tensor at release and again after re-wake.
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import torch
 
@@ -57,8 +58,49 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     flat = data.reshape(-1).view(torch.uint8)
     chunk = CHUNK_BYTES.get(flat.device.type, DEFAULT_CHUNK_BYTES)
     total, weighted, tail = word_sums(flat, chunk_bytes=chunk)
-    text = f"v1|{tensor.dtype}|{tuple(tensor.shape)}|{flat.numel()}|{total}|{weighted}|{tail.hex()}"
+    return _digest(tensor, flat.numel(), total, weighted, tail)
+
+
+def _digest(tensor: torch.Tensor, nbytes: int, total: int, weighted: int, tail: bytes) -> str:
+    text = f"v1|{tensor.dtype}|{tuple(tensor.shape)}|{nbytes}|{total}|{weighted}|{tail.hex()}"
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+class ChecksumStream:
+    """``tensor_checksum`` of a CPU tensor computed while its bytes arrive, a chunk at a time
+    from any thread (e.g. right after each chunk is read from a file, while it is still in
+    the CPU's cache), instead of in a second pass. S and P split over chunks: a chunk at
+    word offset k0 adds its own S, and its own P plus k0 x S. Chunks must start at multiples
+    of 8 bytes; the trailing bytes (``len % 8``) belong to the last chunk."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.flat = tensor.detach().reshape(-1).view(torch.uint8)
+        self.nbytes = self.flat.numel()
+        self._lock = threading.Lock()
+        self._total = self._weighted = self._seen = 0
+        self._tail = b""
+
+    def update(self, lo: int, hi: int) -> None:
+        """Bytes ``[lo, hi)`` are final."""
+        if lo % 8:
+            raise UsageError("checksum chunks start at multiples of 8 bytes", lo=lo)
+        chunk = CHUNK_BYTES.get(self.flat.device.type, DEFAULT_CHUNK_BYTES)
+        total, weighted, tail = word_sums(self.flat[lo:hi], chunk_bytes=chunk)
+        if tail and hi != self.nbytes:
+            raise UsageError("only the last chunk may end off a multiple of 8", hi=hi)
+        with self._lock:
+            self._total = (self._total + total) % _MOD
+            self._weighted = (self._weighted + weighted + (lo // 8) * total) % _MOD
+            self._seen += hi - lo
+            if tail:
+                self._tail = tail
+
+    def digest(self) -> str:
+        if self._seen != self.nbytes:
+            raise UsageError("not every byte reached the checksum", seen=self._seen,
+                             nbytes=self.nbytes)
+        return _digest(self.tensor, self.nbytes, self._total, self._weighted, self._tail)
 
 
 def word_sums(

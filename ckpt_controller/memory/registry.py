@@ -38,7 +38,7 @@ from ckpt_controller.errors import (
     VerificationError,
 )
 from ckpt_controller.memory import measure
-from ckpt_controller.memory.checksum import tensor_checksum
+from ckpt_controller.memory.checksum import ChecksumStream, tensor_checksum
 from ckpt_controller.memory.layout import (
     Block,
     TagAction,
@@ -85,8 +85,11 @@ class MemoryRegistry:
         self._released_level: int | None = None
         #: tag -> {tensor name: checksum at release}; verified (and dropped) by ``rewake``
         self._checksums: dict[str, dict[str, str]] = {}
-        #: called between refilling and verifying (a drill's failpoint corrupts a weight here)
+        #: called between refilling and verifying (a drill's failpoint corrupts a weight here;
+        #: while set, reloaded bytes are checked after the refill, not as they are read)
         self.after_refill: Callable[[], None] | None = None
+        #: (tag, tensor) -> checksum of the bytes as they were read back from the source
+        self._read_checksums: dict[tuple[str, str], str] = {}
 
     # ---------------------------------------------------------------- registration
 
@@ -420,9 +423,18 @@ class MemoryRegistry:
             elif action == "discard":
                 block.bytes_view().zero_()  # zero-filled: the pages are really back
         if action == "reload":
+            for key in [k for k in self._read_checksums if k[0] == tag.name]:
+                del self._read_checksums[key]  # a failed earlier attempt's, if any
+            pending = self._checksums.get(tag.name, {}) if self.after_refill is None else {}
             with SafetensorsFile(tag.source) as src:
                 for item in distinct_windows(tag):
-                    src.read_into(item.name, item.tensor)
+                    stream = None
+                    if item.name in pending and item.tensor.device.type == "cpu":
+                        stream = ChecksumStream(item.tensor)  # checked as it is read
+                    src.read_into(item.name, item.tensor,
+                                  on_chunk=stream.update if stream else None)
+                    if stream is not None:
+                        self._read_checksums[(tag.name, item.name)] = stream.digest()
         for dev in {b.device for b in tag.blocks if b.host is not None}:
             measure.synchronize(dev)  # the host copies are dropped once this returns
         return moved
@@ -438,7 +450,8 @@ class MemoryRegistry:
             tag = self._tags[name]
             checked[name] = self._checksums.pop(name)
             for tensor_name, want in checked[name].items():
-                got = tensor_checksum(tag.names[tensor_name].tensor)
+                got = self._read_checksums.pop((name, tensor_name), None) \
+                    or tensor_checksum(tag.names[tensor_name].tensor)
                 if got == want:
                     verified += 1
                 else:
