@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-slow demo criu vllm clean
+.PHONY: install test test-slow demo criu vllm bench bench-full clean
 
 install: $(STAMP)
 
@@ -22,6 +22,20 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/ckptctl demo
+
+# benchmarks (BENCHMARKS.md): tables on stdout, JSON in bench/results/; a few minutes
+bench: $(STAMP)
+	$(PY) bench/control.py --counts 1,10,100 --repeat 20
+	$(PY) bench/memory.py --sizes 1,2
+	$(PY) bench/drain.py
+	$(PY) bench/capture.py
+
+# the full sizes: 1,000 agents, 1 to 8 GiB (about a quarter of an hour)
+bench-full: $(STAMP)
+	$(PY) bench/control.py --counts 1,10,100,1000
+	$(PY) bench/memory.py --sizes 1,2,4,8
+	$(PY) bench/drain.py
+	$(PY) bench/capture.py
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)

@@ -62,6 +62,8 @@ STAGING_BYTES = 64 << 20
 PARALLEL_READ_BYTES = 64 << 20
 #: what one thread reads before handing it on (to a checksum, while it is in the CPU cache)
 READ_CHUNK_BYTES = 4 << 20
+#: reading threads (the cores torch may use)
+READ_THREADS = max(1, torch.get_num_threads())
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
@@ -317,7 +319,7 @@ class SafetensorsFile:
         handed to ``on_chunk`` at once. Any short read is the file's fault."""
         from concurrent.futures import ThreadPoolExecutor
 
-        workers = max(1, min(torch.get_num_threads(), len(buf) // (PARALLEL_READ_BYTES // 2)))
+        workers = max(1, min(READ_THREADS, len(buf) // (PARALLEL_READ_BYTES // 2)))
         step = -(-len(buf) // workers)
         step = -(-step // READ_CHUNK_BYTES) * READ_CHUNK_BYTES  # parts start on chunk bounds
         fd = self._file.fileno()

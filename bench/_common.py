@@ -1,0 +1,72 @@
+"""Shared by the benchmark scripts: a printed table, a JSON result file, machine facts.
+
+Each script prints one or more tables and writes ``bench/results/<name>.json`` (or
+``--out``). Figures are compared as ratios measured in the same run: these machines are
+shared and noisy, so absolute times are context, not claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))
+
+
+def parser(name: str, doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"bench/{name}.py", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=RESULTS / f"{name}.json",
+                   help=f"where the JSON goes (default bench/results/{name}.json)")
+    return p
+
+
+def machine() -> dict:
+    import psutil
+
+    return {"python": platform.python_version(), "platform": platform.platform(),
+            "cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def table(title: str, header: list[str], rows: list[list]) -> str:
+    cells = [header] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = "  ".join("-" * w for w in widths)
+    out = [title, line, "  ".join(h.ljust(w) for h, w in zip(header, widths)), line]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells[1:]]
+    text = "\n".join(out + [line, ""])
+    print(text, flush=True)
+    return text
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def write(path: Path, name: str, args: argparse.Namespace, results: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": name, "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+           "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+           "results": results}
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def p90(values: list[float]) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(0.9 * len(s)))]
