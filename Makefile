@@ -24,11 +24,12 @@ demo: $(STAMP)
 	$(VENV)/bin/ckptctl demo
 
 # benchmarks (BENCHMARKS.md): tables on stdout, JSON in bench/results/; a few minutes
+# (their JSON goes to bench/results/quick/, so the recorded full runs stay as they are)
 bench: $(STAMP)
-	$(PY) bench/control.py --counts 1,10,100 --repeat 20
-	$(PY) bench/memory.py --sizes 1,2
-	$(PY) bench/drain.py
-	$(PY) bench/capture.py
+	$(PY) bench/control.py --counts 1,10,100 --repeat 20 --out bench/results/quick/control.json
+	$(PY) bench/memory.py --sizes 1,2 --out bench/results/quick/memory.json
+	$(PY) bench/drain.py --out bench/results/quick/drain.json
+	$(PY) bench/capture.py --out bench/results/quick/capture.json
 
 # the full sizes: 1,000 agents, 1 to 8 GiB (about a quarter of an hour)
 bench-full: $(STAMP)
