@@ -88,7 +88,9 @@ def run_load(
         end_send = start + duration_s
         i = 0
         last_progress = start
-        while time.monotonic() < end_send:
+        # until every request is sent (one overdue after a stall of this process goes out
+        # at once: the count never depends on the scheduler) and the duration is over
+        while i < total or time.monotonic() < end_send:
             now = time.monotonic()
             while i < total and start + i / rate <= now:
                 prompt, max_tokens = prompt_for(seed, i, vocab_size)
