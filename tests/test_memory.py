@@ -210,13 +210,19 @@ def test_residual_over_budget_raises_with_the_report_and_rewake_rolls_back():
     reg.rewake()
 
 
-def test_corrupted_source_is_detected_at_level2_rewake(tmp_path):
+def _released_at_level2(tmp_path):
+    """Two layers with a safetensors source, registered and released at level 2."""
     model = Stack(2, 256)
     source = tmp_path / "w.safetensors"
     save_file(model.state_dict(), source)
     reg = MemoryRegistry()
     reg.register("weights", model, source=source)
     reg.release(level=2)
+    return model, source, reg
+
+
+def test_corrupted_source_is_detected_at_level2_rewake(tmp_path):
+    model, source, reg = _released_at_level2(tmp_path)
     with SafetensorsFile(source) as f:  # flip one bit inside layers.1.weight's bytes
         at = f._data_start + f.entries["layers.1.weight"].begin + 1234
     with open(source, "r+b") as raw:
@@ -630,12 +636,7 @@ def test_reloaded_bytes_are_checked_as_they_are_read(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sio, "PARALLEL_READ_BYTES", 1 << 16)
     monkeypatch.setattr(sio, "READ_CHUNK_BYTES", 1 << 14)
-    model = Stack(2, 256)
-    source = tmp_path / "w.safetensors"
-    save_file(model.state_dict(), source)
-    reg = MemoryRegistry()
-    reg.register("weights", model, source=source)
-    reg.release(level=2)
+    model, source, reg = _released_at_level2(tmp_path)
     report = reg.rewake()
     assert report.verified_tensors == len(model.state_dict()) and not reg._read_checksums
     reg.release(level=2)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ckpt_controller.cli.common import EXIT_CODES, human_bytes, positive
+from ckpt_controller.controller.hooks import install_criu_dump_hook
 from ckpt_controller.procutil import ReadyProcess
 
 
@@ -60,7 +61,7 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[ReadyProcess]) -> 
     # the engine listens on TCP loopback so CRIU can checkpoint it with clients connected
     api, control = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
     ctl = f"ipc://{tmp}/ctl"
-    criu_hook = _install_criu_hook(tmp / "hooks")
+    criu_hook = install_criu_dump_hook(tmp / "hooks")
     _say("ckpt-controller demo: one reference engine, one controller, load, one full cycle")
     _say(f"  working in {tmp}")
     eng = ReadyProcess(py + ["engine", "serve", "--name", "demo-engine", "--api", api, "--control",
@@ -153,21 +154,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _install_criu_hook(hooks_dir: Path) -> str:
-    """Link the shipped criu-dump hook when CRIU is installed; else say why not."""
-    import os
-
-    root = Path(__file__).resolve().parents[2]
-    hook = root / "hooks" / "criu-dump"
-    criu = os.environ.get("CKPT_CRIU") or str(root / ".cache" / "criu" / "bin" / "criu")
-    if not hook.exists():
-        return "the criu-dump hook is not next to this installation"
-    if not os.path.exists(criu):
-        return "CRIU is not installed; `make criu` installs it"
-    if os.geteuid() != 0:
-        return "CRIU needs root"
-    (hooks_dir / "dump").mkdir(parents=True, exist_ok=True)
-    (hooks_dir / "dump" / "10-criu-dump").symlink_to(hook)
-    return "installed"

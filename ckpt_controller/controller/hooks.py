@@ -192,3 +192,19 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 def _tail(data: bytes | None) -> str:
     return (data or b"")[-TAIL_BYTES:].decode("utf-8", "replace")
+
+
+def install_criu_dump_hook(hooks_dir: Path) -> str:
+    """Link the shipped criu-dump hook when CRIU is installed; else say why not."""
+    root = Path(__file__).resolve().parents[2]
+    hook = root / "hooks" / "criu-dump"
+    criu = os.environ.get("CKPT_CRIU") or str(root / ".cache" / "criu" / "bin" / "criu")
+    if not hook.exists():
+        return "the criu-dump hook is not next to this installation"
+    if not os.path.exists(criu):
+        return "CRIU is not installed; `make criu` installs it"
+    if os.geteuid() != 0:
+        return "CRIU needs root"
+    (hooks_dir / "dump").mkdir(parents=True, exist_ok=True)
+    (hooks_dir / "dump" / "10-criu-dump").symlink_to(hook)
+    return "installed"

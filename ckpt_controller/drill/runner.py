@@ -13,6 +13,7 @@ verdict), ``timeline`` (the picture), ``agent.failpoints``, ``engine.load``.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import sys
@@ -31,7 +32,8 @@ from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.drill.faults import Fault
 from ckpt_controller.engine.load import LoadControl, LoadReport, replay, run_load
-from ckpt_controller.errors import CkptError, OperationError, UnreachableError
+from ckpt_controller.controller.hooks import install_criu_dump_hook
+from ckpt_controller.errors import CkptError, OperationError, UnreachableError, UsageError
 from ckpt_controller.procutil import ReadyProcess
 
 MiB = 1 << 20
@@ -105,8 +107,6 @@ class Drill:
         self.say = say
         self.work = opts.report_dir / "work"
         self.py = [sys.executable, "-m", "ckpt_controller"]
-        import os
-
         self.env = {k: v for k, v in os.environ.items() if k != "CKPT_FAILPOINTS"}
         self.engines = [_Engine(self, name) for name in opts.engines]
         self.controller: ReadyProcess | None = None
@@ -460,10 +460,6 @@ def _free_port() -> int:
 
 
 def _install_dump_hook(hooks_dir: Path) -> None:
-    from ckpt_controller.cli.demo import _install_criu_hook
-
-    said = _install_criu_hook(hooks_dir)
+    said = install_criu_dump_hook(hooks_dir)
     if said != "installed":
-        from ckpt_controller.errors import UsageError
-
         raise UsageError(f"--capture needs CRIU: {said}")
