@@ -632,10 +632,10 @@ def test_status_readers_do_not_wait_for_a_release_in_progress():
 def test_reloaded_bytes_are_checked_as_they_are_read(tmp_path, monkeypatch):
     """The reload's fused check (a checksum of each chunk as it arrives) catches what the
     second pass would: a source whose bytes differ from the release checksum."""
-    import ckpt_controller.memory.safetensors_io as sio
+    from ckpt_controller.memory import fill
 
-    monkeypatch.setattr(sio, "PARALLEL_READ_BYTES", 1 << 16)
-    monkeypatch.setattr(sio, "READ_CHUNK_BYTES", 1 << 14)
+    monkeypatch.setattr(fill, "PARALLEL_BYTES", 1 << 16)
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 1 << 14)
     model, source, reg = _released_at_level2(tmp_path)
     report = reg.rewake()
     assert report.verified_tensors == len(model.state_dict()) and not reg._read_checksums

@@ -258,8 +258,13 @@ def test_save_file_is_atomic(tmp_path, monkeypatch):
 
 def test_large_tensors_are_read_in_parallel_parts(tmp_path, monkeypatch):
     import ckpt_controller.memory.safetensors_io as sio
+    from ckpt_controller.memory import fill
 
-    monkeypatch.setattr(sio, "PARALLEL_READ_BYTES", 1 << 16)  # this tensor takes that path
+    monkeypatch.setattr(fill, "PARALLEL_BYTES", 1 << 16)  # this tensor takes that path
+    populated = []
+    real_populate = fill.populate_pages
+    monkeypatch.setattr(fill, "populate_pages",
+                        lambda a, n: populated.append((a, n)) or real_populate(a, n))
     want = torch.arange(300_001, dtype=torch.float32)  # parts of unequal size
     path = tmp_path / "big.safetensors"
     sio.save_file({"big": want}, path)
@@ -267,6 +272,11 @@ def test_large_tensors_are_read_in_parallel_parts(tmp_path, monkeypatch):
     with sio.SafetensorsFile(path) as f:
         f.read_into("big", got)
     assert torch.equal(got, want)
+    # every chunk's pages were faulted in ahead of its read, and only the tensor's own
+    start = got.data_ptr()
+    assert sum(n for _, n in populated) == want.nbytes
+    assert min(a for a, _ in populated) == start
+    assert max(a + n for a, n in populated) == start + want.nbytes
     with open(path, "r+b") as raw:  # the file shrinks after its header was read
         f = sio.SafetensorsFile(path)
         raw.truncate(path.stat().st_size - 1000)

@@ -4,6 +4,7 @@ The only layer besides the reference engine that imports torch. Modules, lowest 
 
     measure          RSS, malloc_trim, CUDA allocator and mem_get_info
     checksum         bit-exact tensor checksum on the tensor's own device
+    fill             filling released (untouched) host memory: pages faulted in ahead, threads
     safetensors_io   safetensors writer, and a reader that fills existing tensors in place
     layout           registered tensors grouped by storage (Block), validation
     registry         MemoryRegistry: register, plan, release, rewake, verify

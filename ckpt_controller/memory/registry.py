@@ -37,7 +37,7 @@ from ckpt_controller.errors import (
     UsageError,
     VerificationError,
 )
-from ckpt_controller.memory import measure
+from ckpt_controller.memory import fill, measure
 from ckpt_controller.memory.checksum import ChecksumStream, tensor_checksum
 from ckpt_controller.memory.layout import (
     Block,
@@ -420,8 +420,10 @@ class MemoryRegistry:
             moved += block.nbytes
             if action == "offload":
                 block.bytes_view().copy_(block.host, non_blocking=True)
+            elif action == "discard" and block.device.type == "cpu":
+                fill.zero_fresh(block.bytes_view())  # zero-filled: the pages are really back
             elif action == "discard":
-                block.bytes_view().zero_()  # zero-filled: the pages are really back
+                block.bytes_view().zero_()
         if action == "reload":
             for key in [k for k in self._read_checksums if k[0] == tag.name]:
                 del self._read_checksums[key]  # a failed earlier attempt's, if any

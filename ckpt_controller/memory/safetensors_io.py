@@ -7,8 +7,9 @@ count from the end of the header.
 
 Why not the ``safetensors`` package: re-waking at level 2 must fill the *existing* storage of
 the engine's parameters (their identity survives a release), so ``read_into`` reads the file
-bytes directly into a tensor's memory: a CPU tensor gets ``readinto`` on a buffer over its own
-bytes (no intermediate tensor); a CUDA tensor gets the bytes through two reusable pinned host
+bytes directly into a tensor's memory: a CPU tensor gets ``pread`` on a buffer over its own
+bytes (no intermediate tensor; a large one in parallel parts, each chunk's pages faulted in
+ahead by ``fill``); a CUDA tensor gets the bytes through two reusable pinned host
 buffers, chunk by chunk, so disk reads overlap host-to-device copies. The tests cross-check both
 directions against the real package.
 
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ckpt_controller.errors import MemoryError_, UsageError
+from ckpt_controller.memory import fill
 
 #: safetensors dtype name -> torch dtype (the float8 ones only where this torch has them)
 DTYPES: dict[str, torch.dtype] = {
@@ -57,13 +59,6 @@ _NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000
 #: size of each of the two host staging buffers used to fill a non-CPU tensor
 STAGING_BYTES = 64 << 20
-#: a CPU tensor this large is read by several threads at once, each into its own part (the
-#: page faults of fresh memory then run on every core, not one)
-PARALLEL_READ_BYTES = 64 << 20
-#: what one thread reads before handing it on (to a checksum, while it is in the CPU cache)
-READ_CHUNK_BYTES = 4 << 20
-#: reading threads (the cores torch may use)
-READ_THREADS = max(1, torch.get_num_threads())
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
@@ -275,8 +270,8 @@ class SafetensorsFile:
         if entry.nbytes == 0:
             return
         flat = tensor.detach().reshape(-1).view(torch.uint8)
-        if flat.device.type == "cpu" and entry.nbytes >= PARALLEL_READ_BYTES:
-            self._read_parallel(entry.begin, host_buffer(flat), entry.name, on_chunk)
+        if flat.device.type == "cpu" and entry.nbytes >= fill.PARALLEL_BYTES:
+            self._read_parallel(entry.begin, flat, entry.name, on_chunk)
         elif flat.device.type == "cpu":
             self._read_exact(entry.begin, host_buffer(flat), entry.name)
             if on_chunk is not None:
@@ -312,34 +307,28 @@ class SafetensorsFile:
                                     expected_bytes=len(buf), got_bytes=got)
                 got += n
 
-    def _read_parallel(self, begin: int, buf: memoryview, name: str,
+    def _read_parallel(self, begin: int, flat: torch.Tensor, name: str,
                        on_chunk: Callable[[int, int], None] | None) -> None:
-        """``pread`` of ``buf``'s parts on ``torch.get_num_threads()`` threads (no seek, so
-        no lock: each part has its own offset), ``READ_CHUNK_BYTES`` at a time, each chunk
-        handed to ``on_chunk`` at once. Any short read is the file's fault."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        workers = max(1, min(READ_THREADS, len(buf) // (PARALLEL_READ_BYTES // 2)))
-        step = -(-len(buf) // workers)
-        step = -(-step // READ_CHUNK_BYTES) * READ_CHUNK_BYTES  # parts start on chunk bounds
+        """``pread`` of ``flat``'s bytes in parts, one per thread (no seek, so no lock: each
+        read has its own offset), a chunk at a time, each chunk's pages faulted in first
+        (``fill.in_parts``: a re-woken storage is untouched memory) and handed to
+        ``on_chunk`` as soon as it is in. Any short read is the file's fault."""
+        buf = host_buffer(flat)
         fd = self._file.fileno()
+        offset = self._data_start + begin
 
-        def part(lo: int) -> None:
-            end = min(len(buf), lo + step)
-            for c0 in range(lo, end, READ_CHUNK_BYTES):
-                c1 = min(end, c0 + READ_CHUNK_BYTES)
-                got = c0
-                while got < c1:
-                    n = os.preadv(fd, [buf[got:c1]], self._data_start + begin + got)
-                    if not n:
-                        raise self._bad("file ended inside a tensor (changed on disk?)",
-                                        tensor=name, expected_bytes=len(buf), got_bytes=got)
-                    got += n
-                if on_chunk is not None:
-                    on_chunk(c0, c1)
+        def read(lo: int, hi: int) -> None:
+            got = lo
+            while got < hi:
+                n = os.preadv(fd, [buf[got:hi]], offset + got)
+                if not n:
+                    raise self._bad("file ended inside a tensor (changed on disk?)",
+                                    tensor=name, expected_bytes=len(buf), got_bytes=got)
+                got += n
+            if on_chunk is not None:
+                on_chunk(lo, hi)
 
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(part, range(0, len(buf), step)))
+        fill.in_parts(flat.data_ptr(), len(buf), read)
 
     def _read_staged(self, entry: SafetensorsEntry, flat: torch.Tensor) -> None:
         """Read through two host buffers; on CUDA the copy of one chunk to the device runs
