@@ -4,17 +4,26 @@ For each size (weights 3/4, KV cache 1/4, in 256 MiB tensors) it registers real 
 (weights with a safetensors source), then in the same run measures:
 
 - the limits, taken while the registry's memory is released (the state a re-wake starts
-  from): a torch copy of the same number of bytes into freshly allocated memory (a 1 GiB
-  destination allocated per step, so every page is faulted in during the copy, as a re-wake
-  must; only the copies are timed, not allocating or freeing) and into already-touched memory
-  (one destination reused);
+  from): a torch copy of the same number of bytes into freshly allocated memory (1 GiB
+  destinations, as many as the size needs, allocated one by one and all kept until the end,
+  so as much new memory is faulted in during the copy as a re-wake faults in; only the
+  copies are timed, not allocating or freeing), then into the same, now touched, memory,
+  then (CPU) into new memory whose pages are faulted in ahead, chunk by chunk on every
+  thread, as the re-wake itself does: the best fresh-memory copy we know here;
 - level 2 release (checksums taken, storages freed) and re-wake (storages back, weights read
   from their source file, KV zero-filled, every weight checked bit-exact), median of REPEAT.
 
-Throughput is bytes re-woken (weights + KV) per second; the ratio to each limit, taken in
-each run against the limits measured just before it (median over runs), is the figure of
-merit. On CUDA (``--device cuda``) the limits are host-to-device and device-to-host copies
-against a pinned-memory copy, and level 1 (offload to pinned host memory) is measured too.
+Each run times a release and a re-wake, then releases again and times the limits, then
+re-wakes (untimed): the limits and the timed re-wake both start right after a release, and
+draw only on the memory it gave back (the copies' source is allocated once, before). The
+order matters on a VM whose host takes freed guest memory back (free page reporting):
+memory freed a few seconds ago is slow to touch again, memory freed just now is not.
+
+Throughput is bytes re-woken (weights + KV) per second; the ratio to each limit, taken
+within each run, then the median over runs, is the figure of merit. ``--device cuda`` runs
+the same level-2 measurement on CUDA tensors against device copies; the level-1 comparison
+(offload and re-wake against pinned host-to-device and device-to-host copies) is not
+written yet.
 """
 
 from __future__ import annotations
@@ -51,52 +60,76 @@ def make(size: int, device: str, source_dir: Path):
     return reg, weights, kv, source
 
 
-def copy_limits(nbytes: int, device: str) -> tuple[float, float]:
-    """(fresh, touched) seconds to copy ``nbytes``, 1 GiB at a time, from one touched source
-    buffer: into a destination allocated for each chunk (every page faulted in during the
-    copy; only the copies are timed) and into one destination reused. Measured while the
-    registry's memory is released, so the machine is in the state a re-wake starts from."""
+def copy_limits(src, nbytes: int, device: str) -> tuple[float, float, float | None]:
+    """(fresh, touched, prefaulted) seconds to copy ``nbytes``, 1 GiB at a time, from ``src``
+    (1 GiB, touched, allocated before the registry's memory was released, so the copies draw
+    only on the memory the release gave back, as a re-wake does): into destinations allocated for it, ``nbytes`` in all, every page
+    faulted in by the copy itself (only the copies are timed, not allocating); then again
+    into the same destinations, now touched; then (CPU) into new destinations, each chunk's
+    pages faulted in ahead on every thread as a re-wake does (``fill.in_parts``), the best
+    fresh-memory copy we know on this machine. Called while the registry's memory is
+    released, so each fresh copy touches as much new memory as a re-wake does."""
     import torch
 
+    from ckpt_controller.memory import fill
+
     chunk = min(GiB, nbytes)
-    src = torch.ones(chunk, dtype=torch.uint8, device=device)
     sizes = [min(chunk, nbytes - off) for off in range(0, nbytes, chunk)]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     fresh = 0.0
+    dsts = []
     for n in sizes:
-        dst = torch.empty(n, dtype=torch.uint8, device=device)  # fresh pages
+        dsts.append(torch.empty(n, dtype=torch.uint8, device=device))  # fresh pages
         t0 = time.perf_counter()
-        dst.copy_(src[:n])
+        dsts[-1].copy_(src[:n])
         sync()
         fresh += time.perf_counter() - t0
-        del dst
-    dst = torch.ones(chunk, dtype=torch.uint8, device=device)  # touched before timing
     t0 = time.perf_counter()
-    for n in sizes:
-        dst[:n].copy_(src[:n])
+    for dst in dsts:
+        dst.copy_(src[:dst.numel()])
     sync()
     touched = time.perf_counter() - t0
-    del dst, src
-    return fresh, touched
+    del dsts
+    if device != "cpu":
+        return fresh, touched, None
+    prefaulted = 0.0
+    dsts = []
+    for n in sizes:
+        dst = torch.empty(n, dtype=torch.uint8)
+        dsts.append(dst)
+        t0 = time.perf_counter()
+        fill.in_parts(dst.data_ptr(), n,
+                      lambda lo, hi, dst=dst: dst[lo:hi].copy_(src[lo:hi]))
+        prefaulted += time.perf_counter() - t0
+    del dsts
+    return fresh, touched, prefaulted
 
 
 def one_size(size: int, device: str, repeat: int, source_dir: Path) -> dict:
     reg, weights, kv, source = make(size, device, source_dir)
     nbytes = sum(t.nbytes for t in weights.values()) + kv.nbytes
-    fresh, touched = [], []
+    import torch
+
+    src = torch.ones(min(GiB, nbytes), dtype=torch.uint8, device=device)
+    fresh, touched, prefaulted = [], [], []
     release_s, rewake_s, reports = [], [], []
     for _ in range(repeat):
         gc.collect()
         t0 = time.perf_counter()
         reg.release(level=2)
         release_s.append(time.perf_counter() - t0)
-        f, t = copy_limits(nbytes, device)
-        fresh.append(f)
-        touched.append(t)
         t0 = time.perf_counter()
         report = reg.rewake()
         rewake_s.append(time.perf_counter() - t0)
         reports.append(report)
+        # the limits in the state the re-wake started from: right after the registry's
+        # memory was given back (fresh memory's speed depends on how long ago it was freed)
+        reg.release(level=2)
+        f, t, p = copy_limits(src, nbytes, device)
+        fresh.append(f)
+        touched.append(t)
+        prefaulted.append(p)
+        reg.rewake()
     source.unlink()
     row = {
         "bytes": nbytes, "weight_bytes": nbytes - kv.nbytes, "kv_bytes": kv.nbytes,
@@ -106,15 +139,18 @@ def one_size(size: int, device: str, repeat: int, source_dir: Path) -> dict:
         "release_gbps": nbytes / median(release_s) / 1e9,
         "rewake_gbps": nbytes / median(rewake_s) / 1e9,
         "verified_tensors": reports[-1].verified_tensors,
-        "runs": {"fresh_s": fresh, "touched_s": touched, "release_s": release_s,
-                 "rewake_s": rewake_s},
+        "runs": {"fresh_s": fresh, "touched_s": touched, "prefaulted_s": prefaulted,
+                 "release_s": release_s, "rewake_s": rewake_s},
     }
-    # each run's re-wake against the limits measured just before it, then the median: the
+    # each run's re-wake against the limits measured in the same run, then the median: the
     # machine's speed drifts between runs, a ratio within one run does not
     row["rewake_vs_fresh"] = median([f / r for f, r in zip(fresh, rewake_s)])
+    if device == "cpu":
+        row["prefaulted_copy_gbps"] = nbytes / median(prefaulted) / 1e9
+        row["rewake_vs_prefaulted"] = median([p / r for p, r in zip(prefaulted, rewake_s)])
     row["rewake_vs_touched"] = median([t / r for t, r in zip(touched, rewake_s)])
     row["release_vs_touched"] = median([t / r for t, r in zip(touched, release_s)])
-    del reg, weights, kv
+    del reg, weights, kv, src
     gc.collect()
     return row
 
@@ -136,11 +172,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=args.source_dir) as d:
         for size in sizes:
             rows.append(one_size(size, args.device, args.repeat, Path(d)))
+    cpu = args.device == "cpu"
     table(f"release / re-wake at level 2 ({args.device}; median of {args.repeat})",
-          ["GiB", "fresh copy GB/s", "touched copy GB/s", "release GB/s", "re-wake GB/s",
-           "re-wake / fresh", "re-wake / touched"],
-          [[r["bytes"] / GiB, r["fresh_copy_gbps"], r["touched_copy_gbps"], r["release_gbps"],
-            r["rewake_gbps"], r["rewake_vs_fresh"], r["rewake_vs_touched"]] for r in rows])
+          ["GiB", "fresh copy GB/s"] + (["pre-faulted fresh copy GB/s"] if cpu else [])
+          + ["touched copy GB/s", "release GB/s", "re-wake GB/s", "re-wake / fresh"]
+          + (["re-wake / pre-faulted"] if cpu else []) + ["re-wake / touched"],
+          [[r["bytes"] / GiB, r["fresh_copy_gbps"]]
+           + ([r["prefaulted_copy_gbps"]] if cpu else [])
+           + [r["touched_copy_gbps"], r["release_gbps"], r["rewake_gbps"], r["rewake_vs_fresh"]]
+           + ([r["rewake_vs_prefaulted"]] if cpu else []) + [r["rewake_vs_touched"]]
+           for r in rows])
     write(args.out, "memory", args, {"device": args.device, "level": 2, "sizes": rows})
     return 0
 
