@@ -28,6 +28,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/control.py --counts 1,10,100 --repeat 20 --out bench/results/quick/control.json
 	$(PY) bench/memory.py --sizes 1,2 --out bench/results/quick/memory.json
+	$(PY) bench/pages.py --repeat 3 --out bench/results/quick/pages.json
 	$(PY) bench/drain.py --out bench/results/quick/drain.json
 	$(PY) bench/capture.py --out bench/results/quick/capture.json
 
@@ -35,6 +36,7 @@ bench: $(STAMP)
 bench-full: $(STAMP)
 	$(PY) bench/control.py --counts 1,10,100,1000
 	$(PY) bench/memory.py --sizes 1,2,4,8
+	$(PY) bench/pages.py
 	$(PY) bench/drain.py
 	$(PY) bench/capture.py
 
