@@ -57,10 +57,18 @@ def _fmt(v) -> str:
 def write(path: Path, name: str, args: argparse.Namespace, results: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"benchmark": name, "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
-           "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+           "machine": machine(), "args": {k: _arg(v) for k, v in vars(args).items()},
            "results": results}
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path}")
+
+
+def _arg(value) -> str:
+    """An argument as recorded: a path inside the checkout relative to it (the record names
+    the project's files, not the machine it ran on)."""
+    if isinstance(value, Path) and value.is_absolute() and value.is_relative_to(ROOT):
+        return value.relative_to(ROOT).as_posix()
+    return str(value)
 
 
 def median(values: list[float]) -> float:
