@@ -15,6 +15,7 @@ from ckpt_controller.agent import Agent, AgentClient, EngineHooks
 from ckpt_controller.agent.incarnation import Fingerprint, IncarnationTracker
 from ckpt_controller.errors import (
     BusyError,
+    DeadlineError,
     DrainError,
     EngineError,
     InvalidTransitionError,
@@ -177,6 +178,41 @@ def test_dead_agent_is_unreachable_promptly(ipc_dir):
         c.status()
     assert time.monotonic() - start < 2
     assert info.value.details["attempts"] == 2 and info.value.exit_code == 4
+    c.close()
+
+
+def test_a_slow_but_alive_agent_is_a_deadline_not_a_lost_peer(ipc_dir):
+    """A client that follows heartbeats tells the two apart: an agent that beats but does
+    not answer in time gives DeadlineError (exit 3), not UnreachableError, and is not
+    resent to; the operation goes on and ends on its own."""
+    hooks = SlowPause()
+    with Agent("slow", hooks=hooks, control=f"ipc://{ipc_dir}/slow.ctl",
+               heartbeat_interval_s=0.05) as a:
+        c = AgentClient(a.endpoint, timeout_s=3, retries=2)
+        c.subscribe()
+        start = time.monotonic()
+        with pytest.raises(DeadlineError) as info:
+            c.prepare(op_id="slow", level=0, timeout_s=0.4)
+        assert info.value.exit_code == 3 and "alive" in info.value.message
+        assert time.monotonic() - start < 1.5  # one timeout, no resends
+        assert hooks.entered.is_set()
+        hooks.release.set()
+        end = time.monotonic() + 5
+        while c.status().state != "prepared" and time.monotonic() < end:
+            time.sleep(0.02)
+        assert c.status().state == "prepared"
+        assert len([h for h in a.lifecycle.history if h.trigger == "prepare"]) == 1
+        c.close()
+
+
+def test_a_late_reply_to_an_earlier_call_is_not_taken_for_the_next_one(agent):
+    """After a call timed out, its reply may still arrive; the next call must get its own."""
+    c = AgentClient(agent.endpoint, timeout_s=2)
+    c._sock.send_multipart(p.command_frames(p.RequestType.HEARTBEAT,
+                                            p.HeartbeatCommand(call_id=10_000)))
+    time.sleep(0.2)  # that reply is now waiting on the socket, with an older call id
+    hs = c.handshake()
+    assert isinstance(hs, p.HandshakeReply) and hs.engine == "unit"
     c.close()
 
 

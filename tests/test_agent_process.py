@@ -7,6 +7,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+import uuid
 
 import psutil
 import pytest
@@ -16,6 +17,7 @@ from ckpt_controller import protocol as p
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.errors import (
     DrainError,
+    InvalidTransitionError,
     ResidualOverBudgetError,
     UnreachableError,
     VerificationError,
@@ -313,3 +315,77 @@ def test_engine_death_during_an_operation_is_noticed_from_heartbeats(small):
     t.join(30)
     assert isinstance(out.get("error"), UnreachableError), out
     assert time.monotonic() - killed_at < ctl.liveness_s * (ctl.retries + 1) + 2
+
+
+#: the product's lifecycle, written out independently of the table in ``lifecycle.py``:
+#: the triggers each state allows, and what each wire command leads to from it
+ALLOWED = {
+    "running": ["prepare", "fail"],
+    "preparing": ["prepared", "rollback", "fail"],
+    "prepared": ["restore", "rollback", "fail"],
+    "restoring": ["restored", "fail"],
+    "failed": ["restore", "fail"],
+}
+LEADS_TO = {  # (state, command) -> final state of a legal command
+    ("running", "prepare"): "prepared",
+    ("preparing", "rollback"): "running",
+    ("prepared", "restore"): "running",
+    ("prepared", "rollback"): "running",
+    ("failed", "restore"): "running",
+}
+
+
+def _bring_to(ctl: AgentClient, state: str) -> None:
+    """RUNNING first (from wherever the last command left it), then ``state``; every
+    operation has its own id (a repeated id would return the stored result)."""
+    op = f"to-{state}-{uuid.uuid4().hex[:8]}"
+    back = {"preparing": ctl.rollback, "prepared": ctl.rollback, "failed": ctl.restore,
+            "restoring": lambda op_id: ctl.restore(op_id=op_id, step="resume")}
+    current = ctl.status().state
+    if current in back:
+        back[current](op_id=op + "-back")
+    if state == "preparing":
+        ctl.prepare(op_id=op, level=0, step="drain")  # stops between steps
+    elif state in ("prepared", "restoring"):
+        ctl.prepare(op_id=op, level=0)
+        if state == "restoring":
+            ctl.restore(op_id=op + "-rewake", step="rewake")  # stops before resume
+    elif state == "failed":
+        ctl.fail(op_id=op, reason="test")
+    assert ctl.status().state == state
+
+
+@pytest.mark.parametrize("state", list(ALLOWED))
+def test_every_command_in_every_state_over_the_wire(spawn_engine, state):
+    """Each wire command sent to a real engine process in each state: an illegal one gets
+    InvalidTransitionError naming the state and the allowed triggers and moves nothing; a
+    legal one moves the engine where the lifecycle says."""
+    eng = spawn_engine(f"m-{state}", weights_mib=1, kv_mib=1, step_s=0.01)
+    ctl = client_for(eng)
+    commands = {
+        "prepare": lambda op: ctl.prepare(op_id=op, level=0),
+        "restore": lambda op: ctl.restore(op_id=op),
+        "rollback": lambda op: ctl.rollback(op_id=op),
+    }
+    _bring_to(ctl, state)
+    generation = ctl.status().generation
+    for name, send in commands.items():
+        if (state, name) in LEADS_TO:
+            continue
+        with pytest.raises(InvalidTransitionError) as info:
+            send(f"bad-{name}")
+        assert info.value.details["state"] == state, (name, info.value.details)
+        assert info.value.details["allowed"] == ALLOWED[state], name
+        assert info.value.exit_code == 2
+        st = ctl.status()
+        assert (st.state, st.generation) == (state, generation), name
+    for (source, name), dest in LEADS_TO.items():
+        if source == state:
+            commands[name](f"ok-{name}")
+            assert ctl.status().state == dest, name
+            _bring_to(ctl, state)
+    ctl.fail(op_id="ok-fail", reason="from " + state)  # fail is allowed from every state
+    assert ctl.status().state == "failed"
+    ctl.restore(op_id="recover")  # and FAILED recovers through RESTORING
+    st = ctl.status()
+    assert st.state == "running" and st.in_flight == 0
