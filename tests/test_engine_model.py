@@ -65,6 +65,8 @@ def test_model_sizes_and_bad_models(tmp_path):
     for bad in ("huge", "12XB", "-1GiB"):
         with pytest.raises(ConfigError):
             config_for(bad)
+    with pytest.raises(ConfigError, match="smallest sized model is about 184 MiB"):
+        config_for("100MiB")  # not silently a model twice that size
     with pytest.raises(ConfigError):
         materialize(str(tmp_path / "missing.safetensors"), 0, tmp_path)
     (tmp_path / "foreign.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
@@ -192,8 +194,9 @@ def test_golden_mismatch_fails_the_restore(tmp_path, ipc_dir):
     """An engine whose weights changed behind the registry's back (level 0 keeps no
     checksum) is caught by the golden prompt before it is re-admitted."""
     from ckpt_controller.agent import AgentClient
+    from ckpt_controller.engine.client import EngineClient
     from ckpt_controller.engine.server import EngineOptions, ReferenceEngine
-    from ckpt_controller.errors import VerificationError
+    from ckpt_controller.errors import RejectedError, VerificationError
 
     eng = ReferenceEngine(EngineOptions(name="gold", api=f"ipc://{ipc_dir}/g.api",
                                         control=f"ipc://{ipc_dir}/g.ctl", model_dir=tmp_path))
@@ -210,6 +213,10 @@ def test_golden_mismatch_fails_the_restore(tmp_path, ipc_dir):
             assert info.value.details["state"] == "failed"
             assert "golden" in info.value.message
             assert ctl.status().state == "failed"
+            with EngineClient(f"ipc://{ipc_dir}/g.api") as api:  # admission stayed closed
+                with pytest.raises(RejectedError) as rejected:
+                    api.generate([1, 2, 3], 4)
+                assert rejected.value.details["state"] == "failed"
     finally:
         eng.stop()
 

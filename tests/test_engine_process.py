@@ -36,26 +36,46 @@ def clients():
 
 
 def test_concurrent_requests_decode_together(spawn_reference, clients):
+    """Six requests sent together are decoded together: one engine step gives each of them
+    its next token (60 tokens each take about 60 steps, not 360), each got its first token
+    before any finished, and their events are queued then scheduled, stamped in order."""
     eng = spawn_reference("batch")
     client = clients(EngineClient, eng.api)
     ids = [client.submit([7, i, 3], 60) for i in range(6)]
-    arrivals: list[tuple[float, str]] = []
-    seen: dict[str, int] = {}
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while not all(client.requests[i].ended for i in ids) and time.monotonic() < deadline:
         client.poll(0.05)
-        for rid in ids:
-            n = len(client.requests[rid].token_ids)
-            if n != seen.get(rid):
-                seen[rid] = n
-                arrivals.append((time.monotonic(), rid))
     done = [client.requests[i] for i in ids]
     assert all(c.finish_reason == "length" and len(c.token_ids) == 60 for c in done)
-    # each request got its first token before any other finished: they ran as one batch
-    first_tokens = max(c.first_token_at for c in done)
-    first_end = min(c.ended_at for c in done)
-    assert first_tokens <= first_end
-    assert all([e.type for e in c.events][:2] == ["queued", "scheduled"] for c in done)
+    steps = sorted({s for c in done for s in c.steps})
+    assert all(len(c.steps) == 60 for c in done)
+    # one request per step would need 360 steps; a batch needs 60 (plus a few while the
+    # six arrive and are admitted)
+    assert steps[-1] - steps[0] < 70, f"the six requests spanned {steps[-1] - steps[0]} steps"
+    for later in done[1:]:  # taking turns would share no step at all
+        assert len(set(later.steps) & set(done[0].steps)) >= 50
+    assert max(c.first_token_at for c in done) <= min(c.ended_at for c in done)
+    for c in done:
+        assert [e.type for e in c.events][:2] == ["queued", "scheduled"]
+        stamps = [e.timestamp for e in c.events]
+        assert stamps == sorted(stamps) and stamps[0] > 0
+
+
+def test_a_stop_token_ends_a_request_with_stop(spawn_reference, clients):
+    eng = spawn_reference("stop")
+    client = clients(EngineClient, eng.api)
+    free = client.generate([5, 6, 7], 30).token_ids
+    stop_at = next(i for i, t in enumerate(free) if i >= 3 and t not in free[:i])
+    got = client.generate([5, 6, 7], 30, stop_token_id=free[stop_at])
+    assert got.finish_reason == "stop"
+    assert got.token_ids == free[:stop_at + 1]  # ends with the stop token itself
+    cli = subprocess.run([sys.executable, "-m", "ckpt_controller", "generate", "--api", eng.api,
+                          "--prompt-ids", "5,6,7", "--max-tokens", "30", "--stop-id",
+                          str(free[stop_at]), "--json"], capture_output=True, text=True,
+                         timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    out = json.loads(cli.stdout)
+    assert out["finish_reason"] == "stop" and out["token_ids"] == free[:stop_at + 1]
 
 
 def test_same_seed_same_tokens_across_restarts(spawn_reference, clients, model_dir):
@@ -106,9 +126,14 @@ def test_cycle_under_load_loses_nothing(spawn_reference, clients, mode):
     assert report.rejected > 0  # requests arrived while not RUNNING and were told so
     for c in requests.values():
         assert c.ended
+    assert prep.drain.escalated_to is None  # each mode did its own work, no escalation
+    if mode == "wait":
+        assert prep.drain.completed == prep.drain.in_flight_at_start > 0
+        assert report.aborted == 0 and prep.drain.kept == 0
     if mode == "abort":
         assert prep.drain.aborted == report.aborted > 0
     if mode == "keep":
+        assert report.aborted == 0
         across = [rid for rid, c in requests.items() if c.rejected is None
                   and c.sent_at < prepare_at and c.ended_at > restored_at]
         assert len(across) >= prep.drain.kept > 0  # they finished after the restore
@@ -152,6 +177,23 @@ def test_level2_rss_falls_and_returns(spawn_reference, clients):
     assert c.generate([4, 8, 15, 16, 23, 42], 20).token_ids == want
 
 
+def test_a_sized_model_and_a_model_file_serve(spawn_reference, clients):
+    """``--model 256MiB`` builds a float32 model of about that many weight bytes and serves;
+    ``--model PATH`` serves the weights of that file, token for token."""
+    sized = spawn_reference("sized", "--model", "256MiB", "--kv-blocks", "128")
+    assert abs(sized.info["weight_bytes"] - 256 * MIB) < 0.1 * 256 * MIB
+    assert sized.info["dtype"] == "float32"
+    tokens = clients(EngineClient, sized.api).generate([3, 1, 4], 8)
+    assert tokens.finish_reason == "length" and len(tokens.token_ids) == 8
+    tiny = spawn_reference("from-seed")
+    want = clients(EngineClient, tiny.api).generate([2, 7, 1, 8], 12).token_ids
+    from_file = spawn_reference("from-file", "--model", tiny.info["weights"])
+    assert from_file.info["weights"] == tiny.info["weights"]
+    assert clients(EngineClient, from_file.api).generate([2, 7, 1, 8], 12).token_ids == want
+    with AgentClient(from_file.control) as ctl:
+        assert set(ctl.status().registered_bytes) == {"weights", "kv_cache"}
+
+
 def test_generate_and_load_commands(spawn_reference):
     eng = spawn_reference("cli")
     run = lambda *a: subprocess.run([sys.executable, "-m", "ckpt_controller", *a],  # noqa: E731
@@ -162,6 +204,7 @@ def test_generate_and_load_commands(spawn_reference):
     assert len(doc["token_ids"]) == 7 and doc["finish_reason"] == "length"
     plain = run("generate", "--api", eng.api, "--prompt-ids", "1,2,3", "--max-tokens", "7")
     assert plain.stdout.strip() == ",".join(map(str, doc["token_ids"]))
+    assert plain.stderr.strip() == "finish: length"
     assert run("generate", "--api", eng.api, "--prompt-ids", "x", "--max-tokens", "7").returncode == 2
     bad = run("generate", "--api", eng.api, "--prompt-ids", "5000", "--max-tokens", "2", "--json")
     assert bad.returncode == 2 and json.loads(bad.stdout)["error"]["kind"] == "UsageError"
@@ -169,7 +212,19 @@ def test_generate_and_load_commands(spawn_reference):
                             "--json", "--seed", "4").stdout) for _ in range(2)]
     for load in loads:
         assert load["sent"] == 30 and load["completed"] == 30 and load["lost"] == 0, load
+        assert load["aborted"] == load["rejected"] == 0 and load["lost_ids"] == []
     assert loads[0]["digest"] == loads[1]["digest"]  # same seed, same requests, same tokens
+    # requests that never end (the engine is stopped under them) are lost: exit code 1
+    stopped = threading.Timer(0.5, lambda: eng.proc.send_signal(19))  # SIGSTOP
+    stopped.start()
+    try:
+        lost = run("load", "--api", eng.api, "--rate", "20", "--duration", "1", "--settle",
+                   "1", "--json")
+    finally:
+        stopped.join()
+        eng.proc.send_signal(18)  # SIGCONT
+    doc = json.loads(lost.stdout)
+    assert lost.returncode == 1 and doc["lost"] > 0 and len(doc["lost_ids"]) == doc["lost"]
 
 
 def test_client_abort_ends_a_request_with_its_partial_output(spawn_reference, clients):

@@ -127,15 +127,24 @@ def _load(args: argparse.Namespace) -> int:
                   f"rejected {r.rejected}", file=sys.stderr)
     report, _ = run_load(args.api, rate=args.rate, duration_s=args.duration, seed=args.seed,
                          vocab_size=args.vocab_size, settle_s=args.settle, on_progress=progress)
-    if args.json:
-        print(json.dumps(report.to_dict()))
+    lost = None
+    if report.lost:  # a request that never ended is the one failure load exists to catch
+        lost = OperationError("requests ended without a finish reason or rejection",
+                              lost=report.lost, request_ids=report.lost_ids[:20])
+    if args.json:  # one document: the report, with the error in it when there is one
+        doc = report.to_dict()
+        if lost is not None:
+            doc["error"] = {"kind": lost.kind, "message": lost.message, "details": lost.details}
+        print(json.dumps(doc))
     else:
         print(f"sent {report.sent}: completed {report.completed}, aborted {report.aborted}, "
               f"errored {report.errored}, rejected {report.rejected}, lost {report.lost} "
               f"in {report.duration_s:.1f}s")
         if report.latency_p50_s is not None:
             print(f"latency p50 {report.latency_p50_s:.3f}s, max {report.latency_max_s:.3f}s")
-    if report.lost:  # a request that never ended is the one failure load exists to catch
-        raise OperationError("requests ended without a finish reason or rejection",
-                             lost=report.lost, request_ids=report.lost_ids[:20])
+    if lost is not None and args.json:
+        print(f"ckptctl: {lost.kind}: {lost}", file=sys.stderr)
+        return lost.exit_code
+    if lost is not None:
+        raise lost
     return 0

@@ -60,6 +60,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     events: list[RequestEvent] = []
     #: for an ``error`` finish: what went wrong
     error: str | None = None
+    #: the engine's step that produced ``new_token_ids``: one step decodes the whole running
+    #: batch, so requests decoded together share their steps
+    step: int = 0
     #: on the final output: every output token of the request. Deltas sent just before a
     #: checkpoint can be lost with the connection (CRIU's --tcp-close); the end never is
     #: (it is sent after restore), so a client ends with the whole output either way.

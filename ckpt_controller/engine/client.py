@@ -37,6 +37,8 @@ class Completion:
     first_token_at: float | None = None
     ended_at: float | None = None
     heard: bool = False
+    #: the engine step of each output that brought tokens (shared by requests batched together)
+    steps: list[int] = field(default_factory=list)
     #: the streamed deltas missed tokens that the final output supplied
     repaired: bool = False
     attempts: int = 1
@@ -154,6 +156,8 @@ class EngineClient:
         if msg.new_token_ids and c.first_token_at is None:
             c.first_token_at = now
         c.token_ids.extend(msg.new_token_ids)
+        if msg.new_token_ids:
+            c.steps.append(msg.step)
         c.events.extend(msg.events)
         if msg.finished:
             c.finish_reason, c.error, c.ended_at = msg.finish_reason, msg.error, now

@@ -93,7 +93,11 @@ def config_for(model: str, dtype: str | None = None) -> ModelConfig:
     per_layer = (base.parameter_count() - ModelConfig(vocab, d, 0, 16, 4 * d, seq, dt)
                  .parameter_count()) * DTYPES[dt].itemsize
     fixed = base.weight_bytes() - per_layer
-    layers = max(1, round((target - fixed) / per_layer))
+    layers = round((target - fixed) / per_layer)
+    if layers < 1:
+        smallest = ModelConfig(vocab, d, 1, 16, 4 * d, seq, dt).weight_bytes()
+        raise ConfigError(f"the smallest sized model is about {smallest >> 20} MiB of {dt} "
+                          f"weights; use tiny or small below that", model=model)
     return ModelConfig(vocab, d, layers, 16, 4 * d, seq, dt).check()
 
 

@@ -215,7 +215,7 @@ class Scheduler:
             self._finish(req, reason, new=[token])
         else:
             self.emit(req.client, RequestOutput(request_id=req.request_id, new_token_ids=[token],
-                                                events=req.events))
+                                                events=req.events, step=self.steps))
             req.events = []
 
     def _finish(self, req: Request, reason: str, error: str | None = None,
@@ -230,6 +230,7 @@ class Scheduler:
         self.emit(req.client, RequestOutput(
             request_id=req.request_id, new_token_ids=new or [], finished=True,
             finish_reason=reason, events=req.events, error=error, token_ids=list(req.output),
+            step=self.steps,
         ))
         req.events = []
 
