@@ -104,6 +104,8 @@ class PrepareCommand(Command, kw_only=True):
     tags: list[str] | None = None
     residual_budget_bytes: int | None = None
     deadline_s: float | None = None
+    #: with ``step="all"``: the release's own limit, counted from the end of the drain
+    release_deadline_s: float | None = None
     #: all: drain, release, PREPARED in one go. Or one step at a time, so a controller can run
     #: hooks between them: drain (-> stays PREPARING), release (stays PREPARING), seal
     #: (-> PREPARED). A failure in any step rolls back to RUNNING.

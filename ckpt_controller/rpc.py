@@ -166,9 +166,13 @@ class RpcClient:
             if left <= 0:
                 hint = {"hint": "the server may have refused this client's CURVE key"} \
                     if self.curve is not None else {}
+                silent = now - last_seen
+                what = (f"no answer and no heartbeat from {self.endpoint} for {silent:.1f}s "
+                        f"(the process is gone, stopped or cut off)") if self._subscribed \
+                    else f"no answer from {self.endpoint} in {now - start:.1f}s"
                 raise UnreachableError(
-                    f"no answer from {self.endpoint}", endpoint=self.endpoint,
-                    waited_s=round(now - start, 3), silent_s=round(now - last_seen, 3), **hint,
+                    what, endpoint=self.endpoint,
+                    waited_s=round(now - start, 3), silent_s=round(silent, 3), **hint,
                 )
             if not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 continue

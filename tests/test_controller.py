@@ -10,8 +10,10 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from subprocess import run
 
+import msgspec
 import psutil
 import pytest
 
@@ -19,7 +21,9 @@ from ckpt_controller.agent import AgentClient, EngineHooks
 from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.engine.client import EngineClient
-from ckpt_controller.errors import BusyError
+from ckpt_controller.errors import BusyError, RejectedError
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def engines_toml(*engines, defaults: str = "") -> str:
@@ -50,6 +54,90 @@ def test_full_cycle_through_the_cli_with_json(spawn_reference, spawn_controller)
     assert {"operation_start", "phase", "drain", "memory", "operation_end"} <= set(types)
     human = ctl.ckptctl("history")
     assert "first cycle e1: succeeded" in human.stdout
+
+
+def test_prepare_options_rollback_reason_and_journal_contents(spawn_reference,
+                                                               spawn_controller):
+    """The CLI's prepare flags reach the agents (--tags, --budget, --no-all-or-nothing), a
+    rollback's --reason is journaled with its transition, and the journal keeps hook runs
+    (with output tails), phase durations and wall times, in WAL mode."""
+    a, b = spawn_reference("o1"), spawn_reference("o2")
+    ctl = spawn_controller(engines_toml(
+        (a, "[engine.defaults]\nresidual_budget = \"1B\""), (b, "")))
+    _hook(ctl, "pre-prepare", "10-say", 'echo "checked $CKPT_ENGINE"')
+    out = ctl.ckptctl("prepare", "o2", "--tags", "kv_cache", "--json", "--op-id", "kv")
+    assert out.returncode == 0, out.stdout + out.stderr
+    (o,) = json.loads(out.stdout)["engines"]
+    assert o["released"]["tags"] == ["kv_cache"] and o["state"] == "prepared"
+    out = ctl.ckptctl("rollback", "o2", "--reason", "drill over", "--json", "--op-id", "rb")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rb = json.loads(ctl.ckptctl("history", "--op-id", "rb", "--json").stdout)["records"]
+    reasons = [r["data"].get("reason", "") for r in rb if r["type"] == "transition"]
+    assert any("drill over" in r for r in reasons), reasons
+    # o1's own default budget (1 byte) fails it; o2 stays PREPARED without all-or-nothing
+    out = ctl.ckptctl("prepare", "o1", "o2", "--level", "1", "--no-all-or-nothing", "--json")
+    assert out.returncode == 1, out.stdout + out.stderr
+    by = {e["engine"]: e for e in json.loads(out.stdout)["engines"]}
+    assert by["o1"]["error"]["kind"] == "ResidualOverBudgetError"
+    assert by["o1"]["status"] == "rolled_back" and by["o1"]["state"] == "running"
+    assert by["o2"]["status"] == "succeeded" and by["o2"]["state"] == "prepared"
+    assert ctl.ckptctl("rollback", "o2").returncode == 0
+    out = ctl.ckptctl("prepare", "o2", "--level", "2", "--budget", "1", "--json")
+    assert out.returncode == 1 and json.loads(out.stdout)["engines"][0]["state"] == "running"
+    # the journal: hook records with their output, phases with durations, wall times
+    records = json.loads(ctl.ckptctl("history", "--op-id", "kv", "--json").stdout)["records"]
+    hooks = [r["data"] for r in records if r["type"] == "hook"]
+    assert hooks and hooks[0]["point"] == "pre-prepare" and hooks[0]["exit_code"] == 0
+    assert hooks[0]["stdout_tail"].strip() == "checked o2"
+    phases = [r["data"] for r in records if r["type"] == "phase"]
+    assert {ph["name"] for ph in phases} >= {"pre-prepare", "prepare"}
+    assert all(ph["duration_s"] > 0 for ph in phases)
+    assert all(abs(r["wall"] - time.time()) < 600 for r in records)
+    import sqlite3
+
+    db = sqlite3.connect(ctl.state_dir / "journal.sqlite3")
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    db.close()
+
+
+def _on_a_terminal(ctl, *args: str) -> tuple[int, str, str]:
+    """Run ``ckptctl`` with stderr on a pseudo-terminal: (exit code, stdout, terminal)."""
+    import pty
+    import subprocess
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+                             ctl.endpoint, *args], stdout=subprocess.PIPE, stderr=slave,
+                            text=True, cwd=ROOT)
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    out = proc.stdout.read()
+    proc.wait(timeout=60)
+    proc.stdout.close()
+    os.close(master)
+    return proc.returncode, out, seen.decode(errors="replace")
+
+
+def test_progress_on_a_terminal_and_none_with_json(spawn_reference, spawn_controller):
+    eng = spawn_reference("tty")
+    ctl = spawn_controller(engines_toml((eng, "")))
+    code, out, terminal = _on_a_terminal(ctl, "cycle", "tty")
+    assert code == 0, out + terminal
+    for line in ("tty: running -> preparing", "tty: prepare done in", "tty: restore done in",
+                 "tty: restoring -> running"):
+        assert line in terminal, terminal
+    assert "cycle " in out and "succeeded" in out  # the result itself goes to stdout
+    code, out, terminal = _on_a_terminal(ctl, "cycle", "tty", "--json")
+    assert code == 0 and json.loads(out)["status"] == "succeeded"
+    assert terminal.strip() == ""  # scripts get one JSON document and nothing else
 
 
 def test_conflicts_and_repeated_ids(spawn_reference, spawn_controller):
@@ -85,6 +173,15 @@ def test_conflicts_and_repeated_ids(spawn_reference, spawn_controller):
             hist = first.history(op_id="long", limit=500)
             assert [r.type for r in hist.records].count("operation_start") == 1
             assert len(hist.operations) == 1
+    # and after a controller restart, from the journal: still not run again (e1 is RUNNING
+    # now; a second prepare would leave it PREPARED)
+    ctl.stop()
+    ctl = spawn_controller(engines_toml((eng, "")))
+    out = ctl.ckptctl("prepare", "e1", "--op-id", "long", "--json")
+    assert out.returncode == 0 and json.loads(out.stdout) == json.loads(
+        msgspec.json.encode(done["r"]))
+    with AgentClient(eng.control) as agent:
+        assert agent.status().state == "running"
 
 
 def test_group_prepare_is_all_or_nothing(spawn_reference, spawn_controller):
@@ -258,11 +355,31 @@ def test_hooks_veto_and_roll_back(spawn_reference, spawn_controller):
 
 
 def test_demo_runs_end_to_end():
+    """The demo: a timeline of phases with durations, a real CRIU dump when CRIU is here (or
+    the reason there was none), every request accounted for, and nothing left behind."""
+    import re
+
     out = run([sys.executable, "-m", "ckpt_controller", "demo", "--duration", "3"],
               capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "demo passed" in out.stdout and "lost 0" in out.stdout
-    assert "running -> preparing" in out.stdout and "restoring -> running" in out.stdout
+    text = out.stdout
+    assert "demo passed" in text and "lost 0" in text
+    assert "running -> preparing" in text and "restoring -> running" in text
+    timeline = text.split("timeline:", 1)[1]
+    for phase in ("prepare", "capture", "restore"):
+        assert re.search(rf"\+\s+[\d.]+ ms\s+{phase}\s+[\d.]+ ms", timeline), phase
+    criu = ROOT / ".cache" / "criu" / "bin" / "criu"
+    if criu.exists() and os.geteuid() == 0:
+        assert re.search(r"capture: criu-dump: dumped pid \d+ .*: \d+ bytes", text), text
+    else:
+        assert "(capture ran no dump hook:" in text
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", text)]
+    assert len(pids) == 2  # the engine and the controller, both stopped
+    time.sleep(0.5)
+    assert not [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    tmp = re.search(r"ipc://(/\S*ckpt-demo-[^/]+)/", text).group(1)
+    assert not os.path.exists(tmp)  # the temporary directory is gone
 
 
 def test_deadline_is_a_failure_with_exit_3(spawn_reference, spawn_controller):
@@ -279,6 +396,55 @@ def test_deadline_is_a_failure_with_exit_3(spawn_reference, spawn_controller):
         while not api.requests[rid].ended:  # the deadline did not abort the request
             api.poll(0.5)
         assert api.requests[rid].finish_reason == "length"
+
+
+def test_the_capture_deadline_bounds_the_dump_hooks_together(spawn_reference, spawn_controller):
+    """``[deadlines] capture`` bounds the dump hooks together (each alone is within the
+    60 s ``hook`` limit here): a capture that runs over it rolls back with exit 3."""
+    eng = spawn_reference("cap")
+    ctl = spawn_controller(engines_toml((eng, "")) + "[deadlines]\ncapture = 2.0\nhook = 60\n")
+    _hook(ctl, "dump", "10-first", "sleep 1")
+    _hook(ctl, "dump", "20-second", "sleep 30")
+    start = time.monotonic()
+    out = ctl.ckptctl("cycle", "cap", "--json")
+    assert time.monotonic() - start < 15
+    assert out.returncode == 3, out.stdout + out.stderr
+    (o,) = json.loads(out.stdout)["engines"]
+    assert o["error"]["kind"] == "HookTimeoutError" and o["status"] == "rolled_back"
+    assert o["state"] == "running"
+    runs = {h["path"].rsplit("/", 1)[-1]: h for h in o["hooks"]}
+    assert runs["10-first"]["exit_code"] == 0 and not runs["10-first"]["timed_out"]
+    assert runs["20-second"]["timed_out"]  # it had what the first left of the 2 s
+    assert runs["20-second"]["duration_s"] < 2.0
+
+
+def test_release_and_restore_deadlines(spawn_reference, spawn_controller):
+    """A release over its deadline rolls the prepare back (exit 3, RUNNING); a re-wake over
+    the restore deadline leaves the engine FAILED (exit 3), never serving unchecked, and a
+    recovery restore with time enough brings it back."""
+    eng = spawn_reference("rel", "--model", "small", "--kv-blocks", "256")
+    ctl = spawn_controller(engines_toml((eng, ""), defaults="level = 2")
+                           + "[deadlines]\nrelease = 0.001\n")
+    out = ctl.ckptctl("prepare", "rel", "--json")
+    assert out.returncode == 3, out.stdout + out.stderr
+    (o,) = json.loads(out.stdout)["engines"]
+    assert o["error"]["kind"] == "DeadlineError" and o["status"] == "rolled_back"
+    assert o["state"] == "running"
+    ctl.stop()
+    ctl = spawn_controller(engines_toml((eng, ""), defaults="level = 2")
+                           + "[deadlines]\nrestore = 0.001\n")
+    assert ctl.ckptctl("prepare", "rel").returncode == 0
+    out = ctl.ckptctl("restore", "rel", "--json")
+    assert out.returncode == 3, out.stdout + out.stderr
+    (o,) = json.loads(out.stdout)["engines"]
+    assert o["error"]["kind"] == "DeadlineError" and o["state"] == "failed"
+    with EngineClient(eng.api) as api, pytest.raises(RejectedError):
+        api.generate([1, 2], 3)
+    ctl.stop()
+    ctl = spawn_controller(engines_toml((eng, "")))
+    assert ctl.ckptctl("restore", "rel").returncode == 0
+    with EngineClient(eng.api) as api:
+        assert api.generate([1, 2], 3).finish_reason == "length"
 
 
 def test_engine_death_fails_the_operation_promptly(spawn_reference, spawn_controller):
@@ -299,6 +465,8 @@ def test_engine_death_fails_the_operation_promptly(spawn_reference, spawn_contro
     assert out.returncode == 4
     (o,) = json.loads(out.stdout)["engines"]
     assert o["error"]["kind"] == "UnreachableError" and o["status"] == "failed"
+    assert "no heartbeat" in o["error"]["message"] and eng.control in o["error"]["message"]
+    assert o["error"]["details"]["silent_s"] < 20
 
 
 def test_watch_shows_an_operation_live(spawn_reference, spawn_controller):

@@ -114,11 +114,15 @@ class Operations:
                     self._check(deadline, cmd.op_id, step)
                 if step in ("drain", "release"):
                     self.failpoints.hit(step)
-                if step == "drain" and self.external_drain is not None:
-                    pending.drain = self._call_engine(
-                        step, self.external_drain.drain, cmd, deadline, self._progress)
-                elif step == "drain":
-                    pending.drain = self._drain(cmd, deadline)
+                if step == "drain":
+                    if self.external_drain is not None:
+                        pending.drain = self._call_engine(
+                            step, self.external_drain.drain, cmd, deadline, self._progress)
+                    else:
+                        pending.drain = self._drain(cmd, deadline)
+                    if cmd.release_deadline_s is not None:  # the release's own limit
+                        deadline = deadline.earlier(
+                            Deadline.after(cmd.release_deadline_s, self.clock))
                 elif step == "pause":
                     self._call_engine(step, self.hooks.pause_scheduling)
                 elif step == "release":

@@ -168,11 +168,14 @@ def _kill_group(pgid: int) -> None:
 
 
 def run_point(hooks_dir: Path | None, point: str, ctx: HookContext, timeout_s: float,
-              runs: list[HookRun]) -> None:
+              runs: list[HookRun], until_wall: float | None = None) -> None:
     """Run every hook of ``point`` in order, appending each run to ``runs``; raise
-    ``HookError`` at the first failure (the caller applies ``POINTS[point]``)."""
+    ``HookError`` at the first failure (the caller applies ``POINTS[point]``). Each hook
+    gets ``timeout_s``, cut to the operation's deadline and to ``until_wall`` (a limit the
+    point's hooks share, such as the capture deadline)."""
     for path in find_hooks(hooks_dir, point):
-        left = max(0.1, min(timeout_s, ctx.deadline_wall - time.time()))
+        end = ctx.deadline_wall if until_wall is None else min(ctx.deadline_wall, until_wall)
+        left = max(0.1, min(timeout_s, end - time.time()))
         run = run_hook(path, point, ctx, left)
         runs.append(run)
         if run.timed_out or run.exit_code != 0:

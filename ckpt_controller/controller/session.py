@@ -133,14 +133,17 @@ class EngineSession:
             if self.metrics:
                 self.metrics.phase(name, rec.duration_s)
 
-    def hooks(self, point: str) -> int:
-        """Run ``point``'s hooks; returns how many ran (raises at the first failure)."""
+    def hooks(self, point: str, until_wall: float | None = None) -> int:
+        """Run ``point``'s hooks, each within the ``hook`` deadline, all of them before
+        ``until_wall`` when given, and within the operation's deadline. Returns how many ran
+        (raises at the first failure)."""
         ctx = HookContext(engine=self.engine.name, pid=self.pid, state=self.outcome.state or "",
                           generation=self.generation, op_id=self.op_id,
                           image_dir=self.image_dir(), deadline_wall=self.deadline_wall)
         runs: list[p.HookRun] = []
         try:
-            run_point(self.config.hooks_dir, point, ctx, self.config.deadlines.hook, runs)
+            run_point(self.config.hooks_dir, point, ctx, self.config.deadlines.hook, runs,
+                      until_wall)
         finally:
             for run in runs:
                 self.outcome.hooks.append(run)
@@ -168,7 +171,8 @@ class EngineSession:
                 reply = self.client.prepare(
                     op_id=f"{self.op_id}/{self.engine.name}/prepare",
                     drain_timeout_s=self.remaining(drain),
-                    deadline_s=self.remaining(drain + 2 * d.release), **args)
+                    deadline_s=self.remaining(drain + 2 * d.release),
+                    release_deadline_s=d.release, **args)
         else:
             with self.phase("drain"):
                 reply = self.client.prepare(
@@ -209,10 +213,16 @@ class EngineSession:
             raise
 
     def capture(self) -> None:
+        """The dump and post-dump hooks, together within the ``capture`` deadline (and each
+        within ``hook``)."""
         with self.phase("capture"):
-            self.remaining(self.config.deadlines.capture)
-            self.hooks("dump")
-            self.hooks("post-dump")
+            end = time.time() + self.remaining(self.config.deadlines.capture)
+            self.hooks("dump", until_wall=end)
+            if time.time() >= end:
+                raise DeadlineError("capture deadline passed after the dump hooks",
+                                    engine=self.engine.name, op_id=self.op_id,
+                                    capture_s=self.config.deadlines.capture)
+            self.hooks("post-dump", until_wall=end)
 
     def restore(self, run_pre_restore: bool = True) -> None:
         d = self.config.deadlines
