@@ -72,3 +72,67 @@ def test_restore_treats_a_zombie_engine_as_gone(tmp_path):
                                           "CKPT_CRIU": "/bin/true"})
     zombie.wait()
     assert out.returncode == 2 and "no CRIU image" in out.stderr, out.stdout + out.stderr
+
+
+@pytest.fixture
+def recorded_dump(tmp_path):
+    """criu-dump run against a STAND-IN criu that only records its arguments, for a process
+    that leads its own session (``setsid``) or one that does not."""
+    standin = tmp_path / "criu-standin"
+    standin.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$STANDIN_ARGS"\n')
+    standin.chmod(0o755)
+    procs = []
+
+    def dump(*, leader: bool = True, **env) -> tuple[int, list[str], str, Path]:
+        cmd = (["setsid"] if leader else []) + ["sleep", "30"]
+        proc = subprocess.Popen(cmd)
+        procs.append(proc)
+        time.sleep(0.1)
+        image = tmp_path / f"img-{len(procs)}"
+        image.mkdir()
+        args_file = tmp_path / f"args-{len(procs)}"
+        full = dict(os.environ, CKPT_ENGINE_PID=str(proc.pid), CKPT_IMAGE_DIR=str(image),
+                    CKPT_CRIU=str(standin), STANDIN_ARGS=str(args_file), **env)
+        out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], env=full,
+                             capture_output=True, text=True, timeout=60)
+        args = args_file.read_text().split("\n")[:-1] if args_file.exists() else []
+        return out.returncode, args, out.stderr, image
+
+    yield dump
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_dump_options_map_to_criu_arguments(recorded_dump):
+    rc, args, err, image = recorded_dump()
+    assert rc == 0, err
+    assert args[:2] == ["dump", "-t"] and "--tcp-close" in args and "--leave-running" in args
+    assert args[args.index("--ghost-limit") + 1] == "64M" and "--link-remap" in args
+    assert "--file-locks" in args and "--shell-job" not in args
+    assert (image / "criu-restore-options").read_text().split() == [
+        "--ext-unix-sk", "--file-locks", "--tcp-close"]
+    rc, args, err, _ = recorded_dump(CKPT_CRIU_TCP="established", CKPT_CRIU_MODE="stop",
+                                     CKPT_CRIU_GHOST_LIMIT="1G", CKPT_CRIU_LINK_REMAP="0",
+                                     CKPT_CRIU_EXTRA="--log-pid --timeout 9")
+    assert rc == 0, err
+    assert "--tcp-established" in args and args[args.index("--network-lock") + 1] == "nftables"
+    assert "--leave-running" not in args and "--link-remap" not in args
+    assert args[args.index("--ghost-limit") + 1] == "1G"
+    assert args[-3:] == ["--log-pid", "--timeout", "9"]
+    rc, args, err, _ = recorded_dump(CKPT_CRIU_TCP="none")
+    assert rc == 0 and not {"--tcp-close", "--tcp-established"} & set(args)
+
+
+def test_a_process_that_does_not_lead_its_session_is_dumped_as_a_shell_job(recorded_dump):
+    rc, args, err, image = recorded_dump(leader=False)
+    assert rc == 0, err
+    assert "--shell-job" in args
+    assert "--shell-job" in (image / "criu-restore-options").read_text().split()
+
+
+@pytest.mark.parametrize("bad", [{"CKPT_CRIU_TCP": "maybe"}, {"CKPT_CRIU_MODE": "pause"},
+                                 {"CKPT_CRIU_LINK_REMAP": "yes"}])
+def test_a_bad_setting_is_refused_before_criu_runs(recorded_dump, bad):
+    rc, args, err, _ = recorded_dump(**bad)
+    assert rc == 2 and args == [] and next(iter(bad)) in err

@@ -54,6 +54,8 @@ class HookContext:
     op_id: str
     image_dir: Path
     deadline_wall: float
+    #: pre-restore run after a failed capture, to give back what the dump hooks took
+    undo_capture: bool = False
 
 
 def find_hooks(hooks_dir: Path | None, point: str) -> list[Path]:
@@ -93,6 +95,8 @@ def hook_env(point: str, ctx: HookContext) -> dict[str, str]:
         "CRTOOLS_SCRIPT_ACTION": CRTOOLS_ACTIONS.get(point, point),
         "CRTOOLS_INIT_PID": str(ctx.pid or ""),
     })
+    if ctx.undo_capture:
+        env["CKPT_UNDO_CAPTURE"] = "1"
     return env
 
 

@@ -442,8 +442,18 @@ def _capture(s: EngineSession) -> None:
     try:
         s.capture()
     except CkptError as err:
-        # policy: a failed (or refused) dump or post-dump rolls back when the engine lives
+        # policy: a failed (or refused) dump or post-dump rolls back when the engine lives,
+        # after the pre-restore hooks gave back what the dump hooks took (CKPT_UNDO_CAPTURE:
+        # e.g. the GPU that cuda-checkpoint locked); if they cannot, the engine is FAILED
         if s.refresh_state() == "prepared":
+            try:
+                s.hooks("pre-restore", undo_capture=True)
+            except CkptError as undo:
+                s.mark_failed(f"capture failed ({err.message}) and the pre-restore hooks "
+                              f"could not undo it: {undo.message}")
+                err.details["state"] = "failed"
+                err.details["undo_error"] = undo.message
+                raise err from undo
             s.rollback(f"capture failed: {err.message}", step="rollback")
             err.details["rolled_back"] = True
         raise

@@ -133,13 +133,15 @@ class EngineSession:
             if self.metrics:
                 self.metrics.phase(name, rec.duration_s)
 
-    def hooks(self, point: str, until_wall: float | None = None) -> int:
+    def hooks(self, point: str, until_wall: float | None = None,
+              undo_capture: bool = False) -> int:
         """Run ``point``'s hooks, each within the ``hook`` deadline, all of them before
         ``until_wall`` when given, and within the operation's deadline. Returns how many ran
         (raises at the first failure)."""
         ctx = HookContext(engine=self.engine.name, pid=self.pid, state=self.outcome.state or "",
                           generation=self.generation, op_id=self.op_id,
-                          image_dir=self.image_dir(), deadline_wall=self.deadline_wall)
+                          image_dir=self.image_dir(), deadline_wall=self.deadline_wall,
+                          undo_capture=undo_capture)
         runs: list[p.HookRun] = []
         try:
             run_point(self.config.hooks_dir, point, ctx, self.config.deadlines.hook, runs,
