@@ -108,6 +108,7 @@ def test_dump_options_map_to_criu_arguments(recorded_dump):
     rc, args, err, image = recorded_dump()
     assert rc == 0, err
     assert args[:2] == ["dump", "-t"] and "--tcp-close" in args and "--leave-running" in args
+    assert "--skip-in-flight" in args  # a half-open connection must not fail the dump
     assert args[args.index("--ghost-limit") + 1] == "64M" and "--link-remap" in args
     assert "--file-locks" in args and "--shell-job" not in args
     assert (image / "criu-restore-options").read_text().split() == [
@@ -118,6 +119,7 @@ def test_dump_options_map_to_criu_arguments(recorded_dump):
     assert rc == 0, err
     assert "--tcp-established" in args and args[args.index("--network-lock") + 1] == "nftables"
     assert "--leave-running" not in args and "--link-remap" not in args
+    assert "--skip-in-flight" not in args
     assert args[args.index("--ghost-limit") + 1] == "1G"
     assert args[-3:] == ["--log-pid", "--timeout", "9"]
     rc, args, err, _ = recorded_dump(CKPT_CRIU_TCP="none")
