@@ -90,8 +90,9 @@ def in_parts(address: int, nbytes: int, fill: Callable[[int, int], None]) -> Non
 
 
 def zero_fresh(flat: torch.Tensor) -> None:
-    """Zero a contiguous 1-D uint8 CPU tensor whose pages were just given back."""
-    if flat.numel() < PARALLEL_BYTES:
+    """Zero a contiguous 1-D uint8 tensor whose pages were just given back: a large CPU one
+    in parts, its pages faulted in ahead; any other at once (``zero_``)."""
+    if flat.device.type != "cpu" or flat.numel() < PARALLEL_BYTES:
         flat.zero_()
         return
     in_parts(flat.data_ptr(), flat.numel(), lambda lo, hi: flat[lo:hi].zero_())

@@ -420,10 +420,8 @@ class MemoryRegistry:
             moved += block.nbytes
             if action == "offload":
                 block.bytes_view().copy_(block.host, non_blocking=True)
-            elif action == "discard" and block.device.type == "cpu":
-                fill.zero_fresh(block.bytes_view())  # zero-filled: the pages are really back
             elif action == "discard":
-                block.bytes_view().zero_()
+                fill.zero_fresh(block.bytes_view())  # zero-filled: the pages are really back
         if action == "reload":
             for key in [k for k in self._read_checksums if k[0] == tag.name]:
                 del self._read_checksums[key]  # a failed earlier attempt's, if any
