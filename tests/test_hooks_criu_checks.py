@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -84,14 +85,19 @@ def recorded_dump(tmp_path):
     procs = []
 
     def dump(*, leader: bool = True, **env) -> tuple[int, list[str], str, Path]:
-        cmd = (["setsid"] if leader else []) + ["sleep", "30"]
-        proc = subprocess.Popen(cmd)
+        # the "engine" is a sleep; not a leader: a child of a shell that leads its own session,
+        # so the session's leader is in this PID namespace wherever the tests themselves run
+        # (a test runner's own session may be led from outside it, as in CI)
+        script = "exec sleep 30" if leader else "sleep 30 & echo $!; wait"
+        proc = subprocess.Popen(["setsid", "sh", "-c", script], stdout=subprocess.PIPE,
+                                text=True)
         procs.append(proc)
+        pid = proc.pid if leader else int(proc.stdout.readline())
         time.sleep(0.1)
         image = tmp_path / f"img-{len(procs)}"
         image.mkdir()
         args_file = tmp_path / f"args-{len(procs)}"
-        full = dict(os.environ, CKPT_ENGINE_PID=str(proc.pid), CKPT_IMAGE_DIR=str(image),
+        full = dict(os.environ, CKPT_ENGINE_PID=str(pid), CKPT_IMAGE_DIR=str(image),
                     CKPT_CRIU=str(standin), STANDIN_ARGS=str(args_file), **env)
         out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], env=full,
                              capture_output=True, text=True, timeout=60)
@@ -100,8 +106,9 @@ def recorded_dump(tmp_path):
 
     yield dump
     for proc in procs:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)  # the shell and its sleep
         proc.wait()
+        proc.stdout.close()
 
 
 def test_dump_options_map_to_criu_arguments(recorded_dump):
