@@ -21,9 +21,15 @@ memory freed a few seconds ago is slow to touch again, memory freed just now is 
 
 Throughput is bytes re-woken (weights + KV) per second; the ratio to each limit, taken
 within each run, then the median over runs, is the figure of merit. ``--device cuda`` runs
-the same level-2 measurement on CUDA tensors against device copies; the level-1 comparison
-(offload and re-wake against pinned host-to-device and device-to-host copies) is not
-written yet.
+the same level-2 measurement on CUDA tensors against device copies.
+
+``--device cuda --level 1`` measures the GPU's own path: release offloads the weights to
+pinned host memory (device to host) and discards the KV cache; re-wake copies the weights
+back (host to device), zero-fills the KV cache and checks every weight bit-exact. Its limits
+are plain copies of the weights' bytes between one device buffer and one pinned host buffer,
+allocated and touched before they are timed: device-to-host against the release,
+host-to-device against the re-wake. Throughput there is weight bytes moved per second. On the
+CPU level 1 moves no weights (they already are in host memory), so it is refused.
 """
 
 from __future__ import annotations
@@ -155,19 +161,110 @@ def one_size(size: int, device: str, repeat: int, source_dir: Path) -> dict:
     return row
 
 
+def pinned_limits(nbytes: int, device: str) -> tuple[float, float]:
+    """(device-to-host, host-to-device) seconds to copy ``nbytes`` between one touched device
+    buffer and one pinned host buffer, allocated before the copies are timed."""
+    import torch
+
+    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    host.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    d2h = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    h2d = time.perf_counter() - t0
+    del host, dev
+    torch.cuda.empty_cache()
+    return d2h, h2d
+
+
+def one_size_level1(size: int, device: str, repeat: int) -> dict:
+    """Level 1 on a GPU: offload to pinned host memory and back, against pinned copies of the
+    weights' bytes measured in the same run (while the registry's memory is released)."""
+    import torch
+
+    from ckpt_controller.memory import MemoryRegistry
+
+    wbytes = size * 3 // 4
+    weights = {}
+    for i in range(max(1, wbytes // TENSOR)):
+        t = torch.empty(TENSOR // 4, dtype=torch.float32, device=device)
+        t.uniform_(-1, 1, generator=torch.Generator(device=device).manual_seed(i))
+        weights[f"w{i:03d}"] = t
+    kv = torch.zeros((size - wbytes) // 4, dtype=torch.float32, device=device)
+    reg = MemoryRegistry()
+    reg.register("weights", weights)
+    reg.register("kv_cache", {"kv": kv})
+    moved = sum(t.nbytes for t in weights.values())
+    d2h, h2d, release_s, rewake_s, reports = [], [], [], [], []
+    for _ in range(repeat):
+        gc.collect()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        released = reg.release(level=1)
+        release_s.append(time.perf_counter() - t0)
+        a, b = pinned_limits(moved, device)  # the device memory the release gave back
+        d2h.append(a)
+        h2d.append(b)
+        t0 = time.perf_counter()
+        report = reg.rewake()
+        torch.cuda.synchronize()
+        rewake_s.append(time.perf_counter() - t0)
+        reports.append((released, report))
+    released, report = reports[-1]
+    row = {
+        "bytes": moved + kv.nbytes, "weight_bytes": moved, "kv_bytes": kv.nbytes,
+        "offloaded_bytes": released.offloaded_bytes, "freed_bytes": released.freed_bytes,
+        "d2h_pinned_gbps": moved / median(d2h) / 1e9, "h2d_pinned_gbps": moved / median(h2d) / 1e9,
+        "release_s": median(release_s), "rewake_s": median(rewake_s),
+        "release_gbps": moved / median(release_s) / 1e9,
+        "rewake_gbps": moved / median(rewake_s) / 1e9,
+        "release_vs_d2h": median([a / r for a, r in zip(d2h, release_s)]),
+        "rewake_vs_h2d": median([b / r for b, r in zip(h2d, rewake_s)]),
+        "verified_tensors": report.verified_tensors,
+        "runs": {"d2h_s": d2h, "h2d_s": h2d, "release_s": release_s, "rewake_s": rewake_s},
+    }
+    del reg, weights, kv
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
 def main() -> int:
     p = parser("memory", __doc__)
     p.add_argument("--sizes", default="1,2", help="GiB of weights + KV, comma-separated "
                                                   "(default 1,2; the full run: 1,2,4,8)")
     p.add_argument("--repeat", type=int, default=5, help="runs per size (median)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--level", type=int, default=2, choices=[1, 2],
+                   help="2 (default): discard and reload from file; 1 (cuda only): offload "
+                        "to pinned host memory, against pinned copies")
     p.add_argument("--source-dir", type=Path, default=None,
                    help="where the weights' safetensors files go (default: a temp dir)")
     args = p.parse_args()
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA device, and torch sees none here")
+    if args.level == 1 and args.device != "cuda":
+        p.error("--level 1 moves weights only on a GPU (on the CPU they already are in host "
+                "memory); use it with --device cuda")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     sizes = [int(float(s) * GiB) for s in args.sizes.split(",")]
+    if args.level == 1:
+        rows = [one_size_level1(size, args.device, args.repeat) for size in sizes]
+        table(f"release / re-wake at level 1 ({args.device}; weight bytes moved; median of "
+              f"{args.repeat})",
+              ["GiB", "pinned D2H GB/s", "release GB/s", "release / D2H", "pinned H2D GB/s",
+               "re-wake GB/s", "re-wake / H2D"],
+              [[r["bytes"] / GiB, r["d2h_pinned_gbps"], r["release_gbps"], r["release_vs_d2h"],
+                r["h2d_pinned_gbps"], r["rewake_gbps"], r["rewake_vs_h2d"]] for r in rows])
+        write(args.out, "memory", args, {"device": args.device, "level": 1, "sizes": rows})
+        return 0
     rows = []
     with tempfile.TemporaryDirectory(dir=args.source_dir) as d:
         for size in sizes:

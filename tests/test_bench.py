@@ -45,6 +45,26 @@ def test_release_and_rewake_against_the_copy_limits(tmp_path):
     assert row["rewake_vs_fresh"] > 0 and row["rewake_vs_prefaulted"] > 0
 
 
+def test_level_1_is_a_gpu_measurement_and_says_so_elsewhere(tmp_path):
+    out = tmp_path / "memory.json"
+    run = subprocess.run([sys.executable, "bench/memory.py", "--level", "1", "--sizes", "0.01",
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "--device cuda" in run.stderr and not out.exists()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_level_1_offload_and_rewake_against_pinned_copies(tmp_path):
+    res = bench(tmp_path, "memory", "--device", "cuda", "--level", "1", "--sizes", "0.5",
+                "--repeat", "2")
+    (row,) = res["sizes"]
+    assert row["verified_tensors"] == row["weight_bytes"] // (256 << 20)  # every weight checked
+    assert row["offloaded_bytes"] == row["weight_bytes"] and row["freed_bytes"] > 0
+    for key in ("d2h_s", "h2d_s", "release_s", "rewake_s"):
+        assert len(row["runs"][key]) == 2 and all(v > 0 for v in row["runs"][key])
+    assert row["release_vs_d2h"] > 0 and row["rewake_vs_h2d"] > 0
+
+
 def test_fresh_memory_fills(tmp_path):
     res = bench(tmp_path, "pages", "--gib", "0.125", "--repeat", "1", "--idle", "0")
     assert set(res["ways"]) == {"4 KiB faults", "pre-faulted", "huge pages"}

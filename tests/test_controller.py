@@ -182,6 +182,11 @@ def test_conflicts_and_repeated_ids(spawn_reference, spawn_controller):
         msgspec.json.encode(done["r"]))
     with AgentClient(eng.control) as agent:
         assert agent.status().state == "running"
+    # the same id for another operation is a mistake, refused before anything runs
+    out = ctl.ckptctl("rollback", "e1", "--op-id", "long", "--json")
+    assert out.returncode == 2
+    err = json.loads(out.stdout)["error"]
+    assert err["kind"] == "UsageError" and "already used for a prepare of e1" in err["message"]
 
 
 def test_group_prepare_is_all_or_nothing(spawn_reference, spawn_controller):
@@ -222,6 +227,86 @@ def test_rolling_cycle_respects_max_unavailable(spawn_reference, spawn_controlle
     assert all(prev[1] <= nxt[0] for prev, nxt in zip(intervals, intervals[1:]))
 
 
+def _slow_agents(ipc_dir, names, seconds: float):
+    from ckpt_controller.agent import Agent
+
+    return [Agent(n, hooks=_SlowPause(seconds), control=f"ipc://{ipc_dir}/{n}.ctl",
+                  heartbeat_interval_s=0.2).start() for n in names]
+
+
+def _agents_toml(agents) -> str:
+    return "".join(f'[[engine]]\nname = "{a.name}"\ncontrol = "{a.endpoint}"\n' for a in agents)
+
+
+def _out_of_service(ctl, op_id: str) -> dict[str, list[float]]:
+    """Engine -> [left RUNNING, back to RUNNING] (monotonic), from the journal's records."""
+    journal = Journal(ctl.dir / "state" / "journal.sqlite3")
+    spans: dict[str, list[float]] = {}
+    for rec in journal.records(op_id=op_id):
+        if rec.type == "transition" and rec.data["source"] == "running":
+            spans[rec.engine] = [rec.monotonic]
+        elif rec.type == "transition" and rec.data["dest"] == "running":
+            spans[rec.engine].append(rec.monotonic)
+    journal.close()
+    return spans
+
+
+def test_rolling_cycle_with_two_out_at_a_time(spawn_controller, ipc_dir):
+    agents = _slow_agents(ipc_dir, [f"roll{i}" for i in range(5)], 0.4)
+    try:
+        ctl = spawn_controller(_agents_toml(agents))
+        out = ctl.ckptctl("cycle", "--all", "--max-unavailable", "2", "--json", "--op-id", "r2")
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert result["max_unavailable_seen"] == 2
+        assert [o["status"] for o in result["engines"]] == ["succeeded"] * 5
+        spans = _out_of_service(ctl, "r2")
+        assert len(spans) == 5 and all(len(s) == 2 for s in spans.values())
+        # at every moment one of them left RUNNING, at most two were out (journal's own times)
+        for t in [s[0] for s in spans.values()]:
+            assert sum(a <= t < b for a, b in spans.values()) <= 2
+    finally:
+        for a in agents:
+            a.close()
+
+
+def test_rolling_cycle_gives_each_engine_its_own_deadline(spawn_controller, ipc_dir):
+    """--deadline bounds each engine from its turn, not from the operation's start: four
+    cycles of about 0.6 s one after another, each within a 1.5 s deadline, all succeed."""
+    agents = _slow_agents(ipc_dir, ["dl0", "dl1", "dl2", "dl3"], 0.6)
+    try:
+        ctl = spawn_controller(_agents_toml(agents))
+        out = ctl.ckptctl("cycle", "--all", "--max-unavailable", "1", "--deadline", "1.5",
+                          "--json")
+        result = json.loads(out.stdout)
+        assert out.returncode == 0, result
+        assert [o["status"] for o in result["engines"]] == ["succeeded"] * 4
+        assert result["duration_s"] > 2.4  # the operation as a whole outlasted 1.5 s
+    finally:
+        for a in agents:
+            a.close()
+
+
+def test_rolling_cycle_stops_at_its_first_failure(spawn_controller, ipc_dir):
+    agents = _slow_agents(ipc_dir, ["st0", "st1", "st2"], 0.0)
+    try:
+        ctl = spawn_controller(_agents_toml(agents))
+        _hook(ctl, "pre-prepare", "10-veto", '[ "$CKPT_ENGINE" = st1 ] && exit 7; exit 0')
+        out = ctl.ckptctl("cycle", "--all", "--max-unavailable", "1", "--json")
+        assert out.returncode == 1
+        result = json.loads(out.stdout)
+        by = {o["engine"]: o for o in result["engines"]}
+        assert by["st0"]["status"] == "succeeded" and by["st0"]["state"] == "running"
+        assert by["st1"]["status"] == "failed" and by["st1"]["state"] == "running"
+        assert by["st1"]["error"]["details"]["exit_code"] == 7
+        assert by["st2"]["status"] == "skipped"  # never touched: still serving
+        with AgentClient(agents[2].endpoint) as c:
+            assert c.status().state == "running" and c.status().generation == 0
+    finally:
+        for a in agents:
+            a.close()
+
+
 def test_bad_config_and_unreachable_engine(spawn_controller, ipc_dir):
     bad = ipc_dir / "bad.toml"
     bad.write_text('[deadlines]\ndrain = -1\n')
@@ -235,6 +320,8 @@ def test_bad_config_and_unreachable_engine(spawn_controller, ipc_dir):
     assert out.returncode == 4 and time.monotonic() - start < 30
     result = json.loads(out.stdout)
     assert result["engines"][0]["error"]["kind"] == "UnreachableError"
+    # the message says which endpoint did not answer, and for how long it was tried
+    assert f"no answer from ipc://{ipc_dir}/none in" in result["engines"][0]["error"]["message"]
     out = ctl.ckptctl("prepare", "nobody")
     assert out.returncode == 2 and "unknown engine 'nobody'" in out.stderr
     out = ctl.ckptctl("status")
@@ -304,12 +391,27 @@ def test_metrics_endpoint(spawn_reference, spawn_controller):
     ctl = spawn_controller("metrics_port = 0\n" + engines_toml((eng, "")))
     ctl_conf = ctl.config.read_text()
     assert "metrics_port" in ctl_conf
-    assert ctl.ckptctl("cycle", "m1").returncode == 0
+    with EngineClient(eng.api) as api:
+        ids = [api.submit([1, 2, 3 + i], 1000) for i in range(3)]  # in flight at the prepare
+        time.sleep(0.3)
+        out = ctl.ckptctl("cycle", "m1", "--drain", "abort", "--json")
+        assert out.returncode == 0, out.stderr
+        deadline = time.monotonic() + 30
+        while not all(api.requests[i].ended for i in ids) and time.monotonic() < deadline:
+            api.poll(0.1)
+    assert [api.requests[i].finish_reason for i in ids] == ["abort"] * 3
+    (o,) = json.loads(out.stdout)["engines"]
     port = ctl.info["metrics_port"]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'ckpt_operations_total{kind="cycle",outcome="succeeded"} 1' in text
     assert 'ckpt_transitions_total{engine="m1",source="running",dest="preparing"} 1' in text
-    assert "ckpt_phase_duration_seconds_count" in text
+    assert 'ckpt_phase_duration_seconds_count{phase="prepare"} 1' in text
+    # the drain and memory counters carry what the operation's own reports said
+    assert o["drain"]["aborted"] == 3
+    assert 'ckpt_drained_requests_total{outcome="aborted"} 3' in text
+    assert 'ckpt_drained_requests_total{outcome="kept"} 0' in text
+    assert o["released"]["freed_bytes"] > 0
+    assert f'ckpt_freed_bytes_total {o["released"]["freed_bytes"]}' in text
 
 
 def test_journal_is_private(spawn_reference, spawn_controller):

@@ -208,7 +208,8 @@ def _curve_clients(t: _Table) -> Path | None:
 
 def default_config(engines: Iterable[EngineConfig] = (),
                    state_dir: str | os.PathLike[str] | None = None) -> ControllerConfig:
-    """The embedded defaults (no file) with these engines; used by the demo."""
+    """The embedded defaults (no file) with these engines, for a controller built in-process
+    (``Controller(default_config([...]))``); ``ckptctl serve`` always reads a file."""
     engines = tuple(engines)
     for i, engine in enumerate(engines):
         _check_engine_name(engine.name, "<defaults>", f"engine[{i}].name")

@@ -101,6 +101,11 @@ class Journal:
             return None
         return _result_dec.decode(rows[0][0])
 
+    def identity(self, op_id: str) -> tuple[str, list[str]] | None:
+        """``(kind, engines)`` of the operation with this id, or ``None`` if there is none."""
+        rows = self._read("SELECT kind, engines FROM operations WHERE op_id = ?", (op_id,))
+        return (rows[0][0], json.loads(rows[0][1])) if rows else None
+
     def exists(self, op_id: str) -> bool:
         return bool(self._read("SELECT 1 FROM operations WHERE op_id = ?", (op_id,)))
 
@@ -112,17 +117,22 @@ class Journal:
 
     def operations(self, engine: str | None = None, op_id: str | None = None,
                    limit: int = 50) -> list[OperationSummary]:
+        """The newest ``limit`` operations, newest first; only those on ``engine`` and/or with
+        ``op_id`` when given (filtered before the limit, however old the match)."""
+        where, args = [], []
+        if engine:
+            where.append("EXISTS (SELECT 1 FROM json_each(operations.engines) WHERE value = ?)")
+            args.append(engine)
+        if op_id:
+            where.append("op_id = ?")
+            args.append(op_id)
         rows = self._read(
             "SELECT op_id, kind, engines, status, wall, ended_wall FROM operations "
-            "ORDER BY wall DESC LIMIT ?", (max(limit, 1) * (20 if engine else 1),))
-        out = []
-        for op, kind, engines, status, wall, ended in rows:
-            names = json.loads(engines)
-            if (engine and engine not in names) or (op_id and op != op_id):
-                continue
-            out.append(OperationSummary(op_id=op, kind=kind, engines=names, status=status,
-                                        wall=wall, duration_s=None if ended is None else ended - wall))
-        return out[:limit]
+            f"{'WHERE ' + ' AND '.join(where) if where else ''} ORDER BY wall DESC LIMIT ?",
+            (*args, max(limit, 1)))
+        return [OperationSummary(op_id=op, kind=kind, engines=json.loads(engines), status=status,
+                                 wall=wall, duration_s=None if ended is None else ended - wall)
+                for op, kind, engines, status, wall, ended in rows]
 
     # ---------------------------------------------------------------- records
 

@@ -114,6 +114,12 @@ class Controller:
         engines = self.select(cmd.engines)
         _check(cmd)
         with self._lock:
+            known = self.journal.identity(cmd.op_id)
+            if known is not None and known != (cmd.kind, engines):
+                raise UsageError(f"operation id {cmd.op_id} was already used for a {known[0]} "
+                                 f"of {', '.join(known[1])}; a repeated id must repeat the "
+                                 f"same operation", op_id=cmd.op_id, kind=known[0],
+                                 engines=known[1])
             running = self._running.get(cmd.op_id)
             if running is not None:
                 running.waiters.append(done)
@@ -226,6 +232,7 @@ class Controller:
                     return
                 state["out"] += 1
                 state["peak"] = max(state["peak"], state["out"])
+            s.start_clock()  # the deadline counts from this engine's turn
             try:
                 _cycle(s)
             finally:

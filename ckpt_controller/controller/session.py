@@ -42,8 +42,8 @@ class EngineSession:
         self.engine = config.engine(engine)
         self.op_id = op_id
         self.params = params
-        self.deadline = time.monotonic() + deadline_s
-        self.deadline_wall = time.time() + deadline_s
+        self.deadline_s = deadline_s
+        self.start_clock()
         self._record = record
         self.metrics = metrics
         self.outcome = p.EngineOutcome(engine=engine, status="running")
@@ -61,6 +61,13 @@ class EngineSession:
                        missed_beats=self.config.missed_beats, name=f"controller/{self.op_id}",
                        curve=self.config.agent_curve(self.engine.name),
                        on_event=self._on_agent_event, on_reply=self._on_agent_reply)
+
+    def start_clock(self) -> None:
+        """Start the engine's overall deadline now. A session starts it when it is made; a
+        rolling cycle starts it again when the engine's turn comes, so time spent waiting for
+        a place among ``max_unavailable`` is not taken from the engine's own deadline."""
+        self.deadline = time.monotonic() + self.deadline_s
+        self.deadline_wall = time.time() + self.deadline_s
 
     def reconnect(self) -> p.StatusReply:
         """A fresh connection and subscription: after a hook restored the engine's process

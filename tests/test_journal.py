@@ -1,0 +1,34 @@
+"""The journal on its own: what ``history`` reads back, however many operations came since."""
+
+from __future__ import annotations
+
+from ckpt_controller import protocol as p
+from ckpt_controller.controller.journal import Journal
+
+
+def _done(j: Journal, op_id: str, engines: list[str]) -> None:
+    j.begin(op_id, "cycle", engines, {})
+    j.record("phase", {"name": "prepare"}, op_id=op_id, engine=engines[0])
+    j.finish(p.OperationResult(op_id=op_id, kind="cycle", status="succeeded", engines=[],
+                               wall=0.0, duration_s=0.1))
+
+
+def test_an_old_operation_is_found_by_id_and_by_engine_under_many_newer_ones(tmp_path):
+    j = Journal(tmp_path / "journal.sqlite3")
+    try:
+        _done(j, "old", ["rare"])
+        for i in range(60):
+            _done(j, f"new{i}", ["busy", "other"])
+        (found,) = j.operations(op_id="old", limit=20)
+        assert found.op_id == "old" and found.engines == ["rare"] and found.status == "succeeded"
+        assert [o.op_id for o in j.operations(engine="rare", limit=20)] == ["old"]
+        newest = j.operations(engine="busy", limit=5)
+        assert [o.op_id for o in newest] == [f"new{i}" for i in range(59, 54, -1)]
+        assert [o.op_id for o in j.operations(limit=3)] == ["new59", "new58", "new57"]
+        # an engine name is matched whole, never as part of another
+        assert j.operations(engine="bus", limit=20) == []
+        assert j.operations(engine="busy", op_id="old", limit=20) == []
+        assert [r.op_id for r in j.records(op_id="old")] == ["old"]
+        assert j.check() == []
+    finally:
+        j.close()
