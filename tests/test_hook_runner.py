@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from ckpt_controller.controller.hooks import TAIL_BYTES, HookContext, run_hook, run_point
-from ckpt_controller.errors import HookError
+from ckpt_controller.errors import ConfigError, HookError, HookTimeoutError
 
 
 def ctx(tmp_path: Path, **kw) -> HookContext:
@@ -59,6 +59,40 @@ def test_a_hook_deaf_to_sigterm_is_killed_with_its_children(tmp_path):
     child = int(pidfile.read_text())
     time.sleep(0.2)
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+
+
+@pytest.mark.parametrize("where", ["hook", "point folder", "hooks folder"])
+@pytest.mark.parametrize("mode", [0o020, 0o002])  # group-writable, world-writable
+def test_a_hook_anyone_else_may_change_is_refused(tmp_path, where, mode):
+    ran = tmp_path / "ran"
+    path = hook(tmp_path / "hooks" / "dump", "10-ok", f"touch {ran}")
+    target = {"hook": path, "point folder": path.parent, "hooks folder": path.parent.parent}
+    target[where].chmod(target[where].stat().st_mode | mode)
+    with pytest.raises(ConfigError) as info:
+        run_point(tmp_path / "hooks", "dump", ctx(tmp_path), 10, [])
+    assert "writable by group or others" in info.value.message
+    assert info.value.details["path"] == str(target[where]) and not ran.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder to another user")
+def test_a_hook_folder_owned_by_another_user_is_refused(tmp_path):
+    path = hook(tmp_path / "hooks" / "dump", "10-ok", "true")
+    os.chown(path.parent, 65534, 65534)  # nobody
+    with pytest.raises(ConfigError) as info:
+        run_point(tmp_path / "hooks", "dump", ctx(tmp_path), 10, [])
+    assert "owned by another user" in info.value.message and info.value.details["owner"] == 65534
+
+
+def test_the_grace_period_is_the_configured_one(tmp_path):
+    hooks = tmp_path / "hooks"
+    hook(hooks / "dump", "10-deaf", "trap '' TERM\nwhile :; do sleep 0.1; done")
+    for grace in (0.2, 2.0):
+        runs = []
+        start = time.monotonic()
+        with pytest.raises(HookTimeoutError):
+            run_point(hooks, "dump", ctx(tmp_path), 0.3, runs, grace_s=grace)
+        took = time.monotonic() - start
+        assert runs[0].timed_out and 0.3 + grace <= took < 0.3 + grace + 1.5, (grace, took)
 
 
 def test_the_environment_contract(tmp_path):

@@ -46,6 +46,8 @@ class Deadlines:
     restore: float = 300.0
     hook: float = 60.0
     operation: float = 900.0
+    #: a hook past its timeout gets SIGTERM, then this long before SIGKILL of its group
+    hook_grace: float = 5.0
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ order, and the first failure stops the point. Each gets its context in the envir
 ``CRTOOLS_SCRIPT_ACTION`` and ``CRTOOLS_INIT_PID`` so existing CRIU action scripts work), runs
 without a shell in its own session, and on timeout gets SIGTERM, a grace period, then SIGKILL
 of its whole process group. A hook writable by group or others, or owned by another user
-(other than root), is refused. What a failure does is the caller's business (``POINTS``).
+(other than root), is refused, and so is one in a folder (``hooks_dir`` or the point's) that
+is: whoever may write there may put a hook there. What a failure does is the caller's business (``POINTS``).
 Neighbours: ``service`` runs the points; ``protocol.HookRun`` is what the journal keeps.
 """
 
@@ -64,6 +65,8 @@ def find_hooks(hooks_dir: Path | None, point: str) -> list[Path]:
         raise ConfigError("unknown hook point", point=point, allowed=list(POINTS))
     if hooks_dir is None or not (hooks_dir / point).is_dir():
         return []
+    for folder in (hooks_dir, hooks_dir / point):
+        _check_owner_and_mode(folder, "hook folder")
     found = []
     for path in sorted((hooks_dir / point).iterdir()):
         if path.name.startswith(".") or path.name.endswith(("~", ".md", ".txt")):
@@ -71,14 +74,21 @@ def find_hooks(hooks_dir: Path | None, point: str) -> list[Path]:
         st = path.stat()
         if not stat.S_ISREG(st.st_mode) or not os.access(path, os.X_OK):
             continue
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise ConfigError("hook is writable by group or others; refusing to run it",
-                              path=str(path), mode=oct(stat.S_IMODE(st.st_mode)))
-        if st.st_uid not in (os.getuid(), 0):
-            raise ConfigError("hook is owned by another user; refusing to run it",
-                              path=str(path), owner=st.st_uid)
+        _check_owner_and_mode(path, "hook", st)
         found.append(path)
     return found
+
+
+def _check_owner_and_mode(path: Path, what: str, st: os.stat_result | None = None) -> None:
+    """Refuse ``path`` (followed through links) when group or others may write it, or when a
+    user other than us or root owns it."""
+    st = st or path.stat()
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(f"{what} is writable by group or others; refusing to run hooks "
+                          f"from it", path=str(path), mode=oct(stat.S_IMODE(st.st_mode)))
+    if st.st_uid not in (os.getuid(), 0):
+        raise ConfigError(f"{what} is owned by another user; refusing to run hooks from it",
+                          path=str(path), owner=st.st_uid)
 
 
 def hook_env(point: str, ctx: HookContext) -> dict[str, str]:
@@ -172,7 +182,8 @@ def _kill_group(pgid: int) -> None:
 
 
 def run_point(hooks_dir: Path | None, point: str, ctx: HookContext, timeout_s: float,
-              runs: list[HookRun], until_wall: float | None = None) -> None:
+              runs: list[HookRun], until_wall: float | None = None,
+              grace_s: float = 5.0) -> None:
     """Run every hook of ``point`` in order, appending each run to ``runs``; raise
     ``HookError`` at the first failure (the caller applies ``POINTS[point]``). Each hook
     gets ``timeout_s``, cut to the operation's deadline and to ``until_wall`` (a limit the
@@ -180,7 +191,7 @@ def run_point(hooks_dir: Path | None, point: str, ctx: HookContext, timeout_s: f
     for path in find_hooks(hooks_dir, point):
         end = ctx.deadline_wall if until_wall is None else min(ctx.deadline_wall, until_wall)
         left = max(0.1, min(timeout_s, end - time.time()))
-        run = run_hook(path, point, ctx, left)
+        run = run_hook(path, point, ctx, left, grace_s=grace_s)
         runs.append(run)
         if run.timed_out or run.exit_code != 0:
             what = "timed out" if run.timed_out else f"exited {run.exit_code}"

@@ -368,7 +368,8 @@ class Controller:
             cmd = p.OperationCommand(call_id=0, op_id=op_id, kind=kind, engines=engines)
             known = [e for e in engines if any(c.name == e for c in self.config.engines)]
             for engine in known:
-                stop_orphan_hooks(self.config.image_dir / engine, op_id)
+                stop_orphan_hooks(self.config.image_dir / engine, op_id,
+                                  grace_s=self.config.deadlines.hook_grace)
             sessions = [self._session(cmd, e) for e in known]
             try:
                 _fan_out(sessions, lambda s: _reconcile(s, self.config.deadlines.operation))

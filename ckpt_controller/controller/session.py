@@ -152,7 +152,7 @@ class EngineSession:
         runs: list[p.HookRun] = []
         try:
             run_point(self.config.hooks_dir, point, ctx, self.config.deadlines.hook, runs,
-                      until_wall)
+                      until_wall, grace_s=self.config.deadlines.hook_grace)
         finally:
             for run in runs:
                 self.outcome.hooks.append(run)
