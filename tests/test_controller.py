@@ -764,6 +764,44 @@ def test_every_hook_point_has_its_documented_effect(spawn_reference, spawn_contr
             assert ctl.ckptctl("restore", eng.name).returncode == 0  # recovery from FAILED
 
 
+def test_a_failed_capture_that_cannot_be_undone_leaves_the_engine_failed(spawn_reference,
+                                                                          spawn_controller):
+    eng = spawn_reference("undo")
+    ctl = spawn_controller(engines_toml((eng, "")))
+    _hook(ctl, "dump", "10-dump", "echo dump broke >&2; exit 1")
+    _hook(ctl, "pre-restore", "10-give-back",
+          '[ "$CKPT_UNDO_CAPTURE" = 1 ] && { echo "cannot give the GPU back" >&2; exit 9; }\n'
+          'exit 0')
+    out = ctl.ckptctl("cycle", "undo", "--json")
+    assert out.returncode == 1
+    (o,) = json.loads(out.stdout)["engines"]
+    assert o["status"] == "failed" and o["state"] == "failed"
+    assert o["error"]["kind"] == "HookError" and o["error"]["details"]["point"] == "dump"
+    assert "exited 9" in o["error"]["details"]["undo_error"]
+    assert [h["point"] for h in o["hooks"]] == ["dump", "pre-restore"]
+    with AgentClient(eng.control) as agent:
+        st = agent.status()
+    assert st.state == "failed" and "could not undo" in st.last_transition.reason
+    (ctl.dir / "hooks" / "dump" / "10-dump").unlink()
+    assert ctl.ckptctl("restore", "undo").returncode == 0  # recovery once the hook is fixed
+
+
+def test_a_dump_that_kills_the_engine_fails_instead_of_rolling_back(spawn_reference,
+                                                                    spawn_controller):
+    eng = spawn_reference("killed")
+    ctl = spawn_controller("missed_beats = 5\n"
+                           + engines_toml((eng, "")))
+    _hook(ctl, "dump", "10-dump", 'kill -9 "$CKPT_ENGINE_PID"; exit 1')
+    out = ctl.ckptctl("cycle", "killed", "--json")
+    assert out.returncode in (1, 4)
+    (o,) = json.loads(out.stdout)["engines"]
+    assert o["status"] == "failed" and o["state"] != "running"
+    assert not any(p["name"] == "rollback" for p in o["phases"])  # nothing left to roll back
+    eng.proc.wait(timeout=10)
+    status = json.loads(ctl.ckptctl("status", "killed", "--json").stdout)
+    assert status["engines"][0]["reachable"] is False
+
+
 def test_hook_owned_by_another_user_is_refused(spawn_reference, spawn_controller):
     import pwd
 

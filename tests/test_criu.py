@@ -88,6 +88,22 @@ def test_cycle_with_a_real_dump_keeps_serving(spawn_reference, spawn_controller)
             [api.generate(pr, 300).token_ids for pr in prompts]
 
 
+def test_an_engine_on_ipc_endpoints_cannot_be_dumped_and_is_told_why(spawn_reference,
+                                                                     spawn_controller):
+    eng = spawn_reference("cripc")  # ipc:// endpoints: the controller's connection is a unix socket
+    ctl = spawn_controller(config_for(eng))
+    install_hook(ctl, "dump", "10-criu-dump", "criu-dump")
+    out = ctl.ckptctl("cycle", "cripc", "--json")
+    assert out.returncode == 1
+    (o,) = json.loads(out.stdout)["engines"]
+    assert o["status"] == "rolled_back" and o["state"] == "running"  # the engine lives on
+    err = o["error"]["details"]["stderr_tail"]
+    assert f"unix-socket connection ({eng.control[len('ipc://'):]})" in err
+    assert "tcp://" in err
+    with EngineClient(eng.api) as api:
+        assert api.generate([1, 2, 3], 5).finish_reason == "length"
+
+
 def test_dump_stops_the_engine_and_restore_brings_it_back(spawn_reference, spawn_controller,
                                                           monkeypatch):
     monkeypatch.setenv("CKPT_CRIU_MODE", "stop")  # hooks get the controller's environment
@@ -125,13 +141,48 @@ def _stop_and_restore(eng, spawn_controller) -> None:
         assert api.requests[kept].token_ids == api.generate([8, 8, 8], 400).token_ids
 
 
-def test_restore_hook_without_an_image_fails_the_engine(spawn_controller, tmp_path):
+def test_restore_hook_without_an_image_says_so(tmp_path):
     env = dict(os.environ, CKPT_ENGINE_PID="999999999", CKPT_IMAGE_DIR=str(tmp_path),
                CKPT_CRIU=CRIU)
     out = subprocess.run([str(ROOT / "hooks" / "criu-restore")], env=env, capture_output=True,
                          text=True, timeout=30)
     assert out.returncode == 2 and "no CRIU image" in out.stderr
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_restore_waits_until_the_dumped_engines_pids_are_free(spawn_reference):
+    """Dumped leave-running, then killed: until its parent reaps it, the original holds its
+    PID (a zombie), and a restore must wait for it rather than fail."""
+    eng = tcp_engine(spawn_reference, "crwait")
+    try:
+        with AgentClient(eng.control) as agent:
+            agent.prepare(level=2)
+        images = eng.log_path.parent / "crwait-img"
+        images.mkdir()
+        env = dict(os.environ, CKPT_ENGINE_PID=str(eng.pid), CKPT_IMAGE_DIR=str(images),
+                   CKPT_CRIU=CRIU, CKPT_ACTION="dump")
+        out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        eng.proc.kill()  # not reaped yet: the PID stays taken
+        time.sleep(0.3)
+        env.update(CKPT_ACTION="pre-restore", CKPT_RESTORE_FROM=str(images))
+        start = time.monotonic()
+        restore = subprocess.Popen([str(ROOT / "hooks" / "criu-restore")], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        assert restore.poll() is None  # still waiting for the PID
+        eng.proc.wait(timeout=10)
+        stdout, stderr = restore.communicate(timeout=120)
+        assert restore.returncode == 0, stderr
+        assert time.monotonic() - start >= 1.5 and "restored the engine" in stdout
+        with AgentClient(eng.control) as agent:
+            assert agent.status().restored_from_image
+            assert agent.restore().state == "running"
+        with EngineClient(eng.api) as api:
+            assert api.generate([1, 2, 3], 5).finish_reason == "length"
+    finally:  # the restored copy is no child of ours: end it by name
+        subprocess.run(["pkill", "-f", "--", f"--name {eng.name} "], check=False)
 
 
 def test_under_load_dump_kill_restore_loses_nothing(spawn_reference, spawn_controller,
@@ -177,11 +228,9 @@ def test_under_load_dump_kill_restore_loses_nothing(spawn_reference, spawn_contr
 def test_prepared_image_is_much_smaller(spawn_reference, tmp_path, capsys):
     """The same engine dumped as it serves and dumped PREPARED at level 2 (weights and KV
     cache released): the sizes are printed, and the prepared one must be far smaller."""
-    eng = tcp_engine(spawn_reference, "crsize")
     eng_small = spawn_reference("crsize2", "--model", "small", "--kv-blocks", "256",
                                 api=f"tcp://127.0.0.1:{free_port()}",
                                 control=f"tcp://127.0.0.1:{free_port()}")
-    del eng
     sizes = {}
     for label in ("unprepared", "prepared"):
         if label == "prepared":
