@@ -12,7 +12,8 @@ Threads, and what each owns:
   same ``op_id`` again waits for, or returns, the first one's result.
 
 A bad frame is answered with a typed error (or logged and dropped when there is no one to
-answer) and the agent keeps serving. Neighbours: ``protocol`` (frames), ``operations``
+answer; one over the 16 MiB hard limit is dropped by zmq itself, which disconnects its sender
+and tells us no more than that) and the agent keeps serving. Neighbours: ``protocol`` (frames), ``operations``
 (steps), ``gate`` (admission), ``client`` (the other end).
 """
 
