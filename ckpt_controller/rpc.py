@@ -21,7 +21,13 @@ import zmq
 
 from ckpt_controller import protocol as p
 from ckpt_controller.endpoints import check_endpoint
-from ckpt_controller.errors import ConfigError, DeadlineError, ProtocolError, UnreachableError
+from ckpt_controller.errors import (
+    ConfigError,
+    DeadlineError,
+    ProtocolError,
+    UnreachableError,
+    VersionMismatchError,
+)
 from ckpt_controller.security import CurveClient
 
 
@@ -107,7 +113,15 @@ class RpcClient:
     # ------------------------------------------------------------------ common requests
 
     def handshake(self) -> p.HandshakeReply:
-        return self.call(p.RequestType.HANDSHAKE, p.Handshake(call_id=0, client=self.name))
+        """The server's name, PID and heartbeat interval; raises ``VersionMismatchError`` if
+        it speaks another protocol version than this client."""
+        reply = self.call(p.RequestType.HANDSHAKE, p.Handshake(call_id=0, client=self.name))
+        if reply.protocol_version != p.PROTOCOL_VERSION:
+            raise VersionMismatchError(
+                f"{self.endpoint} speaks protocol version {reply.protocol_version}; this client "
+                f"speaks {p.PROTOCOL_VERSION}", endpoint=self.endpoint,
+                got=reply.protocol_version, supported=p.PROTOCOL_VERSION)
+        return reply
 
     def heartbeat(self) -> p.HeartbeatReply:
         return self.call(p.RequestType.HEARTBEAT, p.HeartbeatCommand(call_id=0))

@@ -368,3 +368,35 @@ def test_stepwise_prepare_and_restore(agent, client):
     assert client.rollback(op_id="s7").state == "running"
     with pytest.raises(InvalidTransitionError):
         client.restore(op_id="s8", step="resume")
+
+
+def test_a_server_of_another_protocol_version_is_refused_at_the_handshake(ipc_dir):
+    """A stand-in server (a bare ROUTER on this thread's side) that answers the handshake as
+    a newer agent would: the client says so instead of going on."""
+    from ckpt_controller.errors import VersionMismatchError
+
+    ctx = zmq.Context.instance()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{ipc_dir}/newer.ctl"
+    server.bind(endpoint)
+
+    def answer() -> None:
+        if server.poll(5000):
+            ident, *frames = server.recv_multipart()
+            _, cmd = p.decode_command(frames)
+            reply = p.HandshakeReply(protocol_version=p.PROTOCOL_VERSION + 1, engine="newer",
+                                     pid=1, incarnation=0, state="running")
+            server.send_multipart([ident, *p.reply_frames(cmd.call_id, reply)])
+
+    t = threading.Thread(target=answer)
+    t.start()
+    try:
+        with AgentClient(endpoint, timeout_s=3, retries=0) as c:
+            with pytest.raises(VersionMismatchError) as info:
+                c.handshake()
+        assert info.value.details["got"] == p.PROTOCOL_VERSION + 1
+        assert endpoint in info.value.message
+    finally:
+        t.join(10)
+        server.close()

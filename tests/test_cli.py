@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +26,14 @@ def test_help_version_and_usage_errors():
     out = ckptctl("--help")
     assert out.returncode == 0 and "exit codes" in out.stdout and "agent" in out.stdout
     out = ckptctl("--version")
-    assert out.returncode == 0 and out.stdout.startswith("ckptctl ")
+    from ckpt_controller import __version__
+
+    assert out.returncode == 0 and out.stdout.split() == ["ckptctl", __version__]
+    # the installed console script is the same program
+    script = Path(sys.executable).parent / "ckptctl"
+    installed = subprocess.run([str(script), "--version"], capture_output=True, text=True,
+                               timeout=60)
+    assert installed.returncode == 0 and installed.stdout == out.stdout
     for bad in (["agent", "prepare"],  # --control missing
                 ["agent", "prepare", "--control", "ipc:///x", "--level", "7"],
                 ["agent", "prepare", "--control", "ipc:///x", "--level", "1", "--tags", "a"],
