@@ -39,6 +39,7 @@ def test_prefill_decode_and_recompute_match_the_golden_path(tiny):
     while len(out) < 30:
         out.append(tiny.decode([(out[-1], len(prompt) + len(out) - 1, blocks)], pool.kv)[0])
     assert out == want
+    assert tiny.paged_tokens(prompt, 30, pool.kv, pool.allocate(4)) == want  # the same, packaged
     # recomputing the KV cache from prompt + tokens so far continues identically
     fresh = BlockPool(tiny.cfg, 64)
     assert tiny.prefill(prompt + want[:12], fresh.kv, fresh.allocate(4)) == want[12]
@@ -149,6 +150,32 @@ def test_stop_token_keep_resume_and_abort(tiny):
     assert _tokens(rec, "k") == tiny.reference_tokens([4, 5], 40)
 
 
+def test_kept_requests_resume_oldest_first_ahead_of_newer_ones(tiny):
+    """Arrival time orders the restart: kept requests go back oldest first (by the arrival
+    time their clients stamped), ahead of anything queued while they were kept."""
+    rec = Recorder()
+    pool = BlockPool(tiny.cfg, 256)
+    sched = Scheduler(tiny, pool, max_batch=1, emit=rec.emit, on_finish=rec.finish)
+    for rid, arrival in (("late", 30.0), ("early", 10.0), ("middle", 20.0)):
+        sched.add(Request(rid, [3, 1, 4], 12, None, arrival, b""))
+    sched.step()  # "late" was first in line: it is decoding, the others wait
+    assert [r.request_id for r in sched.running] == ["late"]
+    sched.keep(["late", "early", "middle"])
+    sched.add(Request("newcomer", [2, 7], 12, None, 5.0, b""))  # queued while they were kept
+    sched.resume()
+    assert [r.request_id for r in sched.waiting] == ["early", "middle", "late", "newcomer"]
+    first_token_order = []
+    while sched.running or sched.waiting:
+        sched.step()
+        for r in sched.running:
+            if r.request_id not in first_token_order:
+                first_token_order.append(r.request_id)
+    assert first_token_order == ["early", "middle", "late", "newcomer"]
+    for rid, prompt in (("early", [3, 1, 4]), ("late", [3, 1, 4]), ("newcomer", [2, 7])):
+        assert rec.finished[rid] == "length"
+        assert _tokens(rec, rid) == tiny.reference_tokens(prompt, 12), rid
+
+
 class BrokenOnce:
     """Wraps the real model; its next decode raises (a failed kernel, say)."""
 
@@ -211,12 +238,39 @@ def test_golden_mismatch_fails_the_restore(tmp_path, ipc_dir):
             with pytest.raises(VerificationError) as info:
                 ctl.restore()
             assert info.value.details["state"] == "failed"
-            assert "golden" in info.value.message
+            assert "golden" in info.value.message and info.value.details["path"] == "cache-free"
             assert ctl.status().state == "failed"
             with EngineClient(f"ipc://{ipc_dir}/g.api") as api:  # admission stayed closed
                 with pytest.raises(RejectedError) as rejected:
                     api.generate([1, 2, 3], 4)
                 assert rejected.value.details["state"] == "failed"
+    finally:
+        eng.stop()
+
+
+def test_a_kv_path_that_computes_otherwise_fails_the_restore(tmp_path, ipc_dir, monkeypatch):
+    """The weights check out and the cache-free golden path agrees, but the path requests
+    take (prefill and decode through the re-woken KV pool) does not: the restore fails."""
+    from ckpt_controller.agent import AgentClient
+    from ckpt_controller.engine.server import EngineOptions, ReferenceEngine
+    from ckpt_controller.errors import VerificationError
+
+    eng = ReferenceEngine(EngineOptions(name="kvg", api=f"ipc://{ipc_dir}/kvg.api",
+                                        control=f"ipc://{ipc_dir}/kvg.ctl", model_dir=tmp_path))
+    eng.start()
+    try:
+        with AgentClient(eng.agent.endpoint) as ctl:
+            ctl.prepare(level=1)  # the KV pool is discarded and comes back zero-filled
+            ctl.restore()  # the paged golden path recomputes its blocks: it matches
+            ctl.prepare(level=1)
+            decode = eng.model.decode
+            monkeypatch.setattr(eng.model, "decode",
+                                lambda batch, kv: [t + 1 for t in decode(batch, kv)])
+            with pytest.raises(VerificationError) as info:
+                ctl.restore()
+            assert info.value.details["path"] == "kv_cache"
+            assert info.value.details["expected"] == eng.golden_paged
+            assert ctl.status().state == "failed"
     finally:
         eng.stop()
 

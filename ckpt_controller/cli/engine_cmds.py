@@ -66,23 +66,33 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     sp = sub.add_parser("generate", help="send one request to an engine, print its tokens", **fmt)
     sp.set_defaults(run=_generate)
-    sp.add_argument("--api", required=True, metavar="ENDPOINT")
-    sp.add_argument("--prompt-ids", required=True, type=_ids, metavar="ID,ID,...")
-    sp.add_argument("--max-tokens", required=True, type=_count)
+    sp.add_argument("--api", required=True, metavar="ENDPOINT",
+                    help="the engine's request API endpoint")
+    sp.add_argument("--prompt-ids", required=True, type=_ids, metavar="ID,ID,...",
+                    help="the prompt as token ids")
+    sp.add_argument("--max-tokens", required=True, type=_count, metavar="N",
+                    help="tokens to generate at most (finish reason length)")
     sp.add_argument("--stop-id", type=int, help="stop at this token id")
-    sp.add_argument("--timeout", type=positive, default=60.0, metavar="S")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--timeout", type=positive, default=60.0, metavar="S",
+                    help="give up after S seconds without the end (exit 3; default 60)")
+    sp.add_argument("--json", action="store_true",
+                    help="token ids, finish reason and events as one JSON document")
 
     sp = sub.add_parser("load", help="send requests at a rate; report how each ended", **fmt)
     sp.set_defaults(run=_load)
-    sp.add_argument("--api", required=True, metavar="ENDPOINT")
+    sp.add_argument("--api", required=True, metavar="ENDPOINT",
+                    help="the engine's request API endpoint")
     sp.add_argument("--rate", required=True, type=positive, help="requests per second")
-    sp.add_argument("--duration", required=True, type=positive, metavar="S")
+    sp.add_argument("--duration", required=True, type=positive, metavar="S",
+                    help="seconds to send for (rate x duration requests in all)")
     sp.add_argument("--seed", type=int, default=0, help="prompt seed: same seed, same requests")
-    sp.add_argument("--vocab-size", type=_count, default=1024)
+    sp.add_argument("--vocab-size", type=_count, default=1024,
+                    help="prompt tokens are drawn below this (default 1024, the smallest "
+                         "model's vocabulary)")
     sp.add_argument("--settle", type=positive, default=60.0, metavar="S",
                     help="how long to wait for the last requests to end (default 60)")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true",
+                    help="one JSON document: counts, lost ids, a digest of the outputs")
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -208,6 +208,16 @@ class TinyLM(torch.nn.Module):
     # ---------------------------------------------------------------- without a cache
 
     @torch.inference_mode()
+    def paged_tokens(self, prompt: list[int], n: int, kv: torch.Tensor,
+                     blocks: list[int]) -> list[int]:
+        """``n`` greedy tokens through the paged KV cache, as the scheduler makes them: one
+        prefill, then one decode per token. ``blocks`` must hold ``len(prompt) + n - 1``
+        positions; what they held is overwritten."""
+        out = [self.prefill(prompt, kv, blocks)]
+        for pos in range(len(prompt), len(prompt) + n - 1):
+            out.append(self.decode([(out[-1], pos, blocks)], kv)[0])
+        return out
+
     def reference_tokens(self, prompt: list[int], n: int) -> list[int]:
         """Greedy tokens computed from scratch each step (no KV cache): the golden path."""
         seq = list(prompt)

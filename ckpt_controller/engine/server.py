@@ -3,8 +3,9 @@
 Threads: the API thread owns the request ROUTER (admits requests through the agent's gate,
 forwards outputs from the outbox); the scheduler thread steps the batch; the agent has its
 own control and operation threads. The engine's ``EngineHooks`` map the agent's drain and
-pause/resume calls onto the scheduler, and ``verify`` re-runs a golden prompt through the
-cache-free path (``TinyLM.reference_tokens``) before the engine serves again.
+pause/resume calls onto the scheduler, and ``verify`` re-runs a golden prompt before the engine
+serves again, twice: through the cache-free path (``TinyLM.reference_tokens``: the weights)
+and through blocks of the re-woken KV pool (``TinyLM.paged_tokens``: the path requests take).
 Neighbours: ``scheduler``, ``model``, ``kv``, ``api``; ``agent`` (embedded).
 """
 
@@ -66,6 +67,7 @@ class ReferenceEngine(EngineHooks):
         n_blocks = opts.kv_blocks or 4 * self.pool_blocks_for(cfg.max_seq_len, opts.block_size)
         self.pool = BlockPool(cfg, n_blocks, opts.block_size)
         self.golden = self.model.reference_tokens(GOLDEN_PROMPT, GOLDEN_TOKENS)
+        self.golden_paged = self._paged_golden()
         self.registry = MemoryRegistry()
         self.registry.register("weights", self.model, source=self.weights_path)
         self.registry.register("kv_cache", {"kv": self.pool.kv})
@@ -221,11 +223,30 @@ class ReferenceEngine(EngineHooks):
     def resume_scheduling(self) -> None:
         self._on_scheduler(self.scheduler.resume)
 
+    def _paged_golden(self) -> list[int] | None:
+        """The golden prompt through free blocks of the KV pool (scheduler thread, or before
+        it starts); ``None`` when too few blocks are free to hold it."""
+        blocks = self.pool.allocate(self.pool.blocks_for(len(GOLDEN_PROMPT) + GOLDEN_TOKENS))
+        if blocks is None:
+            return None
+        try:
+            return self.model.paged_tokens(GOLDEN_PROMPT, GOLDEN_TOKENS, self.pool.kv, blocks)
+        finally:
+            self.pool.free(blocks)
+
     def verify(self) -> None:
         got = self.model.reference_tokens(GOLDEN_PROMPT, GOLDEN_TOKENS)
         if got != self.golden:
             raise VerificationError("golden prompt gives other tokens after re-wake",
-                                    engine=self.opts.name, expected=self.golden, got=got)
+                                    engine=self.opts.name, path="cache-free",
+                                    expected=self.golden, got=got)
+        paged = self._on_scheduler(self._paged_golden)
+        if paged is None:  # every block held (cannot happen after a drain): say so, go on
+            log.warning("%s: no free KV blocks for the paged golden check", self.opts.name)
+        elif paged != self.golden_paged:
+            raise VerificationError("golden prompt through the KV cache gives other tokens "
+                                    "after re-wake", engine=self.opts.name, path="kv_cache",
+                                    expected=self.golden_paged, got=paged)
 
 
 def serve(opts: EngineOptions, ready: Callable[[dict], None] | None = None) -> None:
