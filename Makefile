@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-slow demo criu vllm bench bench-full clean
+.PHONY: install test test-slow demo criu vllm bench bench-full bench-gpu clean
 
 install: $(STAMP)
 
@@ -39,6 +39,12 @@ bench-full: $(STAMP)
 	$(PY) bench/pages.py
 	$(PY) bench/drain.py
 	$(PY) bench/capture.py
+
+# the GPU's own path (needs a CUDA device): level 1 offload to pinned host memory and back
+# against pinned device-to-host and host-to-device copies, and level 2 on device tensors
+bench-gpu: $(STAMP)
+	$(PY) bench/memory.py --device cuda --level 1 --sizes 1,2,4,8 --out bench/results/memory-cuda-level1.json
+	$(PY) bench/memory.py --device cuda --level 2 --sizes 1,2,4,8 --out bench/results/memory-cuda-level2.json
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
