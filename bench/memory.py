@@ -45,11 +45,10 @@ GiB = 1 << 30
 TENSOR = 256 << 20
 
 
-def make(size: int, device: str, source_dir: Path):
+def tensors(size: int, device: str):
+    """Weights (3/4 of ``size``, in 256 MiB float32 tensors of seeded random values) and a KV
+    cache (the rest, zeros) on ``device``."""
     import torch
-
-    from ckpt_controller.memory import MemoryRegistry
-    from ckpt_controller.memory.safetensors_io import save_file
 
     wbytes = size * 3 // 4
     weights = {}
@@ -58,6 +57,14 @@ def make(size: int, device: str, source_dir: Path):
         t.uniform_(-1, 1, generator=torch.Generator(device=device).manual_seed(i))
         weights[f"w{i:03d}"] = t
     kv = torch.zeros((size - wbytes) // 4, dtype=torch.float32, device=device)
+    return weights, kv
+
+
+def make(size: int, device: str, source_dir: Path):
+    from ckpt_controller.memory import MemoryRegistry
+    from ckpt_controller.memory.safetensors_io import save_file
+
+    weights, kv = tensors(size, device)
     source = source_dir / f"weights-{size >> 20}MiB.safetensors"
     save_file(weights, source)
     reg = MemoryRegistry()
@@ -189,13 +196,7 @@ def one_size_level1(size: int, device: str, repeat: int) -> dict:
 
     from ckpt_controller.memory import MemoryRegistry
 
-    wbytes = size * 3 // 4
-    weights = {}
-    for i in range(max(1, wbytes // TENSOR)):
-        t = torch.empty(TENSOR // 4, dtype=torch.float32, device=device)
-        t.uniform_(-1, 1, generator=torch.Generator(device=device).manual_seed(i))
-        weights[f"w{i:03d}"] = t
-    kv = torch.zeros((size - wbytes) // 4, dtype=torch.float32, device=device)
+    weights, kv = tensors(size, device)
     reg = MemoryRegistry()
     reg.register("weights", weights)
     reg.register("kv_cache", {"kv": kv})

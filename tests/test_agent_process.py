@@ -69,6 +69,17 @@ def wait_for_state(client: AgentClient, state: str, timeout_s: float = 10) -> No
     raise TimeoutError(f"engine never reached {state}")
 
 
+def assert_turned_away_at_once(eng, state: str) -> None:
+    """A request sent now is rejected within a second, typed, with ``state`` and a hint."""
+    start = time.monotonic()
+    eng.submit("late", 5)
+    late = eng.collect(["late"])["late"]
+    assert time.monotonic() - start < 1.0
+    assert late["status"] == "rejected" and late["state"] == state
+    assert late["retry_after_s"] > 0
+    del eng.results["late"]
+
+
 def reference_outputs(eng, jobs: dict[str, tuple[int, int]]) -> dict[str, list[float]]:
     """Outputs of the same requests run straight through on the same engine."""
     for rid, (steps, seed) in jobs.items():
@@ -92,12 +103,7 @@ def test_wait_drain_finishes_in_flight_and_rejects_newcomers(small):
     time.sleep(0.05)
     t, out = in_background(lambda: ctl.prepare(drain="wait", drain_timeout_s=20, level=1))
     wait_for_state(watcher, "preparing")
-    start = time.monotonic()
-    small.submit("late", 5)
-    late = small.collect(["late"])["late"]
-    assert time.monotonic() - start < 1.0
-    assert late["status"] == "rejected" and late["state"] == "preparing"
-    assert late["retry_after_s"] > 0
+    assert_turned_away_at_once(small, "preparing")
     t.join(30)
     report = out["result"].drain
     assert (report.mode, report.completed, report.aborted, report.kept) == ("wait", 5, 0, 0)
@@ -126,12 +132,7 @@ def test_a_request_arriving_mid_prepare_is_rejected_at_once_in_every_mode(small,
     time.sleep(0.1)
     reply = ctl.prepare(drain=mode, level=1, step="drain", op_id=f"mid-{mode}")
     assert reply.state == "preparing"
-    start = time.monotonic()
-    small.submit("late", 5)
-    late = small.collect(["late"])["late"]
-    assert time.monotonic() - start < 1.0
-    assert late["status"] == "rejected" and late["state"] == "preparing"
-    assert late["retry_after_s"] > 0
+    assert_turned_away_at_once(small, "preparing")
     counts = (reply.drain.completed, reply.drain.aborted, reply.drain.kept)
     assert counts == {"wait": (3, 0, 0), "abort": (0, 3, 0), "keep": (0, 0, 3)}[mode]
     ctl.rollback(reason="test done")

@@ -60,6 +60,18 @@ def install_hook(ctl, point: str, name: str, hook: str) -> None:
     (folder / name).symlink_to(ROOT / "hooks" / hook)
 
 
+def dump_directly(pid: int, images: Path, timeout_s: float = 300) -> dict[str, str]:
+    """Run the criu-dump hook on ``pid`` into ``images`` (made here) as the controller would,
+    without one; returns the hook environment, for a criu-restore of the same image."""
+    images.mkdir()
+    env = dict(os.environ, CKPT_ENGINE_PID=str(pid), CKPT_IMAGE_DIR=str(images),
+               CKPT_CRIU=CRIU, CKPT_ACTION="dump")
+    out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], env=env, capture_output=True,
+                         text=True, timeout=timeout_s)
+    assert out.returncode == 0, out.stderr
+    return env
+
+
 def config_for(eng) -> str:
     return (f'[defaults]\ndrain = "keep"\nlevel = 2\n\n[[engine]]\nname = "{eng.name}"\n'
             f'control = "{eng.control}"\n')
@@ -158,12 +170,7 @@ def test_restore_waits_until_the_dumped_engines_pids_are_free(spawn_reference):
         with AgentClient(eng.control) as agent:
             agent.prepare(level=2)
         images = eng.log_path.parent / "crwait-img"
-        images.mkdir()
-        env = dict(os.environ, CKPT_ENGINE_PID=str(eng.pid), CKPT_IMAGE_DIR=str(images),
-                   CKPT_CRIU=CRIU, CKPT_ACTION="dump")
-        out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], env=env, capture_output=True,
-                             text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
+        env = dump_directly(eng.pid, images)
         eng.proc.kill()  # not reaped yet: the PID stays taken
         time.sleep(0.3)
         env.update(CKPT_ACTION="pre-restore", CKPT_RESTORE_FROM=str(images))
@@ -237,12 +244,7 @@ def test_prepared_image_is_much_smaller(spawn_reference, tmp_path, capsys):
             with AgentClient(eng_small.control) as agent:
                 agent.prepare(level=2)
         images = tmp_path / label
-        images.mkdir()
-        env = dict(os.environ, CKPT_ENGINE_PID=str(eng_small.pid), CKPT_IMAGE_DIR=str(images),
-                   CKPT_CRIU=CRIU, CKPT_ACTION="dump")
-        out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], env=env, capture_output=True,
-                             text=True, timeout=300)
-        assert out.returncode == 0, out.stderr
+        dump_directly(eng_small.pid, images)
         sizes[label] = sum(f.stat().st_size for f in images.iterdir())
     with capsys.disabled():
         print(f"\nCRIU image of a small reference engine: unprepared "
@@ -272,12 +274,7 @@ def test_leave_running_then_a_copy_in_its_own_pid_namespace(ipc_dir, model_dir):
         with AgentClient(control) as agent:
             agent.prepare(level=2)
         images = ipc_dir / "img"
-        images.mkdir()
-        env = dict(os.environ, CKPT_ENGINE_PID=str(engine_pid), CKPT_IMAGE_DIR=str(images),
-                   CKPT_CRIU=CRIU, CKPT_ACTION="dump")
-        out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], env=env, capture_output=True,
-                             text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
+        env = dump_directly(engine_pid, images)
         env.update(CKPT_ACTION="pre-restore", CKPT_RESTORE_FROM=str(images), CKPT_CRIU_BESIDE="1")
         out = subprocess.run([str(ROOT / "hooks" / "criu-restore")], env=env, capture_output=True,
                              text=True, timeout=120)
