@@ -58,6 +58,7 @@ def _check_faults(rep: dict, spec: str) -> None:
         assert cycle["ok"], cycle
 
 
+@pytest.mark.slow  # about three minutes on 2 cores; CI runs it with the slow suites
 def test_twenty_cycles_under_load_lose_nothing(tmp_path):
     code, rep, out = drill(tmp_path, "d1", "d2", "--cycles", "20", "--load", "10",
                            "--load-seconds", "2")
