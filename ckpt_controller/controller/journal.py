@@ -119,17 +119,12 @@ class Journal:
                    limit: int = 50) -> list[OperationSummary]:
         """The newest ``limit`` operations, newest first; only those on ``engine`` and/or with
         ``op_id`` when given (filtered before the limit, however old the match)."""
-        where, args = [], []
-        if engine:
-            where.append("EXISTS (SELECT 1 FROM json_each(operations.engines) WHERE value = ?)")
-            args.append(engine)
-        if op_id:
-            where.append("op_id = ?")
-            args.append(op_id)
+        where, args = _where(
+            ("EXISTS (SELECT 1 FROM json_each(operations.engines) WHERE value = ?)", engine),
+            ("op_id = ?", op_id))
         rows = self._read(
-            "SELECT op_id, kind, engines, status, wall, ended_wall FROM operations "
-            f"{'WHERE ' + ' AND '.join(where) if where else ''} ORDER BY wall DESC LIMIT ?",
-            (*args, max(limit, 1)))
+            f"SELECT op_id, kind, engines, status, wall, ended_wall FROM operations {where} "
+            "ORDER BY wall DESC LIMIT ?", (*args, max(limit, 1)))
         return [OperationSummary(op_id=op, kind=kind, engines=json.loads(engines), status=status,
                                  wall=wall, duration_s=None if ended is None else ended - wall)
                 for op, kind, engines, status, wall, ended in rows]
@@ -153,16 +148,11 @@ class Journal:
 
     def records(self, *, engine: str | None = None, op_id: str | None = None,
                 since: int = 0, limit: int = 500) -> list[JournalRecord]:
-        where, args = ["seq > ?"], [since]
-        if engine:
-            where.append("engine = ?")
-            args.append(engine)
-        if op_id:
-            where.append("op_id = ?")
-            args.append(op_id)
+        where, args = _where(("seq > ?", since), ("engine = ?", engine), ("op_id = ?", op_id),
+                             keep=("seq > ?",))
         rows = self._read(
-            f"SELECT seq, op_id, engine, type, wall, monotonic, data FROM records "
-            f"WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?", (*args, limit))
+            f"SELECT seq, op_id, engine, type, wall, monotonic, data FROM records {where} "
+            "ORDER BY seq DESC LIMIT ?", (*args, limit))
         return [JournalRecord(seq=r[0], op_id=r[1], engine=r[2], type=r[3], wall=r[4],
                               monotonic=r[5], data=json.loads(r[6])) for r in reversed(rows)]
 
@@ -193,3 +183,12 @@ class Journal:
         if no_result:
             problems.append(f"ended without a result: {[r[0] for r in no_result]}")
         return problems
+
+
+def _where(*conditions: tuple[str, Any], keep: tuple[str, ...] = ()) -> tuple[str, tuple]:
+    """A WHERE clause of the ``(sql, value)`` conditions whose value is given (non-empty), or
+    named in ``keep``; returns it with its arguments ('' and () when none applies)."""
+    used = [(sql, value) for sql, value in conditions if value or sql in keep]
+    if not used:
+        return "", ()
+    return "WHERE " + " AND ".join(sql for sql, _ in used), tuple(v for _, v in used)
