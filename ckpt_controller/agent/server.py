@@ -13,8 +13,8 @@ Threads, and what each owns:
 
 A bad frame is answered with a typed error (or logged and dropped when there is no one to
 answer; one over the 16 MiB hard limit is dropped by zmq itself, which disconnects its sender
-and tells us no more than that) and the agent keeps serving. Neighbours: ``protocol`` (frames), ``operations``
-(steps), ``gate`` (admission), ``client`` (the other end).
+and tells us no more than that) and the agent keeps serving. Neighbours: ``protocol``
+(frames), ``operations`` (steps), ``gate`` (admission), ``client`` (the other end).
 """
 
 from __future__ import annotations

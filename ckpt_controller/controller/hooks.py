@@ -8,7 +8,8 @@ order, and the first failure stops the point. Each gets its context in the envir
 without a shell in its own session, and on timeout gets SIGTERM, a grace period, then SIGKILL
 of its whole process group. A hook writable by group or others, or owned by another user
 (other than root), is refused, and so is one in a folder (``hooks_dir`` or the point's) that
-is: whoever may write there may put a hook there. What a failure does is the caller's business (``POINTS``).
+is: whoever may write there may put a hook there. What a failure does is the caller's
+business (``POINTS``).
 Neighbours: ``service`` runs the points; ``protocol.HookRun`` is what the journal keeps.
 """
 
