@@ -58,6 +58,32 @@ class Outcome:
     finish_reason: str | None = None
     error: str | None = None
     ended_wall: float = 0.0
+    #: vLLM's per-token logprobs (the token strings and each step's two best candidates)
+    logprobs: dict | None = None
+
+
+#: how close two candidates' logprobs must be to count as a tie that float32 rounding may
+#: break either way (a different batch, a recompute) rather than as a wrong output
+NEAR_TIE = 0.01
+
+
+def same_or_split_at_a_near_tie(got: Outcome, want: Outcome) -> str | None:
+    """``None`` when ``got`` equals ``want``, or first differs at a token where ``want``'s two
+    best candidates were the two tokens chosen, within ``NEAR_TIE`` (greedy decoding under
+    float32 may go either way there, and everything after may differ); else what is wrong."""
+    if got.text == want.text:
+        return None
+    a, b = got.logprobs["tokens"], want.logprobs["tokens"]
+    k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if k >= min(len(a), len(b)):
+        return f"one output is a prefix of the other ({len(a)} and {len(b)} tokens)"
+    top = want.logprobs["top_logprobs"][k] or {}
+    if a[k] not in top or b[k] not in top:
+        return f"token {k}: {a[k]!r} was not among the two best ({top})"
+    gap = abs(top[a[k]] - top[b[k]])
+    if gap > NEAR_TIE:
+        return f"token {k}: {a[k]!r} instead of {b[k]!r}, {gap:.4f} apart in logprob"
+    return None
 
 
 @dataclass
@@ -75,8 +101,9 @@ class Batch:
         def one(i: int, prompt: str) -> None:
             out = Outcome()
             try:
-                c = http.complete(prompt, self.max_tokens, retry_for_s=120, ignore_eos=True)
-                out.text, out.finish_reason = c.text, c.finish_reason
+                c = http.complete(prompt, self.max_tokens, retry_for_s=120, ignore_eos=True,
+                                  logprobs=2)
+                out.text, out.finish_reason, out.logprobs = c.text, c.finish_reason, c.logprobs
             except CkptError as err:
                 out.error = str(err)
             out.ended_wall = time.time()
@@ -230,8 +257,14 @@ def test_cycle_under_concurrent_completions(mode, vllm, sidecar, spawn_controlle
     else:  # kept: they finish after the restore, as if nothing had happened
         assert {o.finish_reason for o in outcomes.values()} == {"length"}
         assert min(o.ended_wall for o in outcomes.values()) >= walls["restoring"]
-        assert [outcomes[i].text for i in range(len(PROMPTS))] == \
-            [uninterrupted[i].text for i in range(len(PROMPTS))]
+        # token for token, but for a float32 near-tie that a different batch can break
+        # either way (the uninterrupted run decoded in other batches than the kept one)
+        wrong = {i: same_or_split_at_a_near_tie(outcomes[i], uninterrupted[i])
+                 for i in range(len(PROMPTS))}
+        assert not {i: w for i, w in wrong.items() if w}, wrong
+        split = [i for i in range(len(PROMPTS)) if outcomes[i].text != uninterrupted[i].text]
+        print(f"kept outputs identical: {len(PROMPTS) - len(split)} of {len(PROMPTS)}; split "
+              f"at a near-tie: {split}")
         assert drain["kept"] == len(PROMPTS)
     # the sidecar checked its golden completion; check one of ours too
     assert vllm.complete("the engine drains", 12, ignore_eos=True).text == golden

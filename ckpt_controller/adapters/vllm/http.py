@@ -68,6 +68,8 @@ class Completion:
     finish_reason: str | None
     #: how many times the server said "not now" before it took the request
     rejected: int = 0
+    #: the completion's ``logprobs`` object (``tokens``, ``top_logprobs``) when asked for
+    logprobs: dict | None = None
 
 
 class VllmHttp:
@@ -209,7 +211,7 @@ class VllmHttp:
                 continue
             choice = out["choices"][0]
             return Completion(text=choice["text"], finish_reason=choice.get("finish_reason"),
-                              rejected=rejected)
+                              rejected=rejected, logprobs=choice.get("logprobs"))
 
     @property
     def model_name(self) -> str:
