@@ -205,8 +205,6 @@ class TinyLM(torch.nn.Module):
             x = x + self._mlp(blk, x)
         return self._logits(x).argmax(-1).tolist()
 
-    # ---------------------------------------------------------------- without a cache
-
     @torch.inference_mode()
     def paged_tokens(self, prompt: list[int], n: int, kv: torch.Tensor,
                      blocks: list[int]) -> list[int]:
@@ -218,6 +216,9 @@ class TinyLM(torch.nn.Module):
             out.append(self.decode([(out[-1], pos, blocks)], kv)[0])
         return out
 
+    # ---------------------------------------------------------------- without a cache
+
+    @torch.inference_mode()
     def reference_tokens(self, prompt: list[int], n: int) -> list[int]:
         """Greedy tokens computed from scratch each step (no KV cache): the golden path."""
         seq = list(prompt)
