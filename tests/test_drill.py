@@ -13,6 +13,7 @@ import sys
 import pytest
 from PIL import Image
 
+from ckpt_controller.controller.journal import Journal
 from ckpt_controller.drill import faults as f
 from ckpt_controller.drill import report as r
 from ckpt_controller.errors import UsageError
@@ -151,3 +152,28 @@ def test_fault_specs():
 def test_bad_drill_arguments_exit_2(tmp_path, args, words):
     code, _, out = drill(tmp_path, *args, timeout=60)
     assert code == 2 and words in out, out
+
+
+@pytest.mark.slow  # two engines, a fault and its recovery: about half a minute on 2 cores
+def test_recovery_from_failed_restores_only_the_failed_engine(tmp_path):
+    """A corrupt weight fails the first engine's restore; the drill's recovery restore goes
+    to that engine alone, never to the other one, which the cycle left RUNNING."""
+    code, rep, out = drill(tmp_path, "c1", "c2", "--cycles", "1", "--faults",
+                           "corrupt-weight@rewake", "--load-seconds", "2")
+    assert code == 0, out
+    (fault,) = rep["summary"]["faults"]
+    assert fault["ok"] and fault["after"] == ["restore (recovery from FAILED): succeeded"], fault
+    (cycle,) = rep["cycles"]
+    by = {e["engine"]: e for e in cycle["engines"]}
+    assert (by["c1"]["state"], by["c2"]["state"]) == ("failed", "running")
+    journal = Journal(tmp_path / "rep" / "work" / "state" / "journal.sqlite3")
+    try:
+        (recovery,) = [o for o in journal.operations(limit=100) if o.op_id.endswith("-recover")]
+        assert (recovery.kind, recovery.engines, recovery.status) == ("restore", ["c1"],
+                                                                      "succeeded")
+        c2 = journal.records(engine="c2", limit=1000)
+    finally:
+        journal.close()
+    assert not [rec for rec in c2 if rec.op_id == recovery.op_id]
+    assert [rec.data["dest"] for rec in c2 if rec.type == "transition"] == \
+        ["preparing", "prepared", "restoring", "running"]

@@ -294,10 +294,17 @@ class Drill:
         elif exp.after == "recover":
             for path in (self.work / "hooks").glob("*/50-drill-fault"):
                 path.unlink()
-            again = self._operation(record["op_id"] + "-recover", {}, kind="restore")
-            after.append(f"restore (recovery from FAILED): {again.status}")
-            if again.status != "succeeded":
-                problems.append(f"{fault}: recovery from FAILED {again.status}")
+            # only the FAILED engines: a restore sent to a RUNNING one is refused, and would
+            # fail a recovery that worked
+            failed = [name for name, state in self._states().items() if state == "failed"]
+            if not failed:  # an empty list would name every engine
+                problems.append(f"{fault}: no engine is FAILED to recover")
+            else:
+                again = self._operation(record["op_id"] + "-recover", {}, kind="restore",
+                                        engines=failed)
+                after.append(f"restore (recovery from FAILED): {again.status}")
+                if again.status != "succeeded":
+                    problems.append(f"{fault}: recovery from FAILED {again.status}")
         elif exp.after == "restart-controller":
             after.append("controller restarted and reconciled")
 
@@ -317,10 +324,12 @@ class Drill:
 
     # ------------------------------------------------------------------ controller calls
 
-    def _operation(self, op_id: str, params: dict, kind: str = "cycle") -> p.OperationResult:
-        """Run the operation; if the controller died under it, start it again (it reconciles)
-        and ask for the same operation id: the journal's result comes back."""
-        names = [e.name for e in self.engines]
+    def _operation(self, op_id: str, params: dict, kind: str = "cycle",
+                   engines: list[str] | None = None) -> p.OperationResult:
+        """Run the operation on ``engines`` (default: all); if the controller died under it,
+        start it again (it reconciles) and ask for the same operation id: the journal's
+        result comes back."""
+        names = engines if engines is not None else [e.name for e in self.engines]
         for _attempt in range(3):
             try:
                 with ControllerClient(self.endpoint, timeout_s=10, retries=0) as c:
