@@ -71,3 +71,27 @@ def test_concurrent_writes_are_each_kept(tmp_path):
         assert len(reopened.records(limit=1000)) == 401 and reopened.check() == []
     finally:
         reopened.close()
+
+
+def test_history_limit_returns_records_only_of_the_operations_it_lists(tmp_path):
+    """``history --limit N`` lists the newest N operations and the records of those, and of
+    no other operation (older ones had many more records than the newest N)."""
+    from ckpt_controller.controller.config import default_config
+    from ckpt_controller.controller.service import Controller
+
+    ctl = Controller(default_config(state_dir=tmp_path / "state"))
+    try:
+        for i in range(6):
+            _done(ctl.journal, f"op{i}", ["e"])
+            for k in range(30 if i < 3 else 2):
+                ctl.journal.record("note", {"k": k}, op_id=f"op{i}", engine="e")
+        for limit in (1, 2, 3):
+            reply = ctl.history(p.HistoryCommand(call_id=0, limit=limit))
+            listed = [o.op_id for o in reply.operations]
+            assert listed == [f"op{i}" for i in range(5, 5 - limit, -1)]
+            assert reply.records, limit
+            assert {r.op_id for r in reply.records} <= set(listed), (limit, listed)
+            # every record of each listed operation is there
+            assert len(reply.records) == 3 * limit
+    finally:
+        ctl.close()

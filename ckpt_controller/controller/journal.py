@@ -147,9 +147,16 @@ class Journal:
         return rec
 
     def records(self, *, engine: str | None = None, op_id: str | None = None,
-                since: int = 0, limit: int = 500) -> list[JournalRecord]:
+                since: int = 0, limit: int = 500,
+                op_ids: list[str] | None = None) -> list[JournalRecord]:
+        """The newest ``limit`` records after ``since``, oldest first; only those of ``engine``,
+        of ``op_id`` and of the operations in ``op_ids`` (when given; ``[]`` matches none)."""
         where, args = _where(("seq > ?", since), ("engine = ?", engine), ("op_id = ?", op_id),
                              keep=("seq > ?",))
+        if op_ids is not None:
+            where = f"{where} AND " if where else "WHERE "
+            where += "op_id IN (SELECT value FROM json_each(?))"
+            args = (*args, json.dumps(list(op_ids)))
         rows = self._read(
             f"SELECT seq, op_id, engine, type, wall, monotonic, data FROM records {where} "
             "ORDER BY seq DESC LIMIT ?", (*args, limit))

@@ -351,11 +351,12 @@ class Controller:
         return p.ControllerStatusReply(controller_pid=os.getpid(), engines=views)
 
     def history(self, cmd: p.HistoryCommand) -> p.HistoryReply:
-        return p.HistoryReply(
-            operations=self.journal.operations(engine=cmd.engine, op_id=cmd.op_id,
-                                               limit=cmd.limit),
-            records=self.journal.records(engine=cmd.engine, op_id=cmd.op_id,
-                                         limit=cmd.limit * 20))
+        """The newest ``limit`` operations (of ``engine``, or ``op_id``) and the newest
+        records of those operations only (``engine``'s own, when given)."""
+        operations = self.journal.operations(engine=cmd.engine, op_id=cmd.op_id,
+                                             limit=cmd.limit)
+        return p.HistoryReply(operations=operations, records=self.journal.records(
+            engine=cmd.engine, op_ids=[o.op_id for o in operations], limit=cmd.limit * 20))
 
     # ---------------------------------------------------------------- after a crash
 
