@@ -145,6 +145,7 @@ class ControllerProcess(ReadyProcess):
         self.endpoint = endpoint or f"ipc://{tmp}/controller.sock"
         self.state_dir = tmp / "state"
         self.config = tmp / "controller.toml"
+        (tmp / "hooks").mkdir(mode=0o700, exist_ok=True)  # a hooks_dir must exist at start
         self.config.write_text(f'[controller]\nendpoint = "{self.endpoint}"\n'
                                f'state_dir = "{tmp}/state"\nhooks_dir = "{tmp}/hooks"\n'
                                f'heartbeat_interval_s = 0.2\n{controller_keys}' + config_text)

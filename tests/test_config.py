@@ -172,6 +172,16 @@ BAD = [
     ("[deadlines]\nhook = inf\n", "deadlines.hook", "finite"),
     ("[deadlines]\nrestore = nan\n", "deadlines.restore", "finite"),
     ("[deadlines]\ncapture = \"10s\"\n", "deadlines.capture", "'10s'"),
+    # durations have an upper bound (a day): a huge one passed validation, then overflowed
+    ("[controller]\nreconcile_interval_s = 1e12\n", "controller.reconcile_interval_s",
+     "at most 86400"),
+    ("[controller]\nheartbeat_interval_s = 1e12\n", "controller.heartbeat_interval_s",
+     "at most 86400"),
+    ("[controller]\nmissed_beats = 100000000000\n", "controller.missed_beats", "<= 1000"),
+    ("[deadlines]\nhook = 1e12\n", "deadlines.hook", "at most 86400"),
+    ("[deadlines]\noperation = 1e12\n", "deadlines.operation", "at most 86400"),
+    ("[deadlines]\nhook_grace = 86401\n", "deadlines.hook_grace", "at most 86400"),
+    ("[controller]\nrequire_dump = 1\n", "controller.require_dump", "true or false"),
     # engines
     ("[engine]\nname = \"a\"\n", "engine", "[[engine]]"),
     ("engine = [1]\n", "engine", "array of tables"),

@@ -79,7 +79,10 @@ def test_history_limit_returns_records_only_of_the_operations_it_lists(tmp_path)
     from ckpt_controller.controller.config import default_config
     from ckpt_controller.controller.service import Controller
 
-    ctl = Controller(default_config(state_dir=tmp_path / "state"))
+    import dataclasses
+
+    config = default_config(state_dir=tmp_path / "state")
+    ctl = Controller(dataclasses.replace(config, endpoint=f"ipc://{tmp_path}/c.sock"))
     try:
         for i in range(6):
             _done(ctl.journal, f"op{i}", ["e"])

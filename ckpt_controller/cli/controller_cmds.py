@@ -21,7 +21,7 @@ from ckpt_controller.cli.common import (
     positive,
     print_json,
 )
-from ckpt_controller.errors import UsageError
+from ckpt_controller.errors import CkptError, UsageError
 
 OPS = ("prepare", "capture", "restore", "cycle", "rollback")
 
@@ -106,8 +106,27 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(config, ready=lambda info: print(json.dumps(info), flush=True))
+    try:
+        serve(config, ready=lambda info: print(json.dumps(info), flush=True))
+    except CkptError as err:
+        raise _at_start(config, err) from None
     return 0
+
+
+def _at_start(config, err: CkptError) -> CkptError:
+    """A socket the running system would not let the controller bind, as the config value
+    to change: the file and key named, exit 2."""
+    from ckpt_controller.controller.config import key_error
+
+    if err.details.get("file") is not None:  # named already (the state dir's checks)
+        return err
+    if err.details.get("endpoint") == config.endpoint and err.message.startswith("cannot bind"):
+        return key_error(config, "controller.endpoint", err.message)
+    if err.message.startswith("cannot serve metrics"):
+        taken = "in use" in str(err.details.get("problem", ""))
+        return key_error(config, "controller.metrics_port" if taken else
+                         "controller.metrics_host", err.message)
+    return err
 
 
 # ---------------------------------------------------------------- operations

@@ -61,6 +61,7 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[ReadyProcess]) -> 
     # the engine listens on TCP loopback so CRIU can checkpoint it with clients connected
     api, control = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
     ctl = f"ipc://{tmp}/ctl"
+    (tmp / "hooks").mkdir(mode=0o700, exist_ok=True)  # the controller refuses a missing one
     criu_hook = install_criu_dump_hook(tmp / "hooks")
     _say("ckpt-controller demo: one reference engine, one controller, load, one full cycle")
     _say(f"  working in {tmp}")

@@ -33,6 +33,8 @@ DRAIN_MODES = ("wait", "abort", "keep")
 ON_DEADLINE = ("abort", "keep", "fail")
 LEVELS = (0, 1, 2)
 KINDS = ("native", "vllm")
+#: the longest duration any key may give (a day): longer ones overflow timers and waits
+MAX_SECONDS = 86400.0
 _MISSING: Any = object()
 
 
@@ -108,6 +110,10 @@ class ControllerConfig:
     deadlines: Deadlines = field(default_factory=Deadlines)
     defaults: PrepareDefaults = field(default_factory=PrepareDefaults)
     engines: tuple[EngineConfig, ...] = ()
+    #: a capture whose engine has no dump hook to run is an error (else it is reported)
+    require_dump: bool = False
+    #: the file this was read from (named in errors found when the controller starts)
+    source: str = "<defaults>"
 
     def engine(self, name: str) -> EngineConfig:
         """The engine called ``name``; ``UsageError`` naming the known engines otherwise."""
@@ -158,7 +164,7 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
     ctl = top.table("controller", ("endpoint", "state_dir", "hooks_dir", "image_dir",
                                    "metrics_port", "metrics_host", "heartbeat_interval_s",
                                    "missed_beats", "reconcile_interval_s", "curve_secret_key",
-                                   "curve_clients"))
+                                   "curve_clients", "require_dump"))
     dl = top.table("deadlines", tuple(f.name for f in fields(Deadlines)))
     deadlines = Deadlines(**{f.name: dl.seconds(f.name, f.default) for f in fields(Deadlines)})
     defaults = PrepareDefaults().merged(_prepare_overrides(top.table("defaults", _PREPARE_KEYS)))
@@ -172,12 +178,15 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
                                "an integer port in 0..65535 (0: any free port)"),
         metrics_host=ctl.string("metrics_host", "127.0.0.1"),
         heartbeat_interval_s=ctl.seconds("heartbeat_interval_s", 0.5),
-        missed_beats=ctl.value("missed_beats", 6, lambda v: _is_int(v) and v >= 1,
-                               "an integer >= 1"),
+        missed_beats=ctl.value("missed_beats", 6, lambda v: _is_int(v) and 1 <= v <= 1000,
+                               "an integer >= 1 and <= 1000"),
         reconcile_interval_s=ctl.seconds("reconcile_interval_s", 2.0),
         curve_secret_key=_curve_key(ctl, "curve_secret_key", secret=True),
         curve_clients=_curve_clients(ctl),
-        deadlines=deadlines, defaults=defaults, engines=_engines(top))
+        deadlines=deadlines, defaults=defaults, engines=_engines(top),
+        require_dump=ctl.value("require_dump", False, lambda v: isinstance(v, bool),
+                               "true or false"),
+        source=file)
     engines_with_keys = [e.name for e in config.engines if e.curve_server_key]
     if engines_with_keys and config.curve_secret_key is None:
         raise _error(file, "controller.curve_secret_key", "engines with curve_server_key ("
@@ -299,8 +308,10 @@ class _Table:
                           "a non-empty string")
 
     def seconds(self, name: str, default: float) -> float:
-        return float(self.value(name, default, lambda v: _is_number(v) and v > 0,
-                                "a finite number of seconds > 0"))
+        return float(self.value(name, default,
+                                lambda v: _is_number(v) and 0 < v <= MAX_SECONDS,
+                                f"a finite number of seconds, at most {MAX_SECONDS:.0f} (a day) "
+                                f"and > 0"))
 
     def size(self, name: str) -> int:
         value = self.value(name, _MISSING, lambda v: isinstance(v, str) or _is_int(v) and v >= 0,
@@ -366,6 +377,12 @@ def _default_endpoint(file: str) -> str:
     except (ConfigError, OSError) as err:  # no usable default: the person sets one instead
         raise _error(file, "controller.endpoint",
                      f"not given, and the default is unusable: {err}") from None
+
+
+def key_error(config: ControllerConfig, key: str, problem: str, **extra: Any) -> ConfigError:
+    """A ``ConfigError`` naming the file ``config`` was read from and ``key``: for a value
+    that passed these checks but that the running system refuses (found at start)."""
+    return _error(config.source, key, problem, **extra)
 
 
 def _error(file: str, key: str | None, problem: str, **extra: Any) -> ConfigError:

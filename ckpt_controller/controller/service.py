@@ -33,6 +33,7 @@ from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.hooks import find_hooks, stop_orphan_hooks
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.session import EngineSession
+from ckpt_controller.controller.statedir import claim
 from ckpt_controller.errors import (
     BusyError,
     CkptError,
@@ -75,8 +76,12 @@ class Controller:
     def __init__(self, config: ControllerConfig, *, metrics=None,
                  publish: Callable[[p.EventBody], None] | None = None) -> None:
         self.config = config
-        config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.journal = Journal(config.state_dir / "journal.sqlite3")
+        self._claim = claim(config)  # first: a second controller must not touch the journal
+        try:
+            self.journal = Journal(config.state_dir / "journal.sqlite3")
+        except BaseException:  # policy: a controller that did not start holds nothing
+            self._claim.release()
+            raise
         self.metrics = metrics
         self.publish = publish or (lambda body: None)
         self._lock = threading.Lock()
@@ -92,6 +97,7 @@ class Controller:
         if self._reconciler is not None:
             self._reconciler.join(timeout=10)
         self.journal.close()
+        self._claim.release()
 
     def record(self, type_: str, data: dict, **kw) -> p.JournalRecord:
         rec = self.journal.record(type_, data, **kw)

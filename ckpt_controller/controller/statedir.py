@@ -1,0 +1,133 @@
+"""The controller's claim on its state directory and endpoint, made when it starts.
+
+``claim(config)`` runs before the journal opens and before the endpoint is bound. It makes the
+state and image directories, checks the hooks directory and the folder an ``ipc://`` endpoint
+lives in, and takes an exclusive ``flock`` on ``<state_dir>/controller.lock`` with this
+process's PID written in it. The lock is held for the life of the process; the kernel lets go
+of it when the process dies, kill -9 included. A second controller on the same state directory
+is refused, naming the holder's PID, so two never write one journal. An ``ipc://`` socket file
+that is already there is reclaimed when nothing listens on it (a controller killed before it
+could remove it) and refused when something does; ``Claim.release`` removes the socket file at
+exit, while the lock is still held. Every problem is a ``ConfigError`` naming the file and key.
+Neighbours: ``config`` (the values checked), ``service`` (holds the claim while it runs).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from ckpt_controller.controller.config import ControllerConfig, key_error
+
+LOCK_NAME = "controller.lock"
+
+
+class Claim:
+    """A held state directory: the open, locked ``controller.lock`` and the endpoint's file."""
+
+    def __init__(self, fd: int, socket_path: Path | None) -> None:
+        self._fd: int | None = fd
+        self.socket_path = socket_path
+
+    def release(self) -> None:
+        """Remove the endpoint's socket file unless another process listens on it, then let
+        go of the lock. Idempotent."""
+        if self._fd is None:
+            return
+        if self.socket_path is not None and self.socket_path.is_socket() \
+                and not listening(self.socket_path):
+            self.socket_path.unlink(missing_ok=True)
+        os.close(self._fd)  # closing the only descriptor releases the flock
+        self._fd = None
+
+
+def claim(config: ControllerConfig) -> Claim:
+    """Check what only the running system can tell and take the state directory's lock."""
+    _make_dir(config, "controller.state_dir", config.state_dir)
+    fd = _lock(config)
+    try:
+        _make_dir(config, "controller.image_dir", config.image_dir)
+        if config.hooks_dir is not None and not config.hooks_dir.is_dir():
+            what = "is not a directory" if config.hooks_dir.exists() else "does not exist"
+            raise key_error(config, "controller.hooks_dir", f"{config.hooks_dir} {what}; create "
+                            "it (hooks live in <hooks_dir>/<point>/) or leave the key out",
+                            path=str(config.hooks_dir))
+        socket_path = _endpoint_file(config)
+    except BaseException:  # policy: a refused start holds nothing
+        os.close(fd)
+        raise
+    return Claim(fd, socket_path)
+
+
+def listening(path: Path) -> bool:
+    """Whether a process accepts connections on the unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):  # policy: nobody there: stale
+            return False
+        except OSError:  # policy: cannot tell (no permission, timeout): assume it is in use
+            return True
+        return True
+
+
+def _make_dir(config: ControllerConfig, key: str, path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError:  # policy: a file (or a dangling link) where a folder must be
+        raise key_error(config, key, f"{path} exists and is not a directory",
+                        path=str(path)) from None
+    except OSError as err:  # policy: read-only, /proc, no permission: the person picks another
+        raise key_error(config, key, f"cannot create {path}: {err.strerror or err}",
+                        path=str(path)) from None
+
+
+def _lock(config: ControllerConfig) -> int:
+    path = config.state_dir / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as err:  # policy: a state directory we cannot write in is unusable
+        raise key_error(config, "controller.state_dir", f"cannot write in {config.state_dir}: "
+                        f"{err.strerror or err}", path=str(path)) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # policy: no locks there
+            raise key_error(config, "controller.state_dir", f"cannot lock {path}: "
+                            f"{err.strerror or err}", path=str(path)) from None
+        raise key_error(config, "controller.state_dir",
+                        f"{config.state_dir} is in use by another controller (pid {holder}); "
+                        "one controller per state directory", path=str(path),
+                        holder_pid=int(holder) if holder.isdigit() else None) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _endpoint_file(config: ControllerConfig) -> Path | None:
+    """The socket file of an ``ipc://`` endpoint (None for tcp, inproc and abstract ones),
+    after checking its folder exists and nothing else listens on it."""
+    if not config.endpoint.startswith("ipc://"):
+        return None
+    rest = config.endpoint[len("ipc://"):]
+    if rest.startswith("@"):  # Linux abstract namespace: no file
+        return None
+    path = Path(rest)
+    if not path.parent.is_dir():
+        raise key_error(config, "controller.endpoint", f"the folder of {path} does not exist",
+                        path=str(path))
+    if path.exists() or path.is_symlink():
+        if not path.is_socket():
+            raise key_error(config, "controller.endpoint", f"{path} exists and is not a socket",
+                            path=str(path))
+        if listening(path):
+            raise key_error(config, "controller.endpoint", f"another process serves on {path}",
+                            path=str(path))
+        path.unlink(missing_ok=True)  # left by a controller that was killed: reclaimed
+    return path
