@@ -1,5 +1,7 @@
 """Prometheus metrics: the rendered text parses line by line as exposition format 0.0.4, a real
-HTTP scrape on a free port returns it, and concurrent updates add up."""
+HTTP scrape on a free port returns it, concurrent updates add up, the journal's records count
+hook failures, escalations and reconciles, and a real ``ckptctl serve`` keeps every engine's
+state gauges current from its heartbeats, with no ``status`` call."""
 
 from __future__ import annotations
 
@@ -8,17 +10,23 @@ import math
 import re
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from ckpt_controller import protocol as p
+from ckpt_controller.agent.client import AgentClient
+from ckpt_controller.controller.config import ControllerConfig, EngineConfig
 from ckpt_controller.controller.metrics import (
     CONTENT_TYPE,
     PHASE_BUCKETS,
+    STATES,
     Metrics,
     MetricsServer,
 )
+from ckpt_controller.controller.monitor import EngineMonitor
 from ckpt_controller.errors import ConfigError
 
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
@@ -76,18 +84,24 @@ def test_render_is_valid_exposition_text():
     m.transition("engine-a", "preparing", "prepared")
     observations = [0.0005, 0.001, 0.2, 0.2, 7.0, 299.0, 1000.0]
     for s in observations:
-        m.phase("drain", s)
-    m.phase("release", 0.03)
+        m.phase("drain", s, engine="engine-a")
+    m.phase("release", 0.03, engine="engine-a")
     m.drained(completed=5, aborted=2, kept=0)
     m.drained(completed=1, aborted=0, kept=3)
     m.freed_bytes(1 << 30)
     m.freed_bytes(512)
-    m.engine_states({"running": 3, "prepared": 1})
+    m.engines_known(["engine-a", "engine-b"])
+    m.engine_seen("engine-a", "prepared")
     types, samples = parse(m.render())
     assert types == {"ckpt_operations_total": "counter", "ckpt_transitions_total": "counter",
                      "ckpt_phase_duration_seconds": "histogram",
                      "ckpt_drained_requests_total": "counter", "ckpt_freed_bytes_total": "counter",
-                     "ckpt_engines": "gauge"}
+                     "ckpt_hook_failures_total": "counter",
+                     "ckpt_drain_escalations_total": "counter", "ckpt_reconciles_total": "counter",
+                     "ckpt_engines": "gauge", "ckpt_engine_state": "gauge",
+                     "ckpt_engine_up": "gauge", "ckpt_engine_state_since_timestamp_seconds": "gauge",
+                     "ckpt_last_successful_cycle_timestamp_seconds": "gauge",
+                     "ckpt_image_bytes": "gauge"}
     assert values(samples, "ckpt_operations_total") == {
         (("kind", "prepare"), ("outcome", "ok")): 2, (("kind", "restore"), ("outcome", "failed")): 1}
     assert values(samples, "ckpt_transitions_total")[
@@ -95,35 +109,126 @@ def test_render_is_valid_exposition_text():
     assert values(samples, "ckpt_drained_requests_total") == {
         (("outcome", "completed"),): 6, (("outcome", "aborted"),): 2, (("outcome", "kept"),): 3}
     assert values(samples, "ckpt_freed_bytes_total") == {(): (1 << 30) + 512}
-    assert values(samples, "ckpt_engines") == {(("state", "running"),): 3,
-                                               (("state", "prepared"),): 1}
+    assert values(samples, "ckpt_engines") == {
+        (("state", s),): {"prepared": 1, "unknown": 1}.get(s, 0) for s in STATES}
 
     buckets = [(float(labels["le"]), v) for n, labels, v in samples
-               if n == "ckpt_phase_duration_seconds_bucket" and labels["phase"] == "drain"]
+               if n == "ckpt_phase_duration_seconds_bucket" and labels["phase"] == "drain"
+               and labels["engine"] == "engine-a"]
     assert [le for le, _ in buckets] == [*PHASE_BUCKETS, math.inf]
     assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))  # cumulative
     for le, count in buckets:
         assert count == sum(1 for s in observations if s <= le)
     count = values(samples, "ckpt_phase_duration_seconds_count")
     total = values(samples, "ckpt_phase_duration_seconds_sum")
-    assert count[(("phase", "drain"),)] == len(observations) == buckets[-1][1]
-    assert total[(("phase", "drain"),)] == pytest.approx(sum(observations))
-    assert count[(("phase", "release"),)] == 1
+    drain, release = (("engine", "engine-a"), ("phase", "drain")), \
+        (("engine", "engine-a"), ("phase", "release"))
+    assert count[drain] == len(observations) == buckets[-1][1]
+    assert total[drain] == pytest.approx(sum(observations))
+    assert count[release] == 1
 
 
 def test_fresh_registry_renders_zeroes():
     types, samples = parse(Metrics().render())
-    assert len(types) == 6
-    assert {n for n, _, _ in samples} == {"ckpt_drained_requests_total", "ckpt_freed_bytes_total"}
+    assert len(types) == 14
+    assert {n for n, _, _ in samples} == {"ckpt_drained_requests_total", "ckpt_freed_bytes_total",
+                                          "ckpt_engines"}
     assert all(v == 0 for _, _, v in samples)
+    assert {labels["state"] for n, labels, _ in samples if n == "ckpt_engines"} == set(STATES)
 
 
-def test_engine_states_replace_the_gauge():
+def engine_states(samples) -> dict[str, dict[str, float]]:
+    """engine -> {state: value} of ``ckpt_engine_state``."""
+    out: dict[str, dict[str, float]] = {}
+    for name, labels, v in samples:
+        if name == "ckpt_engine_state":
+            out.setdefault(labels["engine"], {})[labels["state"]] = v
+    return out
+
+
+def test_engine_state_gauges_carry_every_state_for_every_engine():
     m = Metrics()
-    m.engine_states({"running": 2})
-    m.engine_states({"prepared": 2})
-    assert values(parse(m.render())[1], "ckpt_engines") == {(("state", "running"),): 0,
-                                                            (("state", "prepared"),): 2}
+    m.engines_known(["a", "b"])
+    _, samples = parse(m.render())
+    assert engine_states(samples) == {e: {s: float(s == "unknown") for s in STATES}
+                                      for e in ("a", "b")}
+    assert values(samples, "ckpt_engine_up") == {(("engine", "a"),): 0, (("engine", "b"),): 0}
+    m.engine_up("a", True)
+    m.engine_seen("a", "running", since_wall=1000.5)
+    m.engine_up("b", True)
+    m.engine_seen("b", "running")
+    m.engine_seen("b", "failed", since_wall=2000.25)
+    _, samples = parse(m.render())
+    assert engine_states(samples) == {"a": {s: float(s == "running") for s in STATES},
+                                      "b": {s: float(s == "failed") for s in STATES}}
+    assert values(samples, "ckpt_engines") == {
+        (("state", s),): {"running": 1, "failed": 1}.get(s, 0) for s in STATES}
+    assert values(samples, "ckpt_engine_state_since_timestamp_seconds") == {
+        (("engine", "a"),): 1000.5, (("engine", "b"),): 2000.25}
+    m.engine_seen("b", "failed")  # a heartbeat in the same state keeps the time of entry
+    m.engine_up("a", False)  # heartbeats stopped: down, state unknown
+    _, samples = parse(m.render())
+    assert values(samples, "ckpt_engine_state_since_timestamp_seconds")[(("engine", "b"),)] \
+        == 2000.25
+    assert engine_states(samples)["a"] == {s: float(s == "unknown") for s in STATES}
+    assert values(samples, "ckpt_engine_up") == {(("engine", "a"),): 0, (("engine", "b"),): 1}
+    with pytest.raises(ValueError, match="unknown engine state 'serving'"):
+        m.engine_seen("a", "serving")
+
+
+def record(type_: str, engine: str | None, **data) -> p.JournalRecord:
+    return p.JournalRecord(seq=1, op_id="op", engine=engine, type=type_, wall=0.0, monotonic=0.0,
+                           data=data)
+
+
+def test_journal_records_count_hook_failures_escalations_and_reconciles():
+    m = Metrics()
+    hook = {"path": "/h", "duration_s": 0.1, "stdout_tail": "", "stderr_tail": ""}
+    for rec in [record("hook", "a", point="dump", exit_code=0, timed_out=False, **hook),
+                record("hook", "a", point="dump", exit_code=7, timed_out=False, **hook),
+                record("hook", "a", point="post-restore", exit_code=None, timed_out=True, **hook),
+                record("hook", "b", point="dump", exit_code=-9, timed_out=False, **hook),
+                record("drain", "a", mode="wait", escalated_to=None, completed=3),
+                record("drain", "a", mode="wait", escalated_to="abort", aborted=2),
+                record("drain", "b", mode="wait", escalated_to="keep", kept=1),
+                record("reconciled", "a", found="prepared", now="running"),
+                record("reconciled", "a", found="prepared", now="running"),
+                record("transition", "a", trigger="prepare", source="running", dest="preparing",
+                       generation=0, reason=""),
+                record("operation_end", None, status="succeeded", duration_s=1.0)]:
+        m.journaled(rec)
+    _, samples = parse(m.render())
+    assert values(samples, "ckpt_hook_failures_total") == {
+        (("engine", "a"), ("point", "dump")): 1, (("engine", "a"), ("point", "post-restore")): 1,
+        (("engine", "b"), ("point", "dump")): 1}
+    assert values(samples, "ckpt_drain_escalations_total") == {
+        (("engine", "a"), ("to", "abort")): 1, (("engine", "b"), ("to", "keep")): 1}
+    assert values(samples, "ckpt_reconciles_total") == {
+        (("engine", "a"), ("found", "prepared")): 2}
+    assert values(samples, "ckpt_transitions_total") == {}  # counted by the session, not here
+
+
+def test_a_successful_cycle_dates_its_engines_and_a_capture_sizes_its_image(tmp_path):
+    m = Metrics()
+    ok = p.EngineOutcome(engine="a", status="succeeded", state="running")
+    bad = p.EngineOutcome(engine="b", status="failed", state="failed")
+    m.operation_finished("prepare", "succeeded", [ok])  # not a cycle
+    before = time.time()
+    m.operation_finished("cycle", "failed", [ok, bad])
+    after = time.time()
+    m.operation_finished("cycle", "refused")
+    _, samples = parse(m.render())
+    (stamp,) = values(samples, "ckpt_last_successful_cycle_timestamp_seconds").items()
+    assert stamp[0] == (("engine", "a"),) and before <= stamp[1] <= after
+    assert values(samples, "ckpt_operations_total")[
+        (("kind", "cycle"), ("outcome", "refused"))] == 1
+    image = tmp_path / "image"
+    (image / "sub").mkdir(parents=True)
+    (image / "pages-1.img").write_bytes(b"x" * 5000)
+    (image / "sub" / "core.img").write_bytes(b"y" * 123)
+    (image / "link").symlink_to(image / "pages-1.img")  # not counted twice
+    m.image_written("a", image)
+    assert values(parse(m.render())[1], "ckpt_image_bytes") == {(("engine", "a"),): 5123}
 
 
 def test_label_values_are_escaped():
@@ -141,7 +246,7 @@ def test_label_values_are_escaped():
 
 @pytest.mark.parametrize("call", [lambda m: m.freed_bytes(-1), lambda m: m.drained(1, -1, 0),
                                   lambda m: m.phase("x", -0.1), lambda m: m.phase("x", math.nan),
-                                  lambda m: m.engine_states({"running": -1}),
+                                  lambda m: m.engine_seen("e", "sleeping"),
                                   lambda m: m.freed_bytes(1.5)])
 def test_bad_values_are_refused(call):
     m = Metrics()
@@ -170,9 +275,9 @@ def test_http_endpoint_serves_metrics_and_404_elsewhere(caplog, capsys):
         status, ctype, body = get(f"{base}/metrics")
         assert (status, ctype) == (200, CONTENT_TYPE)
         assert body == m.render()
-        assert 'ckpt_operations_total{kind="cycle",outcome="ok"} 1' in body
+        assert 'ckpt_operations_total{kind="cycle",outcome="ok"} 1.0' in body
         m.freed_bytes(10)
-        assert "ckpt_freed_bytes_total 10\n" in get(f"{base}/metrics?x=1")[2]
+        assert "ckpt_freed_bytes_total 10.0\n" in get(f"{base}/metrics?x=1")[2]
         status, _, body = get(f"{base}/other")
         assert status == 404 and "/metrics" in body
     server.close()  # a second close does nothing
@@ -204,7 +309,7 @@ def test_concurrent_updates_add_up():
         for _ in range(rounds):
             m.operation_finished("prepare", "ok")
             m.transition(f"e{i % 2}", "running", "preparing")
-            m.phase("drain", 0.02)
+            m.phase("drain", 0.02, engine=f"e{i % 2}")
             m.drained(1, 2, 3)
             m.freed_bytes(7)
             m.render()  # readers run alongside writers
@@ -218,8 +323,138 @@ def test_concurrent_updates_add_up():
     _, samples = parse(m.render())
     assert values(samples, "ckpt_operations_total") == {(("kind", "prepare"), ("outcome", "ok")): n}
     assert sum(values(samples, "ckpt_transitions_total").values()) == n
-    assert values(samples, "ckpt_phase_duration_seconds_count") == {(("phase", "drain"),): n}
+    assert values(samples, "ckpt_phase_duration_seconds_count") == {
+        (("engine", "e0"), ("phase", "drain")): n // 2,
+        (("engine", "e1"), ("phase", "drain")): n // 2}
     assert values(samples, "ckpt_drained_requests_total") == {
         (("outcome", "completed"),): n, (("outcome", "aborted"),): 2 * n,
         (("outcome", "kept"),): 3 * n}
     assert values(samples, "ckpt_freed_bytes_total") == {(): 7 * n}
+
+
+# ---------------------------------------------------------------- a real controller's gauges
+
+
+def engines_config(*engines) -> str:
+    return "metrics_port = 0\nmissed_beats = 6\n" + "".join(
+        f'[[engine]]\nname = "{e.name}"\ncontrol = "{e.control}"\n' for e in engines)
+
+
+def scrape(port: int) -> list:
+    return parse(get(f"http://127.0.0.1:{port}/metrics")[2])[1]
+
+
+def wait_for(port: int, check, timeout_s: float = 20.0):
+    """Scrape until ``check(samples)`` is true; returns (samples, seconds it took)."""
+    start = time.monotonic()
+    while True:
+        samples = scrape(port)
+        if check(samples):
+            return samples, time.monotonic() - start
+        assert time.monotonic() - start < timeout_s, engine_states(samples)
+        time.sleep(0.05)
+
+
+def in_state(engine: str, state: str):
+    return lambda samples: engine_states(samples).get(engine, {}).get(state) == 1
+
+
+@pytest.mark.slow  # three reference engines start: about 25 s on 2 loaded cores
+def test_engine_gauges_follow_heartbeats_with_no_status_call(spawn_reference, spawn_controller,
+                                                            ipc_dir):
+    """Nobody asks for ``status``: the controller's heartbeat subscriptions keep every engine's
+    state current, every state series present, and ``ckpt_engine_up`` at 0 for a killed engine
+    until it is started again."""
+    a, b = spawn_reference("ga"), spawn_reference("gb")
+    (ipc_dir / "hooks").mkdir(mode=0o700)
+    ctl = spawn_controller(engines_config(a, b))
+    port = ctl.info["metrics_port"]
+    samples, _ = wait_for(port, lambda s: in_state("ga", "running")(s)
+                          and in_state("gb", "running")(s))
+    assert engine_states(samples) == {e: {s: float(s == "running") for s in STATES}
+                                      for e in ("ga", "gb")}
+    assert values(samples, "ckpt_engine_up") == {(("engine", "ga"),): 1, (("engine", "gb"),): 1}
+    assert values(samples, "ckpt_engines")[(("state", "running"),)] == 2
+
+    with AgentClient(a.control, timeout_s=10) as agent:  # behind the controller's back
+        reply = agent.prepare(op_id="direct", drain="abort", level=1)
+    assert reply.state == "prepared"
+    samples, took = wait_for(port, in_state("ga", "prepared"), timeout_s=10)
+    assert took < 3.0  # seen within about a heartbeat, with slack for a loaded machine
+    assert engine_states(samples)["gb"]["running"] == 1
+    assert values(samples, "ckpt_engines")[(("state", "prepared"),)] == 1
+    entered = reply.transitions[-1]
+    assert entered.dest == "prepared"
+    assert values(samples, "ckpt_engine_state_since_timestamp_seconds")[(("engine", "ga"),)] \
+        == pytest.approx(entered.wall, abs=0.5)
+
+    b.kill9()  # no goodbye: only the missing heartbeats tell
+    samples, took = wait_for(port, lambda s: values(s, "ckpt_engine_up")[(("engine", "gb"),)] == 0,
+                             timeout_s=15)
+    assert took < 8.0  # liveness window: 6 beats of 0.2 s, plus a loaded machine's slack
+    assert engine_states(samples)["gb"] == {s: float(s == "unknown") for s in STATES}
+    assert values(samples, "ckpt_engine_up")[(("engine", "ga"),)] == 1
+    spawn_reference("gb")  # the same endpoints: the controller subscribes again
+    samples, _ = wait_for(port, lambda s: values(s, "ckpt_engine_up")[(("engine", "gb"),)] == 1
+                          and in_state("gb", "running")(s), timeout_s=30)
+    assert not [line for line in (ctl.dir / "controller.log").read_text().splitlines()
+                if "Traceback" in line]
+
+
+def test_a_cycle_dates_the_engine_and_times_its_phases_per_engine(spawn_reference,
+                                                                  spawn_controller, ipc_dir):
+    """A cycle sets the engine's last-success time, its phases carry ``engine``, the dump
+    hook's image is measured and a failing (logged-only) hook is counted."""
+    eng = spawn_reference("gc")
+    hooks = ipc_dir / "hooks"  # the controller's hooks_dir
+    for point, body in [("dump", 'head -c 4096 /dev/zero > "$CKPT_IMAGE_DIR/pages.img"'),
+                        ("post-resume", "exit 3")]:  # post-resume: logged only
+        path = hooks / point / "50-test"
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o700)
+    hooks.chmod(0o700)
+    ctl = spawn_controller(engines_config(eng))
+    port = ctl.info["metrics_port"]
+    before = time.time()
+    out = ctl.ckptctl("cycle", "gc", "--json")
+    after = time.time()
+    assert out.returncode == 0, out.stdout + out.stderr
+    samples = scrape(port)
+    stamp = values(samples, "ckpt_last_successful_cycle_timestamp_seconds")[(("engine", "gc"),)]
+    assert before <= stamp <= after
+    count = values(samples, "ckpt_phase_duration_seconds_count")
+    assert count[(("engine", "gc"), ("phase", "capture"))] == 1
+    assert count[(("engine", "gc"), ("phase", "restore"))] == 1
+    assert values(samples, "ckpt_image_bytes") == {(("engine", "gc"),): 4096}
+    assert values(samples, "ckpt_hook_failures_total") == {
+        (("engine", "gc"), ("point", "post-resume")): 1}
+    assert values(samples, "ckpt_operations_total") == {
+        (("kind", "cycle"), ("outcome", "succeeded")): 1}
+    assert values(samples, "ckpt_transitions_total")[
+        (("dest", "preparing"), ("engine", "gc"), ("source", "running"))] == 1
+
+
+def test_monitor_stops_promptly_while_following_and_while_retrying(spawn_reference, ipc_dir):
+    eng = spawn_reference("gm")
+    cfg = ControllerConfig(endpoint=f"ipc://{ipc_dir}/ctl", state_dir=ipc_dir / "state",
+                           hooks_dir=None, image_dir=ipc_dir / "images", heartbeat_interval_s=0.2,
+                           engines=(EngineConfig("gm", eng.control),
+                                    EngineConfig("nobody", f"ipc://{ipc_dir}/nobody.ctl")))
+    m = Metrics()
+    monitor = EngineMonitor(cfg, m).start()
+    try:
+        deadline = time.monotonic() + 20
+        while values(parse(m.render())[1], "ckpt_engine_up")[(("engine", "gm"),)] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # "nobody" has failed an attempt or two meanwhile
+        samples = parse(m.render())[1]
+        assert engine_states(samples)["nobody"]["unknown"] == 1
+        assert engine_states(samples)["gm"]["running"] == 1
+    finally:
+        start = time.monotonic()
+        monitor.close()
+        took = time.monotonic() - start
+    assert took < 4.0  # at most one request timeout (2 s) with slack
+    assert not [t for t in threading.enumerate() if t.name.startswith("monitor-")]

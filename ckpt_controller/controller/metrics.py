@@ -1,122 +1,206 @@
-"""Prometheus metrics of the controller: a small thread-safe registry and its HTTP endpoint.
+"""Prometheus metrics of the controller: one registry (``prometheus_client``) and its endpoint.
 
-Written by hand in the text exposition format 0.0.4, with no client library. Families:
-operations by kind and outcome, lifecycle transitions, drained requests by outcome and freed
-bytes (counters), phase durations (a histogram) and engines per state (a gauge).
-Neighbours: the controller's operations and server feed ``Metrics``; ``MetricsServer`` serves
-``GET /metrics`` for a Prometheus scrape on ``controller.metrics_host:metrics_port`` (config).
+Counters: operations by kind and outcome, lifecycle transitions, drained requests by outcome,
+freed bytes, hook failures, drain escalations and reconciles. A histogram of phase durations by
+phase and engine. Gauges per engine, kept current by ``monitor`` from the engines' heartbeats
+(nobody has to ask for ``status``): its state (``ckpt_engine_state``, every state present, 1 for
+the current one), whether it is up, since when it is in its state, its last successful cycle
+and the size of its last capture's image; and ``ckpt_engines``, engines per state.
+Neighbours: ``service`` and ``session`` report operations, ``journaled`` reads the journal's
+records as they are written, ``monitor`` reports what heartbeats say; ``MetricsServer`` serves
+``GET /metrics`` on ``controller.metrics_host:metrics_port`` (config).
 """
 
 from __future__ import annotations
 
-import bisect
 import http.server
 import logging
 import math
+import os
 import socket
+import stat
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import prometheus_client as prom
+
+from ckpt_controller import protocol as p
 from ckpt_controller.errors import ConfigError
+from ckpt_controller.lifecycle import CheckpointState
 
 log = logging.getLogger("ckpt_controller.metrics")
+
+# a ``*_created`` series per counter and histogram only doubles what a scrape shows
+prom.disable_created_metrics()
 
 #: Upper bounds (seconds) of the phase-duration buckets; ``+Inf`` follows implicitly.
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DRAIN_OUTCOMES = ("completed", "aborted", "kept")
+#: the state of an engine whose heartbeats stopped, or that was never reached
+UNKNOWN = "unknown"
+#: every value ``ckpt_engine_state`` and ``ckpt_engines`` carry in their ``state`` label
+STATES = (*(s.value for s in CheckpointState), UNKNOWN)
 
 
 class Metrics:
-    """The controller's counters, histogram and gauge. Every method is thread-safe."""
+    """The controller's metrics in a registry of their own. Every method is thread-safe."""
 
     def __init__(self) -> None:
+        self.registry = r = prom.CollectorRegistry(auto_describe=True)
+        self._operations = prom.Counter("ckpt_operations", "Operations finished, by kind and "
+                                        "outcome.", ["kind", "outcome"], registry=r)
+        self._transitions = prom.Counter("ckpt_transitions", "Lifecycle transitions, by engine.",
+                                         ["engine", "source", "dest"], registry=r)
+        self._phases = prom.Histogram("ckpt_phase_duration_seconds", "How long each phase of an "
+                                      "operation took, by phase and engine.",
+                                      ["phase", "engine"], buckets=PHASE_BUCKETS, registry=r)
+        self._drained = prom.Counter("ckpt_drained_requests", "In-flight requests drained "
+                                     "before a release, by outcome.", ["outcome"], registry=r)
+        self._freed = prom.Counter("ckpt_freed_bytes", "Bytes of memory freed by releases.",
+                                   registry=r)
+        self._hook_failures = prom.Counter(
+            "ckpt_hook_failures", "Hook runs that exited non-zero or timed out, by engine and "
+            "point.", ["engine", "point"], registry=r)
+        self._escalations = prom.Counter(
+            "ckpt_drain_escalations", "Wait drains escalated at their deadline, by engine and "
+            "what they escalated to.", ["engine", "to"], registry=r)
+        self._reconciles = prom.Counter(
+            "ckpt_reconciles", "Engines an interrupted operation left behind that the "
+            "controller settled, by engine and the state it found.", ["engine", "found"],
+            registry=r)
+        self._engines = prom.Gauge("ckpt_engines", "Configured engines in each state (unknown: "
+                                   "no heartbeat).", ["state"], registry=r)
+        self._state = prom.Gauge("ckpt_engine_state", "1 for the engine's current state, 0 for "
+                                 "the others (unknown: no heartbeat).", ["engine", "state"],
+                                 registry=r)
+        self._up = prom.Gauge("ckpt_engine_up", "1 while the engine's heartbeats arrive.",
+                              ["engine"], registry=r)
+        self._since = prom.Gauge("ckpt_engine_state_since_timestamp_seconds",
+                                 "When the engine entered its current state (Unix time).",
+                                 ["engine"], registry=r)
+        self._last_cycle = prom.Gauge("ckpt_last_successful_cycle_timestamp_seconds",
+                                      "When the engine's last successful cycle ended (Unix "
+                                      "time).", ["engine"], registry=r)
+        self._image = prom.Gauge("ckpt_image_bytes", "Size of the engine's last captured "
+                                 "image.", ["engine"], registry=r)
         self._lock = threading.Lock()
-        self._operations: dict[tuple[str, str], int] = {}
-        self._transitions: dict[tuple[str, str, str], int] = {}
-        self._buckets: dict[str, list[int]] = {}  # per bucket, not cumulative; last is +Inf
-        self._sums: dict[str, float] = {}
-        self._drained = dict.fromkeys(DRAIN_OUTCOMES, 0)
-        self._freed = 0
-        self._engines: dict[str, int] = {}
+        #: engine -> its state as last seen
+        self._current: dict[str, str] = {}
+        for state in STATES:
+            self._engines.labels(state).set(0)
+        for outcome in DRAIN_OUTCOMES:
+            self._drained.labels(outcome)
 
-    def operation_finished(self, kind: str, outcome: str) -> None:
-        """Count one finished operation (``kind`` prepare/restore/..., ``outcome`` ok/failed/...)."""
-        key = (str(kind), str(outcome))
-        with self._lock:
-            self._operations[key] = self._operations.get(key, 0) + 1
+    # ---------------------------------------------------------------- operations
+
+    def operation_finished(self, kind: str, outcome: str,
+                           engines: Iterable[p.EngineOutcome] = ()) -> None:
+        """Count one finished operation (``kind`` prepare/restore/..., ``outcome`` succeeded/
+        failed/refused/...); ``engines``' outcomes of a cycle date each engine's last
+        successful cycle."""
+        self._operations.labels(str(kind), str(outcome)).inc()
+        if kind == "cycle":
+            now = time.time()
+            for o in engines:
+                if o.status == "succeeded":
+                    self._last_cycle.labels(o.engine).set(now)
 
     def transition(self, engine: str, source: str, dest: str) -> None:
         """Count one lifecycle transition of ``engine``."""
-        key = (str(engine), str(source), str(dest))
-        with self._lock:
-            self._transitions[key] = self._transitions.get(key, 0) + 1
+        self._transitions.labels(str(engine), str(source), str(dest)).inc()
 
-    def phase(self, phase: str, seconds: float) -> None:
-        """Observe one phase (drain, release, capture, ...) that took ``seconds``."""
+    def phase(self, phase: str, seconds: float, engine: str = "") -> None:
+        """Observe one phase (drain, release, capture, ...) of ``engine`` that took
+        ``seconds``."""
         if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"a phase duration must be a finite number >= 0, got {seconds!r}")
-        index = bisect.bisect_left(PHASE_BUCKETS, seconds)  # the first bound >= seconds
-        with self._lock:
-            counts = self._buckets.setdefault(str(phase), [0] * (len(PHASE_BUCKETS) + 1))
-            counts[index] += 1
-            self._sums[str(phase)] = self._sums.get(str(phase), 0.0) + seconds
+        self._phases.labels(str(phase), str(engine)).observe(seconds)
 
     def drained(self, completed: int, aborted: int, kept: int) -> None:
         """Count the requests one drain completed, aborted and kept."""
         counts = dict(zip(DRAIN_OUTCOMES, (completed, aborted, kept), strict=True))
         for outcome, n in counts.items():
             _check_count(f"drained {outcome}", n)
-        with self._lock:
-            for outcome, n in counts.items():
-                self._drained[outcome] += n
+        for outcome, n in counts.items():
+            self._drained.labels(outcome).inc(n)
 
     def freed_bytes(self, n: int) -> None:
         """Count ``n`` bytes of memory freed by a release."""
         _check_count("freed bytes", n)
-        with self._lock:
-            self._freed += n
+        self._freed.inc(n)
 
-    def engine_states(self, counts: Mapping[str, int]) -> None:
-        """Set how many engines are in each state; states seen before and absent now read 0."""
-        for state, n in counts.items():
-            _check_count(f"engines in {state}", n)
-        with self._lock:
-            self._engines = {**dict.fromkeys(self._engines, 0),
-                             **{str(state): n for state, n in counts.items()}}
+    def image_written(self, engine: str, image_dir: Path) -> None:
+        """Set ``engine``'s image size from what a capture left in ``image_dir``."""
+        self._image.labels(str(engine)).set(dir_bytes(image_dir))
+
+    def journaled(self, rec: p.JournalRecord) -> None:
+        """Count what one journal record tells: a failed hook run, a drain escalation, an
+        engine reconciled. Other records are not counted here."""
+        engine = rec.engine or ""
+        data = rec.data
+        if rec.type == "hook" and (data.get("timed_out") or data.get("exit_code") != 0):
+            self._hook_failures.labels(engine, str(data.get("point"))).inc()
+        elif rec.type == "drain" and data.get("escalated_to"):
+            self._escalations.labels(engine, str(data["escalated_to"])).inc()
+        elif rec.type == "reconciled":
+            self._reconciles.labels(engine, str(data.get("found"))).inc()
+
+    # ---------------------------------------------------------------- engines (heartbeats)
+
+    def engines_known(self, names: Iterable[str]) -> None:
+        """Declare the configured engines: each is ``unknown`` and down until it is seen."""
+        for name in names:
+            self._up.labels(name).set(0)
+            self.engine_seen(name, UNKNOWN)
+
+    def engine_seen(self, engine: str, state: str, since_wall: float | None = None) -> None:
+        """``engine`` is in ``state``, since ``since_wall`` when known (a transition's wall
+        time), else since now if the state is new. A state outside ``STATES`` is a
+        ``ValueError``."""
+        if state not in STATES:
+            raise ValueError(f"unknown engine state {state!r}; states: {', '.join(STATES)}")
+        with self._lock:  # one engine's gauges and the per-state counts change together
+            changed = self._current.get(engine) != state
+            self._current[engine] = state
+            if changed:
+                for s in STATES:
+                    self._state.labels(engine, s).set(1 if s == state else 0)
+                for s in STATES:
+                    self._engines.labels(s).set(sum(v == s for v in self._current.values()))
+            if since_wall is not None:
+                self._since.labels(engine).set(since_wall)
+            elif changed:
+                self._since.labels(engine).set(time.time())
+
+    def engine_up(self, engine: str, up: bool) -> None:
+        """Whether ``engine``'s heartbeats arrive; one that goes down is in state ``unknown``."""
+        self._up.labels(engine).set(1 if up else 0)
+        if not up:
+            self.engine_seen(engine, UNKNOWN)
+
+    # ---------------------------------------------------------------- exposition
 
     def render(self) -> str:
         """All metrics as exposition text (format 0.0.4), ending with a newline."""
-        with self._lock:  # copy under the lock, format outside it
-            operations, transitions = dict(self._operations), dict(self._transitions)
-            buckets = {phase: list(c) for phase, c in self._buckets.items()}
-            sums, drained = dict(self._sums), dict(self._drained)
-            freed, engines = self._freed, dict(self._engines)
-        out: list[str] = []
-        _family(out, "ckpt_operations_total", "counter", "Operations finished, by kind and outcome.",
-                [({"kind": k, "outcome": o}, n) for (k, o), n in sorted(operations.items())])
-        _family(out, "ckpt_transitions_total", "counter", "Lifecycle transitions, by engine.",
-                [({"engine": e, "source": s, "dest": d}, n)
-                 for (e, s, d), n in sorted(transitions.items())])
-        _family(out, "ckpt_phase_duration_seconds", "histogram",
-                "How long each phase of an operation took.", [])
-        for phase in sorted(buckets):
-            total = 0
-            for bound, n in zip((*PHASE_BUCKETS, math.inf), buckets[phase], strict=True):
-                total += n
-                _sample(out, "ckpt_phase_duration_seconds_bucket",
-                        {"phase": phase, "le": _number(float(bound))}, total)
-            _sample(out, "ckpt_phase_duration_seconds_sum", {"phase": phase}, sums[phase])
-            _sample(out, "ckpt_phase_duration_seconds_count", {"phase": phase}, total)
-        _family(out, "ckpt_drained_requests_total", "counter",
-                "In-flight requests drained before a release, by outcome.",
-                [({"outcome": o}, n) for o, n in drained.items()])
-        _family(out, "ckpt_freed_bytes_total", "counter", "Bytes of memory freed by releases.",
-                [({}, freed)])
-        _family(out, "ckpt_engines", "gauge", "Engines in each lifecycle state.",
-                [({"state": s}, n) for s, n in sorted(engines.items())])
-        return "\n".join(out) + "\n"
+        return prom.generate_latest(self.registry).decode("utf-8")
+
+
+def dir_bytes(path: Path) -> int:
+    """The bytes of the regular files under ``path`` (0 when it is gone); links not followed."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:  # policy: a file removed while we count is not counted
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
 
 
 class MetricsServer:
@@ -185,33 +269,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base's name
         log.debug("%s %s", self.address_string(), format % args)
-
-
-def _family(out: list[str], name: str, kind: str, help_text: str,
-            samples: list[tuple[dict[str, str], float]]) -> None:
-    escaped = help_text.replace("\\", "\\\\").replace("\n", "\\n")  # HELP escapes these two
-    out.append(f"# HELP {name} {escaped}")
-    out.append(f"# TYPE {name} {kind}")
-    for labels, value in samples:
-        _sample(out, name, labels, value)
-
-
-def _sample(out: list[str], name: str, labels: dict[str, str], value: float) -> None:
-    text = ",".join(f'{key}="{_escape(val)}"' for key, val in labels.items())
-    out.append(f"{name}{{{text}}} {_number(value)}" if text else f"{name} {_number(value)}")
-
-
-def _escape(value: str) -> str:
-    """A label value as the format wants it: backslash, double quote and newline escaped."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return "NaN" if math.isnan(value) else repr(value)
 
 
 def _check_count(what: str, n: object) -> None:

@@ -4,7 +4,8 @@ Serves handshake, status, operation, history, heartbeat and subscribe (``watch``
 journal record as it is written, plus heartbeats). Operations and status queries run on their
 own threads and answer through the outbox, so the control thread never blocks. On start it
 reconciles operations a previous controller left unfinished, then opens the optional
-Prometheus endpoint. Neighbours: ``rpcserver`` (socket loop), ``service``, ``metrics``.
+Prometheus endpoint and the ``monitor`` that keeps its engine gauges current. Neighbours:
+``rpcserver`` (socket loop), ``service``, ``metrics``, ``monitor``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.metrics import Metrics, MetricsServer
+from ckpt_controller.controller.monitor import EngineMonitor
 from ckpt_controller.controller.service import Controller
 from ckpt_controller.errors import CkptError, UsageError
 from ckpt_controller.rpcserver import RpcServer
@@ -38,11 +40,13 @@ class ControllerServer(RpcServer):
         self.metrics = Metrics()
         self.controller = Controller(config, metrics=self.metrics, publish=self.publish)
         self.metrics_server: MetricsServer | None = None
+        self.monitor: EngineMonitor | None = None  # follows heartbeats for the engine gauges
 
     def start(self) -> "ControllerServer":
         super().start()
         self.controller.start_reconciler()
         if self.config.metrics_port is not None:
+            self.monitor = EngineMonitor(self.config, self.metrics).start()
             self.metrics_server = MetricsServer(self.metrics, self.config.metrics_host,
                                                 self.config.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.config.metrics_host,
@@ -53,6 +57,8 @@ class ControllerServer(RpcServer):
         super().close()
         if self.metrics_server is not None:
             self.metrics_server.close()
+        if self.monitor is not None:
+            self.monitor.close()
         self.controller.close()
 
     def heartbeat_body(self, seq: int) -> p.Heartbeat:

@@ -101,6 +101,8 @@ class Controller:
 
     def record(self, type_: str, data: dict, **kw) -> p.JournalRecord:
         rec = self.journal.record(type_, data, **kw)
+        if self.metrics:
+            self.metrics.journaled(rec)  # hook failures, escalations, reconciles
         self.publish(p.Journaled(record=rec))
         return rec
 
@@ -181,7 +183,7 @@ class Controller:
         self.record("operation_end", {"status": result.status, "duration_s": result.duration_s},
                     op_id=result.op_id)
         if self.metrics:
-            self.metrics.operation_finished(result.kind, result.status)
+            self.metrics.operation_finished(result.kind, result.status, result.engines)
         for outcome in result.engines:  # while the engines are still held
             self._note_contact(result.op_id, outcome)
         with self._lock:
@@ -348,12 +350,6 @@ class Controller:
 
         with ThreadPoolExecutor(max_workers=min(len(engines), 64)) as pool:
             views = list(pool.map(view, engines))
-        if self.metrics:
-            counts: dict[str, int] = {}
-            for v in views:
-                key = v.status.state if v.status else "unreachable"
-                counts[key] = counts.get(key, 0) + 1
-            self.metrics.engine_states(counts)
         return p.ControllerStatusReply(controller_pid=os.getpid(), engines=views)
 
     def history(self, cmd: p.HistoryCommand) -> p.HistoryReply:

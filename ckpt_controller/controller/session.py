@@ -138,7 +138,7 @@ class EngineSession:
             self.outcome.phases.append(rec)
             self.record("phase", msgspec.to_builtins(rec))
             if self.metrics:
-                self.metrics.phase(name, rec.duration_s)
+                self.metrics.phase(name, rec.duration_s, engine=self.engine.name)
 
     def hooks(self, point: str, until_wall: float | None = None,
               undo_capture: bool = False) -> int:
@@ -232,6 +232,8 @@ class EngineSession:
                                     engine=self.engine.name, op_id=self.op_id,
                                     capture_s=self.config.deadlines.capture)
             self.hooks("post-dump", until_wall=end)
+        if self.metrics:
+            self.metrics.image_written(self.engine.name, self.image_dir())
 
     def restore(self, run_pre_restore: bool = True) -> None:
         d = self.config.deadlines

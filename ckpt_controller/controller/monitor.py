@@ -1,0 +1,111 @@
+"""Follows every configured engine's heartbeats, so the engine gauges stay current unasked.
+
+``EngineMonitor`` keeps one subscribed ``AgentClient`` per engine, each on a thread of its
+own: the agent's heartbeats carry its state and its ``StateChanged`` events the exact time of
+each transition, and both go to ``Metrics`` (``ckpt_engine_state``, ``ckpt_engine_up``, ...).
+An engine silent for its liveness window (``missed_beats`` heartbeat intervals) is down, state
+``unknown``; the thread then reconnects and subscribes again until the engine answers (a
+restarted or restored agent forgets its subscribers). It only reads: it journals nothing and
+holds no engine, so it never blocks an operation, and ``close`` stops every thread within
+about one request timeout. Neighbours: ``metrics`` (the gauges), ``agent.client`` and ``rpc``
+(subscribe, heartbeats, liveness), ``server`` (starts and closes it), ``config``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from ckpt_controller import protocol as p
+from ckpt_controller.agent.client import AgentClient
+from ckpt_controller.controller.config import ControllerConfig, EngineConfig
+from ckpt_controller.controller.metrics import Metrics
+from ckpt_controller.errors import CkptError
+
+log = logging.getLogger("ckpt_controller.monitor")
+
+#: how long a handshake or status request to an engine may take before it counts as down
+REQUEST_TIMEOUT_S = 2.0
+
+
+class EngineMonitor:
+    """One thread per configured engine, from ``start`` until ``close``."""
+
+    def __init__(self, config: ControllerConfig, metrics: Metrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._stop = threading.Event()
+        #: the pause between two attempts to reach an engine that is down
+        self.retry_s = min(REQUEST_TIMEOUT_S, config.heartbeat_interval_s * 2)
+        self._threads = [threading.Thread(target=self._follow, args=(e,), daemon=True,
+                                          name=f"monitor-{e.name}") for e in config.engines]
+
+    def start(self) -> EngineMonitor:
+        self.metrics.engines_known(e.name for e in self.config.engines)
+        for t in self._threads:
+            t.start()
+        return self
+
+    def close(self) -> None:
+        """Stop following: each thread closes its client and ends within about one request
+        timeout (one still running after three is logged and left). A second call does
+        nothing."""
+        self._stop.set()
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout=3 * REQUEST_TIMEOUT_S)  # a request in flight ends by then
+                if t.is_alive():
+                    log.warning("%s did not stop in time; left to end with the process", t.name)
+
+    def __enter__(self) -> EngineMonitor:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _follow(self, engine: EngineConfig) -> None:
+        while not self._stop.is_set():
+            seen: list[bool] = []  # set once the engine answered: an outage is said once
+            try:
+                self._watch(engine, seen)
+                reason = "no heartbeat within its liveness window"
+            except CkptError as err:  # policy: unreachable or refused: down, try again soon
+                reason = err.message
+            except Exception as exc:  # policy: a bug must not end the monitor: log, go on
+                log.exception("%s: following heartbeats failed", engine.name)
+                reason = repr(exc)
+            self.metrics.engine_up(engine.name, False)
+            if seen and not self._stop.is_set():
+                log.warning("%s: down (%s)", engine.name, reason)
+            self._stop.wait(self.retry_s)
+
+    def _watch(self, engine: EngineConfig, seen: list[bool]) -> None:
+        """Subscribe and follow until the heartbeats stop (return) or a request fails
+        (raise); returns at once when the monitor closes."""
+        cfg = self.config
+        name = engine.name
+        with AgentClient(engine.control, timeout_s=REQUEST_TIMEOUT_S, retries=0,
+                         heartbeat_interval_s=cfg.heartbeat_interval_s,
+                         missed_beats=cfg.missed_beats, name="controller/monitor",
+                         curve=cfg.agent_curve(name)) as client:
+            client.subscribe()
+            status = client.status()
+            last = status.last_transition
+            self.metrics.engine_seen(name, status.state, last.wall if last else None)
+            self.metrics.engine_up(name, True)
+            seen.append(True)
+            log.info("%s: up, %s", name, status.state)
+            heard = time.monotonic()
+            while not self._stop.is_set():
+                events = client.poll_events(min(cfg.heartbeat_interval_s, 0.5))
+                now = time.monotonic()
+                for ev in events:
+                    heard = now
+                    if isinstance(ev, p.Heartbeat):
+                        self.metrics.engine_seen(name, ev.state)
+                    elif isinstance(ev, p.StateChanged):
+                        t = ev.transition
+                        self.metrics.engine_seen(name, t.dest, t.wall)
+                if now - heard > client.liveness_s:
+                    return
