@@ -5,6 +5,7 @@ completions, through the controller, and each of vLLM's known quirks handled. Ma
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -436,3 +437,66 @@ def test_a_golden_mismatch_fails_the_restore(vllm, in_process):
             c.restore()
         assert c.status().state == "failed"
     assert vllm.is_paused()  # paused again (abort) once the mismatch was seen
+
+
+# ---------------------------------------------------------------------------- a sidecar's crash
+
+
+RECONCILE_S = 2.0
+
+
+def test_a_sidecar_killed_mid_prepare_is_resumed_by_the_reconciler_keeping_its_generation(
+        vllm, sidecar, spawn_controller, ipc_dir):
+    side = sidecar("vk")
+    control = side.info["control"]
+    (ipc_dir / "hooks").mkdir(exist_ok=True)  # the config names it; none are installed
+    ctl = spawn_controller(f'[[engine]]\nname = "vk"\ncontrol = "{control}"\nkind = "vllm"\n',
+                           controller_keys=f"reconcile_interval_s = {RECONCILE_S}\n")
+    assert ctl.ckptctl("cycle", "vk", "--level", "0", "--json").returncode == 0
+    generation = json.loads(ctl.ckptctl("status", "vk", "--json").stdout)[
+        "engines"][0]["status"]["generation"]
+    assert generation == 1
+
+    # a wait drain holds the prepare in PREPARING while long requests finish: kill -9 then
+    batch = Batch(vllm.url, PROMPTS[:2]).start()
+    end = time.monotonic() + 60
+    while vllm.metrics().in_flight == 0:  # a stall of this VM can hold them back a while
+        assert time.monotonic() < end and not batch.outcomes, batch.outcomes
+        time.sleep(0.05)
+    prepare = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_controller", "--controller", ctl.endpoint, "prepare", "vk",
+         "--drain", "wait", "--drain-timeout", "120", "--level", "1", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    end = time.monotonic() + 60
+    while not vllm.is_paused():
+        assert time.monotonic() < end, "the prepare never paused vLLM"
+        time.sleep(0.05)
+    side.proc.kill()
+    side.proc.wait()
+    out, err = prepare.communicate(timeout=120)
+    assert prepare.returncode != 0, out + err  # the operation lost its engine
+    assert not [o.error for o in batch.join().values() if o.error]  # nothing lost meanwhile
+    assert vllm.is_paused()  # left paused by the dead sidecar
+
+    back = sidecar("vk")  # the same name and control endpoint
+    returned = time.monotonic()
+    assert back.info["control"] == control
+    with AgentClient(control) as agent:
+        first = agent.status()
+        while agent.status().state != "running":
+            assert time.monotonic() - returned < RECONCILE_S + 30, agent.status()
+            time.sleep(0.1)
+        took = time.monotonic() - returned
+        status = agent.status()
+    print(f"found {first.state} ({first.last_transition.reason}); RUNNING {took:.1f} s after "
+          f"the sidecar's return")
+    assert first.state in ("failed", "restoring", "running")
+    # within a reconcile interval, plus the restore itself (a golden completion) on this VM
+    assert took < RECONCILE_S + 10
+    assert status.generation == generation  # kept across the sidecar's restart
+    assert not vllm.is_paused() and not vllm.is_sleeping()
+    assert vllm.complete("still serving", 4).finish_reason == "length"
+    records = json.loads(ctl.ckptctl("history", "--engine", "vk", "--limit", "500",
+                                     "--json").stdout)["records"]
+    (done,) = [r for r in records if r["type"] == "reconciled"]
+    assert done["data"]["found"] == "failed" and done["data"]["now"] == "running"

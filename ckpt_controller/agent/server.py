@@ -89,17 +89,20 @@ class Agent(RpcServer):
         request_counts: Callable[[], tuple[int, int]] | None = None,
         failpoints: Failpoints | None = None,
         curve: CurveServer | None = None,
+        generation: int = 0,
     ) -> None:
         """``drain``, ``engine_pid``, ``engine_alive`` and ``request_counts`` are for an agent
         that runs beside an engine it does not own (a sidecar): the engine drains itself, its
         PID is not ours (hooks such as ``criu-dump`` need the engine's), heartbeats stop while
         ``engine_alive()`` is false so a controller sees the engine as gone, and
-        ``request_counts()`` gives (in flight, kept) for ``status`` instead of the gate's."""
+        ``request_counts()`` gives (in flight, kept) for ``status`` instead of the gate's.
+        ``generation`` is where the count of completed cycles starts (a sidecar restarted
+        beside its engine carries on its predecessor's)."""
         check_name(name)
         super().__init__(check_endpoint(control) if control else default_endpoint(name),
                          name=name, heartbeat_interval_s=heartbeat_interval_s, clock=clock,
                          curve=curve)
-        self.lifecycle = Lifecycle(self.clock)
+        self.lifecycle = Lifecycle(self.clock, generation=generation)
         self.gate = AdmissionGate(self.lifecycle, engine=name, clock=self.clock,
                                   retry_after=lambda: retry_after_s)
         self.memory = memory or NoMemory()

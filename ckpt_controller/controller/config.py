@@ -33,6 +33,7 @@ DRAIN_MODES = ("wait", "abort", "keep")
 ON_DEADLINE = ("abort", "keep", "fail")
 LEVELS = (0, 1, 2)
 KINDS = ("native", "vllm")
+RECOVER_UNCAPTURED = ("resume", "leave")
 #: the longest duration any key may give (a day): longer ones overflow timers and waits
 MAX_SECONDS = 86400.0
 _MISSING: Any = object()
@@ -103,6 +104,9 @@ class ControllerConfig:
     missed_beats: int = 6
     #: how often engines that an operation lost contact with are looked at again
     reconcile_interval_s: float = 2.0
+    #: an engine such an operation never began to capture, found FAILED (its sidecar came
+    #: back and found it paused, say): "resume" restores it, "leave" leaves it FAILED
+    recover_uncaptured: str = "resume"
     #: the controller's CURVE secret key file (its identity towards agents and clients)
     curve_secret_key: Path | None = None
     #: public keys of the clients admitted to the controller's own endpoint (with CURVE)
@@ -164,7 +168,7 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
     ctl = top.table("controller", ("endpoint", "state_dir", "hooks_dir", "image_dir",
                                    "metrics_port", "metrics_host", "heartbeat_interval_s",
                                    "missed_beats", "reconcile_interval_s", "curve_secret_key",
-                                   "curve_clients", "require_dump"))
+                                   "curve_clients", "require_dump", "recover_uncaptured"))
     dl = top.table("deadlines", tuple(f.name for f in fields(Deadlines)))
     deadlines = Deadlines(**{f.name: dl.seconds(f.name, f.default) for f in fields(Deadlines)})
     defaults = PrepareDefaults().merged(_prepare_overrides(top.table("defaults", _PREPARE_KEYS)))
@@ -181,6 +185,9 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
         missed_beats=ctl.value("missed_beats", 6, lambda v: _is_int(v) and 1 <= v <= 1000,
                                "an integer >= 1 and <= 1000"),
         reconcile_interval_s=ctl.seconds("reconcile_interval_s", 2.0),
+        recover_uncaptured=ctl.value("recover_uncaptured", "resume",
+                                     RECOVER_UNCAPTURED.__contains__,
+                                     _one_of(RECOVER_UNCAPTURED)),
         curve_secret_key=_curve_key(ctl, "curve_secret_key", secret=True),
         curve_clients=_curve_clients(ctl),
         deadlines=deadlines, defaults=defaults, engines=_engines(top),

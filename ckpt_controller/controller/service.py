@@ -11,7 +11,8 @@ RUNNING (or leaves it FAILED, with the reason). An operation that ends without k
 it left an engine (the agent stopped answering, a link was cut, it was still PREPARING at a
 deadline) journals ``contact_lost``; the reconciler looks at such engines every
 ``reconcile_interval_s`` and, once one answers and has settled, rolls a PREPARED one back to
-RUNNING and journals ``reconciled``. Neighbours: ``session``, ``journal``,
+RUNNING (and, with ``recover_uncaptured = "resume"``, restores a FAILED one that the operation
+never began to capture) and journals ``reconciled``. Neighbours: ``session``, ``journal``,
 ``config``; ``server`` is the socket in front of it.
 """
 
@@ -315,8 +316,12 @@ class Controller:
             if status.current_op:
                 return False  # the agent is still finishing what it was doing
             found = status.state
-            now = _settle_state(s, found, f"reconciled after operation {op_id} lost contact",
-                                step="reconcile")
+            if found == "failed" and self.config.recover_uncaptured == "resume" \
+                    and not self._captured(engine, op_id):
+                now = _resume_uncaptured(s, op_id)
+            else:
+                now = _settle_state(s, found, f"reconciled after operation {op_id} lost "
+                                    "contact", step="reconcile")
         except CkptError as err:  # policy: not reachable (or refused) yet: next round
             log.info("%s: still unsettled (operation %s): %s", engine, op_id, err.message)
             return False
@@ -329,6 +334,12 @@ class Controller:
         log.warning("%s: reconciled after operation %s: found %s, now %s", engine, op_id,
                     found, now)
         return True
+
+    def _captured(self, engine: str, op_id: str) -> bool:
+        """Whether operation ``op_id`` began capturing ``engine`` (its dump hooks may have
+        run): the journal's phases say."""
+        return any(r.type == "phase" and r.data.get("name") == "capture"
+                   for r in self.journal.records(engine=engine, op_id=op_id, limit=100_000))
 
     # ---------------------------------------------------------------- status, history
 
@@ -541,6 +552,25 @@ def _reconcile(s: EngineSession, wait_s: float) -> None:
                                     "rolled back", step="recover")
     s.outcome.status = {"running": "recovered", "failed": "failed"}.get(s.outcome.state, "failed")
     s.record("reconciled", {"found": before, "now": s.outcome.state})
+
+
+def _resume_uncaptured(s: EngineSession, op_id: str) -> str:
+    """``recover_uncaptured = "resume"``: an engine found FAILED after operation ``op_id``
+    lost contact with it before any capture (e.g. its sidecar was killed in the middle of a
+    prepare and came back) is restored, as ``restore`` would; returns the state now. A
+    restore that fails leaves it FAILED, with its reason; one that cannot reach the agent is
+    tried again next round."""
+    try:
+        s.open()  # subscribed: the restore's transitions are journaled; the PID for hooks
+        s.restore(run_pre_restore=False)
+    except CkptError as err:  # policy: FAILED with the restore's reason, unless unreachable
+        log.warning("%s: restore after operation %s lost contact failed: %s", s.engine.name,
+                    op_id, err.message)
+        now = s.refresh_state()
+        if now is None:
+            raise
+        return now
+    return s.refresh_state() or s.outcome.state or "failed"
 
 
 def _settle_state(s: EngineSession, found: str, reason: str, step: str) -> str:

@@ -29,6 +29,12 @@ vLLM's quirks it lives with (each pinned by a test in ``tests/test_vllm_adapter.
 released before the call, and a rollback wakes them); on CPU sleep and wake are accepted but
 free nothing (the memory report gives measured numbers only); newer vLLM refuses requests
 while paused with a retryable status where this one queues them (``http.complete`` retries).
+
+What a prepare did to vLLM (tags asleep, ``checkpoint_prepare``, the baseline) and the
+engine's ``generation`` are kept on disk (``state``): a sidecar restarted beside a paused or
+sleeping vLLM (after a kill -9, say) comes up FAILED, and a restore (which the controller's
+reconciler sends by itself, ``recover_uncaptured``) undoes, verifies and resumes exactly what
+its predecessor did.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from dataclasses import dataclass
 import psutil
 
 from ckpt_controller.adapters.vllm.http import RequestMetrics, VllmHttp
+from ckpt_controller.adapters.vllm.state import Progress, StateFile, state_path
 from ckpt_controller.agent.engine import EngineHooks
 from ckpt_controller.clock import Deadline
 from ckpt_controller.errors import (
@@ -93,8 +100,11 @@ class VllmEngine(EngineHooks):
                  golden_prompt: str = GOLDEN_PROMPT, golden_tokens: int = GOLDEN_TOKENS,
                  verify_weights: bool = True, step_timeout_s: float = 600.0,
                  poll_s: float = 0.5, dead_after_s: float = DEAD_AFTER_S,
-                 tick_s: float = 0.25) -> None:
+                 tick_s: float = 0.25, state: StateFile | None = None) -> None:
+        """``state``: where what a prepare did to vLLM is kept, for a successor sidecar
+        (``state`` module); nothing is kept without it."""
         self.http = http
+        self.state = state
         self.pid = pid
         self.golden_prompt, self.golden_tokens = golden_prompt, golden_tokens
         self.verify_weights = verify_weights
@@ -179,6 +189,7 @@ class VllmEngine(EngineHooks):
         self._metrics = after
         kept = after.in_flight if mode == "keep" else 0
         self._kept = kept
+        self._save()
         return DrainReport(
             mode=cmd.drain, escalated_to=escalated, in_flight_at_start=before.in_flight,
             completed=after.ended_since(before, "stop", "length", "repetition", "error"),
@@ -191,6 +202,7 @@ class VllmEngine(EngineHooks):
         self._weights_checked = False
         self.checksums = self.http.weight_checksums(self.step_timeout_s) \
             if self.verify_weights else None
+        self._save()
         if self.verify_weights and self.checksums is None:
             log.warning("this vLLM has no /weight_checker: weights are checked by the golden "
                         "completion only")
@@ -233,12 +245,14 @@ class VllmEngine(EngineHooks):
         before = self._usage()
         # recorded first: a failed release_kv_cache_memory still marks kv_cache asleep in vLLM
         self._released, self._level = list(plan.tags), plan.level
+        self._save()
         if plan.level in (1, 2):
             # already drained: keep leaves anything queued meanwhile queued, abort would end it
             self.http.sleep(plan.level, "keep", timeout_s=self.step_timeout_s)
         elif plan.tags == ["kv_cache"]:
             self.http.release_kv_cache_memory(timeout_s=self.step_timeout_s)
-        self._checkpoint_prepared = True
+        self._checkpoint_prepared = True  # recorded first too: a successor undoes it
+        self._save()
         self.http.collective_rpc("checkpoint_prepare", timeout_s=self.step_timeout_s)
         report = self._report("release", plan.level, plan.tags, before, self._usage(), start,
                               budget=residual_budget_bytes)
@@ -264,23 +278,60 @@ class VllmEngine(EngineHooks):
         if "kv_cache" in released:
             self.http.wake_up(["kv_cache"], timeout_s=self.step_timeout_s)
         self._released, self._level = [], None
+        self._save()
         report = self._report("rewake", level, released, before, self._usage(), start)
         report.verified_tensors = verified
         return report
 
     def found_out_of_service(self) -> str | None:
         """Why vLLM cannot count as RUNNING when the sidecar starts (paused or asleep: e.g.
-        a sidecar restarted while its engine was PREPARED), or None."""
+        a sidecar restarted while its engine was PREPARED), or None. Takes over what a
+        predecessor recorded it did to vLLM (``state``), so a restore undoes exactly that;
+        forgets it when vLLM serves."""
         paused = self.http.is_paused()
         if paused or self.http.is_sleeping():
+            self._adopt()
             return ("vLLM was found " + ("paused" if paused else "asleep") + " when the sidecar "
                     "started; restore brings it back")
+        self._serving()
         return None
+
+    # ------------------------------------------------------------------ kept on disk
+
+    def _adopt(self) -> None:
+        if self.state is None:
+            return
+        done = self.state.state.progress
+        self._released, self._level = list(done.released), done.level
+        self._checkpoint_prepared, self._kept = done.checkpoint_prepared, done.kept
+        self.golden, self.checksums = done.golden, done.checksums
+        self._weights_checked = False
+        if done != Progress():
+            log.warning("taking over from the previous sidecar: released %s (level %s), "
+                        "checkpoint_prepare %s, baseline %s", done.released or "nothing",
+                        done.level, "ran" if done.checkpoint_prepared else "did not run",
+                        "kept" if done.golden is not None else "none")
+
+    def _save(self) -> None:
+        if self.state is None:
+            return
+        self.state.state.progress = Progress(
+            released=list(self._released), level=self._level,
+            checkpoint_prepared=self._checkpoint_prepared, kept=self._kept,
+            golden=self.golden, checksums=self.checksums)
+        self.state.save()
+
+    def _serving(self) -> None:
+        """vLLM serves again: nothing is left for a successor to undo."""
+        if self.state is not None and self.state.state.progress != Progress():
+            self.state.state.progress = Progress()
+            self.state.save()
 
     def _undo_checkpoint_prepare(self) -> None:
         if self._checkpoint_prepared:
             self.http.collective_rpc("checkpoint_restore", timeout_s=self.step_timeout_s)
             self._checkpoint_prepared = False
+            self._save()
 
     def _check_weights(self) -> int:
         if not self.checksums:
@@ -322,6 +373,7 @@ class VllmEngine(EngineHooks):
             for _ in range(GOLDEN_ATTEMPTS):
                 got = self._complete_golden()
                 if got == self.golden:
+                    self._serving()
                     return
             try:
                 self.http.pause("abort", timeout_s=30)
@@ -329,6 +381,7 @@ class VllmEngine(EngineHooks):
                 log.error("could not pause vLLM after a golden mismatch: %s", err)
             raise VerificationError("the golden completion differs after restore",
                                     expected=self.golden, got=got, prompt=self.golden_prompt)
+        self._serving()
 
     def _complete_golden(self) -> str:
         return self.http.complete(self.golden_prompt, self.golden_tokens, retry_for_s=30.0,
@@ -399,6 +452,12 @@ def _gpu_bytes(pids: set[int]) -> dict[str, int]:
     return usage
 
 
+def _keep_generation(state: StateFile, generation: int) -> None:
+    if state.state.generation != generation:
+        state.state.generation = generation
+        state.save()
+
+
 class _Call:
     """Run ``fn`` on a thread; ``done`` is set when it returned or raised."""
 
@@ -447,13 +506,16 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
         raise UnreachableError(f"no vLLM server answers at {http.url}/health", url=http.url)
     if pid is None and http.host in ("127.0.0.1", "localhost", "::1"):
         pid = find_server_pid(http.port)
+    state = StateFile(state_path(control, name))
     engine = VllmEngine(http, pid=pid, golden_prompt=golden_prompt,
                         golden_tokens=golden_tokens, verify_weights=verify_weights,
-                        step_timeout_s=max(timeout_s, 60.0)).start()
+                        step_timeout_s=max(timeout_s, 60.0), state=state).start()
     agent = Agent(name, hooks=engine, memory=engine, drain=engine, control=control,
                   engine_pid=pid, engine_alive=engine.alive,
                   request_counts=engine.request_counts,
-                  heartbeat_interval_s=heartbeat_interval_s, curve=curve)
+                  heartbeat_interval_s=heartbeat_interval_s, curve=curve,
+                  generation=state.state.generation)
+    agent.lifecycle.subscribe(lambda t: _keep_generation(state, t.generation))
     # never claim RUNNING for an engine that is not serving: FAILED says why, and a restore
     # (recovery) resumes and wakes it
     why = engine.found_out_of_service()
