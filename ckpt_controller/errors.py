@@ -23,6 +23,8 @@ back into the same class on the other side. Neighbours: ``protocol`` carries err
     +-- DeadlineError          exit 3  a deadline passed (a failure, never a success)
     |   +-- HookTimeoutError           a hook ran past its timeout and was stopped
     +-- UnreachableError       exit 4  the peer did not answer (temporary: reconnect, retry)
+    +-- OverloadedError        exit 4  the peer shed the request under load (temporary: retry
+                                       after ``retry_after_s``; nothing of it ran)
 """
 
 from __future__ import annotations
@@ -138,6 +140,15 @@ class HookTimeoutError(DeadlineError):
 
 class UnreachableError(CkptError):
     """Raised when the peer did not answer in time or its socket broke. Reconnect and retry."""
+
+    exit_code = 4
+    retryable = True
+
+
+class OverloadedError(CkptError):
+    """Raised when a server sheds a request because a bounded queue of its is full (a burst of
+    requests, or more slow work than its workers can take). Nothing of the request ran: retry
+    after ``details['retry_after_s']``, ideally with some jitter."""
 
     exit_code = 4
     retryable = True

@@ -509,11 +509,8 @@ def decode_command(frames: list[bytes]) -> tuple[RequestType, Command]:
         raise ProtocolError(
             "payload too large", call_id=0, size=len(payload), limit=MAX_PAYLOAD_BYTES
         )
-    try:
-        header = _header_decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        # policy: the payload is not even a map with ints; reply with call_id 0
-        raise ProtocolError(f"malformed payload: {exc}", call_id=0) from None
+    # the payload is not even a map with ints: reply with call_id 0
+    header = decode_frame(_header_decoder, payload, "malformed payload", call_id=0)
     call_id = header.call_id
     if len(tframe) != 1:
         raise ProtocolError(f"type frame must be 1 byte, got {len(tframe)}", call_id=call_id)
@@ -526,11 +523,9 @@ def decode_command(frames: list[bytes]) -> tuple[RequestType, Command]:
             f"protocol version {header.version} is not supported",
             call_id=call_id, got=header.version, supported=PROTOCOL_VERSION,
         )
-    try:
-        return rtype, _command_decoders[rtype].decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        # policy: a well-framed command with bad fields is answered, not dropped
-        raise ProtocolError(f"invalid {rtype.name} command: {exc}", call_id=call_id) from None
+    # a well-framed command with bad fields is answered, not dropped
+    return rtype, decode_frame(_command_decoders[rtype], payload,
+                               f"invalid {rtype.name} command", call_id=call_id)
 
 
 def decode_reply(frames: list[bytes]) -> Reply | ErrorReply | Event:
@@ -546,10 +541,26 @@ def decode_reply(frames: list[bytes]) -> Reply | ErrorReply | Event:
         ReplyType.ERROR: _error_decoder,
         ReplyType.EVENT: _event_decoder,
     }[rtype]
+    return decode_frame(decoder, frames[1], f"malformed {rtype.name}")
+
+
+def decode_frame(decoder: msgspec.msgpack.Decoder, payload: bytes, what: str, **details: Any):
+    """``decoder.decode(payload)``; whatever goes wrong is a ``ProtocolError`` ("what: why").
+
+    Not only ``DecodeError``/``ValidationError``: 2 KB of msgpack nested 2,000 deep is a
+    ``RecursionError`` inside the decoder, and an exception that escapes a decode would kill
+    the thread that owns the socket (also used by ``engine.api``)."""
     try:
-        return decoder.decode(frames[1])
+        return decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed {rtype.name}: {exc}") from None
+        # policy: a malformed frame is answered, typed, and the server goes on
+        raise ProtocolError(f"{what}: {exc}", **details) from None
+    except RecursionError:
+        # policy: nesting deeper than the decoder may go is malformed as well
+        raise ProtocolError(f"{what}: nested too deeply", **details) from None
+    except Exception as exc:
+        # policy: anything else a decode raises is still the frame's fault: typed, not fatal
+        raise ProtocolError(f"{what}: {exc!r}", **details) from None
 
 
 def to_plain(value: Any) -> Any:

@@ -5,8 +5,24 @@ not block: long work goes to other threads, which answer through ``reply``), for
 thread queued on the outbox, serves subscribe/unsubscribe and heartbeat requests, and every
 ``heartbeat_interval_s`` calls ``on_tick`` and sends a ``Heartbeat`` event to subscribers. A bad
 frame is answered with a typed error (or dropped by zmq when over the hard size limit) and the
-server keeps serving. Neighbours: ``protocol`` (frames), ``zmqutil.Outbox``; subclasses
-``agent.server.Agent`` and ``controller.server.ControllerServer``.
+server keeps serving.
+
+Under a burst the control thread never blocks on itself and no queue grows without bound:
+
+- what it sends itself (answers, heartbeats) goes straight to the ROUTER, non-blocking; other
+  threads go through the bounded ``Outbox`` (see ``zmqutil``);
+- each poll round reads at most ``READ_BUDGET`` requests (the ROUTER takes them from its peers
+  in turn), so answers, events and heartbeats interleave with any flood, and a new client is
+  answered after at most one request of each other peer;
+- a peer that does not read its answers loses those beyond the ROUTER's ``SNDHWM``;
+- slow work (``offload``) runs on ``WORKER_THREADS`` threads from a queue of
+  ``WORKER_QUEUE`` jobs; when it is full the request is shed at once with the typed,
+  retryable ``OverloadedError`` (nothing of it ran).
+
+If the control thread (or a worker) dies of a bug, ``on_thread_death`` runs: by default the
+process exits with status 70 (``zmqutil.exit_on_thread_death``) rather than live on
+unreachable. Neighbours: ``protocol`` (frames), ``zmqutil`` (outbox, thread guard);
+subclasses ``agent.server.Agent`` and ``controller.server.ControllerServer``.
 """
 
 from __future__ import annotations
@@ -14,9 +30,11 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -24,11 +42,22 @@ from zmq.utils.monitor import recv_monitor_message
 from ckpt_controller import protocol as p
 from ckpt_controller.endpoints import secure_ipc
 from ckpt_controller.clock import Clock
-from ckpt_controller.errors import CkptError, EngineError, OperationError, ProtocolError
+from ckpt_controller.errors import (CkptError, EngineError, OperationError, OverloadedError,
+                                    ProtocolError)
 from ckpt_controller.security import CurveServer, ZapHandler, log_handshake_failures
-from ckpt_controller.zmqutil import Outbox
+from ckpt_controller.zmqutil import DeathHook, Outbox, exit_on_thread_death, guarded
 
 log = logging.getLogger("ckpt_controller.rpc")
+
+#: requests the control thread reads per poll round before it forwards, beats and polls again
+READ_BUDGET = 256
+#: messages queued towards one peer before what follows for it is dropped
+PEER_SNDHWM = 100_000
+#: threads that run offloaded (slow) requests, and the jobs that may wait for one
+WORKER_THREADS = 4
+WORKER_QUEUE = 64
+#: the hint an ``OverloadedError`` carries
+OVERLOAD_RETRY_AFTER_S = 0.5
 
 
 class RpcServer:
@@ -54,6 +83,11 @@ class RpcServer:
         self._thread: threading.Thread | None = None
         self._heartbeat_seq = itertools.count(1)
         self._stalled_until = 0.0
+        self._workers: _Workers | None = None
+        #: called as ``hook(thread_name, exc)`` when the control thread or a worker dies of
+        #: a bug; None: ``zmqutil.exit_on_thread_death`` (the process exits with status 70).
+        #: In-process servers that must not end their process (tests) set their own.
+        self.on_thread_death: DeathHook | None = None
         self._finalizer = weakref.finalize(self, _close_context, self._ctx)
 
     # ------------------------------------------------------------------ life
@@ -69,7 +103,7 @@ class RpcServer:
             # a message for a peer that left fails at once instead of queueing forever: that
             # is how subscribers that went away are forgotten
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self._router.setsockopt(zmq.SNDHWM, 100_000)
+            self._router.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
             if self.curve is not None:  # the handler first: without one, libzmq admits anyone
                 self._zap = ZapHandler(self._ctx, self.curve, self.name)
                 self.curve.apply(self._router)
@@ -88,7 +122,10 @@ class RpcServer:
             if isinstance(exc, CkptError):
                 raise
             raise CkptError(f"cannot bind {self.endpoint}: {exc}", endpoint=self.endpoint) from exc
-        self._thread = threading.Thread(target=self._serve, name=f"rpc-{self.name}", daemon=True)
+        name = f"rpc-{self.name}"
+        self._thread = threading.Thread(
+            target=guarded(self._serve, name, on_death=self._thread_died,
+                           stopping=self._stop.is_set), name=name, daemon=True)
         self._thread.start()
         log.info("%s serving on %s (pid %d)", self.name, self.endpoint, os.getpid())
         return self
@@ -97,6 +134,9 @@ class RpcServer:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
         if self._monitor is not None:
             self._monitor.close(linger=0)
         if self._zap is not None:
@@ -136,6 +176,26 @@ class RpcServer:
     def reply_error(self, identity: bytes, call_id: int, err: CkptError) -> None:
         self.send(identity, p.error_frames(call_id, err))
 
+    def offload(self, identity: bytes, call_id: int, what: str,
+                job: Callable[[], p.Result]) -> None:
+        """From ``handle``: run ``job`` on a worker thread and answer with its result (or its
+        typed error). Raises ``OverloadedError`` at once when ``WORKER_QUEUE`` jobs already
+        wait: the dispatcher sends it back and the control thread goes on."""
+        if self._workers is None:
+            self._workers = _Workers(self.name, self._worker_died)
+
+        def run() -> None:
+            try:
+                self.reply(identity, call_id, job())
+            except CkptError as err:  # policy: answered, typed
+                self.reply_error(identity, call_id, err)
+            except Exception as exc:  # policy: a bug answers this request, typed, and we go on
+                log.exception("%s: %s failed", self.name, what)
+                self.reply_error(identity, call_id, OperationError(
+                    f"{self.name} failed to handle {what}: {exc!r}", request=what))
+
+        self._workers.submit(run, what)
+
     def stall(self, seconds: float) -> None:
         """Stop the control thread for ``seconds``: no heartbeats, no answers (a fault a
         drill injects; requests queue in the socket meanwhile)."""
@@ -158,7 +218,15 @@ class RpcServer:
 
     # ------------------------------------------------------------------ control thread
 
+    def _thread_died(self, thread_name: str, exc: BaseException) -> None:
+        (self.on_thread_death or exit_on_thread_death)(thread_name, exc)
+
+    def _worker_died(self, thread_name: str, exc: BaseException) -> None:
+        if not self._stop.is_set():
+            self._thread_died(thread_name, exc)
+
     def _serve(self) -> None:
+        self._outbox.own(self._router, self._forget)
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._outbox.inbox, zmq.POLLIN)
@@ -180,12 +248,9 @@ class RpcServer:
             if self._monitor is not None and self._monitor in events:
                 log_handshake_failures(recv_monitor_message(self._monitor), self.name)
             if self._outbox.inbox in events:
-                try:
-                    self._outbox.forward(self._router, self._forget)
-                except zmq.ZMQError as exc:  # policy: an undeliverable reply is logged
-                    log.warning("%s: send failed: %s", self.name, exc)
+                self._outbox.forward()
             if self._router in events:
-                while True:
+                for _ in range(READ_BUDGET):  # the rest waits for the next round
                     try:
                         frames = self._router.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
@@ -237,6 +302,43 @@ class RpcServer:
             log.exception("%s: %s failed", self.name, rtype.name)
             self.reply_error(identity, cmd.call_id, OperationError(
                 f"{self.name} failed to handle {rtype.name}: {exc!r}", request=rtype.name))
+
+
+class _Workers:
+    """``WORKER_THREADS`` threads taking jobs from a queue of at most ``WORKER_QUEUE``: when
+    it is full, ``submit`` raises ``OverloadedError`` at once (its caller never waits)."""
+
+    def __init__(self, name: str, on_death: DeathHook) -> None:
+        self.name = name
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=WORKER_QUEUE)
+        self._threads = []
+        for n in range(WORKER_THREADS):
+            tname = f"rpc-{name}-worker{n}"
+            t = threading.Thread(target=guarded(self._run, tname, on_death=on_death),
+                                 name=tname, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def submit(self, job: Callable[[], None], what: str) -> None:
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            # policy: shed, typed and retryable; the queue never grows past its bound
+            raise OverloadedError(
+                f"{self.name} is overloaded: {WORKER_QUEUE} requests already wait for its "
+                f"{WORKER_THREADS} workers", server=self.name, request=what,
+                retry_after_s=OVERLOAD_RETRY_AFTER_S) from None
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def close(self) -> None:
+        for _ in self._threads:  # one stop mark each; jobs still queued are dropped
+            try:
+                self._jobs.put(None, timeout=1)
+            except queue.Full:  # policy: a stuck worker is a daemon thread; leave it
+                break
 
 
 def _close_context(ctx: zmq.Context) -> None:

@@ -3,64 +3,160 @@
 A zmq socket must only be used by the thread that owns it. Other threads that need to send
 (an operation thread replying, a scheduler streaming tokens) push their frames into an
 ``Outbox``: a PUSH socket guarded by a lock, connected over inproc to a PULL socket that the
-owner thread polls next to its main socket and forwards from. Neighbours: ``agent.server``
-and ``engine.server`` own such sockets.
+owner thread polls next to its main socket and forwards from.
+
+A control thread never blocks on itself: once the owner called ``own(sock)``, what it sends
+itself goes straight to ``sock``, non-blocking, never through the outbox it alone drains.
+Every queue is bounded: the outbox holds at most ``OUTBOX_HWM`` messages on each side; a
+sender from another thread waits at most ``OUTBOX_SEND_TIMEOUT_S`` for room, then the message
+is dropped and logged (the owner took nothing for that long: it is stuck or gone). A message
+the main socket cannot take (the peer left, or its own queue is full) is dropped too, and
+``on_gone`` names the peer.
+
+``guarded`` wraps the target of a socket-owning thread: if it dies of an unexpected exception,
+the process must not live on looking healthy (an agent heartbeating RUNNING while its request
+API is dead). The default policy, ``exit_on_thread_death``, logs and ends the process with
+exit status ``THREAD_DEATH_EXIT`` (70, EX_SOFTWARE) so supervision sees it and restarts it;
+an embedder that must not exit (an in-process test server) passes its own hook.
+Neighbours: ``rpcserver`` (agent, controller) and ``engine.server`` own such sockets.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Callable
 
 import zmq
 
+log = logging.getLogger("ckpt_controller.rpc")
+
+#: messages the outbox holds on each side (PUSH and PULL) before a sender must wait
+OUTBOX_HWM = 10_000
+#: how long a sender from another thread waits for room before its message is dropped
+OUTBOX_SEND_TIMEOUT_S = 5.0
+#: messages ``forward`` moves per call, so the owner's other work gets its turn
+FORWARD_BUDGET = 1_000
+#: exit status of a process whose socket-owning thread died of a bug (EX_SOFTWARE)
+THREAD_DEATH_EXIT = 70
+
+#: ``hook(thread_name, exception)``, called when a guarded thread dies unexpectedly
+DeathHook = Callable[[str, BaseException], None]
+
 
 class Outbox:
     """Thread-safe sending towards a socket owned by another thread.
 
-    ``send(frames)`` from any thread; the owner polls ``inbox`` and calls ``forward(sock)``.
+    The owner calls ``own(sock)`` on its own thread, polls ``inbox`` and calls ``forward()``;
+    ``send(frames)`` from any thread (from the owner: straight to ``sock``).
     """
 
-    def __init__(self, ctx: zmq.Context, name: str) -> None:
+    def __init__(self, ctx: zmq.Context, name: str, *, hwm: int = OUTBOX_HWM,
+                 send_timeout_s: float = OUTBOX_SEND_TIMEOUT_S) -> None:
         addr = f"inproc://outbox-{name}-{id(self)}"
+        self.name = name
         self.inbox = ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.RCVHWM, hwm)
         self.inbox.bind(addr)
         self._push = ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, hwm)
+        self._push.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000)))
         self._push.connect(addr)
         self._lock = threading.Lock()
         self._closed = False
+        self._owner: int | None = None
+        self._sock: zmq.Socket | None = None
+        self._on_gone: Callable[[bytes], None] | None = None
+        #: messages dropped because the owner took none for ``send_timeout_s``
+        self.dropped = 0
 
-    def send(self, frames: list[bytes]) -> None:
-        with self._lock:
-            if not self._closed:
-                self._push.send_multipart(frames)
-
-    def forward(self, sock: zmq.Socket,
-                on_gone: Callable[[bytes], None] | None = None) -> int:
-        """Send everything queued through ``sock``; returns how many messages went.
+    def own(self, sock: zmq.Socket, on_gone: Callable[[bytes], None] | None = None) -> None:
+        """Called on the owner thread: from now on, its own ``send`` goes straight to ``sock``.
 
         With a ROUTER set to ``ROUTER_MANDATORY``, a message for a peer that is gone (or whose
         queue is full) is dropped and ``on_gone(identity)`` called instead of blocking."""
-        sent = 0
-        while True:
+        self._sock, self._on_gone = sock, on_gone
+        self._owner = threading.get_ident()
+
+    def send(self, frames: list[bytes]) -> bool:
+        """Send ``frames`` towards the owned socket; False when they were dropped."""
+        if self._owner == threading.get_ident():
+            return self._deliver(frames)
+        with self._lock:
+            if self._closed:
+                return False
+            try:
+                self._push.send_multipart(frames)
+                return True
+            except zmq.Again:
+                # policy: the owner took nothing for the whole timeout (stuck or gone); drop
+                # and say so, the sender goes on. A request resent with the same id is answered
+                self.dropped += 1
+                log.warning("%s: outbox full for %.1fs, message dropped (%d so far)", self.name,
+                            self._push.getsockopt(zmq.SNDTIMEO) / 1000, self.dropped)
+                return False
+
+    def forward(self, limit: int = FORWARD_BUDGET) -> int:
+        """On the owner thread: send up to ``limit`` queued messages; returns how many went
+        (or were dropped as undeliverable)."""
+        moved = 0
+        while moved < limit:
             try:
                 frames = self.inbox.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return sent
-            try:
-                sock.send_multipart(frames, zmq.NOBLOCK)
-                sent += 1
-            except (zmq.Again, zmq.ZMQError) as exc:
+                break
+            self._deliver(frames)
+            moved += 1
+        return moved
+
+    def _deliver(self, frames: list[bytes]) -> bool:
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            # policy: the peer's queue is full (it does not read): this message is lost to it
+            if self._on_gone is not None:
+                self._on_gone(frames[0])
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
                 # policy: an unreachable peer loses this message; a request it resends with
                 # the same id gets the stored answer
-                if on_gone is not None and (isinstance(exc, zmq.Again)
-                                            or exc.errno == zmq.EHOSTUNREACH):
-                    on_gone(frames[0])
-                else:
-                    raise
+                if self._on_gone is not None:
+                    self._on_gone(frames[0])
+            else:  # policy: any other send failure loses this one message, logged
+                log.warning("%s: send failed: %s", self.name, exc)
+            return False
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._push.close(linger=0)
         self.inbox.close(linger=0)
+
+
+def exit_on_thread_death(thread_name: str, exc: BaseException) -> None:
+    """The default policy for a socket-owning thread that died of a bug: log it and end the
+    process with ``THREAD_DEATH_EXIT``, so supervision sees a dead process, not a zombie."""
+    log.critical("thread %s died: %r; the process exits with status %d", thread_name, exc,
+                 THREAD_DEATH_EXIT, exc_info=exc)
+    os._exit(THREAD_DEATH_EXIT)
+
+
+def guarded(target: Callable[[], None], name: str, *, on_death: DeathHook | None = None,
+            stopping: Callable[[], bool] = lambda: False) -> Callable[[], None]:
+    """``target`` wrapped for a thread: an exception that escapes it calls ``on_death``
+    (default ``exit_on_thread_death``), unless ``stopping()`` says the owner is shutting down
+    (sockets closed under a late thread), when it is only logged."""
+
+    def run() -> None:
+        try:
+            target()
+        except BaseException as exc:  # policy: no thread dies silently; see on_death
+            if stopping():
+                log.debug("thread %s ended while stopping: %r", name, exc)
+                return
+            (on_death or exit_on_thread_death)(name, exc)
+
+    return run

@@ -13,7 +13,9 @@ Threads, and what each owns:
 
 A bad frame is answered with a typed error (or logged and dropped when there is no one to
 answer; one over the 16 MiB hard limit is dropped by zmq itself, which disconnects its sender
-and tells us no more than that) and the agent keeps serving. Neighbours: ``protocol``
+and tells us no more than that) and the agent keeps serving. A burst of requests is answered
+as it comes (see ``rpcserver``); the callers of one running operation are bounded
+(``_MAX_WAITERS``, then ``OverloadedError``). Neighbours: ``protocol``
 (frames), ``operations`` (steps), ``gate`` (admission), ``client`` (the other end).
 """
 
@@ -36,7 +38,7 @@ from ckpt_controller.agent.gate import AdmissionGate
 from ckpt_controller.agent.incarnation import IncarnationTracker
 from ckpt_controller.agent.operations import Operations
 from ckpt_controller.clock import Clock
-from ckpt_controller.errors import BusyError, CkptError, OperationError
+from ckpt_controller.errors import BusyError, CkptError, OperationError, OverloadedError
 from ckpt_controller.lifecycle import Lifecycle, Transition
 from ckpt_controller.rpcserver import RpcServer
 
@@ -50,6 +52,8 @@ _OPERATIONS = {
 }
 #: results of this many finished operations are kept for repeated op ids
 _OP_MEMORY = 256
+#: callers one running operation answers at its end; one more is shed (``OverloadedError``)
+_MAX_WAITERS = 64
 
 
 @dataclass
@@ -190,6 +194,10 @@ class Agent(RpcServer):
                     raise BusyError("operation id already used for another operation",
                                     op_id=op_id, kind=known.kind)
                 if not known.done:
+                    if len(known.waiters) >= _MAX_WAITERS:
+                        raise OverloadedError(
+                            f"{_MAX_WAITERS} callers already wait for operation {op_id}",
+                            engine=self.name, op_id=op_id, retry_after_s=1.0)
                     known.waiters.append((identity, cmd.call_id))
                     return
                 self._deliver(known, [(identity, cmd.call_id)])

@@ -1,10 +1,11 @@
 """``ckptctl serve``: the controller's socket in front of ``service.Controller``.
 
 Serves handshake, status, operation, history, heartbeat and subscribe (``watch``: every
-journal record as it is written, plus heartbeats). Operations and status queries run on their
-own threads and answer through the outbox, so the control thread never blocks. On start it
-reconciles operations a previous controller left unfinished, then opens the optional
-Prometheus endpoint and the ``monitor`` that keeps its engine gauges current. Neighbours:
+journal record as it is written, plus heartbeats). Operations run on their own threads; status
+and history queries on the server's bounded workers (``RpcServer.offload``: a burst of them is
+shed with ``OverloadedError``); all answer through the outbox, so the control thread never
+blocks. On start it reconciles operations a previous controller left unfinished, then opens
+the optional Prometheus endpoint and the ``monitor`` that keeps its engine gauges current. Neighbours:
 ``rpcserver`` (socket loop), ``service``, ``metrics``, ``monitor``.
 """
 
@@ -20,7 +21,7 @@ from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.metrics import Metrics, MetricsServer
 from ckpt_controller.controller.monitor import EngineMonitor
 from ckpt_controller.controller.service import Controller
-from ckpt_controller.errors import CkptError, UsageError
+from ckpt_controller.errors import UsageError
 from ckpt_controller.rpcserver import RpcServer
 from ckpt_controller.security import CurveServer
 
@@ -74,19 +75,13 @@ class ControllerServer(RpcServer):
         elif rtype is p.RequestType.HISTORY:
             if not 1 <= cmd.limit <= 10_000:
                 raise UsageError("history limit must be 1 to 10000", limit=cmd.limit)
-            self.reply(identity, call_id, self.controller.history(cmd))
+            self.offload(identity, call_id, "HISTORY", lambda: self.controller.history(cmd))
         elif rtype is p.RequestType.OPERATION:
             self.controller.start(cmd, lambda result: self.reply(identity, call_id, result))
         else:
             self.controller.select(cmd.engines)  # unknown names: an immediate UsageError
-            threading.Thread(target=self._status, args=(identity, call_id, cmd.engines),
-                             daemon=True).start()
-
-    def _status(self, identity: bytes, call_id: int, engines: list[str]) -> None:
-        try:
-            self.reply(identity, call_id, self.controller.status(engines))
-        except CkptError as err:  # policy: answered, typed
-            self.reply_error(identity, call_id, err)
+            self.offload(identity, call_id, "STATUS",
+                         lambda: self.controller.status(cmd.engines))
 
 
 def serve(config: ControllerConfig, ready=None) -> None:

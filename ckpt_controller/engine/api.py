@@ -6,8 +6,10 @@ with ``RequestOutput`` messages: one when it is queued, then one per generated t
 with ``finished=True`` and a ``finish_reason`` (``stop``, ``length``, ``abort``, ``error``);
 or at once with ``RequestRejected`` (the engine is not RUNNING: retry after the hint; or the
 request is invalid). Events ``queued``, ``scheduled``, ``preempted`` carry monotonic times.
-Imports no torch: clients (``ckptctl generate``, ``ckptctl load``) stay light.
-Neighbours: ``server`` (engine side), ``client``.
+Imports no torch: clients (``ckptctl generate``, ``ckptctl load``) stay light. Any decode
+failure (nesting too deep included) is a ``ProtocolError``; a message over
+``MAX_MESSAGE_BYTES`` never reaches the engine. Neighbours: ``server`` (engine side),
+``client``, ``protocol`` (the shared decode guard and size limit).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Literal
 import msgspec
 
 from ckpt_controller.errors import CkptError, ProtocolError, from_wire
+from ckpt_controller.protocol import HARD_MAX_MESSAGE_BYTES, decode_frame
 
 
 class EngineRequestType(bytes, enum.Enum):
@@ -86,7 +89,11 @@ _dec_add = msgspec.msgpack.Decoder(EngineRequest)
 _dec_abort = msgspec.msgpack.Decoder(AbortRequest)
 _dec_out = msgspec.msgpack.Decoder(RequestOutput)
 _dec_rej = msgspec.msgpack.Decoder(RequestRejected)
+#: a request larger than this is refused with a ``ProtocolError``
 MAX_PAYLOAD_BYTES = 4 << 20
+#: zmq drops (and disconnects) anything larger before the engine reads it: the control
+#: sockets' limit
+MAX_MESSAGE_BYTES = HARD_MAX_MESSAGE_BYTES
 
 
 def encode(rtype: bytes, msg: msgspec.Struct) -> list[bytes]:
@@ -100,20 +107,15 @@ def decode_request(frames: list[bytes]) -> EngineRequest | AbortRequest:
         rtype = EngineRequestType(bytes(frames[0]))
     except ValueError:
         raise ProtocolError(f"unknown engine request type 0x{bytes(frames[0]).hex()}") from None
-    try:
-        return (_dec_add if rtype is EngineRequestType.ADD else _dec_abort).decode(frames[1])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"invalid {rtype.name} request: {exc}") from None
+    return decode_frame(_dec_add if rtype is EngineRequestType.ADD else _dec_abort, frames[1],
+                        f"invalid {rtype.name} request")
 
 
 def decode_reply(frames: list[bytes]) -> RequestOutput | RequestRejected:
     if len(frames) != 2:
         raise ProtocolError("expected [type, payload] from the engine", frames=len(frames))
-    try:
-        if bytes(frames[0]) == EngineReplyType.OUTPUT.value:
-            return _dec_out.decode(frames[1])
-        if bytes(frames[0]) == EngineReplyType.REJECTED.value:
-            return _dec_rej.decode(frames[1])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed engine reply: {exc}") from None
+    if bytes(frames[0]) == EngineReplyType.OUTPUT.value:
+        return decode_frame(_dec_out, frames[1], "malformed engine reply")
+    if bytes(frames[0]) == EngineReplyType.REJECTED.value:
+        return decode_frame(_dec_rej, frames[1], "malformed engine reply")
     raise ProtocolError(f"unknown engine reply type 0x{bytes(frames[0]).hex()}")

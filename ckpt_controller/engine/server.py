@@ -1,11 +1,16 @@
 """The reference engine process: model + KV pool + scheduler + request API + embedded agent.
 
 Threads: the API thread owns the request ROUTER (admits requests through the agent's gate,
-forwards outputs from the outbox); the scheduler thread steps the batch; the agent has its
-own control and operation threads. The engine's ``EngineHooks`` map the agent's drain and
-pause/resume calls onto the scheduler, and ``verify`` re-runs a golden prompt before the engine
-serves again, twice: through the cache-free path (``TinyLM.reference_tokens``: the weights)
-and through blocks of the re-woken KV pool (``TinyLM.paged_tokens``: the path requests take).
+forwards outputs from the outbox; answers it makes itself go straight to the ROUTER, and it
+reads at most ``READ_BUDGET`` requests per round); the scheduler thread steps the batch; the
+agent has its own control and operation threads. The request ROUTER drops any message over
+``api.MAX_MESSAGE_BYTES`` (the control sockets' 16 MiB) before it is read. If the API or the
+scheduler thread dies of a bug, the process exits with status 70 (``zmqutil.guarded``): an
+engine whose agent heartbeats RUNNING must be able to serve. The engine's ``EngineHooks`` map
+the agent's drain and pause/resume calls onto the scheduler, and ``verify`` re-runs a golden
+prompt before the engine serves again, twice: through the cache-free path
+(``TinyLM.reference_tokens``: the weights) and through blocks of the re-woken KV pool
+(``TinyLM.paged_tokens``: the path requests take).
 Neighbours: ``scheduler``, ``model``, ``kv``, ``api``; ``agent`` (embedded).
 """
 
@@ -29,7 +34,7 @@ from ckpt_controller.engine.model import load_model, materialize
 from ckpt_controller.engine.scheduler import Request, Scheduler
 from ckpt_controller.errors import CkptError, ProtocolError, UsageError, VerificationError
 from ckpt_controller.memory import MemoryRegistry
-from ckpt_controller.zmqutil import Outbox
+from ckpt_controller.zmqutil import Outbox, guarded
 
 log = logging.getLogger("ckpt_controller.engine")
 
@@ -56,6 +61,8 @@ class EngineOptions:
 
 #: outputs queued per client before any is dropped (about 100 bytes each)
 OUTPUT_HWM = 1_000_000
+#: requests the API thread reads per round before it forwards outputs again
+READ_BUDGET = 256
 
 
 class ReferenceEngine(EngineHooks):
@@ -95,10 +102,14 @@ class ReferenceEngine(EngineHooks):
         # few seconds while thousands of tokens stream) must still get every output, above
         # all the final ones
         self._api_sock.setsockopt(zmq.SNDHWM, OUTPUT_HWM)
+        # what is over the limit is dropped by zmq while it arrives, never buffered whole
+        self._api_sock.setsockopt(zmq.MAXMSGSIZE, api.MAX_MESSAGE_BYTES)
         self._api_sock.bind(self.opts.api)
         self.agent.start()
         for target, name in ((self._schedule_loop, "sched"), (self._api_loop, "api")):
-            t = threading.Thread(target=target, name=f"engine-{name}", daemon=True)
+            t = threading.Thread(target=guarded(target, f"engine-{name}",
+                                                stopping=self._stop.is_set),
+                                 name=f"engine-{name}", daemon=True)
             t.start()
             self._threads.append(t)
         return self
@@ -140,15 +151,16 @@ class ReferenceEngine(EngineHooks):
         return self.scheduler.submit(fn).result(timeout=timeout_s)
 
     def _api_loop(self) -> None:
+        self._outbox.own(self._api_sock)  # this thread's own answers go straight out
         poller = zmq.Poller()
         poller.register(self._api_sock, zmq.POLLIN)
         poller.register(self._outbox.inbox, zmq.POLLIN)
         while not self._stop.is_set():
             events = dict(poller.poll(100))
             if self._outbox.inbox in events:
-                self._outbox.forward(self._api_sock)
+                self._outbox.forward()
             if self._api_sock in events:
-                while True:
+                for _ in range(READ_BUDGET):  # the rest waits for the next round
                     try:
                         frames = self._api_sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
