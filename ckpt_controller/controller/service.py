@@ -286,27 +286,48 @@ class Controller:
 
     def reconcile_unsettled(self) -> list[str]:
         """One round: every unsettled engine that answers, holds no operation and has
-        settled is brought back (PREPARED -> rolled back to RUNNING). Returns those settled."""
+        settled is brought back (PREPARED -> rolled back to RUNNING). Returns those settled.
+
+        The probe holds nothing, so an operator's operation that starts meanwhile is never
+        refused because of it (an unreachable engine's probe lasts its whole timeout); the
+        engine is held only once it answered, and only if no operation took it by then."""
         with self._lock:
             todo = {e: op for e, op in self._unsettled.items() if e not in self._holders
                     and any(c.name == e for c in self.config.engines)}
-            for e, op in todo.items():
-                self._holders[e] = f"reconcile:{op}"
         settled: list[str] = []
 
         def one(item: tuple[str, str]) -> None:
             engine, op_id = item
+            if not self._answers(engine, op_id):
+                return
+            holder = f"reconcile:{op_id}"
+            with self._lock:
+                if engine in self._holders or self._unsettled.get(engine) != op_id:
+                    return  # an operation took it meanwhile: that operation settles it
+                self._holders[engine] = holder
             try:
                 if self._settle(engine, op_id):
                     settled.append(engine)
             finally:
                 with self._lock:
-                    self._holders.pop(engine, None)
+                    if self._holders.get(engine) == holder:
+                        del self._holders[engine]
 
         if todo:
             with ThreadPoolExecutor(max_workers=min(len(todo), 64)) as pool:
                 list(pool.map(one, todo.items()))
         return settled
+
+    def _answers(self, engine: str, op_id: str) -> bool:
+        """Whether ``engine``'s agent answers a status request (one try, holding nothing)."""
+        try:
+            with AgentClient(self.config.engine(engine).control, timeout_s=2.0, retries=0,
+                             curve=self.config.agent_curve(engine)) as c:
+                c.status()
+        except CkptError as err:  # policy: not reachable yet: next round
+            log.info("%s: still unsettled (operation %s): %s", engine, op_id, err.message)
+            return False
+        return True
 
     def _settle(self, engine: str, op_id: str) -> bool:
         cmd = p.OperationCommand(call_id=0, op_id=op_id, kind="rollback", engines=[engine])
