@@ -1,7 +1,8 @@
 """Protocol fuzzing of live endpoints: the agent's and the controller's control sockets get
 arbitrary frames (random bytes, known and unknown request types with random or truncated
-payloads, wrong versions) over real ZMQ sockets. Each must be answered with a typed error or
-dropped, and the server must go on answering a handshake after every one."""
+payloads, wrong versions, values nested deeper than the decoder goes) over real ZMQ sockets.
+Each must be answered with a typed error or dropped, and the server must go on answering a
+handshake after every one."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ TYPE_BYTES = [t.value for t in p.RequestType] + [b"\x7f", b"\xff", b"", b"\x01\x
 
 @st.composite
 def frames(draw) -> list[bytes]:
-    kind = draw(st.sampled_from(["random", "typed-random", "truncated", "mutated", "version"]))
+    kind = draw(st.sampled_from(["random", "typed-random", "truncated", "mutated", "version",
+                                 "deep"]))
     if kind == "random":
         return draw(st.lists(st.binary(max_size=64), min_size=1, max_size=4))
     if kind == "typed-random":
@@ -47,6 +49,9 @@ def frames(draw) -> list[bytes]:
         return [draw(st.sampled_from(TYPE_BYTES)),
                 payload[:i] + bytes([draw(st.integers(0, 255))]) + payload[i + 1:]]
     fields = msgspec.to_builtins(cmd)
+    if kind == "deep":  # a valid command with one more field: an array nested N deep
+        payload = msgspec.msgpack.encode({**fields, "deep": None})  # ends with nil (0xc0)
+        return [rtype.value, payload[:-1] + b"\x91" * draw(st.integers(500, 5_000)) + b"\xc0"]
     fields["version"] = draw(st.integers(-2**31, 2**31).filter(lambda v: v != p.PROTOCOL_VERSION))
     return [rtype.value, msgspec.msgpack.encode(fields)]
 

@@ -11,6 +11,8 @@
   sees it instead of a healthy-looking zombie.
 - A 200 MiB frame to the engine's request API is dropped by zmq (the control sockets' limit)
   and leaves no memory behind.
+- The other queues are bounded too: callers waiting for one running operation, and what other
+  threads put in an outbox nobody forwards.
 
 Neighbours: ``conftest`` (``spawn_engine``, ``spawn_controller``, ``spawn_reference``).
 """
@@ -29,11 +31,14 @@ import pytest
 import zmq
 
 from ckpt_controller import protocol as p
-from ckpt_controller.agent import AgentClient
+from ckpt_controller.agent import Agent, AgentClient, EngineHooks
+from ckpt_controller.agent.server import _MAX_WAITERS
 from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.engine import api
 from ckpt_controller.engine.client import EngineClient
-from ckpt_controller.errors import from_wire
+from ckpt_controller.errors import UnreachableError, from_wire
+from ckpt_controller.rpcserver import RpcServer
+from ckpt_controller.zmqutil import Outbox
 
 MIB = 1 << 20
 #: what the issue asks: answered "within a second"; slack for a loaded two-core machine
@@ -297,3 +302,86 @@ def test_a_control_thread_that_dies_ends_its_process_non_zero(ipc_dir):
     assert proc.stdout.strip() == "serving"
     assert proc.returncode == 70, proc.stderr[-2000:]
     assert "a bug in the control thread" in proc.stderr
+
+
+# ---------------------------------------------------------------- other bounded queues
+
+class _HeldPause(EngineHooks):
+    """Agent hooks whose pause waits until the test lets it go: a prepare that stays running."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def pause_scheduling(self) -> None:
+        self.entered.set()
+        self.release.wait(30)
+
+
+def test_callers_of_one_running_operation_are_bounded(ipc_dir):
+    hooks = _HeldPause()
+    with Agent("held", hooks=hooks, control=f"ipc://{ipc_dir}/held.ctl") as agent:
+        first = p.PrepareCommand(call_id=1, op_id="held-op", level=0, drain="abort")
+        callers = _MAX_WAITERS + 36
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(agent.endpoint)
+        try:
+            s.send_multipart(p.command_frames(p.RequestType.PREPARE, first))
+            assert hooks.entered.wait(10)
+            for n in range(2, callers + 1):  # the same operation again: each waits for its end
+                again = p.PrepareCommand(call_id=n, op_id="held-op", level=0, drain="abort")
+                s.send_multipart(p.command_frames(p.RequestType.PREPARE, again))
+            shed = []
+            while s.poll(1000):  # the callers past the bound are answered at once
+                reply = p.decode_reply(s.recv_multipart())
+                if isinstance(reply, p.ErrorReply):
+                    shed.append(reply)
+            assert len(shed) == callers - _MAX_WAITERS
+            assert {r.kind for r in shed} == {"OverloadedError"}
+            assert from_wire(shed[0].kind, shed[0].message, shed[0].details).retryable
+            hooks.release.set()
+            answered = collections.Counter()
+            while sum(answered.values()) < _MAX_WAITERS and s.poll(10_000):
+                reply = p.decode_reply(s.recv_multipart())
+                if not isinstance(reply, p.Event):
+                    answered[type(getattr(reply, "result", reply)).__name__] += 1
+            assert answered == {"PrepareReply": _MAX_WAITERS}
+        finally:
+            hooks.release.set()
+            s.close(linger=0)
+
+
+def test_an_outbox_sender_waits_a_bounded_time_when_nobody_forwards():
+    ctx = zmq.Context()
+    outbox = Outbox(ctx, "unowned", hwm=10, send_timeout_s=0.2)
+    try:
+        sent = [outbox.send([b"peer", b"%d" % n]) for n in range(10)]
+        start = time.monotonic()
+        # nobody takes anything out: once both sides are full, a send gives up, dropped
+        while outbox.send([b"peer", b"more"]):
+            assert time.monotonic() - start < 10, "the outbox never filled"
+        assert time.monotonic() - start < 10
+        assert all(sent) and outbox.dropped == 1
+    finally:
+        outbox.close()
+        ctx.term()
+
+
+def test_an_in_process_server_may_take_a_thread_death_itself(ipc_dir):
+    deaths: list[tuple[str, BaseException]] = []
+
+    class BrokenTick(RpcServer):  # a stand-in: its control thread hits a bug at its first tick
+        def on_tick(self) -> None:
+            raise RuntimeError("a bug in the control thread")
+
+    server = BrokenTick(f"ipc://{ipc_dir}/b.ctl", name="b", heartbeat_interval_s=0.05)
+    server.on_thread_death = lambda name, exc: deaths.append((name, exc))
+    with server:
+        deadline = time.monotonic() + 5
+        while not deaths and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [(n, str(e)) for n, e in deaths] == [("rpc-b", "a bug in the control thread")]
+        with AgentClient(server.endpoint, timeout_s=0.5, retries=0) as c:
+            with pytest.raises(UnreachableError):  # no answers, no heartbeats: seen as gone
+                c.heartbeat()
