@@ -130,6 +130,7 @@ class Outbox:
             return False
 
     def close(self) -> None:
+        self._owner = None  # a later thread that gets the owner's id must not send directly
         with self._lock:
             self._closed = True
             self._push.close(linger=0)
