@@ -14,12 +14,14 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ckpt_controller.adapters.vllm import VllmHttp
 from ckpt_controller.procutil import ReadyProcess
 from conftest import ROOT, VLLM_PY, VllmServer
 from test_criu import CRIU, _reason as criu_missing
+from test_vllm_tcp_hold import SteadyLoad
 
 pytestmark = [
     pytest.mark.vllm,
@@ -104,6 +106,7 @@ def test_vllm_captured_stopped_and_restored_from_its_image(capturable_vllm, spaw
         assert got == want  # the same weights, the same greedy completion
         status = json.loads(ctl.ckptctl("status", "--json").stdout)["engines"][0]["status"]
         assert status["state"] == "running" and status["pid"] == server.pid
+        assert status["restored_from_image"] and status["incarnation"] == 1  # vLLM's own
         print(f"\nvLLM (tiny Llama, CPU): cold start to first token {server.cold_start_s:.1f} s; "
               f"CRIU restore (restore op + first completion) {restore_s:.1f} s; image "
               f"{image_bytes / 2**30:.2f} GiB")
@@ -114,3 +117,60 @@ def test_vllm_captured_stopped_and_restored_from_its_image(capturable_vllm, spaw
         assert restore_s < server.cold_start_s
     finally:
         side.stop()
+
+
+def test_vllm_under_load_loses_no_request_across_a_stop_capture_and_restore(
+        capturable_vllm, spawn_controller, ipc_dir, monkeypatch):
+    """Open connections are kept (CRIU's --tcp-established, its nftables network lock) and new
+    ones wait (hooks/tcp-hold drops their SYNs while vLLM is captured): a client that never
+    retries loses nothing, although vLLM's process is gone for a while."""
+    server = capturable_vllm
+    monkeypatch.setenv("CKPT_CRIU", CRIU)
+    monkeypatch.setenv("CKPT_CRIU_MODE", "stop")
+    monkeypatch.setenv("CKPT_CRIU_TCP", "established")
+    side = ReadyProcess([sys.executable, "-m", "ckpt_controller", "agent", "vllm", "--url",
+                         server.url, "--control", f"ipc://{ipc_dir}/vl", "--name", "vl",
+                         "--heartbeat", "1.0"], ipc_dir / "vl.log", "vLLM sidecar", cwd=ROOT)
+    try:
+        hooks = ipc_dir / "hooks"
+        for point, name, hook in (("dump", "05-tcp-hold", "tcp-hold"),
+                                  ("dump", "10-criu-dump", "criu-dump"),
+                                  ("post-dump", "95-tcp-hold", "tcp-hold"),
+                                  ("pre-restore", "10-criu-restore", "criu-restore"),
+                                  ("pre-restore", "30-tcp-hold", "tcp-hold")):
+            (hooks / point).mkdir(parents=True, exist_ok=True)
+            (hooks / point / name).symlink_to(ROOT / "hooks" / hook)
+        ctl = spawn_controller(f'[[engine]]\nname = "vl"\ncontrol = "{side.info["control"]}"\n'
+                               f'kind = "vllm"\n')
+        load = SteadyLoad(server.url, every_s=0.25, max_tokens=24).start()
+        time.sleep(3)
+        out = ctl.ckptctl("prepare", "vl", "--drain", "keep", "--level", "1", "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        gone = time.time()
+        out = ctl.ckptctl("capture", "vl", "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        said = " ".join(h["stdout_tail"] for h in json.loads(out.stdout)["engines"][0]["hooks"])
+        assert "tcp-hold: holding new connections" in said and "dumped pid" in said
+        if server.proc.poll() is None:  # our child, unless an earlier test restored it
+            server.proc.wait(timeout=60)
+        end = time.monotonic() + 30
+        while psutil.pid_exists(server.pid):  # a restored one is reaped by someone else
+            assert time.monotonic() < end, "vLLM's process outlived its dump"
+            time.sleep(0.1)
+        time.sleep(3)  # vLLM is gone: clients connecting now must wait, not be refused
+        out = ctl.ckptctl("restore", "vl", "--json")
+        back = time.time()
+        assert out.returncode == 0, out.stdout + out.stderr
+        time.sleep(3)
+        sent = load.stop()
+        status = json.loads(ctl.ckptctl("status", "--json").stdout)["engines"][0]["status"]
+    finally:
+        side.stop()
+    lost = [r for r in sent if r.error or r.finish_reason != "length"]
+    while_gone = [r for r in sent if gone <= r.sent <= back]
+    print(f"\n{len(sent)} requests, {len(while_gone)} sent during the capture and restore "
+          f"({back - gone:.1f} s), {len(lost)} lost; the slowest took "
+          f"{max(r.ended - r.sent for r in sent):.1f} s")
+    assert len(sent) >= 48 and len(while_gone) >= 10
+    assert not lost, [(r.error, r.finish_reason) for r in lost][:5]
+    assert status["state"] == "running" and status["restored_from_image"]

@@ -48,12 +48,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
 from ckpt_controller.adapters.vllm.http import RequestMetrics, VllmHttp
 from ckpt_controller.adapters.vllm.state import Progress, StateFile, state_path
 from ckpt_controller.agent.engine import EngineHooks
+from ckpt_controller.agent.incarnation import Fingerprint, IncarnationTracker
 from ckpt_controller.clock import Deadline
 from ckpt_controller.errors import (
     DeadlineError,
@@ -480,6 +482,32 @@ class _Call:
             raise self._error
 
 
+class EngineFingerprint:
+    """The vLLM server's fingerprint (boot id, PID, the kernel's start time of the task) for
+    the agent's ``IncarnationTracker``: a CRIU restore of vLLM recreates its process, so its
+    start time changes, while the sidecar's own process never left. While the process is
+    gone (dumped, not yet restored) the last one seen stands; without a PID (a remote vLLM)
+    it never changes."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        self._last = Fingerprint("", pid or 0, 0)
+        self()
+
+    def __call__(self) -> Fingerprint:
+        if self.pid is None:
+            return self._last
+        try:
+            boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+            # field 2 (comm) may hold spaces and parentheses: split after the last ')'
+            start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        except (OSError, IndexError, ValueError):  # policy: gone for now: nothing new seen
+            return self._last
+        self._last = Fingerprint(boot_id, self.pid, start_ticks)
+        return self._last
+
+
 def find_server_pid(port: int) -> int | None:
     """The PID of the local process listening on TCP ``port`` (None if not visible)."""
     try:
@@ -514,6 +542,7 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
                   engine_pid=pid, engine_alive=engine.alive,
                   request_counts=engine.request_counts,
                   heartbeat_interval_s=heartbeat_interval_s, curve=curve,
+                  incarnation=IncarnationTracker(EngineFingerprint(pid)),
                   generation=state.state.generation)
     agent.lifecycle.subscribe(lambda t: _keep_generation(state, t.generation))
     # never claim RUNNING for an engine that is not serving: FAILED says why, and a restore
