@@ -385,3 +385,34 @@ def test_an_in_process_server_may_take_a_thread_death_itself(ipc_dir):
         with AgentClient(server.endpoint, timeout_s=0.5, retries=0) as c:
             with pytest.raises(UnreachableError):  # no answers, no heartbeats: seen as gone
                 c.heartbeat()
+
+
+def test_a_deeply_nested_answer_from_vllm_is_a_typed_error():
+    """The vLLM adapter decodes JSON from vLLM's HTTP server: an answer nested 100,000 deep is
+    an ``EngineError`` like any other answer that is not JSON, not a ``RecursionError``."""
+    import http.server
+
+    from ckpt_controller.adapters.vllm.http import VllmHttp
+    from ckpt_controller.errors import EngineError
+
+    class Deep(http.server.BaseHTTPRequestHandler):  # a stand-in for a broken vLLM server
+        def do_GET(self) -> None:
+            body = b"[" * 100_000 + b"]" * 100_000
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Deep)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(EngineError, match="not JSON"):
+            VllmHttp(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=5).request(
+                "GET", "/metrics")
+    finally:
+        server.shutdown()
+        server.server_close()

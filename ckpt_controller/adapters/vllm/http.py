@@ -94,7 +94,7 @@ class VllmHttp:
         raw = self._raw(method, path, params=params, body=body, timeout_s=timeout_s)
         try:
             return json.loads(raw) if raw.strip() else None
-        except ValueError:
+        except (ValueError, RecursionError):  # policy: not JSON (or nested too deeply): typed
             raise EngineError(f"vLLM answered {method} {path} with something not JSON",
                               url=self.url, path=path, body=raw[:300].decode(errors="replace"))
 
