@@ -161,6 +161,9 @@ class OperationCommand(Command, kw_only=True):
     #: prepare: if one engine fails, roll back the others
     all_or_nothing: bool = True
     reason: str = ""
+    #: restore: the operation (id) whose image to restore, named explicitly; needed for an
+    #: image older than the engine's generation (default: the image of this generation)
+    image: str | None = None
 
 
 class HistoryCommand(Command, kw_only=True):
@@ -320,6 +323,11 @@ class EngineOutcome(msgspec.Struct, kw_only=True):
     hooks: list[HookRun] = []
     error: ErrorInfo | None = None
     generation: int | None = None
+    #: capture: whether a dump hook ran (False: nothing was captured); None for other steps
+    dumped: bool | None = None
+    #: the image (the id of the operation that dumped it) this capture made or this
+    #: restore restored; None when there is none
+    image: str | None = None
 
 
 class OperationResult(msgspec.Struct, kw_only=True, tag=True):

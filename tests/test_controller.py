@@ -319,10 +319,12 @@ def test_bad_config_and_unreachable_engine(spawn_controller, ipc_dir):
     start = time.monotonic()
     out = ctl.ckptctl("prepare", "ghost", "--json")
     assert out.returncode == 4 and time.monotonic() - start < 30
-    result = json.loads(out.stdout)
-    assert result["engines"][0]["error"]["kind"] == "UnreachableError"
-    # the message says which endpoint did not answer, and for how long it was tried
-    assert f"no answer from ipc://{ipc_dir}/none in" in result["engines"][0]["error"]["message"]
+    # refused before the operation existed (preflight): the error is the whole answer
+    error = json.loads(out.stdout)["error"]
+    assert error["kind"] == "UnreachableError" and error["details"]["engine"] == "ghost"
+    # the message says which engine and which endpoint did not answer
+    assert error["message"].startswith("ghost did not answer")
+    assert f"ipc://{ipc_dir}/none" in error["message"]
     out = ctl.ckptctl("prepare", "nobody")
     assert out.returncode == 2 and "unknown engine 'nobody'" in out.stderr
     out = ctl.ckptctl("status")
@@ -649,8 +651,8 @@ def test_hook_failures_of_every_kind(spawn_reference, spawn_controller):
     # restore of a RUNNING engine runs no hook and fails nothing
     _hook(ctl, "pre-restore", "10-fail", "exit 1")
     out = ctl.ckptctl("restore", "hk", "--json")
-    (o,) = json.loads(out.stdout)["engines"]
-    assert out.returncode == 2 and o["state"] == "running" and o["hooks"] == []
+    error = json.loads(out.stdout)["error"]  # refused before it began: no hook ran
+    assert out.returncode == 2 and error["details"]["state"] == "running"
     with ControllerClient(ctl.endpoint) as c:
         from ckpt_controller.errors import UsageError
 

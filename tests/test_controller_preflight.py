@@ -1,6 +1,7 @@
 """What the controller checks before an operation exists, and who goes first: an operator's
-operation before the reconciler's probing. Real ``ckptctl serve`` processes and real engine
-processes."""
+operation before the reconciler's probing, refusals that leave no journal operation, and a
+group operation that looks at every engine before it takes any out of service. Real
+``ckptctl serve`` processes and real engine processes."""
 
 from __future__ import annotations
 
@@ -54,3 +55,78 @@ def test_an_operators_restore_goes_before_the_reconcilers_probe(spawn_engine, sp
     assert "BusyError" not in out.stdout, out.stdout
     assert out.returncode == 4, out.stdout + out.stderr
     assert json.loads(out.stdout)["error"]["kind"] == "UnreachableError"
+
+
+def _agents(ipc_dir, names):
+    from ckpt_controller.agent import Agent
+
+    return [Agent(n, control=f"ipc://{ipc_dir}/{n}.ctl", heartbeat_interval_s=0.2).start()
+            for n in names]
+
+
+def _untouched(agents) -> None:
+    """Each agent is RUNNING and never moved: no transition, generation 0."""
+    for a in agents:
+        with AgentClient(a.endpoint) as c:
+            st = c.status()
+        assert (st.state, st.generation, st.last_transition) == ("running", 0, None), st
+
+
+def test_a_refused_request_leaves_no_operation_and_counts_as_refused(spawn_controller, ipc_dir):
+    import re
+    import urllib.request
+
+    agents = _agents(ipc_dir, ["rf1"])
+    try:
+        ctl = spawn_controller(_toml(*agents), controller_keys="metrics_port = 0\n")
+        for op in ("restore", "capture", "rollback"):
+            out = ctl.ckptctl(op, "rf1", "--json", "--op-id", f"refused-{op}")
+            assert out.returncode == 2, out.stdout + out.stderr
+            err = json.loads(out.stdout)["error"]
+            assert err["kind"] == "UsageError" and "rf1 is running" in err["message"], err
+        hist = json.loads(ctl.ckptctl("history", "--json").stdout)
+        assert hist["operations"] == [] and hist["records"] == []
+        journal = Journal(ctl.state_dir / "journal.sqlite3")
+        try:
+            assert journal.operations() == [] and journal.check() == []
+        finally:
+            journal.close()
+        url = f"http://127.0.0.1:{ctl.info['metrics_port']}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert re.search(r'ckpt_operations_total\{kind="restore",outcome="refused"\} 1', text)
+        assert 'outcome="failed"' not in text
+        # the refused id was never an operation: it may be used now, and it runs
+        out = ctl.ckptctl("prepare", "rf1", "--json", "--op-id", "refused-restore")
+        assert out.returncode == 0, out.stdout + out.stderr
+    finally:
+        for a in agents:
+            a.close()
+
+
+def test_a_group_with_one_dead_engine_takes_none_out_of_service(spawn_controller, ipc_dir):
+    """One engine of three does not answer: a group prepare and a rolling cycle are refused
+    before any engine leaves RUNNING (the dead one listed last, after the healthy ones)."""
+    agents = _agents(ipc_dir, ["gd1", "gd2"])
+    try:
+        ghost = f"ipc://{ipc_dir}/ghost.ctl"
+        ctl = spawn_controller(_toml(*agents)
+                               + f'[[engine]]\nname = "ghost"\ncontrol = "{ghost}"\n')
+        for args in (("prepare", "--all"), ("cycle", "--all", "--max-unavailable", "1")):
+            start = time.monotonic()
+            out = ctl.ckptctl(*args, "--json")
+            assert out.returncode == 4, out.stdout + out.stderr
+            assert time.monotonic() - start < 10
+            err = json.loads(out.stdout)["error"]
+            assert err["kind"] == "UnreachableError" and "ghost" in err["message"], err
+            _untouched(agents)
+        # a healthy engine in the wrong state refuses the group too
+        with AgentClient(agents[1].endpoint) as c:
+            c.prepare(op_id="by-hand", level=0)
+        out = ctl.ckptctl("cycle", "gd1", "gd2", "--json")
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "gd2 is prepared" in json.loads(out.stdout)["error"]["message"]
+        _untouched(agents[:1])
+        assert json.loads(ctl.ckptctl("history", "--json").stdout)["operations"] == []
+    finally:
+        for a in agents:
+            a.close()

@@ -71,6 +71,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                             help="at most N engines out of service at once (default: all)")
         if op == "rollback":
             sp.add_argument("--reason", default="", help="recorded with the transition")
+        if op == "restore":
+            sp.add_argument("--image", metavar="OP_ID",
+                            help="restore the image operation OP_ID dumped (default: the one of "
+                                 "the engine's generation; an older one must be named here)")
 
     sp = sub.add_parser("status", help="each engine's state as its agent reports it", **fmt)
     sp.add_argument("engines", nargs="*", metavar="ENGINE", help="default: all")
@@ -149,6 +153,8 @@ def _operation(args: argparse.Namespace) -> int:
         params["max_unavailable"] = args.max_unavailable
     if args.op == "rollback":
         params["reason"] = args.reason
+    if args.op == "restore":
+        params["image"] = args.image
     progress = sys.stderr.isatty() and not args.json
     with _client(args, on_event=_print_progress if progress else None) as c:
         c.subscribe()  # heartbeats bound the wait: a dead controller is noticed, not waited out
@@ -200,9 +206,29 @@ def describe_result(r: p.OperationResult) -> str:
         if o.released:
             lines.append(f"    released {human_bytes(o.released.tensor_bytes)} "
                          f"(freed {human_bytes(o.released.freed_bytes)})")
+        image = _image_line(r.kind, o)
+        if image:
+            lines.append(f"    {image}")
         if o.error:
             lines.append(f"    {o.error.kind}: {o.error.message}")
+    if r.error and not r.engines:
+        lines.append(f"  {r.error.kind}: {r.error.message}")
     return "\n".join(lines)
+
+
+def _image_line(kind: str, o: p.EngineOutcome) -> str | None:
+    """What a capture made and what a restore restored (the image's operation id)."""
+    if o.dumped is False:
+        return "no dump hook ran: nothing was captured"
+    if o.image is None:
+        return None
+    if kind == "capture":
+        return f"captured image {o.image}"
+    if kind == "restore":
+        return f"restored image {o.image}"
+    if kind == "cycle":
+        return f"captured and restored image {o.image}"
+    return None
 
 
 # ---------------------------------------------------------------- status, history, watch

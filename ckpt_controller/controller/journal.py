@@ -163,6 +163,13 @@ class Journal:
         return [JournalRecord(seq=r[0], op_id=r[1], engine=r[2], type=r[3], wall=r[4],
                               monotonic=r[5], data=json.loads(r[6])) for r in reversed(rows)]
 
+    def captures(self, engine: str) -> list[tuple[str, dict[str, Any]]]:
+        """``(op_id, data)`` of every ``capture`` record of ``engine``, newest first: whether
+        it dumped an image, and the engine's generation then."""
+        rows = self._read("SELECT op_id, data FROM records WHERE engine = ? AND type = "
+                          "'capture' ORDER BY seq DESC", (engine,))
+        return [(op, json.loads(data)) for op, data in rows]
+
     def unsettled(self) -> dict[str, str]:
         """Engine -> op id of every engine whose last ``contact_lost`` record has no
         ``reconciled`` record after it: an operation ended without knowing how it left it."""

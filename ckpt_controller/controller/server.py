@@ -77,7 +77,10 @@ class ControllerServer(RpcServer):
                 raise UsageError("history limit must be 1 to 10000", limit=cmd.limit)
             self.offload(identity, call_id, "HISTORY", lambda: self.controller.history(cmd))
         elif rtype is p.RequestType.OPERATION:
-            self.controller.start(cmd, lambda result: self.reply(identity, call_id, result))
+            # the result, or the error of a refusal found by asking the engines
+            self.controller.start(cmd, lambda r: self.reply(identity, call_id, r)
+                                  if isinstance(r, p.OperationResult)
+                                  else self.reply_error(identity, call_id, r))
         else:
             self.controller.select(cmd.engines)  # unknown names: an immediate UsageError
             self.offload(identity, call_id, "STATUS",

@@ -30,7 +30,7 @@ import msgspec
 
 from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
-from ckpt_controller.controller.config import ControllerConfig
+from ckpt_controller.controller.config import MAX_SECONDS, ControllerConfig
 from ckpt_controller.controller.hooks import find_hooks, stop_orphan_hooks
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.session import EngineSession
@@ -47,12 +47,23 @@ from ckpt_controller.errors import (
 
 log = logging.getLogger("ckpt_controller.controller")
 
-Done = Callable[[p.OperationResult], None]
+#: called once with the operation's result, or with the error that refused it
+Done = Callable[[p.OperationResult | CkptError], None]
 TRANSITIONAL = ("preparing", "restoring")
+#: the states an operation needs every one of its engines in, checked before it touches any
+NEEDS: dict[str, tuple[str, ...]] = {
+    "prepare": ("running",),
+    "cycle": ("running",),
+    "capture": ("prepared",),
+    "restore": ("prepared", "failed"),
+    "rollback": ("preparing", "prepared"),
+}
 
 
 @dataclass
 class _Running:
+    kind: str
+    engines: list[str]
     waiters: list[Done] = field(default_factory=list)
 
 
@@ -119,24 +130,41 @@ class Controller:
         return list(dict.fromkeys(names))
 
     def start(self, cmd: p.OperationCommand, done: Done) -> None:
-        """Run ``cmd`` on a thread and call ``done(result)``; raise at once for a refusal."""
+        """Run ``cmd`` on a thread and call ``done(result)``; raise at once for a refusal
+        known without asking the engines, and call ``done(error)`` for one found by asking
+        them (``_preflight``). A refused request never becomes an operation: nothing is
+        journaled, its id stays free, and it is counted as ``refused``."""
+        try:
+            engines = self._accept(cmd, done)
+        except CkptError:
+            self._count(cmd.kind, "refused")
+            raise
+        if engines is not None:
+            threading.Thread(target=self._run, args=(cmd, engines), daemon=True,
+                             name=f"op-{cmd.op_id}").start()
+
+    def _accept(self, cmd: p.OperationCommand, done: Done) -> list[str] | None:
+        """Hold ``cmd``'s engines for it and return them; ``None`` when ``done`` is already
+        taken care of (the id's stored result, or a running operation with that id)."""
         engines = self.select(cmd.engines)
         _check(cmd)
         with self._lock:
             known = self.journal.identity(cmd.op_id)
+            running = self._running.get(cmd.op_id)
+            if known is None and running is not None:
+                known = (running.kind, running.engines)
             if known is not None and known != (cmd.kind, engines):
                 raise UsageError(f"operation id {cmd.op_id} was already used for a {known[0]} "
                                  f"of {', '.join(known[1])}; a repeated id must repeat the "
                                  f"same operation", op_id=cmd.op_id, kind=known[0],
                                  engines=known[1])
-            running = self._running.get(cmd.op_id)
             if running is not None:
                 running.waiters.append(done)
-                return
+                return None
             stored = self.journal.result(cmd.op_id)
             if stored is not None:
                 threading.Thread(target=done, args=(stored,), daemon=True).start()
-                return
+                return None
             if self.journal.exists(cmd.op_id):
                 raise BusyError("operation id belongs to an interrupted operation being "
                                 "recovered", op_id=cmd.op_id)
@@ -145,30 +173,135 @@ class Controller:
                 engine, holder = next(iter(busy.items()))
                 raise BusyError(f"engine {engine} is held by operation {holder}",
                                 engine=engine, holder=holder, busy=busy)
-            params = {k: v for k, v in msgspec.to_builtins(cmd).items()
-                      if k not in ("call_id", "version", "op_id", "kind", "engines")}
-            self.journal.begin(cmd.op_id, cmd.kind, engines, params)  # first: may raise
             for e in engines:
                 self._holders[e] = cmd.op_id
-            self._running[cmd.op_id] = _Running([done])
-        threading.Thread(target=self._run, args=(cmd, engines), daemon=True,
-                         name=f"op-{cmd.op_id}").start()
+            self._running[cmd.op_id] = _Running(cmd.kind, engines, [done])
+        return engines
 
     def run(self, cmd: p.OperationCommand, timeout_s: float | None = None) -> p.OperationResult:
-        """``start`` and wait: for in-process callers (tests, the demo)."""
-        box: list[p.OperationResult] = []
+        """``start`` and wait: for in-process callers (tests, the demo). Raises a refusal."""
+        box: list[p.OperationResult | CkptError] = []
         event = threading.Event()
         self.start(cmd, lambda r: (box.append(r), event.set()))
         if not event.wait(timeout_s):
             raise OperationError("operation did not end in time", op_id=cmd.op_id)
+        if isinstance(box[0], CkptError):
+            raise box[0]
         return box[0]
 
+    def _count(self, kind: str, outcome: str) -> None:
+        if self.metrics:
+            self.metrics.operation_finished(kind, outcome)
+
+    def _refuse(self, cmd: p.OperationCommand, err: CkptError) -> None:
+        """End a request that never became an operation: its engines are free again and
+        every caller waiting on its id gets ``err``."""
+        self._count(cmd.kind, "refused")
+        with self._lock:
+            for e in [e for e, holder in self._holders.items() if holder == cmd.op_id]:
+                del self._holders[e]
+            running = self._running.pop(cmd.op_id, None)
+        log.info("%s %s refused: %s", cmd.kind, cmd.op_id, err)
+        for done in running.waiters if running else ():
+            done(err)
+
+    def _preflight(self, cmd: p.OperationCommand,
+                   engines: list[str]) -> dict[str, p.StatusReply | None]:
+        """Ask every engine before touching any: each must answer and be in a state the
+        operation needs (``NEEDS``). Raises for the first that is not, naming all of them in
+        ``details['refused']``; returns each engine's status. A restore may go to an engine
+        that does not answer (status None) when pre-restore hooks are installed: they may
+        bring its process back from an image."""
+        needs = NEEDS[cmd.kind]
+        revive = cmd.kind == "restore" and bool(find_hooks(self.config.hooks_dir, "pre-restore"))
+        if self.config.require_dump and cmd.kind in ("capture", "cycle") \
+                and not find_hooks(self.config.hooks_dir, "dump"):
+            raise UsageError(f"no dump hook is installed (in {self.config.hooks_dir}/dump) and "
+                             "[controller] require_dump = true: a capture would capture "
+                             "nothing", hooks_dir=str(self.config.hooks_dir))
+        statuses: dict[str, p.StatusReply | None] = {}
+
+        def look(name: str) -> CkptError | None:
+            try:
+                with AgentClient(self.config.engine(name).control, timeout_s=2.0, retries=0,
+                                 curve=self.config.agent_curve(name)) as c:
+                    status = statuses[name] = c.status()
+            except UnreachableError as err:  # policy: unreachable refuses, unless revivable
+                if revive:
+                    statuses[name] = None
+                    return None
+                return UnreachableError(f"{name} did not answer: {err.message}",
+                                        **{**err.details, "engine": name})
+            except CkptError as err:  # policy: any other failure to ask refuses too
+                return err
+            if status.state in needs:
+                return None
+            return UsageError(f"{cmd.kind} needs {' or '.join(s.upper() for s in needs)} "
+                              f"engines; {name} is {status.state}", engine=name,
+                              state=status.state, needs=list(needs))
+
+        with ThreadPoolExecutor(max_workers=min(len(engines), 64)) as pool:
+            problems = [(n, e) for n, e in zip(engines, pool.map(look, engines)) if e]
+        if problems:
+            first = problems[0][1]
+            first.details["refused"] = {n: e.message for n, e in problems}
+            raise first
+        return statuses
+
+    def _images(self, cmd: p.OperationCommand,
+                statuses: dict[str, p.StatusReply | None]) -> dict[str, str | None]:
+        """The image each engine of a restore gets: the one ``cmd.image`` names, else the
+        newest one its captures dumped when it is of the engine's generation (and no later
+        capture dumped nothing). An older one is refused unless named, when pre-restore hooks
+        (which restore images) are installed; without them no image is used."""
+        hooks = bool(find_hooks(self.config.hooks_dir, "pre-restore"))
+        images: dict[str, str | None] = {}
+        for engine, status in statuses.items():
+            captures = self.journal.captures(engine)
+            dumped = [(op, data) for op, data in captures if data.get("dumped")]
+            if cmd.image is not None:
+                if cmd.image not in [op for op, _ in dumped]:
+                    raise UsageError(f"no image of {engine} from operation {cmd.image}; its "
+                                     f"images: {', '.join(op for op, _ in dumped) or 'none'}",
+                                     engine=engine, image=cmd.image)
+                images[engine] = cmd.image
+                continue
+            if not dumped:
+                images[engine] = None
+                continue
+            op, data = dumped[0]
+            later = captures[0][0] != op  # a later capture that dumped nothing
+            generation = status.generation if status is not None else data.get("generation")
+            if not later and generation == data.get("generation"):
+                images[engine] = op
+            elif hooks:
+                why = (f"capture {captures[0][0]} dumped nothing since" if later else
+                       f"{engine} is at generation {generation} now")
+                raise UsageError(
+                    f"the newest image of {engine} is from operation {op}, taken at generation "
+                    f"{data.get('generation')}, and {why}: restore --image {op} to restore it "
+                    "anyway", engine=engine, image=op, image_generation=data.get("generation"),
+                    generation=generation)
+            else:
+                images[engine] = None
+        return images
+
     def _run(self, cmd: p.OperationCommand, engines: list[str]) -> None:
+        try:
+            statuses = self._preflight(cmd, engines)
+            images = self._images(cmd, statuses) if cmd.kind == "restore" else {}
+            params = {k: v for k, v in msgspec.to_builtins(cmd).items()
+                      if k not in ("call_id", "version", "op_id", "kind", "engines")}
+            self.journal.begin(cmd.op_id, cmd.kind, engines, params)
+        except Exception as exc:  # policy: refused before it exists: nothing is journaled
+            self._refuse(cmd, exc if isinstance(exc, CkptError) else OperationError(
+                f"controller error before the operation began: {exc!r}", op_id=cmd.op_id))
+            return
         wall, start = time.time(), time.monotonic()
         try:
             self.record("operation_start", {"kind": cmd.kind, "engines": engines},
                         op_id=cmd.op_id)
-            outcomes, peak = self._execute(cmd, engines)
+            outcomes, peak = self._execute(cmd, engines, images)
             result = _summarize(cmd.op_id, cmd.kind, outcomes, wall, time.monotonic() - start)
             result.max_unavailable_seen = peak
         except Exception as exc:  # policy: a controller bug still ends the operation, journaled
@@ -190,8 +323,8 @@ class Controller:
         with self._lock:
             for e in [e for e, holder in self._holders.items() if holder == result.op_id]:
                 del self._holders[e]
-            running = self._running.pop(result.op_id, _Running())
-        for done in running.waiters:
+            running = self._running.pop(result.op_id, None)
+        for done in running.waiters if running else ():
             done(result)
 
     # ---------------------------------------------------------------- running them
@@ -207,8 +340,11 @@ class Controller:
                              cmd.deadline_s or self.config.deadlines.operation,
                              self.record, self.metrics, drain_timeout_s=cmd.drain_timeout_s)
 
-    def _execute(self, cmd: p.OperationCommand, engines: list[str]):
+    def _execute(self, cmd: p.OperationCommand, engines: list[str],
+                 images: dict[str, str | None]):
         sessions = [self._session(cmd, e) for e in engines]
+        for s in sessions:
+            s.image = images.get(s.engine.name)
         try:
             if cmd.kind == "cycle":
                 return self._rolling(sessions, cmd.max_unavailable or len(sessions))
@@ -433,6 +569,9 @@ def _check(cmd: p.OperationCommand) -> None:
         value = getattr(cmd, name)
         if value is not None and value <= 0:
             raise UsageError(f"{name} must be positive", **{name: value})
+        if value is not None and value > MAX_SECONDS:
+            raise UsageError(f"{name} must be at most {MAX_SECONDS:.0f} s (a day)",
+                             **{name: value})
     if not cmd.op_id:
         raise UsageError("an operation needs an id")
 
@@ -522,6 +661,7 @@ def _revive_and_restore(s: EngineSession) -> None:
         if not find_hooks(s.config.hooks_dir, "pre-restore"):
             raise
         # policy: the process is gone and pre-restore hooks may bring it back from an image
+        s.use_image()
         with s.phase("pre-restore"):
             s.hooks("pre-restore")
         s.reconnect()
@@ -538,6 +678,7 @@ def _cycle(s: EngineSession) -> None:
     def steps(sess: EngineSession) -> None:
         _prepare(sess)
         _capture(sess)
+        sess.image = sess.outcome.image  # what this cycle dumped, if anything
         try:
             _restore(sess)
         except CkptError as err:

@@ -23,7 +23,13 @@ from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig, PrepareDefaults
 from ckpt_controller.controller.hooks import HookContext, find_hooks, run_point
-from ckpt_controller.errors import CkptError, DeadlineError, HookError, HookTimeoutError
+from ckpt_controller.errors import (
+    CkptError,
+    DeadlineError,
+    HookError,
+    HookTimeoutError,
+    OperationError,
+)
 
 log = logging.getLogger("ckpt_controller.controller")
 
@@ -49,6 +55,9 @@ class EngineSession:
         self.outcome = p.EngineOutcome(engine=engine, status="running")
         self.pid: int | None = None
         self.generation = 0
+        #: the image (the id of the operation that dumped it) a restore gives its pre-restore
+        #: hooks; None: no image (the service chooses it, ``use_image`` hands it over)
+        self.image: str | None = None
         #: (trigger, monotonic) of each transition journaled, from events or replies
         self._journaled: set[tuple[str, float]] = set()
         self._latest = float("-inf")
@@ -224,20 +233,32 @@ class EngineSession:
     def capture(self) -> None:
         """The dump and post-dump hooks, together within the ``capture`` deadline (and each
         within ``hook``)."""
+        if self.config.require_dump and not self.has_hooks("dump"):
+            raise OperationError(f"no dump hook to capture {self.engine.name} with, and "
+                                 f"[controller] require_dump = true", engine=self.engine.name,
+                                 hooks_dir=str(self.config.hooks_dir))
         with self.phase("capture"):
             end = time.time() + self.remaining(self.config.deadlines.capture)
-            self.hooks("dump", until_wall=end)
+            dumped = self.hooks("dump", until_wall=end) > 0
             if time.time() >= end:
                 raise DeadlineError("capture deadline passed after the dump hooks",
                                     engine=self.engine.name, op_id=self.op_id,
                                     capture_s=self.config.deadlines.capture)
             self.hooks("post-dump", until_wall=end)
+        self.outcome.dumped, self.outcome.image = dumped, self.op_id if dumped else None
+        # a good capture only: what a later restore chooses its image by (``service``)
+        self.record("capture", {"dumped": dumped, "generation": self.generation,
+                                "image_dir": str(self.image_dir()) if dumped else None})
+        if not dumped:
+            log.warning("%s: capture %s ran no dump hook: nothing was captured",
+                        self.engine.name, self.op_id)
         if self.metrics:
             self.metrics.image_written(self.engine.name, self.image_dir())
 
     def restore(self, run_pre_restore: bool = True) -> None:
         d = self.config.deadlines
         if run_pre_restore:
+            self.use_image()
             with self.phase("pre-restore"):
                 if self.hooks("pre-restore"):
                     self.reconnect()  # a hook may have restored the process from an image
@@ -266,6 +287,23 @@ class EngineSession:
         if reply.memory is not None:
             self.record("memory", msgspec.to_builtins(reply.memory))
         self._log_only("post-resume")
+
+    def use_image(self) -> None:
+        """Before the pre-restore hooks: name this restore's image in its outcome and point
+        ``<image_dir>/<engine>/latest`` (where criu-restore looks by default) at it; with no
+        image, remove that link, so no hook revives an image this restore did not name."""
+        self.outcome.image = self.image
+        if not self.has_hooks("pre-restore"):
+            return
+        folder = self.config.image_dir / self.engine.name
+        link = folder / "latest"
+        if self.image is None:
+            link.unlink(missing_ok=True)
+            return
+        tmp = folder / f".latest-{self.op_id.replace('/', '_')}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(self.image.replace("/", "_"))
+        tmp.replace(link)  # atomically: a reader sees the old link or the new one
 
     def rollback(self, reason: str, step: str = "rollback") -> None:
         with self.phase(step):
