@@ -2,8 +2,10 @@
 
 ``Controller.start`` takes an ``OperationCommand``, refuses it if another operation holds one of
 its engines (``BusyError`` naming the holder), returns the stored result for an operation id
-it has seen before, and otherwise runs it on a thread: each engine's steps run in an
-``EngineSession``, engines fan out concurrently (a group prepare takes about as long as its
+it has seen before, and otherwise goes on on a thread. There it first asks every engine and
+chooses a restore's image (``preflight``); a refusal there touches no engine, journals nothing
+and reaches the caller as the error. Then the operation exists and runs: each engine's steps
+run in an ``EngineSession``, engines fan out concurrently (a group prepare takes about as long as its
 slowest engine), a failed all-or-nothing prepare rolls the prepared ones back, and a rolling
 ``cycle`` keeps at most ``max_unavailable`` engines out of service. Everything is journaled;
 ``recover`` brings every engine of an operation interrupted by a controller crash back to
@@ -12,8 +14,10 @@ it left an engine (the agent stopped answering, a link was cut, it was still PRE
 deadline) journals ``contact_lost``; the reconciler looks at such engines every
 ``reconcile_interval_s`` and, once one answers and has settled, rolls a PREPARED one back to
 RUNNING (and, with ``recover_uncaptured = "resume"``, restores a FAILED one that the operation
-never began to capture) and journals ``reconciled``. Neighbours: ``session``, ``journal``,
-``config``; ``server`` is the socket in front of it.
+never began to capture) and journals ``reconciled``; its probes hold no engine, so an
+operator's operation goes first. Neighbours: ``preflight``, ``session``, ``journal``,
+``config``, ``statedir`` (the state directory's lock, taken first); ``server`` is the socket
+in front of it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import msgspec
 
 from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
+from ckpt_controller.controller import preflight
 from ckpt_controller.controller.config import MAX_SECONDS, ControllerConfig
 from ckpt_controller.controller.hooks import find_hooks, stop_orphan_hooks
 from ckpt_controller.controller.journal import Journal
@@ -50,14 +55,6 @@ log = logging.getLogger("ckpt_controller.controller")
 #: called once with the operation's result, or with the error that refused it
 Done = Callable[[p.OperationResult | CkptError], None]
 TRANSITIONAL = ("preparing", "restoring")
-#: the states an operation needs every one of its engines in, checked before it touches any
-NEEDS: dict[str, tuple[str, ...]] = {
-    "prepare": ("running",),
-    "cycle": ("running",),
-    "capture": ("prepared",),
-    "restore": ("prepared", "failed"),
-    "rollback": ("preparing", "prepared"),
-}
 
 
 @dataclass
@@ -132,7 +129,7 @@ class Controller:
     def start(self, cmd: p.OperationCommand, done: Done) -> None:
         """Run ``cmd`` on a thread and call ``done(result)``; raise at once for a refusal
         known without asking the engines, and call ``done(error)`` for one found by asking
-        them (``_preflight``). A refused request never becomes an operation: nothing is
+        them (``preflight.ask``). A refused request never becomes an operation: nothing is
         journaled, its id stays free, and it is counted as ``refused``."""
         try:
             engines = self._accept(cmd, done)
@@ -205,91 +202,11 @@ class Controller:
         for done in running.waiters if running else ():
             done(err)
 
-    def _preflight(self, cmd: p.OperationCommand,
-                   engines: list[str]) -> dict[str, p.StatusReply | None]:
-        """Ask every engine before touching any: each must answer and be in a state the
-        operation needs (``NEEDS``). Raises for the first that is not, naming all of them in
-        ``details['refused']``; returns each engine's status. A restore may go to an engine
-        that does not answer (status None) when pre-restore hooks are installed: they may
-        bring its process back from an image."""
-        needs = NEEDS[cmd.kind]
-        revive = cmd.kind == "restore" and bool(find_hooks(self.config.hooks_dir, "pre-restore"))
-        if self.config.require_dump and cmd.kind in ("capture", "cycle") \
-                and not find_hooks(self.config.hooks_dir, "dump"):
-            raise UsageError(f"no dump hook is installed (in {self.config.hooks_dir}/dump) and "
-                             "[controller] require_dump = true: a capture would capture "
-                             "nothing", hooks_dir=str(self.config.hooks_dir))
-        statuses: dict[str, p.StatusReply | None] = {}
-
-        def look(name: str) -> CkptError | None:
-            try:
-                with AgentClient(self.config.engine(name).control, timeout_s=2.0, retries=0,
-                                 curve=self.config.agent_curve(name)) as c:
-                    status = statuses[name] = c.status()
-            except UnreachableError as err:  # policy: unreachable refuses, unless revivable
-                if revive:
-                    statuses[name] = None
-                    return None
-                return UnreachableError(f"{name} did not answer: {err.message}",
-                                        **{**err.details, "engine": name})
-            except CkptError as err:  # policy: any other failure to ask refuses too
-                return err
-            if status.state in needs:
-                return None
-            return UsageError(f"{cmd.kind} needs {' or '.join(s.upper() for s in needs)} "
-                              f"engines; {name} is {status.state}", engine=name,
-                              state=status.state, needs=list(needs))
-
-        with ThreadPoolExecutor(max_workers=min(len(engines), 64)) as pool:
-            problems = [(n, e) for n, e in zip(engines, pool.map(look, engines)) if e]
-        if problems:
-            first = problems[0][1]
-            first.details["refused"] = {n: e.message for n, e in problems}
-            raise first
-        return statuses
-
-    def _images(self, cmd: p.OperationCommand,
-                statuses: dict[str, p.StatusReply | None]) -> dict[str, str | None]:
-        """The image each engine of a restore gets: the one ``cmd.image`` names, else the
-        newest one its captures dumped when it is of the engine's generation (and no later
-        capture dumped nothing). An older one is refused unless named, when pre-restore hooks
-        (which restore images) are installed; without them no image is used."""
-        hooks = bool(find_hooks(self.config.hooks_dir, "pre-restore"))
-        images: dict[str, str | None] = {}
-        for engine, status in statuses.items():
-            captures = self.journal.captures(engine)
-            dumped = [(op, data) for op, data in captures if data.get("dumped")]
-            if cmd.image is not None:
-                if cmd.image not in [op for op, _ in dumped]:
-                    raise UsageError(f"no image of {engine} from operation {cmd.image}; its "
-                                     f"images: {', '.join(op for op, _ in dumped) or 'none'}",
-                                     engine=engine, image=cmd.image)
-                images[engine] = cmd.image
-                continue
-            if not dumped:
-                images[engine] = None
-                continue
-            op, data = dumped[0]
-            later = captures[0][0] != op  # a later capture that dumped nothing
-            generation = status.generation if status is not None else data.get("generation")
-            if not later and generation == data.get("generation"):
-                images[engine] = op
-            elif hooks:
-                why = (f"capture {captures[0][0]} dumped nothing since" if later else
-                       f"{engine} is at generation {generation} now")
-                raise UsageError(
-                    f"the newest image of {engine} is from operation {op}, taken at generation "
-                    f"{data.get('generation')}, and {why}: restore --image {op} to restore it "
-                    "anyway", engine=engine, image=op, image_generation=data.get("generation"),
-                    generation=generation)
-            else:
-                images[engine] = None
-        return images
-
     def _run(self, cmd: p.OperationCommand, engines: list[str]) -> None:
         try:
-            statuses = self._preflight(cmd, engines)
-            images = self._images(cmd, statuses) if cmd.kind == "restore" else {}
+            statuses = preflight.ask(self.config, cmd, engines)
+            images = (preflight.choose_images(self.config, self.journal, cmd, statuses)
+                      if cmd.kind == "restore" else {})
             params = {k: v for k, v in msgspec.to_builtins(cmd).items()
                       if k not in ("call_id", "version", "op_id", "kind", "engines")}
             self.journal.begin(cmd.op_id, cmd.kind, engines, params)

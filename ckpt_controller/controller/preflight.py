@@ -1,0 +1,112 @@
+"""What an operation checks before it exists: every engine asked, a restore's image chosen.
+
+``ask`` sends each engine's agent one status request (concurrently, one try each) and
+refuses the whole operation if any engine does not answer or is not in a state the operation
+needs (``NEEDS``), so a group with one dead engine takes none out of service. A restore may go
+to an engine that does not answer when pre-restore hooks are installed: they may bring its
+process back from an image. ``choose_images`` gives a restore the image of each engine: the
+one the operator named, else the newest one a capture dumped at the engine's generation; an
+older one must be named. A refusal here raises, and the controller turns it into a refused
+request: nothing journaled, counted as refused. Neighbours: ``service`` calls both before it
+journals an operation; ``journal`` (the capture records); ``hooks`` (which points have hooks).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from ckpt_controller import protocol as p
+from ckpt_controller.agent.client import AgentClient
+from ckpt_controller.controller.config import ControllerConfig
+from ckpt_controller.controller.hooks import find_hooks
+from ckpt_controller.controller.journal import Journal
+from ckpt_controller.errors import CkptError, UnreachableError, UsageError
+
+#: the states an operation needs every one of its engines in, checked before it touches any
+NEEDS: dict[str, tuple[str, ...]] = {
+    "prepare": ("running",),
+    "cycle": ("running",),
+    "capture": ("prepared",),
+    "restore": ("prepared", "failed"),
+    "rollback": ("preparing", "prepared"),
+}
+
+
+def ask(config: ControllerConfig, cmd: p.OperationCommand,
+        engines: list[str]) -> dict[str, p.StatusReply | None]:
+    """Each engine's status (None: a restore's engine that may be revived). Raises for the
+    first engine that refuses the operation, naming every one in ``details['refused']``."""
+    needs = NEEDS[cmd.kind]
+    revive = cmd.kind == "restore" and bool(find_hooks(config.hooks_dir, "pre-restore"))
+    if config.require_dump and cmd.kind in ("capture", "cycle") \
+            and not find_hooks(config.hooks_dir, "dump"):
+        raise UsageError(f"no dump hook is installed (in {config.hooks_dir}/dump) and "
+                         "[controller] require_dump = true: a capture would capture nothing",
+                         hooks_dir=str(config.hooks_dir))
+    statuses: dict[str, p.StatusReply | None] = {}
+
+    def look(name: str) -> CkptError | None:
+        try:
+            with AgentClient(config.engine(name).control, timeout_s=2.0, retries=0,
+                             curve=config.agent_curve(name)) as c:
+                status = statuses[name] = c.status()
+        except UnreachableError as err:  # policy: unreachable refuses, unless revivable
+            if revive:
+                statuses[name] = None
+                return None
+            return UnreachableError(f"{name} did not answer: {err.message}",
+                                    **{**err.details, "engine": name})
+        except CkptError as err:  # policy: any other failure to ask refuses too
+            return err
+        if status.state in needs:
+            return None
+        return UsageError(f"{cmd.kind} needs {' or '.join(s.upper() for s in needs)} "
+                          f"engines; {name} is {status.state}", engine=name,
+                          state=status.state, needs=list(needs))
+
+    with ThreadPoolExecutor(max_workers=min(len(engines), 64)) as pool:
+        problems = [(n, e) for n, e in zip(engines, pool.map(look, engines)) if e]
+    if problems:
+        first = problems[0][1]
+        first.details["refused"] = {n: e.message for n, e in problems}
+        raise first
+    return statuses
+
+
+def choose_images(config: ControllerConfig, journal: Journal, cmd: p.OperationCommand,
+                  statuses: dict[str, p.StatusReply | None]) -> dict[str, str | None]:
+    """The image (an operation id) each engine of a restore gets: the one ``cmd.image``
+    names, else the newest one its captures dumped when it is of the engine's generation and
+    no later capture dumped nothing. An older one is refused unless named, when pre-restore
+    hooks (which restore images) are installed; without them no image is used (None)."""
+    hooks = bool(find_hooks(config.hooks_dir, "pre-restore"))
+    images: dict[str, str | None] = {}
+    for engine, status in statuses.items():
+        captures = journal.captures(engine)
+        dumped = [(op, data) for op, data in captures if data.get("dumped")]
+        if cmd.image is not None:
+            if cmd.image not in [op for op, _ in dumped]:
+                raise UsageError(f"no image of {engine} from operation {cmd.image}; its "
+                                 f"images: {', '.join(op for op, _ in dumped) or 'none'}",
+                                 engine=engine, image=cmd.image)
+            images[engine] = cmd.image
+            continue
+        if not dumped:
+            images[engine] = None
+            continue
+        op, data = dumped[0]
+        later = captures[0][0] != op  # a later capture that dumped nothing
+        taken = data.get("generation")
+        generation = status.generation if status is not None else taken
+        if not later and generation == taken:
+            images[engine] = op
+        elif hooks:
+            why = (f"capture {captures[0][0]} dumped nothing since" if later else
+                   f"{engine} is at generation {generation} now")
+            raise UsageError(f"the newest image of {engine} is from operation {op}, taken at "
+                             f"generation {taken}, and {why}: restore --image {op} to restore "
+                             "it anyway", engine=engine, image=op, image_generation=taken,
+                             generation=generation)
+        else:
+            images[engine] = None
+    return images
