@@ -5,13 +5,18 @@ completions, through the controller, and each of vLLM's known quirks handled. Ma
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
+import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
+import psutil
 import pytest
 
 from ckpt_controller.adapters.vllm import VllmEngine, VllmHttp
@@ -396,6 +401,12 @@ def test_on_cpu_sleep_frees_nothing_and_the_report_says_so(vllm, in_process):
     (cpu,) = m.devices
     assert cpu.device == "cpu" and "measured" in cpu.note and cpu.before_bytes > 100 * 2**20
     assert abs(m.freed_bytes) < 0.02 * cpu.before_bytes  # the CPU worker ignores sleep
+    # the tree's three processes map the same libraries (torch): counted once (PSS), where a sum
+    # of RSS counts them three times
+    tree = [psutil.Process(vllm_pid(vllm))]
+    tree += tree[0].children(recursive=True)
+    rss = sum(proc.memory_info().rss for proc in tree)
+    assert "PSS" in cpu.note and cpu.after_bytes < 0.95 * rss, (cpu, rss)
 
 
 def test_requests_sent_while_paused_wait_and_complete_after_resume(vllm, in_process):
@@ -500,3 +511,107 @@ def test_a_sidecar_killed_mid_prepare_is_resumed_by_the_reconciler_keeping_its_g
                                      "--json").stdout)["records"]
     (done,) = [r for r in records if r["type"] == "reconciled"]
     assert done["data"]["found"] == "failed" and done["data"]["now"] == "running"
+
+
+# ---------------------------------------------------------------------------- the docs' configs
+
+
+def sample_configs() -> list[tuple[str, str]]:
+    """Every TOML block in the README and docs/: (where, text)."""
+    found = []
+    for doc in (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+                ROOT / "hooks" / "README.md"):
+        for i, block in enumerate(re.findall(r"^```toml\n(.*?)^```", doc.read_text(),
+                                             re.S | re.M)):
+            found.append((f"{doc.relative_to(ROOT)}[{i}]", block))
+    return found
+
+
+def _set(text: str, key: str, value: str) -> str:
+    """``key = ...`` lines given ``value`` (comments kept)."""
+    return re.sub(rf"^{key}(\s*)=\s*(\"[^\"]*\"|\S+)", rf"{key}\g<1>= {value}", text, flags=re.M)
+
+
+@pytest.mark.parametrize("where,text", sample_configs(), ids=[w for w, _ in sample_configs()])
+def test_each_sample_config_works_as_written_for_a_vllm_engine(where, text, vllm, vllm_server,
+                                                               ipc_dir):
+    """A person copies a sample config for their vLLM engine: the one it names (``kind =
+    "vllm"``), else its first engine with ``kind`` changed as the sample's comment offers.
+    prepare and restore succeed on this CPU host. Only where things live changes (endpoints,
+    folders, a free metrics port; CURVE keys are made where the sample names them): every
+    deadline and prepare default is as written."""
+    conf = tomllib.loads(text)
+    engines = conf.get("engine", [])
+    assert engines, f"{where} names no engine"
+    local = _set(text, "endpoint", f'"ipc://{ipc_dir}/ctl.sock"')
+    for key in ("state_dir", "hooks_dir", "image_dir"):
+        local = _set(local, key, f'"{ipc_dir / key}"')
+    (ipc_dir / "hooks_dir").mkdir()
+    local = _set(local, "metrics_port", "0")
+    if not any(e.get("kind") == "vllm" for e in engines):
+        local = _set(local, "kind", '"vllm"')  # the first engine's kind (every one's)
+        engines = [{**engines[0], "kind": "vllm"}]
+    engines = [e for e in engines if e.get("kind") == "vllm"]
+    for engine in conf["engine"]:
+        local = local.replace(f'"{engine["control"]}"', f'"ipc://{ipc_dir}/{engine["name"]}.ctl"')
+
+    def keys(name: str, folder: Path) -> Path:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        out = subprocess.run([sys.executable, "-m", "ckpt_controller", "keys", name, "--dir",
+                              str(folder)], capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        return folder / f"{name}.key"
+
+    ctl_conf, client = conf.get("controller", {}), []
+    if "curve_secret_key" in ctl_conf:
+        secret = ipc_dir / ctl_conf["curve_secret_key"]
+        keys(secret.name.removesuffix(".key_secret"), secret.parent)
+        controller_key = secret.with_name(secret.name.removesuffix("_secret"))
+        if "curve_clients" in ctl_conf:
+            operator = keys("operator", ipc_dir / "operator")
+            admitted = ipc_dir / ctl_conf["curve_clients"]
+            admitted.mkdir(parents=True, mode=0o700)
+            shutil.copy(operator, admitted)
+            client = ["--curve-key", f"{operator}_secret", "--curve-server-key",
+                      str(controller_key)]
+    for engine in conf["engine"]:  # the config names them all, running or not
+        if "curve_server_key" in engine:
+            public = ipc_dir / engine["curve_server_key"]
+            keys(public.name.removesuffix(".key"), public.parent)
+    sides = []
+    try:
+        for engine in engines:
+            extra = []
+            if "curve_server_key" in engine:
+                public = ipc_dir / engine["curve_server_key"]
+                admits = ipc_dir / f"{engine['name']}-admits"
+                admits.mkdir(mode=0o700)
+                shutil.copy(controller_key, admits)
+                extra = ["--curve-secret-key", f"{public}_secret", "--curve-clients", str(admits)]
+            sides.append(ReadyProcess(
+                [sys.executable, "-m", "ckpt_controller", "agent", "vllm", "--url",
+                 vllm_server.url, "--control", f"ipc://{ipc_dir}/{engine['name']}.ctl",
+                 "--name", engine["name"], "--heartbeat", HEARTBEAT, *extra],
+                ipc_dir / f"{engine['name']}.log", f"vLLM sidecar {engine['name']}", cwd=ROOT))
+        (ipc_dir / "controller.toml").write_text(local)
+        ctl = ReadyProcess([sys.executable, "-m", "ckpt_controller", "serve", "--config",
+                            str(ipc_dir / "controller.toml")], ipc_dir / "controller.log",
+                           "controller", cwd=ROOT)
+        sides.append(ctl)
+
+        def ckptctl(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
+                                   f"ipc://{ipc_dir}/ctl.sock", *client, *args],
+                                  capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+        for name in [e["name"] for e in engines]:
+            out = ckptctl("prepare", name, "--json")
+            assert out.returncode == 0, f"{where}: {out.stdout}{out.stderr}"
+            (eng,) = json.loads(out.stdout)["engines"]
+            print(f"{where}: {name} prepared; memory {eng['released']}")
+            out = ckptctl("restore", name, "--json")
+            assert out.returncode == 0, f"{where}: {out.stdout}{out.stderr}"
+        assert not vllm.is_paused()
+    finally:
+        for proc in reversed(sides):
+            proc.stop()

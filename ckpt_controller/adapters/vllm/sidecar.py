@@ -392,8 +392,10 @@ class VllmEngine(EngineHooks):
     # ------------------------------------------------------------------ measuring
 
     def _usage(self) -> dict[str, int]:
-        """Bytes the engine's process tree holds, by device: host RSS and, where
-        nvidia-smi can tell, GPU memory of those processes."""
+        """Bytes the engine's process tree holds, by device: host memory as the sum of its
+        processes' PSS (a page they share, such as torch's libraries mapped by all three of
+        vLLM's, counts once, not once per process as with RSS) and, where nvidia-smi can
+        tell, GPU memory of those processes."""
         if self.pid is None:
             return {}
         try:
@@ -404,7 +406,7 @@ class VllmEngine(EngineHooks):
         out = {"cpu": 0}
         for proc in procs:
             try:
-                out["cpu"] += proc.memory_info().rss
+                out["cpu"] += _pss(proc)
             except psutil.Error:
                 continue
         out.update(_gpu_bytes({p.pid for p in procs}))
@@ -418,7 +420,7 @@ class VllmEngine(EngineHooks):
             b, a = before.get(dev, 0), after.get(dev, 0)
             devices.append(DeviceMemory(
                 device=dev, before_bytes=b, after_bytes=a, freed_bytes=b - a, residual_bytes=a,
-                note=("RSS of the vLLM process tree, measured" if dev == "cpu"
+                note=("PSS of the vLLM process tree, measured" if dev == "cpu"
                       else "GPU memory of the vLLM process tree (nvidia-smi), measured")))
         gpu = [d for d in devices if d.device != "cpu"]
         counted = gpu or devices  # on a GPU the release is about GPU memory
@@ -433,6 +435,14 @@ class VllmEngine(EngineHooks):
     def _left(self, deadline: Deadline) -> float:
         left = deadline.remaining()
         return self.step_timeout_s if left is None else max(0.5, left + 5.0)
+
+
+def _pss(proc: psutil.Process) -> int:
+    """The proportional set size of ``proc`` (its RSS where the kernel does not tell)."""
+    try:
+        return proc.memory_full_info().pss
+    except (AttributeError, psutil.AccessDenied):  # policy: no smaps here: RSS, an upper bound
+        return proc.memory_info().rss
 
 
 def _gpu_bytes(pids: set[int]) -> dict[str, int]:
