@@ -9,16 +9,32 @@ Each child leads its own session (``setsid``): CRIU can only dump a process whos
 leader lives in the same PID namespace, and a child that inherited a session from outside a
 container's namespace could not be captured. It also keeps a terminal's Ctrl-C from reaching
 the child directly; the parent stops it in order instead.
+
+``ProcessTree`` keeps track of every descendant of a child that was made a subreaper
+(``become_subreaper`` before it execs), including those that leave its session or process
+group, as ``criu restore --restore-detached`` makes a restored tree do, so a child that fails
+or times out can be ended whole (``HookRunner`` in ``controller.hooks`` does).
+Neighbours: the CLI's demo and drill, the tests, ``controller.hooks``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import selectors
+import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
+import psutil
+
 from ckpt_controller.errors import OperationError
+
+_PR_SET_CHILD_SUBREAPER = 36
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
 class ReadyProcess:
@@ -71,3 +87,106 @@ class ReadyProcess:
             self.proc.stdout.close()
         if not self.log.closed:
             self.log.close()
+
+
+def become_subreaper() -> None:
+    """Make the calling process the reaper of its orphaned descendants (``prctl``
+    ``PR_SET_CHILD_SUBREAPER``, kept across ``exec``): as ``preexec_fn``, a child stays the
+    ancestor of whatever it starts, even of a tree that detaches, for as long as it runs.
+    Only a system call through a function bound at import, so it is safe between fork and
+    exec."""
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+class ProcessTree:
+    """The descendants of process ``root`` seen so far (``look`` adds those there now; call
+    it while the root lives). A process is only ever signalled if it is still the one seen
+    (psutil checks its start time), so a reused PID is safe."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.seen: dict[int, psutil.Process] = {}
+        #: the PIDs signalled here while they ran
+        self.signalled: set[int] = set()
+
+    def look(self) -> None:
+        try:
+            kids = psutil.Process(self.root).children(recursive=True)
+        except psutil.Error:  # policy: the root is gone: what was seen is all there is
+            return
+        for kid in kids:
+            self.seen.setdefault(kid.pid, kid)
+
+    def alive(self) -> list[psutil.Process]:
+        return [p for p in self.seen.values() if _running(p)]
+
+    def signal(self, sig: int) -> None:
+        for proc in self.alive():
+            try:
+                proc.send_signal(sig)
+                self.signalled.add(proc.pid)
+            except psutil.Error:  # policy: gone (or not ours to signal) in the meantime
+                pass
+
+    def end(self, grace_s: float) -> None:
+        """SIGTERM every seen descendant still alive, SIGKILL what is left after
+        ``grace_s``."""
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            if not self.wait(grace_s):
+                self.signal(signal.SIGKILL)
+                self.wait(5.0)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether every seen descendant ended (a zombie counts) within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:  # policy: vanished between the two questions
+        return False
+
+
+class OutputReader:
+    """Reads a child's pipes (stdout, stderr) on a thread, keeping the last ``keep`` bytes of
+    each, until they close or ``finish`` is called: unlike ``communicate`` it does not wait
+    for every process that inherited a pipe (one that detached may hold it for ever)."""
+
+    def __init__(self, *pipes, keep: int = 1 << 16) -> None:
+        self.pipes, self.keep = pipes, keep
+        self.data = [bytearray() for _ in pipes]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="output-reader", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            for i, pipe in enumerate(self.pipes):
+                sel.register(pipe.fileno(), selectors.EVENT_READ, i)
+            while sel.get_map():
+                events = sel.select(timeout=0.05)
+                for key, _ in events:
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:
+                        sel.unregister(key.fd)
+                        continue
+                    buf = self.data[key.data]
+                    buf += chunk
+                    del buf[:-self.keep]
+                if self._stop.is_set() and not events:
+                    return  # asked to finish, and nothing more is waiting to be read
+
+    def finish(self, timeout_s: float = 2.0) -> list[bytes]:
+        """What was read, once what the pipes already hold is read too; closes them."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+        for pipe in self.pipes:
+            pipe.close()
+        return [bytes(buf) for buf in self.data]

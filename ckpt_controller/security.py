@@ -8,8 +8,13 @@ makes a pair. A server (agent or controller) has a secret key and a directory of
 keys it admits; a client has its own secret key and the server's public key. Public keys
 (Z85 text) may appear in logs; secret keys never do: the config and the journal hold paths.
 
+Trusted paths: ``trusted_path`` and ``private_dir`` refuse a file or folder that someone
+other than us (or root) could change or replace: hooks (the controller runs them) and the
+state and image directories (``criu-restore`` restores from the latter as root).
+
 Neighbours: ``rpcserver`` (binds with ``CurveServer``), ``rpc`` (connects with
-``CurveClient``), ``controller.config`` and the CLI (where the paths come from).
+``CurveClient``), ``controller.config`` and the CLI (where the paths come from),
+``controller.hooks`` and ``controller.statedir`` (trusted paths).
 """
 
 from __future__ import annotations
@@ -185,3 +190,79 @@ def log_handshake_failures(event: dict, server: str) -> None:
                     event.get("endpoint", b"?").decode(errors="replace")
                     if isinstance(event.get("endpoint"), bytes) else event.get("endpoint"),
                     names[event["event"]])
+
+
+# ---------------------------------------------------------------------------- trusted paths
+
+#: symlinks followed in one path before it counts as a loop (the kernel's own limit)
+MAX_LINKS = 40
+
+
+def check_owner_and_mode(path: Path, what: str, st: os.stat_result | None = None, *,
+                         sticky_ok: bool = False) -> None:
+    """Refuse ``path`` (followed through links) when group or others may write it, or when a
+    user other than us or root owns it. ``sticky_ok``: a folder such as ``/tmp`` (sticky,
+    writable by all) is let through, as nobody can remove or rename what others own in it;
+    for a folder only passed through on the way to what is checked."""
+    st = st or path.stat()
+    mode = st.st_mode
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and not (sticky_ok and mode & stat.S_ISVTX
+                                                     and stat.S_ISDIR(mode)):
+        raise ConfigError(f"{what} is writable by group or others; refusing to use it",
+                          path=str(path), mode=oct(stat.S_IMODE(mode)))
+    if st.st_uid not in (os.getuid(), 0):
+        raise ConfigError(f"{what} is owned by another user; refusing to use it",
+                          path=str(path), owner=st.st_uid)
+
+
+def trusted_path(path: Path, what: str, *, strict_folder: bool = True) -> Path:
+    """Resolve ``path`` as the kernel would, link by link, and return its real path; refuse
+    it (``ConfigError`` naming the culprit) when anyone but us or root could change what it
+    leads to: every folder a name is looked up in, every link followed (its owner) and the
+    end itself are checked. Folders on the way may be sticky ones such as ``/tmp`` (nobody
+    can rename or remove what is ours there); with ``strict_folder`` the folder holding the
+    end may not (anyone could add a file beside it, as in a hook folder)."""
+    full = Path(path) if Path(path).is_absolute() else Path.cwd() / path  # no lexical ..
+    pending = list(reversed(full.parts[1:]))
+    current, links = Path("/"), 0
+    while pending:
+        name = pending.pop()
+        if name == "..":
+            current = current.parent  # current is a real folder: so is its parent
+            continue
+        last = not _more(pending)
+        check_owner_and_mode(current, f"folder {'holding' if last else 'on the way to'} the "
+                                      f"{what}", sticky_ok=not (strict_folder and last))
+        candidate = current / name
+        try:
+            st = candidate.lstat()
+        except OSError as err:  # policy: what cannot be looked at cannot be trusted
+            raise ConfigError(f"the {what} cannot be reached: {err.strerror}",
+                              path=str(path), at=str(candidate)) from None
+        if not stat.S_ISLNK(st.st_mode):
+            current = candidate
+            continue
+        links += 1
+        if links > MAX_LINKS:
+            raise ConfigError(f"too many symbolic links on the way to the {what}",
+                              path=str(path))
+        if st.st_uid not in (os.getuid(), 0):
+            raise ConfigError(f"a link on the way to the {what} is owned by another user; "
+                              f"refusing to use it", path=str(candidate), owner=st.st_uid)
+        target = Path(os.readlink(candidate))
+        if target.is_absolute():
+            current = Path("/")
+        pending.extend(reversed([part for part in target.parts if part not in ("/", ".")]))
+    check_owner_and_mode(current, what)
+    return current
+
+
+def _more(pending: list[str]) -> bool:
+    """Whether names other than ``..`` are still to be looked up."""
+    return any(part != ".." for part in pending)
+
+
+def private_dir(path: Path, what: str) -> None:
+    """Refuse the folder ``path`` when anyone but us or root could write in it, or replace it
+    or a folder above it (``trusted_path``; its parent may be sticky, as ``/tmp`` is)."""
+    trusted_path(path, what, strict_folder=False)

@@ -120,3 +120,122 @@ def test_output_tails_keep_the_last_bytes(tmp_path):
     run = run_hook(path, "post-dump", ctx(tmp_path), timeout_s=10)
     assert len(run.stdout_tail.encode()) == TAIL_BYTES
     assert run.stdout_tail.endswith("line-1999\n") and run.stderr_tail == "oops\n"
+
+
+# ------------------------------------------------- what a hook starts, even when it detaches
+
+# a process the hook starts in a session of its own, through a parent that exits at once (as
+# `criu restore --restore-detached` leaves a restored tree): it escapes the hook's process
+# group, and without the hook being a subreaper it would be reparented to init
+DETACH = ("( setsid sh -c 'trap \"\" TERM; echo $$ > {pidfile}; "
+          "while :; do sleep 0.1; done' & )\n"
+          "while [ ! -s {pidfile} ]; do sleep 0.05; done\n")
+
+
+def _detached(pidfile: Path) -> psutil.Process:
+    return psutil.Process(int(pidfile.read_text()))
+
+
+def _gone(proc: psutil.Process, within_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def detached_pidfile(tmp_path):
+    pidfile = tmp_path / "detached.pid"
+    yield pidfile
+    try:
+        proc = _detached(pidfile)
+        if "sleep 0.1" in " ".join(proc.cmdline()):  # still the one a test started
+            proc.kill()
+    except (OSError, ValueError, psutil.Error):  # policy: never started, or gone: nothing to do
+        pass
+
+
+def test_a_detached_tree_is_killed_whole_at_the_timeout(tmp_path, detached_pidfile):
+    path = hook(tmp_path / "hooks" / "pre-restore", "10-hang",
+                DETACH.format(pidfile=detached_pidfile) + "sleep 300")
+    start = time.monotonic()
+    run = run_hook(path, "pre-restore", ctx(tmp_path), timeout_s=1.0, grace_s=0.5)
+    assert run.timed_out and time.monotonic() - start < 5
+    detached = _detached(detached_pidfile)
+    assert _gone(detached)  # deaf to SIGTERM: SIGKILLed after the grace
+    said = run.stderr_tail.split("detached ones included:")[1]
+    assert str(detached.pid) in said.split("]")[0].split()
+
+
+def test_what_a_failed_hook_leaves_running_is_ended(tmp_path, detached_pidfile):
+    path = hook(tmp_path / "hooks" / "pre-restore", "10-fail",
+                DETACH.format(pidfile=detached_pidfile) + "sleep 0.6; exit 3")
+    run = run_hook(path, "pre-restore", ctx(tmp_path), timeout_s=30, grace_s=0.5)
+    assert run.exit_code == 3 and not run.timed_out
+    assert _gone(_detached(detached_pidfile))
+    assert str(_detached(detached_pidfile).pid) in run.stderr_tail.split("included:")[1]
+
+
+def test_what_a_good_hook_starts_is_left_running(tmp_path, detached_pidfile):
+    # a restored engine is such a process: it must outlive the criu-restore hook
+    path = hook(tmp_path / "hooks" / "pre-restore", "10-ok",
+                DETACH.format(pidfile=detached_pidfile) + "sleep 0.6")
+    run = run_hook(path, "pre-restore", ctx(tmp_path), timeout_s=30, grace_s=0.5)
+    assert run.exit_code == 0
+    assert not _gone(_detached(detached_pidfile), within_s=1.0)
+
+
+# ------------------------------------------------------------------------- symlinked hooks
+
+def _linked_hook(tmp_path: Path, target_folder: Path) -> tuple[Path, Path]:
+    """A hook at ``target_folder/hook``, linked from the dump point; returns (target, ran)."""
+    ran = tmp_path / "ran"
+    target = hook(target_folder, "hook", f"touch {ran}")
+    (tmp_path / "hooks" / "dump").mkdir(parents=True)
+    (tmp_path / "hooks" / "dump" / "10-linked").symlink_to(target)
+    return target, ran
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o1777])  # sticky is no excuse for a hook's
+def test_a_linked_hook_whose_folder_others_may_write_is_refused(tmp_path, mode):  # own folder
+    target, ran = _linked_hook(tmp_path, tmp_path / "open")
+    target.parent.chmod(mode)
+    with pytest.raises(ConfigError) as info:
+        run_point(tmp_path / "hooks", "dump", ctx(tmp_path), 10, [])
+    assert "writable by group or others" in info.value.message
+    assert info.value.details["path"] == str(target.parent) and not ran.exists()
+
+
+def test_a_linked_hook_below_a_folder_others_may_write_is_refused(tmp_path):
+    # whoever may write in `open` may rename `safe` away and put another in its place
+    target, ran = _linked_hook(tmp_path, tmp_path / "open" / "safe")
+    (tmp_path / "open").chmod(0o777)
+    with pytest.raises(ConfigError) as info:
+        run_point(tmp_path / "hooks", "dump", ctx(tmp_path), 10, [])
+    assert info.value.details["path"] == str(tmp_path / "open") and not ran.exists()
+
+
+def test_a_link_on_the_way_that_others_may_replace_is_refused(tmp_path):
+    # dump/10-linked -> relay/link -> safe/hook: relay is world-writable, so its link is not
+    target, ran = _linked_hook(tmp_path, tmp_path / "safe")
+    relay = tmp_path / "relay"
+    relay.mkdir(mode=0o777)
+    relay.chmod(0o777)
+    (relay / "link").symlink_to(target)
+    (tmp_path / "hooks" / "dump" / "10-linked").unlink()
+    (tmp_path / "hooks" / "dump" / "10-linked").symlink_to(relay / "link")
+    with pytest.raises(ConfigError) as info:
+        run_point(tmp_path / "hooks", "dump", ctx(tmp_path), 10, [])
+    assert info.value.details["path"] == str(relay) and not ran.exists()
+
+
+def test_a_linked_hook_in_a_safe_folder_runs_even_below_a_sticky_one(tmp_path):
+    # a sticky folder on the way (as /tmp): nobody may rename what is ours in it
+    target, ran = _linked_hook(tmp_path, tmp_path / "sticky" / "mine")
+    (tmp_path / "sticky").chmod(0o1777)
+    runs = []
+    run_point(tmp_path / "hooks", "dump", ctx(tmp_path), 10, runs)
+    assert ran.exists() and runs[0].exit_code == 0
+    assert runs[0].path == str(tmp_path / "hooks" / "dump" / "10-linked")

@@ -18,14 +18,15 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import stat
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_controller.errors import ConfigError, HookError, HookTimeoutError
+from ckpt_controller.procutil import OutputReader, ProcessTree, become_subreaper
 from ckpt_controller.protocol import HookRun
+from ckpt_controller.security import check_owner_and_mode, trusted_path
 
 log = logging.getLogger("ckpt_controller.hooks")
 
@@ -67,29 +68,16 @@ def find_hooks(hooks_dir: Path | None, point: str) -> list[Path]:
     if hooks_dir is None or not (hooks_dir / point).is_dir():
         return []
     for folder in (hooks_dir, hooks_dir / point):
-        _check_owner_and_mode(folder, "hook folder")
+        check_owner_and_mode(folder, "hook folder")
     found = []
     for path in sorted((hooks_dir / point).iterdir()):
         if path.name.startswith(".") or path.name.endswith(("~", ".md", ".txt")):
             continue
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode) or not os.access(path, os.X_OK):
+        real = trusted_path(path, "hook")  # a link: its target and every folder on the way
+        if not real.is_file() or not os.access(real, os.X_OK):
             continue
-        _check_owner_and_mode(path, "hook", st)
         found.append(path)
     return found
-
-
-def _check_owner_and_mode(path: Path, what: str, st: os.stat_result | None = None) -> None:
-    """Refuse ``path`` (followed through links) when group or others may write it, or when a
-    user other than us or root owns it."""
-    st = st or path.stat()
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ConfigError(f"{what} is writable by group or others; refusing to run hooks "
-                          f"from it", path=str(path), mode=oct(stat.S_IMODE(st.st_mode)))
-    if st.st_uid not in (os.getuid(), 0):
-        raise ConfigError(f"{what} is owned by another user; refusing to run hooks from it",
-                          path=str(path), owner=st.st_uid)
 
 
 def hook_env(point: str, ctx: HookContext) -> dict[str, str]:
@@ -113,35 +101,72 @@ def hook_env(point: str, ctx: HookContext) -> dict[str, str]:
 
 def run_hook(path: Path, point: str, ctx: HookContext, timeout_s: float,
              grace_s: float = 5.0) -> HookRun:
-    """Run one hook to its end or its timeout; never raises for the hook's own failure."""
+    """Run one hook to its end or its timeout; never raises for the hook's own failure.
+    The hook is made a subreaper, so whatever it starts stays in its tree even when it
+    leaves the hook's session (``criu restore --restore-detached``): on a timeout that whole
+    tree gets SIGTERM, the grace, then SIGKILL; after a failure what the hook left running
+    is ended the same way. After a success it is left alone (a restored engine)."""
     start = time.monotonic()
     try:
         proc = subprocess.Popen([str(path)], env=hook_env(point, ctx), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, cwd=str(ctx.image_dir))
-    except OSError as exc:  # policy: a hook that cannot start is a failed hook (exit 127)
+                                start_new_session=True, cwd=str(ctx.image_dir),
+                                preexec_fn=become_subreaper)
+    except (OSError, subprocess.SubprocessError) as exc:  # policy: a hook that cannot start
+        # is a failed hook (exit 127)
         return HookRun(point=point, path=str(path), exit_code=127,
                        duration_s=time.monotonic() - start, stderr_tail=f"cannot run: {exc}")
     # the hook's process group, so a controller restarted after a crash can stop it
     pidfile = ctx.image_dir / f".hook-{point}-{proc.pid}.pid"
     pidfile.write_text(str(proc.pid))
+    tree = ProcessTree(proc.pid)
+    reader = OutputReader(proc.stdout, proc.stderr)
     timed_out = False
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    grace_left = grace_s
+    if not _wait(proc, tree, timeout_s):
         timed_out = True
         log.warning("hook %s (%s) passed its %.1fs timeout: SIGTERM", path, point, timeout_s)
+        tree.look()
+        term_at = time.monotonic()
         _signal_group(proc, signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=grace_s)
-        except subprocess.TimeoutExpired:
+        tree.signal(signal.SIGTERM)
+        if not _wait(proc, tree, grace_s):
             log.warning("hook %s ignored SIGTERM for %.1fs: SIGKILL", path, grace_s)
             _signal_group(proc, signal.SIGKILL)
-            out, err = proc.communicate()
+            tree.signal(signal.SIGKILL)
+            proc.wait()
+        grace_left = max(0.0, term_at + grace_s - time.monotonic())
     pidfile.unlink(missing_ok=True)
+    out, err = reader.finish()
+    if timed_out or proc.returncode != 0:
+        tree.end(grace_left)
+        if tree.signalled:
+            pids = " ".join(map(str, sorted(tree.signalled)))
+            log.warning("hook %s (%s): stopped processes it started: %s", path, point, pids)
+            err = (err or b"") + (f"\n[ckpt-controller: stopped processes the hook started, "
+                                  f"detached ones included: {pids}]\n").encode()
     return HookRun(point=point, path=str(path), exit_code=proc.returncode,
                    duration_s=time.monotonic() - start, timed_out=timed_out,
                    stdout_tail=_tail(out), stderr_tail=_tail(err))
+
+
+#: how often a running hook's process tree is looked at (to follow what detaches from it)
+LOOK_EVERY_S = 0.25
+
+
+def _wait(proc: subprocess.Popen, tree: ProcessTree, seconds: float) -> bool:
+    """Whether the hook ended within ``seconds``; looks at its process tree meanwhile."""
+    deadline = time.monotonic() + seconds
+    while True:
+        tree.look()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            proc.wait(timeout=min(LOOK_EVERY_S, left))
+            return True
+        except subprocess.TimeoutExpired:  # policy: not yet; look again
+            continue
 
 
 def stop_orphan_hooks(engine_image_dir: Path, op_id: str, grace_s: float = 5.0) -> int:
