@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -169,3 +170,58 @@ def test_no_request_is_lost_across_a_stop_capture_and_restore(standin, spawn_con
     assert status["state"] == "running" and status["pid"] == standin.pid
     # the sidecar's own process never left: the server's fingerprint tells the restore
     assert status["restored_from_image"] and status["incarnation"] == 1
+
+
+def run_hook(action: str, pid: int, tmp: Path, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CKPT_ACTION": action, "CKPT_ENGINE": "th",
+           "CKPT_ENGINE_PID": str(pid), "CKPT_IMAGE_DIR": str(tmp), **env}
+    return subprocess.run([str(ROOT / "hooks" / "tcp-hold")], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_a_held_connection_waits_and_connects_once_let_go(tmp_path):
+    """While held, a connection request is dropped, not refused; its kernel sends it again
+    and it connects after the hold ends."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    try:
+        out = run_hook("dump", os.getpid(), tmp_path)
+        assert out.returncode == 0 and f"ports {port}" in out.stdout, out.stdout + out.stderr
+        box: list = []
+
+        def connect() -> None:
+            start = time.monotonic()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=30).close()
+                box.append(time.monotonic() - start)
+            except OSError as err:
+                box.append(err)
+
+        t = threading.Thread(target=connect)
+        t.start()
+        time.sleep(1.5)
+        assert not box  # neither connected nor refused: waiting
+        out = run_hook("pre-restore", os.getpid(), tmp_path)
+        assert out.returncode == 0, out.stderr
+        t.join(30)
+        assert box and isinstance(box[0], float) and box[0] >= 1.5, box
+    finally:
+        run_hook("pre-restore", os.getpid(), tmp_path)
+        listener.close()
+
+
+def test_a_connection_left_in_the_accept_queue_fails_the_hold_and_lets_go(tmp_path):
+    """The engine never accepts it (here: nobody calls accept): CRIU could not keep it, so
+    the hook exits 1, naming it, and takes its hold away."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    waiting = socket.create_connection(("127.0.0.1", port))
+    try:
+        out = run_hook("dump", os.getpid(), tmp_path, CKPT_TCP_HOLD_WAIT_S="0.5")
+        assert out.returncode == 1 and "still wait to be accepted" in out.stderr, out.stderr
+        late = socket.create_connection(("127.0.0.1", port), timeout=5)  # not held any more
+        late.close()
+    finally:
+        run_hook("pre-restore", os.getpid(), tmp_path)
+        waiting.close()
+        listener.close()
