@@ -21,6 +21,8 @@ import socket
 from pathlib import Path
 
 from ckpt_controller.controller.config import ControllerConfig, key_error
+from ckpt_controller.errors import ConfigError
+from ckpt_controller.security import private_dir
 
 LOCK_NAME = "controller.lock"
 
@@ -84,6 +86,11 @@ def _make_dir(config: ControllerConfig, key: str, path: Path) -> None:
     except OSError as err:  # policy: read-only, /proc, no permission: the person picks another
         raise key_error(config, key, f"cannot create {path}: {err.strerror or err}",
                         path=str(path)) from None
+    try:  # criu-restore restores from the image dir as root; the journal is in the state dir
+        private_dir(path, key.rpartition(".")[2].replace("_dir", " directory"))
+    except ConfigError as err:  # policy: others could change it: refused, naming the key
+        raise key_error(config, key, f"{err.details.get('path', path)}: {err.message}",
+                        **err.details) from None
 
 
 def _lock(config: ControllerConfig) -> int:
