@@ -11,8 +11,9 @@
   sees it instead of a healthy-looking zombie.
 - A 200 MiB frame to the engine's request API is dropped by zmq (the control sockets' limit)
   and leaves no memory behind.
-- The other queues are bounded too: callers waiting for one running operation, and what other
-  threads put in an outbox nobody forwards.
+- The other queues are bounded too: callers waiting for one running operation (agent and
+  controller; repeats of a finished one are answered from the journal without a thread each),
+  and what other threads put in an outbox nobody forwards.
 
 Neighbours: ``conftest`` (``spawn_engine``, ``spawn_controller``, ``spawn_reference``).
 """
@@ -416,3 +417,63 @@ def test_a_deeply_nested_answer_from_vllm_is_a_typed_error():
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.slow
+def test_callers_of_one_controller_operation_are_bounded_and_repeats_cost_no_thread(
+        spawn_reference, spawn_controller):
+    from ckpt_controller.controller.service import MAX_WAITERS
+
+    eng = spawn_reference("w1")
+    ctl = spawn_controller(f'[[engine]]\nname = "w1"\ncontrol = "{eng.control}"\n')
+    proc = psutil.Process(ctl.proc.pid)
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(ctl.endpoint)
+
+    def operation(n: int) -> list[bytes]:
+        return p.command_frames(p.RequestType.OPERATION, p.OperationCommand(
+            call_id=n, op_id="held", kind="prepare", engines=["w1"], drain="wait", level=0))
+
+    def replies(until: int, wait_ms: int) -> collections.Counter:
+        seen: collections.Counter = collections.Counter()
+        while sum(seen.values()) < until and s.poll(wait_ms):
+            reply = p.decode_reply(s.recv_multipart())
+            if isinstance(reply, p.ErrorReply):
+                seen[reply.kind] += 1
+            elif isinstance(reply, p.Reply):
+                seen[reply.result.status] += 1
+        return seen
+
+    try:
+        with EngineClient(eng.api) as api:
+            rid = api.submit([1, 2, 3], 1000)  # a wait drain holds the prepare meanwhile
+            s.send_multipart(operation(1))
+            deadline = time.monotonic() + 10
+            with ControllerClient(ctl.endpoint) as c:
+                while c.status(["w1"]).engines[0].holder != "held":
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            callers = MAX_WAITERS + 36
+            for n in range(2, callers + 1):  # the same operation again: each waits for its end
+                s.send_multipart(operation(n))
+            shed = replies(callers - MAX_WAITERS, 5000)  # those past the bound: at once
+            assert shed == {"OverloadedError": callers - MAX_WAITERS}
+            end = time.monotonic() + 120
+            while not api.requests[rid].ended:  # the drain waits for it to finish
+                assert time.monotonic() < end
+                api.poll(1.0)
+            assert replies(MAX_WAITERS, 60_000) == {"succeeded": MAX_WAITERS}
+        # a burst of repeats of the finished operation: the stored result, no thread each
+        threads_before = proc.num_threads()
+        peak = threads_before
+        for n in range(2000):
+            s.send_multipart(operation(1000 + n))
+            if n % 100 == 0:
+                peak = max(peak, proc.num_threads())
+        answered = replies(2000, 10_000)
+        peak = max(peak, proc.num_threads())
+        assert answered == {"succeeded": 2000}
+        assert peak - threads_before < 10
+    finally:
+        s.close(linger=0)

@@ -46,6 +46,7 @@ from ckpt_controller.errors import (
     HookError,
     HookTimeoutError,
     OperationError,
+    OverloadedError,
     UnreachableError,
     UsageError,
 )
@@ -55,6 +56,8 @@ log = logging.getLogger("ckpt_controller.controller")
 #: called once with the operation's result, or with the error that refused it
 Done = Callable[[p.OperationResult | CkptError], None]
 TRANSITIONAL = ("preparing", "restoring")
+#: callers one running operation answers at its end; one more is shed (``OverloadedError``)
+MAX_WAITERS = 64
 
 
 @dataclass
@@ -156,24 +159,34 @@ class Controller:
                                  f"same operation", op_id=cmd.op_id, kind=known[0],
                                  engines=known[1])
             if running is not None:
+                if len(running.waiters) >= MAX_WAITERS:
+                    raise OverloadedError(
+                        f"{MAX_WAITERS} callers already wait for operation {cmd.op_id}",
+                        op_id=cmd.op_id, retry_after_s=1.0)
                 running.waiters.append(done)
                 return None
             stored = self.journal.result(cmd.op_id)
-            if stored is not None:
-                threading.Thread(target=done, args=(stored,), daemon=True).start()
-                return None
-            if self.journal.exists(cmd.op_id):
-                raise BusyError("operation id belongs to an interrupted operation being "
-                                "recovered", op_id=cmd.op_id)
-            busy = {e: self._holders[e] for e in engines if e in self._holders}
-            if busy:
-                engine, holder = next(iter(busy.items()))
-                raise BusyError(f"engine {engine} is held by operation {holder}",
-                                engine=engine, holder=holder, busy=busy)
-            for e in engines:
-                self._holders[e] = cmd.op_id
-            self._running[cmd.op_id] = _Running(cmd.kind, engines, [done])
+            if stored is None:
+                self._hold(cmd, engines, done)
+        if stored is not None:
+            # answered at once, outside the lock: a burst of repeats costs no thread each
+            done(stored)
+            return None
         return engines
+
+    def _hold(self, cmd: p.OperationCommand, engines: list[str], done: Done) -> None:
+        """Under ``_lock``: hold ``engines`` for the new operation ``cmd``, or refuse it."""
+        if self.journal.exists(cmd.op_id):
+            raise BusyError("operation id belongs to an interrupted operation being "
+                            "recovered", op_id=cmd.op_id)
+        busy = {e: self._holders[e] for e in engines if e in self._holders}
+        if busy:
+            engine, holder = next(iter(busy.items()))
+            raise BusyError(f"engine {engine} is held by operation {holder}",
+                            engine=engine, holder=holder, busy=busy)
+        for e in engines:
+            self._holders[e] = cmd.op_id
+        self._running[cmd.op_id] = _Running(cmd.kind, engines, [done])
 
     def run(self, cmd: p.OperationCommand, timeout_s: float | None = None) -> p.OperationResult:
         """``start`` and wait: for in-process callers (tests, the demo). Raises a refusal."""
