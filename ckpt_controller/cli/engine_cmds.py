@@ -60,6 +60,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--kv-blocks", type=_count, help="KV pool size in blocks (default 4 sequences)")
     sp.add_argument("--block-size", type=_count, default=16, help="tokens per KV block")
     sp.add_argument("--max-batch", type=_count, default=16, help="requests decoded together")
+    sp.add_argument("--max-waiting", type=_count, default=256, metavar="N",
+                    help="requests that may wait for the running batch; one more is refused "
+                         "at once with OverloadedError (retryable; default 256)")
     sp.add_argument("--heartbeat", type=positive, default=0.5, metavar="S",
                     help="agent heartbeat interval (default 0.5)")
     add_curve_server_args(sp)
@@ -106,6 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
         name=args.name, api=args.api, control=args.control, model=args.model, seed=args.seed,
         model_dir=args.model_dir or default_model_dir(), dtype=args.dtype,
         kv_blocks=args.kv_blocks, block_size=args.block_size, max_batch=args.max_batch,
+        max_waiting=args.max_waiting,
         heartbeat_interval_s=args.heartbeat, curve=curve_server(args),
     ))
     return 0

@@ -3,9 +3,11 @@
 As vLLM's ``EngineCoreRequestType``, each message is ``[type, payload]`` with a one-byte type:
 ``ADD`` (a new request) and ``ABORT`` (end some requests now). The engine answers each request
 with ``RequestOutput`` messages: one when it is queued, then one per generated token, the last
-with ``finished=True`` and a ``finish_reason`` (``stop``, ``length``, ``abort``, ``error``);
-or at once with ``RequestRejected`` (the engine is not RUNNING: retry after the hint; or the
-request is invalid). Events ``queued``, ``scheduled``, ``preempted`` carry monotonic times.
+with ``finished=True`` and a ``finish_reason`` (``stop``, ``length``, ``abort``, ``error``); or
+at once with ``RequestRejected`` (the engine is not RUNNING, or its waiting queue is full:
+``OverloadedError``; retry after the hint; or the request is invalid). An ABORT is answered
+only when it is refused (``request_id`` empty). Events ``queued``, ``scheduled``, ``preempted``
+carry monotonic times.
 Imports no torch: clients (``ckptctl generate``, ``ckptctl load``) stay light. Any decode
 failure (nesting too deep included) is a ``ProtocolError``; a message over
 ``MAX_MESSAGE_BYTES`` never reaches the engine. Neighbours: ``server`` (engine side),
@@ -94,6 +96,10 @@ MAX_PAYLOAD_BYTES = 4 << 20
 #: zmq drops (and disconnects) anything larger before the engine reads it: the control
 #: sockets' limit
 MAX_MESSAGE_BYTES = HARD_MAX_MESSAGE_BYTES
+#: a longer request id is refused (``UsageError``): what the engine keeps per request is small
+MAX_REQUEST_ID_CHARS = 256
+#: an ABORT naming more request ids is refused (``UsageError``): send several
+MAX_ABORT_IDS = 1024
 
 
 def encode(rtype: bytes, msg: msgspec.Struct) -> list[bytes]:

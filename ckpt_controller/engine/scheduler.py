@@ -9,11 +9,24 @@ puts them back the same way, so they finish with the tokens they would have had 
 One thread (the server's scheduler thread) owns all of this state. Other threads (the API
 thread admitting requests, the agent's hooks) ``submit`` a function and it runs on the owner
 thread between two steps, so a hook waits at most one step and never starves behind the
-loop. Neighbours: ``model``, ``kv``, ``server`` (the thread that runs the loop).
+loop.
+
+Every queue is bounded and says what happens when it is full. The engine holds at most
+``max_batch + max_waiting`` requests (running, waiting, and on their way into ``waiting``):
+``submit_add`` refuses one more at once with the typed, retryable ``OverloadedError``, on the
+submitting thread, so a flood is shed without waiting for a step. So ``waiting`` holds at most
+``max_waiting`` requests beyond the free places in the batch (all of them when the KV pool, not
+the batch, is what is full). A request that was already accepted is never refused: one
+preempted, or kept and resumed, goes back into ``waiting``. ``submit_abort`` holds at most
+``MAX_PENDING_ABORTS`` aborts, then sheds likewise. ``submit`` (the engine's own hooks) is not
+counted: each caller waits for its result, so it queues one command at a time. ``running``
+holds at most ``max_batch``.
+Neighbours: ``model``, ``kv``, ``server`` (the thread that runs the loop).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -24,6 +37,18 @@ from dataclasses import dataclass, field
 from ckpt_controller.engine.api import RequestEvent, RequestOutput
 from ckpt_controller.engine.kv import BlockPool
 from ckpt_controller.engine.model import TinyLM
+from ckpt_controller.errors import OverloadedError
+
+log = logging.getLogger("ckpt_controller.engine")
+
+#: requests that may wait for a place in the running batch (``ckptctl engine serve
+#: --max-waiting``): 16 full batches at the default ``max_batch``
+DEFAULT_MAX_WAITING = 256
+#: ABORT messages that may wait for the scheduler thread before one more is shed
+MAX_PENDING_ABORTS = 16
+#: the hint an ``OverloadedError`` carries: about how long a queue of short requests takes to
+#: make room
+OVERLOAD_RETRY_AFTER_S = 0.5
 
 
 @dataclass
@@ -54,10 +79,14 @@ class Scheduler:
         max_batch: int,
         emit: Callable[[bytes, RequestOutput], None],
         on_finish: Callable[[str, str], None],
+        max_waiting: int = DEFAULT_MAX_WAITING,
+        name: str = "",
     ) -> None:
         self.model = model
         self.pool = pool
         self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        self.name = name
         self.emit = emit
         self.on_finish = on_finish
         self.lock = threading.Condition()
@@ -66,17 +95,66 @@ class Scheduler:
         self.kept: list[Request] = []
         self.paused = False
         self.steps = 0
-        self._commands: deque[tuple[Callable[[], object], Future]] = deque()
+        #: every request the scheduler holds (running, waiting or kept), by id
+        self.by_id: dict[str, Request] = {}
+        self._commands: deque[tuple[Callable[[], object], Future | None]] = deque()
+        #: ``submit_add`` / ``submit_abort`` commands not yet run (guarded by ``lock``)
+        self._arriving = 0
+        self._aborting = 0
 
     # ---------------------------------------------------------------- any thread
 
     def submit(self, fn: Callable[[], object]) -> Future:
-        """Run ``fn`` on the scheduler thread before its next step."""
+        """Run ``fn`` on the scheduler thread before its next step (the engine's own hooks:
+        the caller waits for the result, so it has one command queued at a time)."""
         fut: Future = Future()
         with self.lock:
             self._commands.append((fn, fut))
             self.lock.notify_all()
         return fut
+
+    def submit_add(self, request_id: str, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (which admits ``request_id`` into ``waiting``) on the scheduler thread,
+        or raise ``OverloadedError`` at once when ``max_batch + max_waiting`` requests are
+        already running, waiting or on their way. ``fn`` answers its client itself (an
+        exception from it is only logged)."""
+        with self.lock:
+            # running and waiting belong to the scheduler thread: their lengths here are a
+            # snapshot, in which a request passing between them, or from _arriving into
+            # waiting, may count twice but never zero times
+            held = len(self.running) + len(self.waiting) + self._arriving
+            if held >= self.max_batch + self.max_waiting:
+                # policy: shed, typed and retryable; nothing of the request ran
+                raise OverloadedError(
+                    f"engine {self.name or '?'} is overloaded: {held} requests running or "
+                    f"waiting (at most {self.max_batch} running + {self.max_waiting} waiting)",
+                    engine=self.name, request_id=request_id, held=held,
+                    max_batch=self.max_batch, max_waiting=self.max_waiting,
+                    retry_after_s=OVERLOAD_RETRY_AFTER_S)
+            self._arriving += 1
+            self._commands.append((lambda: self._arrived(fn, "_arriving"), None))
+            self.lock.notify_all()
+
+    def submit_abort(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (an ABORT from the request API) on the scheduler thread, or raise
+        ``OverloadedError`` at once when ``MAX_PENDING_ABORTS`` aborts already wait."""
+        with self.lock:
+            if self._aborting >= MAX_PENDING_ABORTS:
+                # policy: shed, typed and retryable; nothing of the abort ran
+                raise OverloadedError(
+                    f"engine {self.name or '?'} is overloaded: {self._aborting} aborts already "
+                    f"wait for the scheduler", engine=self.name,
+                    retry_after_s=OVERLOAD_RETRY_AFTER_S)
+            self._aborting += 1
+            self._commands.append((lambda: self._arrived(fn, "_aborting"), None))
+            self.lock.notify_all()
+
+    def _arrived(self, fn: Callable[[], None], counter: str) -> None:
+        try:
+            fn()
+        finally:  # after fn: its request is in waiting by now, counted there
+            with self.lock:
+                setattr(self, counter, getattr(self, counter) - 1)
 
     def run_loop(self, stop: threading.Event, on_error: Callable[[Exception], None]) -> None:
         """The scheduler thread: commands, then one step, until ``stop``."""
@@ -86,7 +164,12 @@ class Scheduler:
                     self.lock.wait(0.1)
                 commands, self._commands = self._commands, deque()
             for fn, fut in commands:
-                if fut.set_running_or_notify_cancel():
+                if fut is None:  # from the request API: it answers its client itself
+                    try:
+                        fn()
+                    except Exception:  # policy: a bug in one request's command is logged
+                        log.exception("engine %s: a request command failed", self.name)
+                elif fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn())
                     except Exception as exc:  # policy: the submitter gets the exception
@@ -104,15 +187,13 @@ class Scheduler:
         self.emit(req.client, RequestOutput(request_id=req.request_id, events=req.events))
         req.events = []
         self.waiting.append(req)
+        self.by_id[req.request_id] = req
 
     def has_work(self) -> bool:
         return not self.paused and bool(self.waiting or self.running)
 
     def find(self, request_id: str) -> Request | None:
-        for req in (*self.running, *self.waiting, *self.kept):
-            if req.request_id == request_id:
-                return req
-        return None
+        return self.by_id.get(request_id)
 
     def abort(self, request_ids: list[str]) -> int:
         """End each request now with ``abort`` and its partial output."""
@@ -156,10 +237,10 @@ class Scheduler:
             blocks = self.pool.allocate(need)
             if blocks is None:
                 break
-            self.waiting.popleft()
             req.blocks = blocks
             self._event(req, "scheduled")
             self.running.append(req)  # first: if prefill raises, fail_all still ends it
+            self.waiting.popleft()  # after: submit_add's count never misses it in passing
             token = self.model.prefill(req.tokens, self.pool.kv, req.blocks)
             req.computed = len(req.tokens)
             self._append(req, token)
@@ -225,6 +306,7 @@ class Scheduler:
         else:
             self._unschedule(req)
         self.pool.free(req.blocks)
+        self.by_id.pop(req.request_id, None)
         # the agent's books first: once the client sees the end, status no longer counts it
         self.on_finish(req.request_id, reason)
         self.emit(req.client, RequestOutput(

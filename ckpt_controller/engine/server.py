@@ -3,23 +3,30 @@
 Threads: the API thread owns the request ROUTER (admits requests through the agent's gate,
 forwards outputs from the outbox; answers it makes itself go straight to the ROUTER, and it
 reads at most ``READ_BUDGET`` requests per round); the scheduler thread steps the batch; the
-agent has its own control and operation threads. The request ROUTER drops any message over
-``api.MAX_MESSAGE_BYTES`` (the control sockets' 16 MiB) before it is read. If the API or the
-scheduler thread dies of a bug, the process exits with status 70 (``zmqutil.guarded``): an
-engine whose agent heartbeats RUNNING must be able to serve. The engine's ``EngineHooks`` map
-the agent's drain and pause/resume calls onto the scheduler, and ``verify`` re-runs a golden
-prompt before the engine serves again, twice: through the cache-free path
-(``TinyLM.reference_tokens``: the weights) and through blocks of the re-woken KV pool
-(``TinyLM.paged_tokens``: the path requests take).
+agent has its own control and operation threads. Under a flood nothing grows without bound: an
+ADD past ``--max-waiting`` (``EngineOptions.max_waiting``) or an ABORT past
+``scheduler.MAX_PENDING_ABORTS`` is refused by the API thread at once with the typed, retryable
+``OverloadedError`` (the scheduler's queues are bounded, see ``scheduler``), and a request id
+or an ABORT over ``api``'s limits is refused as a ``UsageError``. The request ROUTER drops any
+message over ``api.MAX_MESSAGE_BYTES`` (the control sockets' 16 MiB) before it is read. If the
+API or the scheduler thread dies of a bug, the process exits with status 70
+(``zmqutil.guarded``): an engine whose agent heartbeats RUNNING must be able to serve. The
+engine's ``EngineHooks`` map the agent's drain and pause/resume calls onto the scheduler, and
+``verify`` re-runs a golden prompt before the engine serves again, twice: through the
+cache-free path (``TinyLM.reference_tokens``: the weights) and through blocks of the re-woken
+KV pool (``TinyLM.paged_tokens``: the path requests take). After a flood was shed, the heap
+gives back what it left free (``trim_heap``).
 Neighbours: ``scheduler``, ``model``, ``kv``, ``api``; ``agent`` (embedded).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +38,9 @@ from ckpt_controller.agent import Agent, EngineHooks
 from ckpt_controller.engine import api
 from ckpt_controller.engine.kv import BlockPool
 from ckpt_controller.engine.model import load_model, materialize
-from ckpt_controller.engine.scheduler import Request, Scheduler
-from ckpt_controller.errors import CkptError, ProtocolError, UsageError, VerificationError
+from ckpt_controller.engine.scheduler import DEFAULT_MAX_WAITING, Request, Scheduler
+from ckpt_controller.errors import (CkptError, OperationError, OverloadedError, ProtocolError,
+                                    UsageError, VerificationError)
 from ckpt_controller.memory import MemoryRegistry
 from ckpt_controller.zmqutil import Outbox, guarded
 
@@ -54,6 +62,8 @@ class EngineOptions:
     kv_blocks: int | None = None
     block_size: int = 16
     max_batch: int = 16
+    #: requests that may wait for the running batch; one more is shed (``OverloadedError``)
+    max_waiting: int = DEFAULT_MAX_WAITING
     heartbeat_interval_s: float = 0.5
     #: CURVE keys for a tcp:// control endpoint (``security.CurveServer``)
     curve: object | None = None
@@ -63,6 +73,28 @@ class EngineOptions:
 OUTPUT_HWM = 1_000_000
 #: requests the API thread reads per round before it forwards outputs again
 READ_BUDGET = 256
+#: once requests were shed and then none was for this long (the flood is over), the C heap
+#: gives back what the flood left free (``trim_heap``)
+TRIM_AFTER_QUIET_S = 1.0
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # policy: not glibc: nothing to trim with
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def trim_heap() -> None:
+    """Give the free memory of every malloc arena back to the system (glibc's ``malloc_trim``).
+    A flood handled by several threads (zmq's I/O thread, the API and scheduler threads) frees
+    its memory into their arenas, which glibc keeps: the process would stay tens of MiB larger
+    after each burst. A no-op without glibc."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class ReferenceEngine(EngineHooks):
@@ -83,10 +115,13 @@ class ReferenceEngine(EngineHooks):
         self.agent = Agent(opts.name, hooks=self, memory=self.registry, control=opts.control,
                            heartbeat_interval_s=opts.heartbeat_interval_s, curve=opts.curve)
         self.scheduler = Scheduler(self.model, self.pool, max_batch=opts.max_batch,
-                                   emit=self._emit, on_finish=self.agent.gate.finish)
+                                   emit=self._emit, on_finish=self.agent.gate.finish,
+                                   max_waiting=opts.max_waiting, name=opts.name)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._api_sock: zmq.Socket | None = None
+        #: requests shed since the heap was last trimmed (API thread)
+        self._shed = 0
 
     @staticmethod
     def pool_blocks_for(tokens: int, block_size: int) -> int:
@@ -120,7 +155,8 @@ class ReferenceEngine(EngineHooks):
                 "api": self.opts.api, "control": self.agent.endpoint,
                 "weights": str(self.weights_path), "weight_bytes": cfg.weight_bytes(),
                 "kv_bytes": self.pool.kv.nbytes, "vocab_size": cfg.vocab_size,
-                "max_seq_len": cfg.max_seq_len, "dtype": cfg.dtype}
+                "max_seq_len": cfg.max_seq_len, "dtype": cfg.dtype,
+                "max_batch": self.opts.max_batch, "max_waiting": self.opts.max_waiting}
 
     def wait(self) -> None:
         while not self._stop.wait(0.5):
@@ -155,6 +191,7 @@ class ReferenceEngine(EngineHooks):
         poller = zmq.Poller()
         poller.register(self._api_sock, zmq.POLLIN)
         poller.register(self._outbox.inbox, zmq.POLLIN)
+        shed_before, last_shed = 0, time.monotonic()
         while not self._stop.is_set():
             events = dict(poller.poll(100))
             if self._outbox.inbox in events:
@@ -166,6 +203,13 @@ class ReferenceEngine(EngineHooks):
                     except zmq.Again:
                         break
                     self._handle(frames[0], frames[1:])
+            if self._shed != shed_before:
+                shed_before, last_shed = self._shed, time.monotonic()
+            elif self._shed and time.monotonic() - last_shed >= TRIM_AFTER_QUIET_S:
+                log.info("engine %s: shed %d requests in a flood; the heap gives back what it "
+                         "left free", self.opts.name, self._shed)
+                self._shed = shed_before = 0
+                trim_heap()
 
     def _handle(self, client: bytes, frames: list[bytes]) -> None:
         try:
@@ -176,14 +220,25 @@ class ReferenceEngine(EngineHooks):
             return
         if isinstance(msg, api.AbortRequest):
             ids = msg.request_ids
-            self.scheduler.submit(lambda: self.scheduler.abort(ids))
+            try:
+                if len(ids) > api.MAX_ABORT_IDS:
+                    raise UsageError(f"an abort names at most {api.MAX_ABORT_IDS} request ids",
+                                     ids=len(ids), max_ids=api.MAX_ABORT_IDS)
+                self.scheduler.submit_abort(lambda: self.scheduler.abort(ids))
+            except CkptError as err:  # policy: a refused abort is answered, never queued
+                self._shed += isinstance(err, OverloadedError)
+                self._reject(client, "", err)
             return
         try:
             self._validate(msg)
+            self.scheduler.submit_add(msg.request_id, lambda: self._admit(client, msg))
+        except OverloadedError as err:
+            if msg.request_id in self.scheduler.by_id:
+                return  # policy: a resend of a request we already have keeps its one run
+            self._shed += 1
+            self._reject(client, msg.request_id, err)  # policy: shed at once, typed
         except CkptError as err:  # policy: an invalid request gets a typed answer
             self._reject(client, msg.request_id, err)
-            return
-        self.scheduler.submit(lambda: self._admit(client, msg))
 
     def _admit(self, client: bytes, msg: api.EngineRequest) -> None:
         """On the scheduler thread: admitted and queued as one step, so a drain sees both."""
@@ -194,11 +249,21 @@ class ReferenceEngine(EngineHooks):
         except CkptError as err:  # policy: not RUNNING (or a duplicate id): typed answer
             self._reject(client, msg.request_id, err)
             return
+        except Exception as exc:  # policy: a bug answers this request, typed, and we go on
+            log.exception("engine %s: admitting %s failed", self.opts.name, msg.request_id)
+            self._reject(client, msg.request_id, OperationError(
+                f"engine {self.opts.name} failed to admit the request: {exc!r}",
+                request_id=msg.request_id))
+            return
         self.scheduler.add(Request(msg.request_id, list(msg.prompt_token_ids), msg.max_tokens,
                                    msg.stop_token_id, msg.arrival_time, client))
 
     def _validate(self, msg: api.EngineRequest) -> None:
         cfg = self.model.cfg
+        if len(msg.request_id) > api.MAX_REQUEST_ID_CHARS:
+            raise UsageError(f"request id longer than {api.MAX_REQUEST_ID_CHARS} characters",
+                             request_id=msg.request_id[:64] + "...",
+                             max_chars=api.MAX_REQUEST_ID_CHARS)
         if not msg.prompt_token_ids:
             raise UsageError("empty prompt", request_id=msg.request_id)
         bad = [t for t in msg.prompt_token_ids if not 0 <= t < cfg.vocab_size]
