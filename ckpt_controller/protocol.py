@@ -16,24 +16,41 @@ frames, ``[type, payload]`` (a ROUTER prepends the peer identity):
 Schema evolution: new fields only at the end and with defaults; a tag or a type byte never
 changes; a change that breaks old peers bumps ``PROTOCOL_VERSION``. This module knows no
 sockets and no torch: it only turns Structs into frames and frames into Structs or errors.
+Command fields carry their limits (``values``: durations, op ids, sizes, counts), so a frame
+with NaN, an empty op id or an absurd size is refused when it is decoded.
 Neighbours: ``agent.server`` and ``agent.client`` move the frames; ``errors`` is carried in
-``ErrorReply``.
+``ErrorReply``; ``values`` defines what a valid field value is.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from ckpt_controller.errors import CkptError, ProtocolError, VersionMismatchError, from_wire
+from ckpt_controller.values import (
+    ByteSize,
+    Count,
+    Duration,
+    DurationOrZero,
+    Level,
+    Names,
+    OpId,
+    StepOpId,
+    Tags,
+    Text,
+)
 
 PROTOCOL_VERSION = 1
 #: A frame larger than this is refused with a ``ProtocolError`` reply.
 MAX_PAYLOAD_BYTES = 1 << 20
 #: zmq drops (and disconnects) anything larger than this before we see it.
 HARD_MAX_MESSAGE_BYTES = 16 << 20
+#: the most operations or records one history request returns
+MAX_HISTORY_LIMIT = 100_000
 
 
 class RequestType(bytes, enum.Enum):
@@ -77,12 +94,12 @@ class Command(msgspec.Struct, kw_only=True):
 
 
 class Handshake(Command, kw_only=True):
-    client: str = ""
+    client: Text = ""
 
 
 class StatusCommand(Command, kw_only=True):
     #: controller only: these engines (empty: all)
-    engines: list[str] = []
+    engines: Names = []
 
 
 class HeartbeatCommand(Command, kw_only=True):
@@ -96,16 +113,17 @@ class SubscribeCommand(Command, kw_only=True):
 class PrepareCommand(Command, kw_only=True):
     """Drain, then release memory. ``level`` or ``tags`` (not both) say what to release."""
 
-    op_id: str
+    op_id: StepOpId
     drain: DrainMode = "wait"
-    drain_timeout_s: float = 30.0
+    #: 0: the drain deadline is now (a wait drain escalates at once)
+    drain_timeout_s: DurationOrZero = 30.0
     on_deadline: Escalation = "abort"
-    level: int | None = 1
-    tags: list[str] | None = None
-    residual_budget_bytes: int | None = None
-    deadline_s: float | None = None
+    level: Level | None = 1
+    tags: Tags | None = None
+    residual_budget_bytes: ByteSize | None = None
+    deadline_s: Duration | None = None
     #: with ``step="all"``: the release's own limit, counted from the end of the drain
-    release_deadline_s: float | None = None
+    release_deadline_s: Duration | None = None
     #: all: drain, release, PREPARED in one go. Or one step at a time, so a controller can run
     #: hooks between them: drain (-> stays PREPARING), release (stays PREPARING), seal
     #: (-> PREPARED). A failure in any step rolls back to RUNNING.
@@ -115,8 +133,8 @@ class PrepareCommand(Command, kw_only=True):
 class RestoreCommand(Command, kw_only=True):
     """Re-wake what was released, verify, resume scheduling, re-open admission."""
 
-    op_id: str
-    deadline_s: float | None = None
+    op_id: StepOpId
+    deadline_s: Duration | None = None
     #: all; or rewake (-> RESTORING: memory back and verified, admission still closed) and
     #: then resume (-> RUNNING), so post-restore hooks can check the engine in between
     step: Literal["all", "rewake", "resume"] = "all"
@@ -125,16 +143,16 @@ class RestoreCommand(Command, kw_only=True):
 class RollbackCommand(Command, kw_only=True):
     """Return a PREPARING or PREPARED engine to RUNNING (same path as restore)."""
 
-    op_id: str
-    reason: str = ""
-    deadline_s: float | None = None
+    op_id: StepOpId
+    reason: Text = ""
+    deadline_s: Duration | None = None
 
 
 class FailCommand(Command, kw_only=True):
     """Mark the engine FAILED (e.g. a capture left it unusable)."""
 
-    op_id: str
-    reason: str = ""
+    op_id: StepOpId
+    reason: Text = ""
 
 
 OperationKind = Literal["prepare", "capture", "restore", "cycle", "rollback"]
@@ -145,31 +163,32 @@ class OperationCommand(Command, kw_only=True):
 
     Prepare parameters left ``None`` take the engine's configured defaults."""
 
-    op_id: str
+    #: names the operation's image folders: see ``values.OP_ID_PATTERN``
+    op_id: OpId
     kind: OperationKind
-    engines: list[str] = []
+    engines: Names = []
     drain: DrainMode | None = None
-    drain_timeout_s: float | None = None
+    drain_timeout_s: Duration | None = None
     on_deadline: Escalation | None = None
-    level: int | None = None
-    tags: list[str] | None = None
-    residual_budget_bytes: int | None = None
+    level: Level | None = None
+    tags: Tags | None = None
+    residual_budget_bytes: ByteSize | None = None
     #: overall deadline per engine (default: the configured operation deadline)
-    deadline_s: float | None = None
+    deadline_s: Duration | None = None
     #: cycle: at most this many engines out of service at once (default: all at once)
-    max_unavailable: int | None = None
+    max_unavailable: Count | None = None
     #: prepare: if one engine fails, roll back the others
     all_or_nothing: bool = True
-    reason: str = ""
+    reason: Text = ""
     #: restore: the operation (id) whose image to restore, named explicitly; needed for an
     #: image older than the engine's generation (default: the image of this generation)
     image: str | None = None
 
 
 class HistoryCommand(Command, kw_only=True):
-    engine: str | None = None
-    op_id: str | None = None
-    limit: int = 50
+    engine: Text | None = None
+    op_id: Text | None = None
+    limit: Annotated[int, Meta(ge=1, le=MAX_HISTORY_LIMIT)] = 50
 
 
 # ---------------------------------------------------------------- results (agent -> client)

@@ -5,12 +5,20 @@ earlier calls are dropped. On a timeout the socket is closed with ``linger=0``, 
 the request sent again (operations carry an ``op_id``, so the server runs each only once), up to
 ``retries`` times, then ``UnreachableError``. After ``subscribe`` the client follows the
 server's heartbeats: ``missed_beats`` intervals with no message at all means the server is dead,
-not slow. Not thread-safe: one client per thread. Neighbours: ``protocol`` (frames).
+not slow (also between calls: ``poll_events`` raises ``UnreachableError`` then).
+
+Until the server is first heard from, ``contact.FirstContact`` watches the connection: a
+missing socket file, a refused port or a refused CURVE key fails the call within about a
+second instead of after every retry. An error after retries states the whole time waited.
+Every command is checked against its field limits (``values``) before it is sent: a bad value
+is a ``UsageError`` naming the field, and nothing reaches the server.
+Not thread-safe: one client per thread. Neighbours: ``protocol`` (frames), ``contact``.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import time
 import uuid
 from collections import deque
@@ -20,22 +28,41 @@ import msgspec
 import zmq
 
 from ckpt_controller import protocol as p
+from ckpt_controller.contact import FirstContact
 from ckpt_controller.endpoints import check_endpoint
 from ckpt_controller.errors import (
     ConfigError,
     DeadlineError,
     ProtocolError,
     UnreachableError,
+    UsageError,
     VersionMismatchError,
 )
 from ckpt_controller.security import CurveClient
+from ckpt_controller.values import COUNT, DURATION, check, count, shown
 
 
 def new_op_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
+def check_command(cmd: p.Command) -> None:
+    """Raise ``UsageError`` naming the field and its value when ``cmd`` breaks a limit its
+    Struct declares (the same check the server's decoder makes)."""
+    try:
+        msgspec.convert(msgspec.structs.asdict(cmd), type(cmd))
+    except msgspec.ValidationError as exc:  # policy: the caller's value, refused before sending
+        m = re.search(r"at `\$\.(\w+)", str(exc))
+        field = m.group(1) if m else "?"
+        value = shown(getattr(cmd, field, None)) if m else "?"
+        raise UsageError(f"{field} = {value} is refused: {exc}", field=field,
+                         value=value) from None
+
+
 class RpcClient:
+    #: what to check when the server cannot be reached at all (subclasses say which server)
+    unreachable_hint = "is the server running at this endpoint?"
+
     def __init__(
         self,
         endpoint: str,
@@ -52,16 +79,21 @@ class RpcClient:
         self.endpoint = check_endpoint(endpoint)
         #: CURVE keys for a server that requires them
         self.curve = curve
-        self.timeout_s = timeout_s
-        self.retries = retries
-        self.missed_beats = missed_beats
-        self.liveness_s = heartbeat_interval_s * missed_beats
+        self.timeout_s = check(DURATION, timeout_s, "timeout_s")
+        self.retries = check(count(0, 100), retries, "retries")
+        self.missed_beats = check(COUNT, missed_beats, "missed_beats")
+        self.liveness_s = check(DURATION, heartbeat_interval_s, "heartbeat_interval_s") \
+            * missed_beats
         self.name = name
         self.on_event = on_event
         self.events: deque[p.EventBody] = deque(maxlen=10_000)
         self._ctx = context or zmq.Context.instance()
         self._calls = itertools.count(1)
         self._subscribed = False
+        #: the server sends heartbeats to subscribers (its handshake said so)
+        self._server_beats = False
+        self._last_seen = time.monotonic()
+        self._contact: FirstContact | None = None
         # one identity for the client's life: after a reconnect (ours, or the server's
         # process restored from a checkpoint image) replies and events still find us
         self.identity = f"{name}-{uuid.uuid4().hex[:12]}".encode()
@@ -80,15 +112,21 @@ class RpcClient:
                 self._sock.close(linger=0)
                 self._sock = None
                 raise
+        if self._contact is None:
+            self._contact = FirstContact(self._sock, self.endpoint, hint=self.unreachable_hint)
+        else:
+            self._contact.attach(self._sock)
         try:
             self._sock.connect(self.endpoint)
         except zmq.ZMQError as exc:  # policy: an endpoint zmq cannot parse is the caller's error
+            self._contact.detach()
             self._sock.close(linger=0)
             self._sock = None
             raise ConfigError(f"cannot connect to {self.endpoint}: {exc}",
                               endpoint=self.endpoint) from None
 
     def _reopen(self) -> None:
+        self._contact.detach()
         self._sock.close(linger=0)
         self._open()
 
@@ -101,6 +139,7 @@ class RpcClient:
                         p.command_frames(p.RequestType.UNSUBSCRIBE, unsub), zmq.NOBLOCK)
                 except zmq.ZMQError:  # policy: nothing to tell a server we cannot reach
                     pass
+            self._contact.detach()
             self._sock.close(linger=0)
             self._sock = None
 
@@ -123,6 +162,11 @@ class RpcClient:
                 got=reply.protocol_version, supported=p.PROTOCOL_VERSION)
         return reply
 
+    @property
+    def follows_heartbeats(self) -> bool:
+        """Subscribed to a server that beats: ``poll_events`` notices when it is lost."""
+        return self._subscribed and self._server_beats
+
     def heartbeat(self) -> p.HeartbeatReply:
         return self.call(p.RequestType.HEARTBEAT, p.HeartbeatCommand(call_id=0))
 
@@ -131,22 +175,29 @@ class RpcClient:
         beat = self.handshake().heartbeat_interval_s
         if beat > 0:  # the server's own interval decides what "silent too long" means
             self.liveness_s = beat * self.missed_beats
+        self._server_beats = beat > 0
         self.call(p.RequestType.SUBSCRIBE, p.SubscribeCommand(call_id=0))
         self._subscribed = True
+        self._last_seen = time.monotonic()
 
     # ------------------------------------------------------------------ transport
 
     def call(self, rtype: p.RequestType, cmd: p.Command, *, timeout_s: float | None = None):
         """Send ``cmd`` and return the reply's result, or raise the server's typed error."""
-        timeout = timeout_s or self.timeout_s
+        timeout = self.timeout_s if timeout_s is None else check(DURATION, timeout_s, "timeout_s")
+        check_command(cmd)
         last_exc: UnreachableError | None = None
         self._take_pending()
+        start = time.monotonic()
         for _ in range(self.retries + 1):
             cmd = msgspec.structs.replace(cmd, call_id=next(self._calls))
             self._sock.send_multipart(p.command_frames(rtype, cmd))
             try:
                 return self._await(cmd.call_id, timeout)
             except UnreachableError as exc:  # policy: lazy pirate, reopen and resend
+                if exc.details.get("reason") in ("refused", "handshake"):
+                    exc.details["attempts"] = 1
+                    raise  # nobody there, or we are refused: resending changes nothing
                 last_exc = exc
                 self._reopen()
                 if self._subscribed:
@@ -155,8 +206,14 @@ class RpcClient:
                     sub = p.SubscribeCommand(call_id=next(self._calls))
                     self._sock.send_multipart(p.command_frames(p.RequestType.SUBSCRIBE, sub))
         assert last_exc is not None
-        last_exc.details["attempts"] = self.retries + 1
-        raise last_exc
+        waited = time.monotonic() - start
+        details = dict(last_exc.details, attempts=self.retries + 1, waited_s=round(waited, 3))
+        what, n = last_exc.message, self.retries + 1
+        if n > 1:  # the time in the message is the whole wait, every attempt included
+            what, found = re.subn(r" in [0-9.]+s$", f" in {waited:.1f}s ({n} attempts)", what)
+            if not found:
+                what += f" ({waited:.1f}s in all, {n} attempts)"
+        raise UnreachableError(what, **details)
 
     def _take_pending(self) -> None:
         """Handle events that arrived between calls, so they never pile up on the server."""
@@ -188,7 +245,7 @@ class RpcClient:
                     what, endpoint=self.endpoint,
                     waited_s=round(now - start, 3), silent_s=round(silent, 3), **hint,
                 )
-            if not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+            if not self._contact.poll(left + 0.001):
                 continue
             msg = self._receive()
             last_seen = time.monotonic()
@@ -202,6 +259,9 @@ class RpcClient:
 
     def _receive(self) -> p.Reply | p.ErrorReply | p.Event:
         frames = self._sock.recv_multipart()
+        self._last_seen = time.monotonic()
+        if not self._contact.settled:
+            self._contact.heard()
         try:
             return p.decode_reply(frames)
         except ProtocolError as err:
@@ -214,15 +274,28 @@ class RpcClient:
             self.on_event(body)
 
     def poll_events(self, timeout_s: float = 0.0) -> list[p.EventBody]:
-        """Receive events for ``timeout_s``; returns (and drains) everything queued."""
+        """Receive events for ``timeout_s``; returns (and drains) everything queued.
+
+        Subscribed to a server that sends heartbeats, silence longer than ``liveness_s``
+        raises ``UnreachableError``: the server is gone, and waiting on says nothing."""
         deadline = time.monotonic() + timeout_s
+        beats = self.follows_heartbeats
         while True:
-            left = deadline - time.monotonic()
-            if not self._sock.poll(max(0, int(left * 1000)), zmq.POLLIN):
-                break
-            msg = self._receive()
-            if isinstance(msg, p.Event):
-                self._on_event(msg.body)
+            now = time.monotonic()
+            wait = deadline - now
+            if beats:  # wake up when the silence becomes too long
+                wait = min(wait, self._last_seen + self.liveness_s - now)
+            if self._contact.poll(max(0.0, wait)):
+                msg = self._receive()
+                if isinstance(msg, p.Event):
+                    self._on_event(msg.body)
+            elif beats and time.monotonic() - self._last_seen > self.liveness_s:
+                silent = time.monotonic() - self._last_seen
+                raise UnreachableError(
+                    f"lost contact with {self.endpoint}: no heartbeat for {silent:.1f}s "
+                    f"(the process is gone, stopped or cut off)", endpoint=self.endpoint,
+                    silent_s=round(silent, 3), liveness_s=self.liveness_s,
+                    hint=self.unreachable_hint)
             if time.monotonic() >= deadline:
                 break
         out = list(self.events)

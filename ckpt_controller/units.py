@@ -30,7 +30,10 @@ def parse_bytes(text: str) -> int:
     number, unit = m.group(1), m.group(2).lower()
     if "." not in number:  # integers stay exact, however large
         return int(number) * _UNITS[unit]
-    return int(float(number) * _UNITS[unit])
+    size = float(number) * _UNITS[unit]
+    if size == float("inf"):  # hundreds of digits: no size, and int() would overflow
+        raise ValueError(f"not a size: {text!r} (too large)")
+    return int(size)
 
 
 def human_bytes(n: int | float | None) -> str:

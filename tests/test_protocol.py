@@ -9,28 +9,34 @@ from hypothesis import strategies as st
 
 from ckpt_controller import errors
 from ckpt_controller import protocol as p
+from ckpt_controller import values
 
 ints = st.integers(min_value=0, max_value=2**63 - 1)
 text = st.text(max_size=40)
-finite = st.floats(min_value=0, max_value=1e6, allow_nan=False)
+# values within the limits the command Structs declare (``values``)
+op_ids = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._/-]{0,40}\Z")
+finite = st.floats(min_value=0, max_value=values.MAX_DURATION_S, allow_nan=False)
+seconds = st.floats(min_value=1e-6, max_value=values.MAX_DURATION_S, allow_nan=False)
+sizes = st.integers(min_value=0, max_value=values.MAX_BYTES)
 
 prepare_cmds = st.builds(
     p.PrepareCommand,
-    call_id=ints, op_id=text, drain=st.sampled_from(["wait", "abort", "keep"]),
+    call_id=ints, op_id=op_ids, drain=st.sampled_from(["wait", "abort", "keep"]),
     drain_timeout_s=finite, on_deadline=st.sampled_from(["abort", "keep", "fail"]),
-    level=st.none() | st.integers(0, 2), tags=st.none() | st.lists(text, max_size=4),
-    residual_budget_bytes=st.none() | ints, deadline_s=st.none() | finite,
+    level=st.none() | st.integers(0, 2),
+    tags=st.none() | st.lists(st.text(min_size=1, max_size=40), max_size=4),
+    residual_budget_bytes=st.none() | sizes, deadline_s=st.none() | seconds,
 )
 commands = st.one_of(
     prepare_cmds.map(lambda c: (p.RequestType.PREPARE, c)),
-    st.builds(p.RestoreCommand, call_id=ints, op_id=text, deadline_s=st.none() | finite)
+    st.builds(p.RestoreCommand, call_id=ints, op_id=op_ids, deadline_s=st.none() | seconds)
     .map(lambda c: (p.RequestType.RESTORE, c)),
-    st.builds(p.RollbackCommand, call_id=ints, op_id=text, reason=text)
+    st.builds(p.RollbackCommand, call_id=ints, op_id=op_ids, reason=text)
     .map(lambda c: (p.RequestType.ROLLBACK, c)),
     st.builds(p.StatusCommand, call_id=ints).map(lambda c: (p.RequestType.STATUS, c)),
     st.builds(p.Handshake, call_id=ints, client=text).map(lambda c: (p.RequestType.HANDSHAKE, c)),
     st.builds(p.HeartbeatCommand, call_id=ints).map(lambda c: (p.RequestType.HEARTBEAT, c)),
-    st.builds(p.FailCommand, call_id=ints, op_id=text, reason=text)
+    st.builds(p.FailCommand, call_id=ints, op_id=op_ids, reason=text)
     .map(lambda c: (p.RequestType.FAIL, c)),
 )
 

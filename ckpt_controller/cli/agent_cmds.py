@@ -17,9 +17,11 @@ from ckpt_controller.cli.common import (
     curve_server,
     describe,
     describe_event,
+    duration,
+    duration_or_zero,
     parse_bytes,
-    positive,
     print_json,
+    step_op_id,
 )
 from ckpt_controller.errors import UsageError
 
@@ -34,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         sp.add_argument("--control", required=True, metavar="ENDPOINT",
                         help="the agent's control endpoint (ipc://PATH or tcp://HOST:PORT)")
         sp.add_argument("--json", action="store_true", help="print one JSON document")
-        sp.add_argument("--timeout", type=positive, default=5.0, metavar="S",
+        sp.add_argument("--timeout", type=duration, default=5.0, metavar="S",
                         help="seconds to wait for an answer to a quick request (default 5)")
         add_curve_client_args(sp, "agent")
 
@@ -43,12 +45,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     sp = asub.add_parser("prepare", help="drain requests and release memory (-> PREPARED)")
     common(sp)
-    sp.add_argument("--op-id", help="operation id; repeating it returns the first result")
+    sp.add_argument("--op-id", type=step_op_id,
+                    help="operation id; repeating it returns the first result")
     sp.add_argument("--drain", choices=["wait", "abort", "keep"], default="wait",
                     help="wait: let requests finish; abort: end them now; keep: freeze them "
                          "to finish after restore (default wait)")
-    sp.add_argument("--drain-timeout", type=positive, default=30.0, metavar="S",
-                    help="seconds a wait drain may take (default 30)")
+    sp.add_argument("--drain-timeout", type=duration_or_zero, default=30.0, metavar="S",
+                    help="seconds a wait drain may take, 0 to a day (default 30)")
     sp.add_argument("--on-deadline", choices=["abort", "keep", "fail"], default="abort",
                     help="what a wait drain does at its deadline (default abort)")
     what = sp.add_mutually_exclusive_group()
@@ -58,14 +61,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     what.add_argument("--tags", metavar="TAG,...", help="release these tags instead of a level")
     sp.add_argument("--budget", type=parse_bytes, metavar="SIZE",
                     help="fail (and roll back) if more memory than this remains after release")
-    sp.add_argument("--deadline", type=positive, metavar="S", help="overall deadline in seconds")
+    sp.add_argument("--deadline", type=duration, metavar="S",
+                    help="overall deadline in seconds (at most a day)")
 
     for name, text in (("restore", "re-wake, verify and resume (PREPARED/FAILED -> RUNNING)"),
                        ("rollback", "undo a prepare (PREPARING/PREPARED -> RUNNING)")):
         sp = asub.add_parser(name, help=text)
         common(sp)
-        sp.add_argument("--op-id", help="operation id; repeating it returns the first result")
-        sp.add_argument("--deadline", type=positive, metavar="S", help="deadline in seconds")
+        sp.add_argument("--op-id", type=step_op_id,
+                        help="operation id; repeating it returns the first result")
+        sp.add_argument("--deadline", type=duration, metavar="S",
+                        help="deadline in seconds (at most a day)")
         if name == "rollback":
             sp.add_argument("--reason", default="", help="recorded with the transition")
 
@@ -90,16 +96,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="tokens of the golden completion (default 12)")
     sp.add_argument("--no-verify-weights", action="store_true",
                     help="skip the weight checksums (the golden completion still runs)")
-    sp.add_argument("--http-timeout", type=positive, default=30.0, metavar="S",
+    sp.add_argument("--http-timeout", type=duration, default=30.0, metavar="S",
                     help="seconds for one quick HTTP call to vLLM (default 30)")
-    sp.add_argument("--heartbeat", type=positive, default=0.5, metavar="S",
+    sp.add_argument("--heartbeat", type=duration, default=0.5, metavar="S",
                     help="heartbeat interval in seconds (default 0.5)")
     add_curve_server_args(sp)
 
     sp = asub.add_parser("watch", help="print the agent's events as they happen")
     common(sp)
-    sp.add_argument("--duration", type=positive, metavar="S",
-                    help="stop after S seconds (default: until interrupted)")
+    sp.add_argument("--duration", type=duration, metavar="S",
+                    help="stop after S seconds (default: until interrupted or the agent is "
+                         "lost: exit 4)")
     sp.add_argument("--heartbeats", action="store_true", help="print heartbeats too")
 
 
@@ -154,7 +161,7 @@ def _watch(client, args: argparse.Namespace) -> int:
                 print_json({"event": type(ev).__name__, **msgspec.to_builtins(ev)})
             else:
                 print(describe_event(ev), flush=True)
-        if end is None:
+        if not client.follows_heartbeats:  # else poll_events says when the agent is lost
             client.heartbeat()  # raises UnreachableError when the agent is gone
     return 0
 

@@ -1,16 +1,19 @@
-"""Helpers every ckptctl command shares: sizes, numbers, JSON and human output."""
+"""Helpers every ckptctl command shares: argparse types for durations, rates, counts, sizes
+and op ids (the rules themselves live in ``values``), JSON and human output."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from ckpt_controller import protocol as p
-from ckpt_controller import units
+from ckpt_controller import values
 from ckpt_controller.errors import UsageError
 from ckpt_controller.units import human_bytes
 
@@ -22,19 +25,41 @@ EXIT_CODES = """exit codes:
   4  the agent or controller is unreachable"""
 
 
-def parse_bytes(text: str) -> int:
-    """argparse type for a size ('1073741824', '512MiB', '2GiB'); see ``units.parse_bytes``."""
-    try:
-        return units.parse_bytes(text)
-    except ValueError as err:  # argparse turns this into a usage error (exit 2) with the message
-        raise argparse.ArgumentTypeError(str(err)) from None
+def arg_type(rule: values.Rule) -> Callable[[str], Any]:
+    """An argparse ``type=`` for ``rule``: a bad value exits 2 with usage, the flag, the value
+    and what a valid one looks like."""
+
+    def parse(text: str) -> Any:
+        try:
+            return rule.parse(text)
+        except ValueError as err:  # argparse reports it as a usage error (exit 2) with the flag
+            raise argparse.ArgumentTypeError(
+                f"{values.shown(text)} is not a valid {rule.name}: {err}") from None
+
+    parse.__name__ = rule.name  # argparse's own fallback message names the type
+    return parse
 
 
-def positive(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative: {text}")
-    return value
+#: a size ('1073741824', '512MiB', '2GiB'), at most ``values.MAX_BYTES``
+parse_bytes = arg_type(values.BYTES)
+#: seconds, > 0 and at most a day (NaN, infinity, 0 and negative numbers are refused)
+duration = arg_type(values.DURATION)
+#: seconds, >= 0 and at most a day
+duration_or_zero = arg_type(values.DURATION_OR_ZERO)
+#: requests per second, > 0 and at most ``values.MAX_RATE``
+rate = arg_type(values.RATE)
+#: a whole number >= 1
+count = arg_type(values.COUNT)
+#: a token id (>= 0)
+token_id = arg_type(values.TOKEN_ID)
+#: a seed for a random generator
+seed = arg_type(values.count(0, 2**63 - 1))
+#: a controller operation id (it names image folders: letters, digits, '.', '_', '-')
+op_id = arg_type(values.OP_ID)
+#: an agent operation id (also '/': the controller's ``<op>/<engine>/<step>``)
+step_op_id = arg_type(values.STEP_OP_ID)
+#: the name commands outside this package import for a duration
+positive = duration
 
 
 def print_json(obj) -> None:

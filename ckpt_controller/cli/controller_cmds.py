@@ -13,12 +13,16 @@ from datetime import datetime
 import msgspec
 
 from ckpt_controller import protocol as p
+from ckpt_controller import values
 from ckpt_controller.cli.common import (
     EXIT_CODES,
+    arg_type,
+    count,
     curve_client,
+    duration,
     human_bytes,
+    op_id,
     parse_bytes,
-    positive,
     print_json,
 )
 from ckpt_controller.errors import CkptError, UsageError
@@ -36,15 +40,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     def engines(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("engines", nargs="*", metavar="ENGINE", help="engine names")
         sp.add_argument("--all", action="store_true", help="every configured engine")
-        sp.add_argument("--op-id", help="operation id; repeating it returns the first result")
-        sp.add_argument("--deadline", type=positive, metavar="S",
-                        help="overall deadline per engine (default: the configured one)")
+        sp.add_argument("--op-id", type=op_id,
+                        help="operation id (1-128 letters, digits, '.', '_', '-'); repeating "
+                             "it returns the first result")
+        sp.add_argument("--deadline", type=duration, metavar="S",
+                        help="overall deadline per engine, at most a day (default: the "
+                             "configured one)")
         sp.add_argument("--json", action="store_true", help="print one JSON document")
 
     def prepare_opts(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--drain", choices=["wait", "abort", "keep"],
                         help="wait | abort | keep (default: configured, else wait)")
-        sp.add_argument("--drain-timeout", type=positive, metavar="S")
+        sp.add_argument("--drain-timeout", type=duration, metavar="S")
         sp.add_argument("--on-deadline", choices=["abort", "keep", "fail"])
         what = sp.add_mutually_exclusive_group()
         what.add_argument("--level", type=int, choices=[0, 1, 2])
@@ -67,7 +74,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
             sp.add_argument("--no-all-or-nothing", action="store_true",
                             help="keep the engines that prepared even if another failed")
         if op == "cycle":
-            sp.add_argument("--max-unavailable", type=int, metavar="N",
+            sp.add_argument("--max-unavailable", type=count, metavar="N",
                             help="at most N engines out of service at once (default: all)")
         if op == "rollback":
             sp.add_argument("--reason", default="", help="recorded with the transition")
@@ -84,12 +91,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("history", help="operations and journal records", **fmt)
     sp.add_argument("--engine")
     sp.add_argument("--op-id")
-    sp.add_argument("--limit", type=int, default=20)
+    sp.add_argument("--limit", type=arg_type(values.count(1, p.MAX_HISTORY_LIMIT)), default=20)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(run=_history)
 
     sp = sub.add_parser("watch", help="print journal records live", **fmt)
-    sp.add_argument("--duration", type=positive, metavar="S", help="default: until interrupted")
+    sp.add_argument("--duration", type=duration, metavar="S",
+                    help="default: until interrupted or the controller is lost (exit 4)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(run=_watch)
 
@@ -287,6 +295,6 @@ def _watch(args: argparse.Namespace) -> int:
                     line = describe_record(ev.record)
                     if line:
                         print(line, flush=True)
-            if end is None:
+            if not c.follows_heartbeats:  # else poll_events says when the controller is lost
                 c.heartbeat()  # UnreachableError when the controller is gone
     return 0

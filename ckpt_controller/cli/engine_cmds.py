@@ -8,31 +8,31 @@ import os
 import sys
 from pathlib import Path
 
+from ckpt_controller import values
 from ckpt_controller.cli.common import (
     EXIT_CODES,
     add_curve_server_args,
+    count,
     curve_server,
-    positive,
+    duration,
+    duration_or_zero,
     print_json,
+    rate,
+    seed,
+    token_id,
 )
 from ckpt_controller.errors import OperationError
 
 
 def _ids(text: str) -> list[int]:
     try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}")
+        ids = [values.TOKEN_ID.parse(t) for t in text.split(",") if t.strip()]
+    except ValueError as err:  # argparse reports it as a usage error (exit 2) with the flag
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of token ids: {values.shown(text)} ({err})") from None
     if not ids:
         raise argparse.ArgumentTypeError("at least one token id")
     return ids
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
-    return value
 
 
 def default_model_dir() -> Path:
@@ -52,18 +52,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     help="agent control endpoint (default: ipc:// in a private runtime dir)")
     sp.add_argument("--model", default="tiny",
                     help="tiny | small | a weight size such as 2GiB | a .safetensors path")
-    sp.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    sp.add_argument("--seed", type=seed, default=0, help="weights seed (default 0)")
     sp.add_argument("--dtype", choices=["float64", "float32", "bfloat16"],
                     help="default: float64 for tiny/small, float32 for sizes")
     sp.add_argument("--model-dir", type=Path, default=None,
                     help=f"where generated weights files are kept (default {default_model_dir()})")
-    sp.add_argument("--kv-blocks", type=_count, help="KV pool size in blocks (default 4 sequences)")
-    sp.add_argument("--block-size", type=_count, default=16, help="tokens per KV block")
-    sp.add_argument("--max-batch", type=_count, default=16, help="requests decoded together")
-    sp.add_argument("--max-waiting", type=_count, default=256, metavar="N",
+    sp.add_argument("--kv-blocks", type=count, help="KV pool size in blocks (default 4 sequences)")
+    sp.add_argument("--block-size", type=count, default=16, help="tokens per KV block")
+    sp.add_argument("--max-batch", type=count, default=16, help="requests decoded together")
+    sp.add_argument("--max-waiting", type=count, default=256, metavar="N",
                     help="requests that may wait for the running batch; one more is refused "
                          "at once with OverloadedError (retryable; default 256)")
-    sp.add_argument("--heartbeat", type=positive, default=0.5, metavar="S",
+    sp.add_argument("--heartbeat", type=duration, default=0.5, metavar="S",
                     help="agent heartbeat interval (default 0.5)")
     add_curve_server_args(sp)
 
@@ -73,11 +73,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     help="the engine's request API endpoint")
     sp.add_argument("--prompt-ids", required=True, type=_ids, metavar="ID,ID,...",
                     help="the prompt as token ids")
-    sp.add_argument("--max-tokens", required=True, type=_count, metavar="N",
+    sp.add_argument("--max-tokens", required=True, type=count, metavar="N",
                     help="tokens to generate at most (finish reason length)")
-    sp.add_argument("--stop-id", type=int, help="stop at this token id")
-    sp.add_argument("--timeout", type=positive, default=60.0, metavar="S",
-                    help="give up after S seconds without the end (exit 3; default 60)")
+    sp.add_argument("--stop-id", type=token_id, help="stop at this token id")
+    sp.add_argument("--timeout", type=duration, default=60.0, metavar="S",
+                    help="give up after S seconds without the end (exit 3; default 60, at "
+                         "most a day); an engine nobody serves is exit 4 within a second")
     sp.add_argument("--json", action="store_true",
                     help="token ids, finish reason and events as one JSON document")
 
@@ -85,14 +86,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sp.set_defaults(run=_load)
     sp.add_argument("--api", required=True, metavar="ENDPOINT",
                     help="the engine's request API endpoint")
-    sp.add_argument("--rate", required=True, type=positive, help="requests per second")
-    sp.add_argument("--duration", required=True, type=positive, metavar="S",
+    sp.add_argument("--rate", required=True, type=rate,
+                    help=f"requests per second (at most {values.MAX_RATE:.0f})")
+    sp.add_argument("--duration", required=True, type=duration, metavar="S",
                     help="seconds to send for (rate x duration requests in all)")
-    sp.add_argument("--seed", type=int, default=0, help="prompt seed: same seed, same requests")
-    sp.add_argument("--vocab-size", type=_count, default=1024,
+    sp.add_argument("--seed", type=seed, default=0,
+                    help="prompt seed: same seed, same requests")
+    sp.add_argument("--vocab-size", type=count, default=1024,
                     help="prompt tokens are drawn below this (default 1024, the smallest "
                          "model's vocabulary)")
-    sp.add_argument("--settle", type=positive, default=60.0, metavar="S",
+    sp.add_argument("--settle", type=duration_or_zero, default=60.0, metavar="S",
                     help="how long to wait for the last requests to end (default 60)")
     sp.add_argument("--json", action="store_true",
                     help="one JSON document: counts, lost ids, a digest of the outputs")

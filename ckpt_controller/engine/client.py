@@ -2,7 +2,10 @@
 
 ``EngineClient`` submits requests and collects their streamed outputs over one DEALER;
 ``generate`` is the blocking one-request form (raises the engine's typed rejection). Every
-wait has a deadline. Neighbours: ``api`` (messages), ``load`` (many requests at a rate).
+wait has a deadline. Until the engine is first heard from, ``contact.FirstContact`` watches
+the connection, so a missing socket file or a refused port is an ``UnreachableError`` within
+about a second; token ids, counts and timeouts are checked (``values``) before anything is
+sent. Neighbours: ``api`` (messages), ``load`` (many requests at a rate), ``contact``.
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from ckpt_controller.contact import FirstContact
 from ckpt_controller.endpoints import check_endpoint
 from ckpt_controller.engine import api
 from ckpt_controller.errors import ConfigError, DeadlineError, OperationError
+from ckpt_controller.values import COUNT, DURATION, TOKEN_ID, check, check_optional
 
 
 #: outputs queued in this client before the engine's own queue takes over
 RCV_HWM = 1_000_000
+#: what to check when the engine cannot be reached at all
+UNREACHABLE_HINT = "is the engine running? check its request API endpoint (--api)"
 
 
 @dataclass
@@ -67,15 +74,18 @@ class EngineClient:
         # a stable identity: when the engine comes back from a checkpoint image and we
         # reconnect, the outputs of our kept requests still reach us
         self._sock.setsockopt(zmq.ROUTING_ID, f"client-{uuid.uuid4().hex[:12]}".encode())
+        self._contact = FirstContact(self._sock, self.endpoint, hint=UNREACHABLE_HINT)
         try:
             self._sock.connect(endpoint)
         except zmq.ZMQError as exc:  # policy: a malformed endpoint is the caller's error
+            self._contact.detach()
             self._sock.close(linger=0)
             raise ConfigError(f"cannot connect to {endpoint}: {exc}", endpoint=endpoint) from None
         self.requests: dict[str, Completion] = {}
         self._ids = itertools.count()
 
     def close(self) -> None:
+        self._contact.detach()
         self._sock.close(linger=0)
 
     def engine_lost(self, reason: str) -> list[str]:
@@ -89,10 +99,12 @@ class EngineClient:
                 c.finish_reason, c.error, c.ended_at = "error", reason, now
                 ended.append(c.request_id)
         old = self._sock
+        self._contact.detach()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, RCV_HWM)
         self._sock.setsockopt(zmq.ROUTING_ID, f"client-{uuid.uuid4().hex[:12]}".encode())
+        self._contact.attach(self._sock)
         self._sock.connect(self.endpoint)
         old.close(linger=0)
         return ended
@@ -105,6 +117,9 @@ class EngineClient:
 
     def submit(self, prompt: list[int], max_tokens: int, *, stop_token_id: int | None = None,
                request_id: str | None = None) -> str:
+        prompt = [check(TOKEN_ID, t, "prompt_token_ids") for t in prompt]
+        max_tokens = check(COUNT, max_tokens, "max_tokens")
+        stop_token_id = check_optional(TOKEN_ID, stop_token_id, "stop_token_id")
         rid = request_id or f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         req = api.EngineRequest(request_id=rid, prompt_token_ids=list(prompt),
                                 max_tokens=max_tokens, stop_token_id=stop_token_id,
@@ -134,13 +149,16 @@ class EngineClient:
 
         def take_all() -> None:
             while self._sock.poll(0, zmq.POLLIN):
-                c = self._take(api.decode_reply(self._sock.recv_multipart()))
+                frames = self._sock.recv_multipart()
+                if not self._contact.settled:
+                    self._contact.heard()
+                c = self._take(api.decode_reply(frames))
                 if c is not None and c.ended:
                     ended.append(c)
 
         take_all()  # what already arrived first: a request is unheard only if nothing came
         self._resend_unheard()
-        if self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+        if self._contact.poll(timeout_s):  # UnreachableError when nobody serves the endpoint
             take_all()
         return ended
 
@@ -169,15 +187,20 @@ class EngineClient:
 
     def generate(self, prompt: list[int], max_tokens: int, *, stop_token_id: int | None = None,
                  timeout_s: float = 60.0) -> Completion:
-        """One request, start to end. Raises the typed rejection, or ``DeadlineError``."""
+        """One request, start to end. Raises the typed rejection, ``DeadlineError``, or
+        ``UnreachableError`` (within about a second when nobody serves the endpoint)."""
+        timeout_s = check(DURATION, timeout_s, "timeout_s")
+        start = time.monotonic()
         rid = self.submit(prompt, max_tokens, stop_token_id=stop_token_id)
-        deadline = time.monotonic() + timeout_s
+        deadline = start + timeout_s
         c = self.requests[rid]
         while not c.ended:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DeadlineError("no end of the request before the deadline",
-                                    request_id=rid, timeout_s=timeout_s, tokens=len(c.token_ids))
+                raise DeadlineError(
+                    f"no end of the request from {self.endpoint} in "
+                    f"{time.monotonic() - start:.1f}s", request_id=rid, timeout_s=timeout_s,
+                    tokens=len(c.token_ids), heard=c.heard)
             self.poll(min(left, 0.5))
         del self.requests[rid]
         if c.rejected is not None:

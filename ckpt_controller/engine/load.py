@@ -4,6 +4,9 @@ Prompts and lengths come from a seeded RNG and request ids from the index, so tw
 the same requests; the digest of all completed outputs lets two runs (e.g. with and without a
 checkpoint cycle in the middle) be compared. After the sending phase it waits up to
 ``settle_s`` for every request to end; a request still without an end then is ``lost``.
+The rate, the durations and the vocabulary size are checked (``values``: NaN, infinity, zero
+or absurd values are a ``UsageError``) before anything is sent; an engine nobody serves is an
+``UnreachableError`` within about a second (the client's first contact).
 Neighbours: ``client``; ``cli`` (``ckptctl load``), tests, drills and benchmarks.
 """
 
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from ckpt_controller.engine.client import Completion, EngineClient
+from ckpt_controller.values import COUNT, DURATION, DURATION_OR_ZERO, RATE, check
 
 
 @dataclass
@@ -78,6 +82,10 @@ def run_load(
     on_progress: Callable[[LoadReport], None] | None = None,
     control: LoadControl | None = None,
 ) -> tuple[LoadReport, dict[str, Completion]]:
+    rate = check(RATE, rate, "rate")
+    duration_s = check(DURATION, duration_s, "duration_s")
+    settle_s = check(DURATION_OR_ZERO, settle_s, "settle_s")
+    vocab_size = check(COUNT, vocab_size, "vocab_size")
     report = LoadReport()
     control = control or LoadControl()
     with EngineClient(endpoint) as client:

@@ -1,0 +1,203 @@
+"""What a valid duration, operation id, rate, count and byte size are, said once.
+
+Every way in applies the same rules: the command line (``cli.common.arg_type`` turns a rule
+into an argparse ``type=``: exit 2 with the flag and the value), the Python clients (``check``
+raises ``UsageError`` naming the field and the value before anything is sent) and the wire
+(the ``Annotated`` types below carry ``msgspec.Meta`` constraints in the protocol Structs, so
+a hand-built frame with such a value is answered with a ``ProtocolError``). NaN and infinity
+are never a number here; every duration has an upper bound (a day).
+
+A low-level module: it imports only ``errors`` and ``units``. Neighbours: ``protocol`` (the
+Structs use the types), ``rpc`` and the clients (``check``), ``cli.common`` (argparse types).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from msgspec import Meta
+
+from ckpt_controller import units
+from ckpt_controller.errors import UsageError
+
+#: the longest duration anything here accepts: a day
+MAX_DURATION_S = 86_400.0
+#: an operation id names an image folder: letters, digits, '.', '_', '-'; a letter or digit first
+MAX_OP_ID_LENGTH = 128
+OP_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+#: the ids a controller sends an agent for one step: ``<op id>/<engine>/<step>``
+MAX_STEP_OP_ID_LENGTH = 256
+STEP_OP_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"
+#: requests per second a load may send
+MAX_RATE = 10_000.0
+#: the largest byte size (1 EiB); msgpack integers end at 2**64
+MAX_BYTES = 1 << 60
+#: the largest count (tokens, blocks, engines, records...)
+MAX_COUNT = 1 << 31
+#: free text that travels with a request (a reason, a client name)
+MAX_TEXT_LENGTH = 1024
+MAX_NAME_LENGTH = 64
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+# ------------------------------------------------------------- wire types (msgspec constraints)
+
+#: seconds, > 0 and at most a day (NaN and infinity fail both bounds)
+Duration = Annotated[float, Meta(gt=0, le=MAX_DURATION_S)]
+#: seconds, >= 0 (0: at once) and at most a day
+DurationOrZero = Annotated[float, Meta(ge=0, le=MAX_DURATION_S)]
+OpId = Annotated[str, Meta(min_length=1, max_length=MAX_OP_ID_LENGTH, pattern=OP_ID_PATTERN)]
+StepOpId = Annotated[str, Meta(min_length=1, max_length=MAX_STEP_OP_ID_LENGTH,
+                               pattern=STEP_OP_ID_PATTERN)]
+ByteSize = Annotated[int, Meta(ge=0, le=MAX_BYTES)]
+Count = Annotated[int, Meta(ge=1, le=MAX_COUNT)]
+Level = Annotated[int, Meta(ge=0, le=2)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT_LENGTH)]
+#: an engine name (as ``endpoints.check_name`` checks it)
+Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LENGTH, pattern=NAME_PATTERN)]
+#: a memory tag (``weights``, ``kv_cache`` or one an engine defines)
+Tag = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LENGTH)]
+#: engines named in one request: at most this many
+Names = Annotated[list[Name], Meta(max_length=4096)]
+Tags = Annotated[list[Tag], Meta(max_length=256)]
+
+
+# ------------------------------------------------------------- rules for people and clients
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One kind of value: ``parse`` returns it normalized or raises ``ValueError`` with what
+    a valid one looks like."""
+
+    name: str
+    parse: Callable[[Any], Any]
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError("not a number")
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):  # policy: the caller gets the rule, not float's text
+        raise ValueError("not a number") from None
+    if not math.isfinite(number):
+        raise ValueError("not a finite number")
+    return number
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("not a whole number")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        return int(value)
+    raise ValueError("not a whole number")
+
+
+def _duration(lo_ok: bool) -> Callable[[Any], float]:
+    want = (f"a number of seconds {'>=' if lo_ok else '>'} 0 and at most "
+            f"{MAX_DURATION_S:.0f} (a day)")
+
+    def parse(value: Any) -> float:
+        try:
+            seconds = _number(value)
+        except ValueError as err:  # policy: say what is wanted
+            raise ValueError(f"{err}; give {want}") from None
+        if seconds < 0 or (seconds == 0 and not lo_ok) or seconds > MAX_DURATION_S:
+            raise ValueError(f"out of range; give {want}")
+        return seconds
+    return parse
+
+
+def _rate(value: Any) -> float:
+    want = f"a number of requests per second > 0 and at most {MAX_RATE:.0f}"
+    try:
+        rate = _number(value)
+    except ValueError as err:  # policy: say what is wanted
+        raise ValueError(f"{err}; give {want}") from None
+    if not 0 < rate <= MAX_RATE:
+        raise ValueError(f"out of range; give {want}")
+    return rate
+
+
+def _count(lo: int, hi: int) -> Callable[[Any], int]:
+    want = f"a whole number from {lo} to {hi}"
+
+    def parse(value: Any) -> int:
+        try:
+            n = _integer(value)
+        except ValueError as err:  # policy: say what is wanted
+            raise ValueError(f"{err}; give {want}") from None
+        if not lo <= n <= hi:
+            raise ValueError(f"out of range; give {want}")
+        return n
+    return parse
+
+
+def _bytes(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, str):
+        n = units.parse_bytes(value)  # ValueError names the units
+    else:
+        raise ValueError("not a size (e.g. 1073741824, 512MiB, 2GiB)")
+    if not 0 <= n <= MAX_BYTES:
+        raise ValueError("out of range; give a size from 0 to 1 EiB (2**60 bytes)")
+    return n
+
+
+def _op_id(pattern: str, limit: int, slash: bool) -> Callable[[Any], str]:
+    chars = "letters, digits, '.', '_', '-'" + (", '/'" if slash else "")
+    want = f"1 to {limit} {chars}, starting with a letter or digit"
+
+    def parse(value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"empty; give {want}")
+        if len(value) > limit:
+            raise ValueError(f"{len(value)} characters long; give {want}")
+        if not re.fullmatch(pattern, value):
+            raise ValueError(f"has characters that are not allowed; give {want}")
+        return value
+    return parse
+
+
+DURATION = Rule("duration", _duration(lo_ok=False))
+DURATION_OR_ZERO = Rule("duration", _duration(lo_ok=True))
+RATE = Rule("rate", _rate)
+COUNT = Rule("count", _count(1, MAX_COUNT))
+TOKEN_ID = Rule("token id", _count(0, MAX_COUNT - 1))
+BYTES = Rule("size", _bytes)
+OP_ID = Rule("operation id", _op_id(OP_ID_PATTERN, MAX_OP_ID_LENGTH, slash=False))
+STEP_OP_ID = Rule("operation id", _op_id(STEP_OP_ID_PATTERN, MAX_STEP_OP_ID_LENGTH, slash=True))
+
+
+def count(lo: int = 1, hi: int = MAX_COUNT) -> Rule:
+    """A count with its own bounds (e.g. ``count(1, 100_000)`` for a history limit)."""
+    return Rule("count", _count(lo, hi))
+
+
+def shown(value: Any) -> str:
+    """``value`` as an error message shows it: its repr, cut short when long."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(value)} characters)" \
+        if isinstance(value, str) else f"{text[:60]}..."
+
+
+def check(rule: Rule, value: Any, field: str) -> Any:
+    """``value`` normalized by ``rule``, or ``UsageError`` naming ``field`` and the value."""
+    try:
+        return rule.parse(value)
+    except ValueError as err:  # policy: a bad value is the caller's to fix (exit 2)
+        raise UsageError(f"{field} = {shown(value)} is not a valid {rule.name}: {err}",
+                         field=field, value=shown(value)) from None
+
+
+def check_optional(rule: Rule, value: Any, field: str) -> Any:
+    """``check``, with ``None`` passed through (a value left to the default)."""
+    return None if value is None else check(rule, value, field)
+

@@ -1,0 +1,209 @@
+"""A missing or dead controller, agent or engine is reported at once, not after every retry.
+
+First contact with a missing ipc socket file, a stale one or a refused TCP port fails within
+about a second (exit 4, with a hint); a client whose CURVE key is refused is told within 5 s;
+a peer that accepted but never answers still gets the timeouts and retries, and the message
+states the real time waited; ``watch`` notices a lost controller or agent and exits 4. Real
+sockets, a real agent in this process, a real controller process and the real CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from ckpt_controller.agent import Agent, AgentClient
+from ckpt_controller.controller.client import ControllerClient
+from ckpt_controller.engine.client import EngineClient
+from ckpt_controller.engine.load import run_load
+from ckpt_controller.errors import UnreachableError
+from ckpt_controller.security import CurveClient, CurveServer, generate
+
+CKPTCTL = [sys.executable, "-m", "ckpt_controller"]
+#: "within about a second", with room for a loaded machine
+PROMPT_S = 2.5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(params=["missing-ipc", "stale-ipc", "refused-tcp"])
+def nobody(request, ipc_dir) -> str:
+    """An endpoint nothing serves: no socket file, a socket file nobody listens on (a killed
+    server's), or a TCP port nobody listens on."""
+    if request.param == "missing-ipc":
+        return f"ipc://{ipc_dir}/none.sock"
+    if request.param == "stale-ipc":
+        path = ipc_dir / "stale.sock"
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(path))
+        s.close()
+        return f"ipc://{path}"
+    return f"tcp://127.0.0.1:{_free_port()}"
+
+
+def _prompt(call) -> UnreachableError:
+    start = time.monotonic()
+    with pytest.raises(UnreachableError) as info:
+        call()
+    took = time.monotonic() - start
+    assert took < PROMPT_S, f"took {took:.1f}s: {info.value}"
+    reported = float(re.search(r"after ([0-9.]+)s", info.value.message).group(1))
+    assert reported <= took + 0.1, (reported, took)  # never more than it waited...
+    assert reported >= 0.3 * took - 0.1, (reported, took)  # ...nor a small part of it
+    return info.value
+
+
+def test_controller_client_first_contact(nobody):
+    with ControllerClient(nobody) as c:
+        err = _prompt(c.status)
+    assert "ckptctl serve" in err.details["hint"] and "--controller" in err.details["hint"]
+    assert "$CKPT_CONTROLLER" in err.details["hint"] and err.exit_code == 4
+    with ControllerClient(nobody) as c:
+        _prompt(c.subscribe)  # what every operation does first
+
+
+def test_agent_client_first_contact(nobody):
+    with AgentClient(nobody) as c:
+        err = _prompt(lambda: c.prepare(level=0))
+    assert "--control" in err.details["hint"]
+
+
+def test_engine_client_and_load_first_contact(nobody):
+    with EngineClient(nobody) as c:
+        err = _prompt(lambda: c.generate([1, 2, 3], 4))
+    assert "--api" in err.details["hint"]
+    _prompt(lambda: run_load(nobody, rate=20, duration_s=1))
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["status"], "ckptctl serve"),
+    (["status", "--json"], "ckptctl serve"),
+    (["prepare", "e"], "ckptctl serve"),
+    (["generate", "--api", "{ep}", "--prompt-ids", "1,2", "--max-tokens", "3"], "--api"),
+    (["load", "--api", "{ep}", "--rate", "10", "--duration", "1"], "--api"),
+    (["agent", "status", "--control", "{ep}"], "--control"),
+])
+def test_the_command_line_reports_a_missing_server_at_once(ipc_dir, argv, hint):
+    ep = f"ipc://{ipc_dir}/gone.sock"
+    start = time.monotonic()
+    out = subprocess.run(CKPTCTL + ["--controller", ep] + [a.format(ep=ep) for a in argv],
+                         capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert "UnreachableError" in out.stderr and hint in out.stderr and "no socket file" in out.stderr
+    assert took < 8, f"took {took:.1f}s"  # the interpreter starts in about a second here
+    if "--json" in argv:
+        assert json.loads(out.stdout)["error"]["details"]["reason"] == "refused"
+
+
+@pytest.fixture
+def curve_agent(tmp_path):
+    keys = tmp_path / "keys"
+    pairs = {n: generate(keys, n) for n in ("agent", "operator", "stranger")}
+    clients = tmp_path / "clients"
+    clients.mkdir()
+    (clients / "operator.key").write_text(pairs["operator"][0].read_text())
+    with Agent("curve", control="tcp://127.0.0.1:0", heartbeat_interval_s=0.1,
+               curve=CurveServer(pairs["agent"][1], clients)) as agent:
+        yield agent, pairs
+
+
+def test_a_refused_curve_client_is_told_within_5s(curve_agent):
+    agent, pairs = curve_agent
+    agent_pub = pairs["agent"][0]
+    with AgentClient(agent.endpoint, curve=CurveClient(pairs["operator"][1], agent_pub)) as c:
+        assert c.status().state == "running"  # the authorized key gets in
+    refused = {"stranger": CurveClient(pairs["stranger"][1], agent_pub),
+               "no keys": None,
+               "wrong server key": CurveClient(pairs["operator"][1], pairs["stranger"][0])}
+    for what, curve in refused.items():
+        for call in ("status", "subscribe"):
+            start = time.monotonic()
+            with AgentClient(agent.endpoint, curve=curve) as c:  # default timeout and retries
+                with pytest.raises(UnreachableError) as info:
+                    getattr(c, call)()
+            took = time.monotonic() - start
+            assert took < 5, f"{what}/{call}: {took:.1f}s"
+            assert info.value.details["reason"] == "handshake", (what, info.value)
+            assert "CURVE" in str(info.value), info.value
+    # the command line: exit 4, told why
+    start = time.monotonic()
+    out = subprocess.run(CKPTCTL + ["agent", "status", "--control", agent.endpoint,
+                                    "--curve-key", str(pairs["stranger"][1]),
+                                    "--curve-server-key", str(agent_pub)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 4 and "refused this client's CURVE key" in out.stderr, out.stderr
+    assert time.monotonic() - start < 6
+
+
+def test_a_peer_that_accepted_but_never_answers_gets_the_retries_and_the_real_time(ipc_dir):
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{ipc_dir}/silent.sock"
+    silent.bind(endpoint)
+    try:
+        with AgentClient(endpoint, timeout_s=0.4, retries=2) as c:
+            start = time.monotonic()
+            with pytest.raises(UnreachableError) as info:
+                c.status()
+            took = time.monotonic() - start
+    finally:
+        silent.close(linger=0)
+    err = info.value
+    assert took >= 1.2 and err.details["attempts"] == 3  # every attempt ran its timeout
+    reported = float(re.search(r" in ([0-9.]+)s", err.message).group(1))
+    assert abs(reported - took) < 0.3, (err.message, took)
+    assert abs(err.details["waited_s"] - took) < 0.3
+
+
+def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, float]:
+    start = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"watch still running {timeout_s}s after losing its server: {err}")
+    return proc.returncode, err, time.monotonic() - start
+
+
+@pytest.mark.parametrize("duration", [[], ["--duration", "120"]], ids=["endless", "duration"])
+def test_watch_exits_4_when_the_controller_is_killed(ipc_dir, spawn_controller, duration):
+    ctl = spawn_controller(f'[[engine]]\nname = "ghost"\ncontrol = "ipc://{ipc_dir}/ghost.ctl"\n')
+    watch = subprocess.Popen(CKPTCTL + ["--controller", ctl.endpoint, "watch", *duration],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)  # started and subscribed
+    assert watch.poll() is None, watch.communicate()
+    ctl.kill9()
+    # the controller beats every 0.2 s here: six missed beats, plus room for a loaded machine
+    code, err, took = _wait_exit(watch, 20)
+    assert code == 4, err
+    assert "lost contact" in err and ctl.endpoint in err, err
+    assert took < 10, took
+
+
+def test_agent_watch_exits_4_when_the_agent_is_gone(ipc_dir):
+    agent = Agent("watched", control=f"ipc://{ipc_dir}/watched.ctl", heartbeat_interval_s=0.2)
+    agent.start()
+    watch = subprocess.Popen(CKPTCTL + ["agent", "watch", "--control", agent.endpoint,
+                                        "--duration", "120"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        assert watch.poll() is None, watch.communicate()
+    finally:
+        agent.close()
+    code, err, took = _wait_exit(watch, 20)
+    assert code == 4 and "lost contact" in err, err
+    assert took < 10, took
