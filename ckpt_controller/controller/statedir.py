@@ -5,10 +5,14 @@ state and image directories, checks the hooks directory and the folder an ``ipc:
 lives in, and takes an exclusive ``flock`` on ``<state_dir>/controller.lock`` with this
 process's PID written in it. The lock is held for the life of the process; the kernel lets go
 of it when the process dies, kill -9 included. A second controller on the same state directory
-is refused, naming the holder's PID, so two never write one journal. An ``ipc://`` socket file
-that is already there is reclaimed when nothing listens on it (a controller killed before it
-could remove it) and refused when something does; ``Claim.release`` removes the socket file at
-exit, while the lock is still held. Every problem is a ``ConfigError`` naming the file and key.
+is refused, naming the holder's PID, so two never write one journal. An ``ipc://`` endpoint is
+held the same way from the claim on (``<socket>.lock`` beside the socket file), not only once
+it is bound: ``serve`` recovers interrupted operations before it binds, and a controller of
+another state directory started meanwhile must not bind a socket the first then takes from it.
+A socket file that is already there is reclaimed when nothing listens on it (a controller
+killed before it could remove it) and refused when something does; ``Claim.release`` removes
+the socket file and its lock file at exit, while the locks are still held. Every problem is a
+``ConfigError`` naming the file and key.
 Neighbours: ``config`` (the values checked), ``service`` (holds the claim while it runs).
 """
 
@@ -30,18 +34,23 @@ LOCK_NAME = "controller.lock"
 class Claim:
     """A held state directory: the open, locked ``controller.lock`` and the endpoint's file."""
 
-    def __init__(self, fd: int, socket_path: Path | None) -> None:
+    def __init__(self, fd: int, socket_path: Path | None, endpoint_fd: int | None = None) -> None:
         self._fd: int | None = fd
         self.socket_path = socket_path
+        self._endpoint_fd = endpoint_fd
 
     def release(self) -> None:
-        """Remove the endpoint's socket file unless another process listens on it, then let
-        go of the lock. Idempotent."""
+        """Remove the endpoint's socket file unless another process listens on it, and its
+        lock file, then let go of the locks. Idempotent."""
         if self._fd is None:
             return
         if self.socket_path is not None and self.socket_path.is_socket() \
                 and not listening(self.socket_path):
             self.socket_path.unlink(missing_ok=True)
+        if self._endpoint_fd is not None:
+            _lock_path(self.socket_path).unlink(missing_ok=True)  # still held: no one waits
+            os.close(self._endpoint_fd)
+            self._endpoint_fd = None
         os.close(self._fd)  # closing the only descriptor releases the flock
         self._fd = None
 
@@ -58,10 +67,19 @@ def claim(config: ControllerConfig) -> Claim:
                             "it (hooks live in <hooks_dir>/<point>/) or leave the key out",
                             path=str(config.hooks_dir))
         socket_path = _endpoint_file(config)
+        endpoint_fd = _lock_endpoint(config, socket_path) if socket_path is not None else None
     except BaseException:  # policy: a refused start holds nothing
         os.close(fd)
         raise
-    return Claim(fd, socket_path)
+    try:
+        if socket_path is not None:
+            _reclaim(config, socket_path)
+    except BaseException:  # policy: a refused start holds nothing
+        _lock_path(socket_path).unlink(missing_ok=True)
+        os.close(endpoint_fd)
+        os.close(fd)
+        raise
+    return Claim(fd, socket_path, endpoint_fd)
 
 
 def listening(path: Path) -> bool:
@@ -100,26 +118,66 @@ def _lock(config: ControllerConfig) -> int:
     except OSError as err:  # policy: a state directory we cannot write in is unusable
         raise key_error(config, "controller.state_dir", f"cannot write in {config.state_dir}: "
                         f"{err.strerror or err}", path=str(path)) from None
+    holder = _flock(config, "controller.state_dir", fd, path)
+    if holder is not None:
+        raise key_error(config, "controller.state_dir",
+                        f"{config.state_dir} is in use by another controller (pid {holder}); "
+                        "one controller per state directory", path=str(path),
+                        holder_pid=int(holder) if holder.isdigit() else None)
+    return fd
+
+
+def _flock(config: ControllerConfig, key: str, fd: int, path: Path) -> str | None:
+    """Lock ``fd`` (the open ``path``) and write our PID in it; None when it is ours, else
+    the holder's PID as written (``fd`` is closed then)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
         if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # policy: no locks there
-            raise key_error(config, "controller.state_dir", f"cannot lock {path}: "
-                            f"{err.strerror or err}", path=str(path)) from None
-        raise key_error(config, "controller.state_dir",
-                        f"{config.state_dir} is in use by another controller (pid {holder}); "
-                        "one controller per state directory", path=str(path),
-                        holder_pid=int(holder) if holder.isdigit() else None) from None
+            raise key_error(config, key, f"cannot lock {path}: {err.strerror or err}",
+                            path=str(path)) from None
+        return holder
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+    return None
+
+
+def _lock_path(socket_path: Path) -> Path:
+    return socket_path.with_name(socket_path.name + ".lock")
+
+
+def _lock_endpoint(config: ControllerConfig, socket_path: Path) -> int:
+    """Hold ``<socket>.lock`` for the life of the process: one controller per ``ipc://``
+    endpoint, whether it has bound it yet or not. A lock file its holder removed while we
+    opened it is opened again."""
+    path = _lock_path(socket_path)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as err:  # policy: a folder we cannot write in cannot hold our socket
+            raise key_error(config, "controller.endpoint", f"cannot create {path}: "
+                            f"{err.strerror or err}", path=str(path)) from None
+        holder = _flock(config, "controller.endpoint", fd, path)
+        if holder is not None:
+            raise key_error(config, "controller.endpoint",
+                            f"{socket_path} is held by another controller (pid {holder}) of "
+                            "another state directory; one controller per endpoint",
+                            path=str(socket_path),
+                            holder_pid=int(holder) if holder.isdigit() else None)
+        try:
+            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:  # policy: its holder removed it as it let go: lock anew
+            same = False
+        if same:
+            return fd
+        os.close(fd)
 
 
 def _endpoint_file(config: ControllerConfig) -> Path | None:
     """The socket file of an ``ipc://`` endpoint (None for tcp, inproc and abstract ones),
-    after checking its folder exists and nothing else listens on it."""
+    after checking its folder exists."""
     if not config.endpoint.startswith("ipc://"):
         return None
     rest = config.endpoint[len("ipc://"):]
@@ -129,6 +187,12 @@ def _endpoint_file(config: ControllerConfig) -> Path | None:
     if not path.parent.is_dir():
         raise key_error(config, "controller.endpoint", f"the folder of {path} does not exist",
                         path=str(path))
+    return path
+
+
+def _reclaim(config: ControllerConfig, path: Path) -> None:
+    """With the endpoint's lock held: refuse a socket file something else serves on, remove
+    one nothing listens on (left by a controller that was killed)."""
     if path.exists() or path.is_symlink():
         if not path.is_socket():
             raise key_error(config, "controller.endpoint", f"{path} exists and is not a socket",
@@ -137,4 +201,3 @@ def _endpoint_file(config: ControllerConfig) -> Path | None:
             raise key_error(config, "controller.endpoint", f"another process serves on {path}",
                             path=str(path))
         path.unlink(missing_ok=True)  # left by a controller that was killed: reclaimed
-    return path
