@@ -193,6 +193,8 @@ def spawn_controller(ipc_dir):
 # ---------------------------------------------------------------------------- vLLM (-m vllm)
 
 VLLM_PY = ROOT / ".cache" / "vllm" / "bin" / "python"
+#: asks for the AMX permission at start, which vLLM's worker may not do before using AMX
+AMX_PERMISSION = ROOT / ".cache" / "vllm" / "lib" / "amx-permission.so"
 
 
 class VllmServer:
@@ -207,6 +209,8 @@ class VllmServer:
         self.log_path = model / "server.log"
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
                    HF_HUB_OFFLINE="1")
+        if AMX_PERMISSION.exists():  # on a CPU with AMX (docs/vllm-notes.md; make vllm)
+            env["LD_PRELOAD"] = str(AMX_PERMISSION)
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
             [str(VLLM_PY), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model",
