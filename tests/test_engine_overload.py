@@ -88,6 +88,7 @@ def test_an_add_past_the_waiting_queue_is_refused_at_once_typed_and_retryable(sp
         assert load.returncode == 0, (load.stdout, load.stderr)
         report = json.loads(load.stdout)
         assert report["sent"] == 3 and report["rejected"] == 3 and report["lost"] == 0, report
+        assert report["shed"] == 3  # of the rejected: refused by a full engine, not a state
         # still full: none of the accepted ones ended yet (the checks above saw a full queue)
         c.poll(0)
         assert not any(c.requests[i].ended for i in accepted)

@@ -32,6 +32,8 @@ class LoadReport:
     aborted: int = 0
     errored: int = 0
     rejected: int = 0
+    #: of the rejected: refused by a full engine (``OverloadedError``), not for its state
+    shed: int = 0
     lost: int = 0
     duration_s: float = 0.0
     #: sha256 over {request id: tokens} of every completed (stop/length) request
@@ -127,6 +129,8 @@ def _tally(report: LoadReport, requests: dict[str, Completion], sent: int) -> Lo
     report.aborted = sum(c.finish_reason == "abort" for c in requests.values())
     report.errored = sum(c.finish_reason == "error" for c in requests.values())
     report.rejected = sum(c.rejected is not None for c in requests.values())
+    report.shed = sum(c.rejected is not None and c.rejected.kind == "OverloadedError"
+                      for c in requests.values())
     report.lost_ids = sorted(rid for rid, c in requests.items() if not c.ended)
     report.lost = len(report.lost_ids)
     report.digest = hashlib.sha256(json.dumps(done, sort_keys=True).encode()).hexdigest()
