@@ -295,3 +295,105 @@ def test_leave_running_then_a_copy_in_its_own_pid_namespace(ipc_dir, model_dir):
     finally:
         subprocess.run(["pkill", "-9", "-f", "--", "--name pns "], check=False)
         original.stop()
+
+
+# -------------------------------------------------------------- damaged images, hung restores
+
+def _stopped_engine_image(eng, images: Path, monkeypatch) -> tuple[dict[str, str], Path, Path]:
+    """``eng`` prepared, dumped with stop and reaped (its PIDs free); returns the restore
+    hook's environment, its largest pages file and an intact copy of that file."""
+    with AgentClient(eng.control) as agent:
+        agent.prepare(level=2)
+    monkeypatch.setenv("CKPT_CRIU_MODE", "stop")
+    env = dump_directly(eng.pid, images)
+    eng.proc.wait(timeout=10)
+    pages = max(images.glob("pages-*.img"), key=lambda f: f.stat().st_size)
+    intact = images.parent / f"{images.name}-{pages.name}"
+    shutil.copyfile(pages, intact)
+    os.truncate(pages, pages.stat().st_size // 2)
+    env.update(CKPT_ACTION="pre-restore", CKPT_RESTORE_FROM=str(images))
+    return env, pages, intact
+
+
+def _left_behind(eng) -> list[str]:
+    """What of ``eng`` still runs or holds its ports."""
+    left = []
+    if psutil.pid_exists(eng.pid) and psutil.Process(eng.pid).status() != "zombie":
+        left.append(f"pid {eng.pid}")
+    for endpoint in (eng.api, eng.control):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", int(endpoint.rsplit(":", 1)[1])))
+            except OSError:  # policy: taken is what this reports
+                left.append(endpoint)
+    return left
+
+
+def _restore_serves(eng, env) -> None:
+    out = subprocess.run([str(ROOT / "hooks" / "criu-restore")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    with AgentClient(eng.control) as agent:
+        assert agent.status().restored_from_image
+        assert agent.restore().state == "running"
+    with EngineClient(eng.api) as api:
+        assert api.generate([1, 2, 3], 5).finish_reason == "length"
+
+
+def test_a_damaged_image_is_refused_at_once_naming_the_file(spawn_reference, monkeypatch):
+    """A pages file cut short: criu-restore checks the image against the manifest criu-dump
+    wrote and fails at once, naming the image and the file (`criu restore` itself would
+    hang); nothing is left running and a restore of the mended image then works."""
+    eng = tcp_engine(spawn_reference, "crdamaged")
+    images = eng.log_path.parent / "crdamaged-img"
+    try:
+        env, pages, intact = _stopped_engine_image(eng, images, monkeypatch)
+        assert f"./{pages.name}" in (images / "criu-manifest").read_text()
+        start = time.monotonic()
+        out = subprocess.run([str(ROOT / "hooks" / "criu-restore")], env=env,
+                             capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - start
+        assert out.returncode == 2 and took < 10, (took, out.stderr)
+        assert f"the image in {images} is damaged: ./{pages.name}" in out.stderr
+        assert not (images / "restore.log").exists()  # criu never ran
+        assert _left_behind(eng) == []
+        os.replace(intact, pages)
+        _restore_serves(eng, env)
+    finally:  # the restored copy is no child of ours: end it by name
+        subprocess.run(["pkill", "-9", "-f", "--", f"--name {eng.name} "], check=False)
+
+
+@pytest.mark.slow  # about 10 to 16 s: a dump, a 4 s hook timeout, a restore
+def test_a_restore_that_hangs_is_stopped_whole_at_the_hook_timeout(spawn_reference,
+                                                                   monkeypatch):
+    """The same damage in an image without a manifest (an older criu-dump's) hangs `criu
+    restore` with a half-restored engine spinning outside the hook's session: at the hook's
+    timeout the runner stops the whole tree, the error names the image and the log's tail,
+    and the engine's PID and ports are free for the next restore."""
+    from ckpt_controller.controller.hooks import HookContext, run_hook
+
+    eng = tcp_engine(spawn_reference, "crhang")
+    images = eng.log_path.parent / "crhang-img"
+    try:
+        env, pages, intact = _stopped_engine_image(eng, images, monkeypatch)
+        (images / "criu-manifest").unlink(missing_ok=True)  # as an older criu-dump left it
+        monkeypatch.setenv("CKPT_CRIU", CRIU)
+        monkeypatch.setenv("CKPT_RESTORE_FROM", str(images))
+        ctx = HookContext(engine=eng.name, pid=eng.pid, state="prepared", generation=1,
+                          op_id="hang", image_dir=images, deadline_wall=time.time() + 120)
+        start = time.monotonic()
+        run = run_hook(ROOT / "hooks" / "criu-restore", "pre-restore", ctx, timeout_s=4,
+                       grace_s=1)
+        took = time.monotonic() - start
+        assert run.timed_out and took < 4 + 1 + 5, (took, run)
+        deadline = time.monotonic() + 5
+        while _left_behind(eng) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _left_behind(eng) == []
+        assert f"while restoring the image in {images}" in run.stderr_tail
+        assert f"last lines of {images}/restore.log" in run.stderr_tail
+        assert "restoring it unchecked" in run.stderr_tail
+        os.replace(intact, pages)
+        _restore_serves(eng, env)
+    finally:  # the restored copy is no child of ours: end it by name
+        subprocess.run(["pkill", "-9", "-f", "--", f"--name {eng.name} "], check=False)
