@@ -80,7 +80,8 @@ def recorded_dump(tmp_path):
     """criu-dump run against a STAND-IN criu that only records its arguments, for a process
     that leads its own session (``setsid``) or one that does not."""
     standin = tmp_path / "criu-standin"
-    standin.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$STANDIN_ARGS"\n')
+    standin.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$STANDIN_ARGS"\n'
+                       ': > "$CKPT_IMAGE_DIR/inventory.img"\n')  # what marks an image
     standin.chmod(0o755)
     procs = []
 
@@ -145,3 +146,46 @@ def test_a_process_that_does_not_lead_its_session_is_dumped_as_a_shell_job(recor
 def test_a_bad_setting_is_refused_before_criu_runs(recorded_dump, bad):
     rc, args, err, _ = recorded_dump(**bad)
     assert rc == 2 and args == [] and next(iter(bad)) in err
+
+
+def _restore(image: Path) -> subprocess.CompletedProcess:
+    """criu-restore of ``image`` with /bin/true for criu: only its own checks run."""
+    return subprocess.run([str(ROOT / "hooks" / "criu-restore")], capture_output=True, text=True,
+                          timeout=60, env={"PATH": os.environ["PATH"],
+                                           "CKPT_ENGINE_PID": "999999999",
+                                           "CKPT_IMAGE_DIR": str(image), "CKPT_CRIU": "/bin/true",
+                                           "CKPT_RESTORE_WAIT_S": "0"})
+
+
+def test_restore_checks_the_image_against_the_manifest_of_its_dump(recorded_dump):
+    rc, _, err, image = recorded_dump()
+    assert rc == 0, err
+    listed = [line.split(" ", 2)[2] for line in (image / "criu-manifest").read_text().splitlines()]
+    assert "./inventory.img" in listed and "./criu-restore-options" in listed
+    assert _restore(image).returncode == 0  # intact
+    options = image / "criu-restore-options"
+    text = options.read_text()
+    options.write_text(text.replace("--file-locks", "--file-lockz"))  # same size, one byte off
+    out = _restore(image)
+    assert out.returncode == 2 and f"the image in {image} is damaged: ./criu-restore-options: " \
+        "its checksum differs" in out.stderr, out.stderr
+    options.write_text(text[:-5])
+    out = _restore(image)
+    assert out.returncode == 2 and f"./criu-restore-options: {len(text) - 5} bytes, " \
+        f"{len(text)} at the dump" in out.stderr, out.stderr
+    options.write_text(text)
+    (image / "pages-9.img").write_bytes(b"planted")
+    out = _restore(image)
+    assert out.returncode == 2 and "./pages-9.img: not in the image's manifest" in out.stderr
+    (image / "pages-9.img").unlink()
+    assert _restore(image).returncode == 0
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_restore_refuses_an_image_folder_others_may_change(recorded_dump, mode):
+    # criu restores, as root, whatever the folder holds
+    _, _, _, image = recorded_dump()
+    image.chmod(mode)
+    out = _restore(image)
+    assert out.returncode == 2 and f"the image folder {image} may be changed by others" \
+        in out.stderr, out.stderr
