@@ -74,6 +74,12 @@ def test_an_add_past_the_waiting_queue_is_refused_at_once_typed_and_retryable(sp
             assert isinstance(err, OverloadedError) and err.retryable, err
             assert err.details["max_waiting"] == 4 and err.details["retry_after_s"] > 0
             assert err.details["request_id"] == r.request_id
+        # a resend of an accepted request (as after a lost connection) is not refused: it
+        # keeps its one run
+        c._sock.send_multipart(api.encode(api.EngineRequestType.ADD.value,
+                                          c.requests[accepted[0]].request))
+        c.poll(1.0)
+        assert c.requests[accepted[0]].rejected is None
         start = time.monotonic()
         with pytest.raises(OverloadedError):
             c.generate([1, 2, 3], 5, timeout_s=10)

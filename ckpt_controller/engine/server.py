@@ -232,11 +232,13 @@ class ReferenceEngine(EngineHooks):
         try:
             self._validate(msg)
             self.scheduler.submit_add(msg.request_id, lambda: self._admit(client, msg))
-        except OverloadedError as err:
+        except OverloadedError as err:  # policy: shed at once, typed; nothing of it ran
+            # a resend of a request we already have (a membership test of the scheduler's
+            # dict, safe from this thread) keeps its one run and its answers
             if msg.request_id in self.scheduler.by_id:
-                return  # policy: a resend of a request we already have keeps its one run
+                return
             self._shed += 1
-            self._reject(client, msg.request_id, err)  # policy: shed at once, typed
+            self._reject(client, msg.request_id, err)
         except CkptError as err:  # policy: an invalid request gets a typed answer
             self._reject(client, msg.request_id, err)
 
