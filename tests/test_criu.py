@@ -370,7 +370,8 @@ def test_a_restore_that_hangs_is_stopped_whole_at_the_hook_timeout(spawn_referen
     restore` with a half-restored engine spinning outside the hook's session: at the hook's
     timeout the runner stops the whole tree, the error names the image and the log's tail,
     and the engine's PID and ports are free for the next restore."""
-    from ckpt_controller.controller.hooks import HookContext, run_hook
+    from ckpt_controller.controller.hooks import HookContext, run_point
+    from ckpt_controller.errors import HookTimeoutError
 
     eng = tcp_engine(spawn_reference, "crhang")
     images = eng.log_path.parent / "crhang-img"
@@ -381,18 +382,23 @@ def test_a_restore_that_hangs_is_stopped_whole_at_the_hook_timeout(spawn_referen
         monkeypatch.setenv("CKPT_RESTORE_FROM", str(images))
         ctx = HookContext(engine=eng.name, pid=eng.pid, state="prepared", generation=1,
                           op_id="hang", image_dir=images, deadline_wall=time.time() + 120)
-        start = time.monotonic()
-        run = run_hook(ROOT / "hooks" / "criu-restore", "pre-restore", ctx, timeout_s=4,
-                       grace_s=1)
+        hooks = eng.log_path.parent / "crhang-hooks"
+        (hooks / "pre-restore").mkdir(parents=True)
+        (hooks / "pre-restore" / "10-criu-restore").symlink_to(ROOT / "hooks" / "criu-restore")
+        start, runs = time.monotonic(), []
+        with pytest.raises(HookTimeoutError) as info:
+            run_point(hooks, "pre-restore", ctx, 4, runs, grace_s=1)
         took = time.monotonic() - start
+        (run,) = runs
         assert run.timed_out and took < 4 + 1 + 5, (took, run)
+        assert f"while restoring the image in {images}" in info.value.message
         deadline = time.monotonic() + 5
         while _left_behind(eng) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _left_behind(eng) == []
         assert f"while restoring the image in {images}" in run.stderr_tail
         assert f"last lines of {images}/restore.log" in run.stderr_tail
-        assert "restoring it unchecked" in run.stderr_tail
+        assert "restoring it unchecked" in run.stdout_tail
         os.replace(intact, pages)
         _restore_serves(eng, env)
     finally:  # the restored copy is no child of ours: end it by name

@@ -239,3 +239,17 @@ def test_a_linked_hook_in_a_safe_folder_runs_even_below_a_sticky_one(tmp_path):
     run_point(tmp_path / "hooks", "dump", ctx(tmp_path), 10, runs)
     assert ran.exists() and runs[0].exit_code == 0
     assert runs[0].path == str(tmp_path / "hooks" / "dump" / "10-linked")
+
+
+def test_a_failed_hooks_error_says_what_the_hook_said_first(tmp_path):
+    hooks = tmp_path / "hooks"
+    hook(hooks / "pre-restore", "10-say", "echo 'the image in /srv/img is damaged' >&2\n"
+                                          "echo 'more detail' >&2; exit 4")
+    with pytest.raises(HookError) as info:
+        run_point(hooks, "pre-restore", ctx(tmp_path), 10, [])
+    assert info.value.message == \
+        "pre-restore hook 10-say exited 4: the image in /srv/img is damaged"
+    hook(hooks / "pre-restore", "10-say", "echo 'stuck restoring /srv/img' >&2; sleep 30")
+    with pytest.raises(HookTimeoutError) as info:
+        run_point(hooks, "pre-restore", ctx(tmp_path), 0.5, [], grace_s=0.5)
+    assert info.value.message == "pre-restore hook 10-say timed out: stuck restoring /srv/img"

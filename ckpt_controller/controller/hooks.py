@@ -222,7 +222,9 @@ def run_point(hooks_dir: Path | None, point: str, ctx: HookContext, timeout_s: f
         if run.timed_out or run.exit_code != 0:
             what = "timed out" if run.timed_out else f"exited {run.exit_code}"
             error = HookTimeoutError if run.timed_out else HookError
-            raise error(f"{point} hook {path.name} {what}", engine=ctx.engine, point=point,
+            said = _first_line(run.stderr_tail)
+            raise error(f"{point} hook {path.name} {what}" + (f": {said}" if said else ""),
+                        engine=ctx.engine, point=point,
                         path=str(path), exit_code=run.exit_code, timed_out=run.timed_out,
                         stderr_tail=run.stderr_tail[-1000:])
 
@@ -232,6 +234,18 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:  # policy: already gone is what we wanted
         pass
+
+
+def _first_line(tail: str) -> str:
+    """The first whole line a hook wrote to stderr (its own words on why it failed), short;
+    not the runner's note on what it stopped."""
+    lines = tail.splitlines()
+    if len(tail.encode()) >= TAIL_BYTES:
+        lines = lines[1:]  # the tail began inside a line
+    for line in lines:
+        if line.strip() and not line.startswith("[ckpt-controller:"):
+            return line.strip()[:300]
+    return ""
 
 
 def _tail(data: bytes | None) -> str:
