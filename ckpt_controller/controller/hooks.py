@@ -5,12 +5,16 @@ order, and the first failure stops the point. Each gets its context in the envir
 (``CKPT_ACTION``, ``CKPT_ENGINE``, ``CKPT_ENGINE_PID``, ``CKPT_STATE``, ``CKPT_GENERATION``,
 ``CKPT_OP_ID``, ``CKPT_IMAGE_DIR``, ``CKPT_DEADLINE`` (wall-clock seconds), plus
 ``CRTOOLS_SCRIPT_ACTION`` and ``CRTOOLS_INIT_PID`` so existing CRIU action scripts work), runs
-without a shell in its own session, and on timeout gets SIGTERM, a grace period, then SIGKILL
-of its whole process group. A hook writable by group or others, or owned by another user
-(other than root), is refused, and so is one in a folder (``hooks_dir`` or the point's) that
-is: whoever may write there may put a hook there. What a failure does is the caller's
-business (``POINTS``).
-Neighbours: ``service`` runs the points; ``protocol.HookRun`` is what the journal keeps.
+without a shell in its own session, as a subreaper whose whole process tree is followed (also
+what leaves its session, as ``criu restore --restore-detached`` does), and on timeout that
+tree and its process group get SIGTERM, a grace period, then SIGKILL; what a failed hook left
+running is ended too. A hook writable by group or others, or owned by another user (other
+than root), is refused, and so is one in a folder (``hooks_dir`` or the point's) that is:
+whoever may write there may put a hook there; a symlinked one is checked link by link up to
+its target (``security.trusted_path``). What a failure does is the caller's business
+(``POINTS``).
+Neighbours: ``service`` runs the points; ``protocol.HookRun`` is what the journal keeps;
+``procutil.ProcessTree`` follows a hook's tree; ``security`` judges paths.
 """
 
 from __future__ import annotations
