@@ -110,12 +110,20 @@ class ProcessTree:
         self.signalled: set[int] = set()
 
     def look(self) -> None:
-        try:
-            kids = psutil.Process(self.root).children(recursive=True)
-        except psutil.Error:  # policy: the root is gone: what was seen is all there is
-            return
-        for kid in kids:
-            self.seen.setdefault(kid.pid, kid)
+        """Add the descendants there now (walking ``/proc/PID/task/*/children`` down from the
+        root: it costs the tree's size, not the machine's process count)."""
+        frontier, found = [self.root], []
+        while frontier:
+            kids = [kid for pid in frontier for kid in _children(pid)]
+            found += kids
+            frontier = kids
+        for pid in found:
+            known = self.seen.get(pid)
+            if known is None or not known.is_running():  # new, or a PID used again
+                try:
+                    self.seen[pid] = psutil.Process(pid)
+                except psutil.Error:  # policy: already gone: nothing to follow
+                    pass
 
     def alive(self) -> list[psutil.Process]:
         return [p for p in self.seen.values() if _running(p)]
@@ -145,6 +153,18 @@ class ProcessTree:
                 return False
             time.sleep(0.02)
         return True
+
+
+def _children(pid: int) -> list[int]:
+    """The children of every thread of ``pid`` (none when it is gone)."""
+    kids: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+    except OSError:  # policy: gone (or a thread gone) meanwhile: what was read is all
+        pass
+    return kids
 
 
 def _running(proc: psutil.Process) -> bool:
