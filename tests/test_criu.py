@@ -322,8 +322,10 @@ def _left_behind(eng) -> list[str]:
         left.append(f"pid {eng.pid}")
     for endpoint in (eng.api, eng.control):
         with socket.socket() as s:
-            try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds: past
+            try:  # connections in TIME_WAIT do not count, a listener does
                 s.bind(("127.0.0.1", int(endpoint.rsplit(":", 1)[1])))
+                s.listen()
             except OSError:  # policy: taken is what this reports
                 left.append(endpoint)
     return left
@@ -401,5 +403,43 @@ def test_a_restore_that_hangs_is_stopped_whole_at_the_hook_timeout(spawn_referen
         assert "restoring it unchecked" in run.stdout_tail
         os.replace(intact, pages)
         _restore_serves(eng, env)
+    finally:  # the restored copy is no child of ours: end it by name
+        subprocess.run(["pkill", "-9", "-f", "--", f"--name {eng.name} "], check=False)
+
+
+@pytest.mark.slow  # about 30 s: an engine, a capture and two restores through the controller
+def test_a_restore_from_a_damaged_image_fails_at_once_and_the_next_one_works(
+        spawn_reference, spawn_controller, monkeypatch):
+    """Through the controller: the restore of an image whose pages file was cut short fails
+    in seconds (the hook timeout is 70 s), naming the image and the file; the engine's PID
+    and ports stay free, and once the file is mended the next restore brings it back."""
+    monkeypatch.setenv("CKPT_CRIU_MODE", "stop")
+    eng = tcp_engine(spawn_reference, "crdmgctl")
+    try:
+        ctl = spawn_controller(config_for(eng))
+        install_hook(ctl, "dump", "10-criu-dump", "criu-dump")
+        install_hook(ctl, "pre-restore", "10-criu-restore", "criu-restore")
+        assert ctl.ckptctl("prepare", eng.name).returncode == 0
+        out = ctl.ckptctl("capture", eng.name, "--json", "--op-id", "snap")
+        assert out.returncode == 0, out.stdout + out.stderr
+        eng.proc.wait(timeout=10)
+        images = ctl.dir / "state" / "images" / eng.name / "snap"
+        pages = max(images.glob("pages-*.img"), key=lambda f: f.stat().st_size)
+        intact = images.parent / "pages.intact"
+        shutil.copyfile(pages, intact)
+        os.truncate(pages, pages.stat().st_size // 2)
+        start = time.monotonic()
+        out = ctl.ckptctl("restore", eng.name, "--json")
+        took = time.monotonic() - start
+        assert out.returncode == 1 and took < 20, (took, out.stdout + out.stderr)
+        (o,) = json.loads(out.stdout)["engines"]
+        assert o["status"] == "failed", o
+        assert f"the image in {images} is damaged: ./{pages.name}" in o["error"]["message"]
+        assert _left_behind(eng) == []
+        os.replace(intact, pages)
+        out = ctl.ckptctl("restore", eng.name, "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        with EngineClient(eng.api) as api:
+            assert api.generate([1, 2, 3], 5).finish_reason == "length"
     finally:  # the restored copy is no child of ours: end it by name
         subprocess.run(["pkill", "-9", "-f", "--", f"--name {eng.name} "], check=False)
