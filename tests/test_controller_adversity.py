@@ -5,6 +5,11 @@ odd names. Real ``ckptctl serve`` processes where a process is what is tried.
   not only once it binds: while it still recovers interrupted operations (the socket is not
   bound yet), a second controller of another state directory on the same endpoint is refused
   instead of binding the socket the first then takes from it.
+- A long-lived journal (10,000 operations, 30,000 records of 2 KB): ``history --limit 10000``
+  is answered with what fits in a message (the newest records), not lost to the wire's 16 MiB
+  limit and reported as an unreachable controller; and while such large queries run, the
+  control thread, which reads the journal for every operation request, still answers within
+  about a second (a long read does not hold up the short ones).
 
 Neighbours: ``test_serve_start`` (one controller per state directory, stale sockets),
 ``conftest`` (``ipc_dir``).
@@ -12,13 +17,20 @@ Neighbours: ``test_serve_start`` (one controller per state directory, stale sock
 
 from __future__ import annotations
 
+import json
 import os
+import sqlite3
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+
+from ckpt_controller import protocol as p
 
 from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.config import load_config
+from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.server import ControllerServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,3 +76,89 @@ def test_an_endpoint_is_held_from_the_claim_not_only_from_the_bind(ipc_dir):
     again = ControllerServer(load_config(ipc_dir / "second.toml")).start()
     again.close()
 
+
+
+#: what the issue asks: answered "within a second"; slack for a loaded two-core machine
+ANSWER_BOUND_S = 2.5
+
+
+def _long_journal(state_dir: Path, operations: int = 10_000, per_op: int = 3) -> None:
+    """A journal as a controller that ran for months leaves it: ``operations`` finished
+    cycles of engine ``e`` (``done-0`` the first), each with ``per_op`` records of 2 KB."""
+    state_dir.mkdir(mode=0o700)
+    path = state_dir / "journal.sqlite3"
+    journal = Journal(path)
+    journal.begin("done-0", "cycle", ["e"], {})
+    journal.finish(p.OperationResult(op_id="done-0", kind="cycle", status="succeeded",
+                                     engines=[], wall=time.time(), duration_s=0.1))
+    journal.close()
+    now = time.time()
+    data = json.dumps({"name": "capture", "duration_s": 0.1, "ok": True, "note": "x" * 2000})
+    db = sqlite3.connect(path)
+    with db:
+        db.executemany("INSERT INTO operations (op_id, kind, engines, params, status, wall, "
+                       "monotonic, ended_wall) VALUES (?, 'cycle', '[\"e\"]', '{}', "
+                       "'succeeded', ?, 0, ?)",
+                       [(f"op-{i:05d}", now - operations + i, now - operations + i + 0.5)
+                        for i in range(1, operations)])
+        db.executemany("INSERT INTO records (op_id, engine, type, wall, monotonic, data) "
+                       "VALUES (?, 'e', 'phase', ?, 0, ?)",
+                       [(f"op-{i // per_op:05d}", now, data)
+                        for i in range(per_op, operations * per_op)])
+    db.close()
+
+
+def test_a_history_too_large_for_one_message_is_answered_with_what_fits(spawn_controller,
+                                                                        ipc_dir):
+    _long_journal(ipc_dir / "state")
+    ctl = spawn_controller(f'[[engine]]\nname = "e"\ncontrol = "ipc://{ipc_dir}/e"\n')
+    out = ctl.ckptctl("history", "--limit", "10000", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    reply = json.loads(out.stdout)
+    assert len(reply["operations"]) == 10_000
+    records = reply["records"]
+    assert records, "no record fits?"
+    assert len(records) < 30_000  # 62 MiB of them would not fit in one 16 MiB message
+    # the newest ones, oldest first, as always
+    seqs = [r["seq"] for r in records]
+    assert seqs == list(range(seqs[0], 29_998))  # 29,997 records in all
+
+
+def test_large_history_queries_do_not_hold_up_the_control_thread(spawn_controller, ipc_dir):
+    """Four ``history --limit 10000`` at once (each reads for seconds); meanwhile a repeat of
+    a finished operation, which the control thread answers from the journal, and heartbeats
+    are answered within about a second."""
+    _long_journal(ipc_dir / "state")
+    ctl = spawn_controller(f'[[engine]]\nname = "e"\ncontrol = "ipc://{ipc_dir}/e"\n')
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def big() -> None:
+        with ControllerClient(ctl.endpoint, timeout_s=60, retries=0) as c:
+            while not stop.is_set():
+                try:
+                    c.history(limit=10_000)
+                except Exception as exc:  # policy: recorded; asserted empty below
+                    failures.append(repr(exc))
+                    return
+
+    threads = [threading.Thread(target=big, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    latencies: list[float] = []
+    try:
+        with ControllerClient(ctl.endpoint, timeout_s=30, retries=0) as c:
+            c.subscribe()
+            end = time.monotonic() + 8
+            while time.monotonic() < end:
+                start = time.monotonic()
+                assert c.operation("cycle", ["e"], op_id="done-0").status == "succeeded"
+                c.heartbeat()
+                latencies.append(time.monotonic() - start)
+                time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not failures, failures
+    assert max(latencies) < ANSWER_BOUND_S, (max(latencies), len(latencies))

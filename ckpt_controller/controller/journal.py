@@ -5,16 +5,22 @@ Tables: ``operations`` (one row per operation id: kind, engines, parameters, sta
 and ``records`` (an append-only sequence: transitions, phases, drain and memory reports, hook
 runs, notes; each with wall and monotonic time). Each write is one transaction, so a controller
 killed at any instant leaves a journal that opens clean: an operation whose row still says
-``running`` is what restart reconciles. One connection, guarded by a lock, serves all threads.
+``running`` is what restart reconciles. One connection, guarded by a lock, writes; reads go
+through connections of their own (WAL lets them run beside the writer and each other), so a long
+read (a ``history`` of thousands of operations) never holds up a short one (the lookups the
+controller's control thread makes for every operation request) or a write. ``records`` can
+stop at a byte budget, newest records first, so an answer fits in one message.
 Neighbours: ``service`` writes it, ``server`` serves ``history`` from it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +54,11 @@ CREATE INDEX IF NOT EXISTS records_engine ON records(engine, seq);
 CREATE INDEX IF NOT EXISTS records_op ON records(op_id, seq);
 """
 
+#: read connections kept open for the next read; more readers at once open more
+MAX_IDLE_READERS = 8
+#: what a record costs in an answer besides its text (seq, times, field names)
+RECORD_OVERHEAD_BYTES = 96
+
 _result_dec = msgspec.msgpack.Decoder(OperationResult)
 _enc = msgspec.msgpack.Encoder()
 
@@ -67,9 +78,17 @@ class Journal:
             raise ConfigError(f"cannot open the journal: {exc}", file=str(self.path),
                               key="controller.state_dir", problem=str(exc)) from None
 
+        #: idle read connections (at most ``MAX_IDLE_READERS`` kept); guarded by ``_lock``
+        self._readers: list[sqlite3.Connection] = []
+        self._closed = False
+
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._db.close()
+            for conn in self._readers:
+                conn.close()
+            self._readers.clear()
 
     def _write(self, sql: str, args: tuple) -> int:
         with self._lock:
@@ -77,8 +96,29 @@ class Journal:
             return cur.lastrowid
 
     def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._reader() as conn:
+            return conn.execute(sql, args).fetchall()
+
+    @contextlib.contextmanager
+    def _reader(self) -> Iterator[sqlite3.Connection]:
+        """A read-only connection of this caller's own for the time of one read."""
         with self._lock:
-            return self._db.execute(sql, args).fetchall()
+            if self._closed:
+                raise sqlite3.ProgrammingError("the journal is closed")
+            conn = self._readers.pop() if self._readers else None
+        if conn is None:
+            conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
+                                   timeout=30)
+            conn.execute("PRAGMA query_only = ON")
+        try:
+            yield conn
+        finally:
+            with self._lock:
+                keep = not self._closed and len(self._readers) < MAX_IDLE_READERS
+                if keep:
+                    self._readers.append(conn)
+            if not keep:
+                conn.close()
 
     # ---------------------------------------------------------------- operations
 
@@ -148,18 +188,31 @@ class Journal:
 
     def records(self, *, engine: str | None = None, op_id: str | None = None,
                 since: int = 0, limit: int = 500,
-                op_ids: list[str] | None = None) -> list[JournalRecord]:
+                op_ids: list[str] | None = None,
+                max_bytes: int | None = None) -> list[JournalRecord]:
         """The newest ``limit`` records after ``since``, oldest first; only those of ``engine``,
-        of ``op_id`` and of the operations in ``op_ids`` (when given; ``[]`` matches none)."""
+        of ``op_id`` and of the operations in ``op_ids`` (when given; ``[]`` matches none).
+        With ``max_bytes``: only the newest of those whose text (``data`` and names) adds up
+        to at most that, so the answer they make fits in one message."""
         where, args = _where(("seq > ?", since), ("engine = ?", engine), ("op_id = ?", op_id),
                              keep=("seq > ?",))
         if op_ids is not None:
             where = f"{where} AND " if where else "WHERE "
             where += "op_id IN (SELECT value FROM json_each(?))"
             args = (*args, json.dumps(list(op_ids)))
-        rows = self._read(
-            f"SELECT seq, op_id, engine, type, wall, monotonic, data FROM records {where} "
-            "ORDER BY seq DESC LIMIT ?", (*args, limit))
+        sql = (f"SELECT seq, op_id, engine, type, wall, monotonic, data FROM records {where} "
+               "ORDER BY seq DESC LIMIT ?")
+        if max_bytes is None:
+            rows = self._read(sql, (*args, limit))
+        else:
+            rows, total = [], 0
+            with self._reader() as conn:
+                for row in conn.execute(sql, (*args, limit)):  # newest first, read as needed
+                    total += RECORD_OVERHEAD_BYTES + sum(
+                        len(v.encode()) for v in (row[1], row[2], row[3], row[6]) if v)
+                    if total > max_bytes:
+                        break
+                    rows.append(row)
         return [JournalRecord(seq=r[0], op_id=r[1], engine=r[2], type=r[3], wall=r[4],
                               monotonic=r[5], data=json.loads(r[6])) for r in reversed(rows)]
 

@@ -58,6 +58,9 @@ Done = Callable[[p.OperationResult | CkptError], None]
 TRANSITIONAL = ("preparing", "restoring")
 #: callers one running operation answers at its end; one more is shed (``OverloadedError``)
 MAX_WAITERS = 64
+#: the records one ``history`` answer carries at most (their text): half of what one message
+#: may carry, the rest left to its operations
+HISTORY_RECORD_BYTES = p.HARD_MAX_MESSAGE_BYTES // 2
 
 
 @dataclass
@@ -452,11 +455,13 @@ class Controller:
 
     def history(self, cmd: p.HistoryCommand) -> p.HistoryReply:
         """The newest ``limit`` operations (of ``engine``, or ``op_id``) and the newest
-        records of those operations only (``engine``'s own, when given)."""
+        records of those operations only (``engine``'s own, when given), as many as fit in
+        ``HISTORY_RECORD_BYTES``: the answer must fit in one message."""
         operations = self.journal.operations(engine=cmd.engine, op_id=cmd.op_id,
                                              limit=cmd.limit)
         return p.HistoryReply(operations=operations, records=self.journal.records(
-            engine=cmd.engine, op_ids=[o.op_id for o in operations], limit=cmd.limit * 20))
+            engine=cmd.engine, op_ids=[o.op_id for o in operations], limit=cmd.limit * 20,
+            max_bytes=HISTORY_RECORD_BYTES))
 
     # ---------------------------------------------------------------- after a crash
 
