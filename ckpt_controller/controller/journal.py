@@ -78,14 +78,17 @@ class Journal:
             raise ConfigError(f"cannot open the journal: {exc}", file=str(self.path),
                               key="controller.state_dir", problem=str(exc)) from None
 
-        #: idle read connections (at most ``MAX_IDLE_READERS`` kept); guarded by ``_lock``
+        #: idle read connections (at most ``MAX_IDLE_READERS`` kept); guarded by
+        #: ``_pool_lock``, not ``_lock``: a read never waits for a write's fsync
+        self._pool_lock = threading.Lock()
         self._readers: list[sqlite3.Connection] = []
         self._closed = False
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
             self._db.close()
+        with self._pool_lock:
+            self._closed = True
             for conn in self._readers:
                 conn.close()
             self._readers.clear()
@@ -102,7 +105,7 @@ class Journal:
     @contextlib.contextmanager
     def _reader(self) -> Iterator[sqlite3.Connection]:
         """A read-only connection of this caller's own for the time of one read."""
-        with self._lock:
+        with self._pool_lock:
             if self._closed:
                 raise sqlite3.ProgrammingError("the journal is closed")
             conn = self._readers.pop() if self._readers else None
@@ -113,7 +116,7 @@ class Journal:
         try:
             yield conn
         finally:
-            with self._lock:
+            with self._pool_lock:
                 keep = not self._closed and len(self._readers) < MAX_IDLE_READERS
                 if keep:
                     self._readers.append(conn)
