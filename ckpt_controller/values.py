@@ -39,7 +39,7 @@ MAX_BYTES = 1 << 60
 #: the largest count (tokens, blocks, engines, records...)
 MAX_COUNT = 1 << 31
 #: free text that travels with a request (a reason, a client name)
-MAX_TEXT_LENGTH = 1024
+MAX_TEXT_LENGTH = 64 << 10
 MAX_NAME_LENGTH = 64
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 

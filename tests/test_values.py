@@ -236,3 +236,16 @@ def test_msgspec_constraints_refuse_nan_and_infinity():
         with pytest.raises(msgspec.ValidationError):
             msgspec.convert(bad, values.Duration)
     assert math.isnan(msgspec.convert(NAN, float))
+
+
+def test_a_long_reason_is_cut_not_refused(ipc_dir):
+    """The controller builds rollback and fail reasons from error messages: one past the wire's
+    limit must never keep an engine from being rolled back."""
+    with Agent("why", control=f"ipc://{ipc_dir}/why.ctl") as agent:
+        with AgentClient(agent.endpoint) as c:
+            c.prepare(level=0)
+            reply = c.rollback(reason="x" * 100_000)
+            status = c.status()
+    assert status.state == "running"
+    (reason,) = [t.reason for t in reply.transitions if t.trigger == "rollback"]
+    assert reason.endswith("(cut)") and len(reason) < values.MAX_TEXT_LENGTH + 200

@@ -10,11 +10,19 @@ from __future__ import annotations
 
 from ckpt_controller import protocol as p
 from ckpt_controller.rpc import RpcClient, check_command, new_op_id
-from ckpt_controller.values import MAX_DURATION_S, STEP_OP_ID, check
+from ckpt_controller.values import MAX_DURATION_S, MAX_TEXT_LENGTH, STEP_OP_ID, check
 
 
 def _op_id(op_id: str | None) -> str:
     return new_op_id() if op_id is None else check(STEP_OP_ID, op_id, "op_id")
+
+
+def _reason(reason: str) -> str:
+    """A reason is for people: one past the wire's limit is cut, never a reason to refuse a
+    rollback or a fail (the controller builds reasons from error messages)."""
+    if len(reason) <= MAX_TEXT_LENGTH:
+        return reason
+    return reason[:MAX_TEXT_LENGTH - 20] + " ... (cut)"
 
 
 class AgentClient(RpcClient):
@@ -36,12 +44,12 @@ class AgentClient(RpcClient):
 
     def rollback(self, *, op_id: str | None = None, reason: str = "",
                  deadline_s: float | None = None, timeout_s: float | None = None) -> p.RestoreReply:
-        cmd = p.RollbackCommand(call_id=0, op_id=_op_id(op_id), reason=reason,
+        cmd = p.RollbackCommand(call_id=0, op_id=_op_id(op_id), reason=_reason(reason),
                                 deadline_s=deadline_s)
         return self.call(p.RequestType.ROLLBACK, cmd, timeout_s=self._op_timeout(cmd, timeout_s))
 
     def fail(self, *, reason: str, op_id: str | None = None) -> p.Ack:
-        cmd = p.FailCommand(call_id=0, op_id=_op_id(op_id), reason=reason)
+        cmd = p.FailCommand(call_id=0, op_id=_op_id(op_id), reason=_reason(reason))
         return self.call(p.RequestType.FAIL, cmd)
 
     def _op_timeout(self, cmd, given: float | None) -> float:
