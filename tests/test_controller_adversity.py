@@ -162,3 +162,33 @@ def test_large_history_queries_do_not_hold_up_the_control_thread(spawn_controlle
             t.join(timeout=60)
     assert not failures, failures
     assert max(latencies) < ANSWER_BOUND_S, (max(latencies), len(latencies))
+
+
+def test_a_restarted_controller_still_reports_the_last_cycle_and_image(spawn_engine,
+                                                                       spawn_controller,
+                                                                       ipc_dir):
+    """``ckpt_last_successful_cycle_timestamp_seconds`` and ``ckpt_image_bytes`` come from the
+    journal when the controller starts: a restart (an upgrade, a crash) must not blank the
+    series an alert on "no good cycle for a day" watches."""
+    from test_metrics import scrape, values
+
+    eng = spawn_engine("m1", weights_mib=4, kv_mib=4, layers=1)
+    hook = ipc_dir / "hooks" / "dump" / "50-test"
+    hook.parent.mkdir(parents=True, mode=0o700)
+    hook.write_text('#!/bin/sh\nhead -c 4096 /dev/zero > "$CKPT_IMAGE_DIR/pages.img"\n')
+    hook.chmod(0o700)
+    (ipc_dir / "hooks").chmod(0o700)
+    config = f'metrics_port = 0\n[[engine]]\nname = "m1"\ncontrol = "{eng.control}"\n'
+    ctl = spawn_controller(config)
+    out = ctl.ckptctl("cycle", "m1", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    before = scrape(ctl.info["metrics_port"])
+    stamp = values(before, "ckpt_last_successful_cycle_timestamp_seconds")
+    assert values(before, "ckpt_image_bytes") == {(("engine", "m1"),): 4096}
+    ctl.stop()
+    ctl = spawn_controller(config)
+    after = scrape(ctl.info["metrics_port"])
+    assert values(after, "ckpt_image_bytes") == {(("engine", "m1"),): 4096}
+    restarted = values(after, "ckpt_last_successful_cycle_timestamp_seconds")
+    assert restarted.keys() == stamp.keys()
+    assert abs(restarted[(("engine", "m1"),)] - stamp[(("engine", "m1"),)]) < 1.0

@@ -107,7 +107,12 @@ class Metrics:
             now = time.time()
             for o in engines:
                 if o.status == "succeeded":
-                    self._last_cycle.labels(o.engine).set(now)
+                    self.last_cycle(o.engine, now)
+
+    def last_cycle(self, engine: str, wall: float) -> None:
+        """``engine``'s last successful cycle ended at ``wall`` (Unix time); also how a
+        restarted controller carries it over from its journal."""
+        self._last_cycle.labels(str(engine)).set(wall)
 
     def transition(self, engine: str, source: str, dest: str) -> None:
         """Count one lifecycle transition of ``engine``."""
@@ -133,9 +138,10 @@ class Metrics:
         _check_count("freed bytes", n)
         self._freed.inc(n)
 
-    def image_written(self, engine: str, image_dir: Path) -> None:
-        """Set ``engine``'s image size from what a capture left in ``image_dir``."""
-        self._image.labels(str(engine)).set(dir_bytes(image_dir))
+    def image_written(self, engine: str, image_dir: Path | None) -> None:
+        """Set ``engine``'s image size from what a capture left in ``image_dir`` (None: it
+        dumped nothing, 0)."""
+        self._image.labels(str(engine)).set(0 if image_dir is None else dir_bytes(image_dir))
 
     def journaled(self, rec: p.JournalRecord) -> None:
         """Count what one journal record tells: a failed hook run, a drain escalation, an

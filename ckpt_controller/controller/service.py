@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -61,6 +62,8 @@ MAX_WAITERS = 64
 #: the records one ``history`` answer carries at most (their text): half of what one message
 #: may carry, the rest left to its operations
 HISTORY_RECORD_BYTES = p.HARD_MAX_MESSAGE_BYTES // 2
+#: the operations of each engine a starting controller looks through for its last good cycle
+CARRY_OVER_OPERATIONS = 1000
 
 
 @dataclass
@@ -106,6 +109,26 @@ class Controller:
         self._unsettled: dict[str, str] = self.journal.unsettled()
         self._stop = threading.Event()
         self._reconciler: threading.Thread | None = None
+        if metrics is not None:
+            self._carry_over_metrics()
+
+    def _carry_over_metrics(self) -> None:
+        """What the gauges said before a restart and the journal knows: each engine's last
+        successful cycle (among its ``CARRY_OVER_OPERATIONS`` newest operations) and the size
+        of its last capture's image; otherwise an alert on them would go blind."""
+        for engine in (e.name for e in self.config.engines):
+            for op in self.journal.operations(engine=engine, limit=CARRY_OVER_OPERATIONS):
+                if op.kind != "cycle" or op.duration_s is None:
+                    continue
+                result = self.journal.result(op.op_id)
+                if result is not None and any(o.engine == engine and o.status == "succeeded"
+                                              for o in result.engines):
+                    self.metrics.last_cycle(engine, op.wall + op.duration_s)
+                    break
+            captures = self.journal.captures(engine)
+            if captures:
+                image_dir = captures[0][1].get("image_dir")
+                self.metrics.image_written(engine, Path(image_dir) if image_dir else None)
 
     def close(self) -> None:
         self._stop.set()
