@@ -104,7 +104,7 @@ class Outbox:
         while moved < limit:
             try:
                 frames = self.inbox.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            except zmq.Again:  # policy: nothing queued: done for this round
                 break
             self._deliver(frames)
             moved += 1

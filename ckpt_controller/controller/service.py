@@ -162,7 +162,7 @@ class Controller:
         journaled, its id stays free, and it is counted as ``refused``."""
         try:
             engines = self._accept(cmd, done)
-        except CkptError:
+        except CkptError:  # policy: a refusal is counted as refused and goes to the caller
             self._count(cmd.kind, "refused")
             raise
         if engines is not None:
