@@ -111,7 +111,8 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[ReadyProcess]) -> 
     again = replay(api, 7, list(completed))
     mismatched = [rid for rid, tokens in completed.items() if again[rid] != tokens]
     _say(f"\nrequests: sent {report.sent}, completed {report.completed}, aborted "
-         f"{report.aborted}, rejected while not RUNNING {report.rejected}, lost {report.lost}")
+         f"{report.aborted}, rejected {report.rejected} (while not RUNNING, or {report.shed} "
+         f"of them shed by a full engine), lost {report.lost}")
     _say(f"  {kept} requests were kept across the cycle and finished after restore")
     _say(f"  {len(completed) - len(mismatched)} of {len(completed)} completed outputs are "
          f"identical to an uninterrupted run")

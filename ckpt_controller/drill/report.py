@@ -39,8 +39,9 @@ def leaks(cycles: list[dict]) -> list[dict]:
 
 
 def build(options: dict, cycles: list[dict], duration_s: float) -> dict:
-    total = {k: sum(e["requests"][k] for c in cycles for e in c["engines"])
-             for k in ("sent", "completed", "aborted", "kept", "rejected", "errored",
+    # .get: "shed" came later than the other counts; cycles recorded before it have none
+    total = {k: sum(e["requests"].get(k, 0) for c in cycles for e in c["engines"])
+             for k in ("sent", "completed", "aborted", "kept", "rejected", "shed", "errored",
                        "ended_by_engine_death", "lost")}
     mismatched = sum(len(e["verification"]["mismatched"]) for c in cycles for e in c["engines"])
     compared = sum(e["verification"]["compared"] for c in cycles for e in c["engines"])
@@ -75,7 +76,8 @@ def describe(report: dict) -> str:
         f"{s['cycles']} cycles in {report['duration_s']:.1f} s: "
         + ("all good" if s["ok"] else f"PROBLEMS in cycles {s['cycles_with_problems']}"),
         f"requests: {r['sent']} sent, {r['completed']} completed, {r['aborted']} aborted, "
-        f"{r['kept']} kept across cycles, {r['rejected']} rejected while not RUNNING, "
+        f"{r['kept']} kept across cycles, {r['rejected']} rejected (while not RUNNING, or "
+        f"{r['shed']} of them shed by a full engine), "
         f"{r['ended_by_engine_death']} ended with their engine's death, {r['lost']} lost",
         f"outputs: {s['outputs_compared'] - s['outputs_mismatched']} of "
         f"{s['outputs_compared']} identical to an uninterrupted run",

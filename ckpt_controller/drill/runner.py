@@ -391,7 +391,7 @@ class Drill:
             "requests": {
                 "sent": report.sent, "completed": report.completed, "aborted": report.aborted,
                 "kept": o.drain.kept if o and o.drain else 0, "rejected": report.rejected,
-                "errored": report.errored, "ended_by_engine_death": len(load.control.ended_by_loss),
+                "shed": report.shed, "errored": report.errored, "ended_by_engine_death": len(load.control.ended_by_loss),
                 "lost": report.lost, "lost_ids": report.lost_ids,
             },
             "rss_bytes": e.rss(),
