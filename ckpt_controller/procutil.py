@@ -125,6 +125,27 @@ class ProcessTree:
                 except psutil.Error:  # policy: already gone: nothing to follow
                     pass
 
+    def record(self) -> str:
+        """One ``PID START_TIME`` line per process seen, for ``recorded`` in another process
+        (a controller restarted after a crash)."""
+        return "".join(f"{pid} {proc.create_time()!r}\n" for pid, proc in self.seen.items()
+                       if _running(proc))
+
+    @classmethod
+    def recorded(cls, root: int, text: str) -> "ProcessTree":
+        """The tree ``record`` wrote, keeping the processes that still run and are still the
+        ones recorded (same start time), not others that took a PID since."""
+        tree = cls(root)
+        for line in text.splitlines():
+            try:
+                pid, started = line.split()
+                proc = psutil.Process(int(pid))
+                if proc.create_time() == float(started):
+                    tree.seen[proc.pid] = proc
+            except (ValueError, psutil.Error):  # policy: malformed or gone: nothing to stop
+                continue
+        return tree
+
     def alive(self) -> list[psutil.Process]:
         return [p for p in self.seen.values() if _running(p)]
 

@@ -253,3 +253,40 @@ def test_a_failed_hooks_error_says_what_the_hook_said_first(tmp_path):
     with pytest.raises(HookTimeoutError) as info:
         run_point(hooks, "pre-restore", ctx(tmp_path), 0.5, [], grace_s=0.5)
     assert info.value.message == "pre-restore hook 10-say timed out: stuck restoring /srv/img"
+
+
+def test_a_detached_tree_left_by_a_killed_controller_is_stopped_by_the_next(tmp_path,
+                                                                            detached_pidfile):
+    # the "controller" is a real process running the hook; it is killed -9 mid-hook, and the
+    # next one stops what the hook started, the part that left its session included
+    import subprocess
+    import sys
+
+    from ckpt_controller.controller.hooks import stop_orphan_hooks
+
+    path = hook(tmp_path / "hooks" / "pre-restore", "10-hang",
+                DETACH.format(pidfile=detached_pidfile) + "sleep 300")
+    c = ctx(tmp_path)
+    runner = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path\n"
+        "from ckpt_controller.controller.hooks import HookContext, run_hook\n"
+        f"ctx = HookContext(engine='e1', pid=None, state='restoring', generation=1, "
+        f"op_id='op-42', image_dir=Path({str(c.image_dir)!r}), deadline_wall=time.time() + 300)\n"
+        f"run_hook(Path({str(path)!r}), 'pre-restore', ctx, timeout_s=300)\n")],
+        cwd=Path(__file__).resolve().parent.parent)
+    try:
+        deadline = time.monotonic() + 30
+        while not detached_pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the runner has looked at the hook's tree since
+        detached = _detached(detached_pidfile)
+        (pidfile,) = c.image_dir.glob(".hook-pre-restore-*.pid")
+        hook_pid = int(pidfile.read_text().split()[0])
+    finally:
+        runner.kill()
+        runner.wait()
+    hook_proc = psutil.Process(hook_pid)
+    assert hook_proc.is_running() and detached.is_running()  # both outlived the controller
+    assert stop_orphan_hooks(tmp_path, "image", grace_s=0.5) == 1
+    assert _gone(hook_proc) and _gone(detached)
+    assert not list(c.image_dir.glob(".hook-*.pid"))

@@ -120,21 +120,22 @@ def run_hook(path: Path, point: str, ctx: HookContext, timeout_s: float,
         # is a failed hook (exit 127)
         return HookRun(point=point, path=str(path), exit_code=127,
                        duration_s=time.monotonic() - start, stderr_tail=f"cannot run: {exc}")
-    # the hook's process group, so a controller restarted after a crash can stop it
+    # the hook's process group, then its tree as seen, so a controller restarted after a
+    # crash can stop them
     pidfile = ctx.image_dir / f".hook-{point}-{proc.pid}.pid"
-    pidfile.write_text(str(proc.pid))
+    pidfile.write_text(f"{proc.pid}\n")
     tree = ProcessTree(proc.pid)
     reader = OutputReader(proc.stdout, proc.stderr)
     timed_out = False
     grace_left = grace_s
-    if not _wait(proc, tree, timeout_s):
+    if not _wait(proc, tree, timeout_s, pidfile):
         timed_out = True
         log.warning("hook %s (%s) passed its %.1fs timeout: SIGTERM", path, point, timeout_s)
         tree.look()
         term_at = time.monotonic()
         _signal_group(proc, signal.SIGTERM)
         tree.signal(signal.SIGTERM)
-        if not _wait(proc, tree, grace_s):
+        if not _wait(proc, tree, grace_s, pidfile):
             log.warning("hook %s ignored SIGTERM for %.1fs: SIGKILL", path, grace_s)
             _signal_group(proc, signal.SIGKILL)
             tree.signal(signal.SIGKILL)
@@ -158,11 +159,15 @@ def run_hook(path: Path, point: str, ctx: HookContext, timeout_s: float,
 LOOK_EVERY_S = 0.25
 
 
-def _wait(proc: subprocess.Popen, tree: ProcessTree, seconds: float) -> bool:
-    """Whether the hook ended within ``seconds``; looks at its process tree meanwhile."""
+def _wait(proc: subprocess.Popen, tree: ProcessTree, seconds: float, pidfile: Path) -> bool:
+    """Whether the hook ended within ``seconds``; looks at its process tree meanwhile and
+    keeps ``pidfile`` up to date with it."""
     deadline = time.monotonic() + seconds
     while True:
+        before = set(tree.seen)
         tree.look()
+        if set(tree.seen) != before:
+            pidfile.write_text(f"{proc.pid}\n{tree.record()}")
         left = deadline - time.monotonic()
         if left <= 0:
             return False
@@ -175,22 +180,32 @@ def _wait(proc: subprocess.Popen, tree: ProcessTree, seconds: float) -> bool:
 
 def stop_orphan_hooks(engine_image_dir: Path, op_id: str, grace_s: float = 5.0) -> int:
     """After a controller crash: stop hooks of ``op_id`` still running (SIGTERM, grace,
-    SIGKILL to each process group), so recovery never races a half-finished dump."""
+    SIGKILL to each process group and to what its runner saw it start, detached parts
+    included), so recovery never races a half-finished dump or restore."""
     folder = engine_image_dir / op_id.replace("/", "_")
     stopped = 0
     for pidfile in folder.glob(".hook-*.pid") if folder.is_dir() else []:
+        first, _, rest = pidfile.read_text().partition("\n")
+        # what the hook started, detached parts included, as its runner last saw it
+        tree = ProcessTree.recorded(0, rest)
         try:
-            pgid = int(pidfile.read_text())
+            pgid = int(first)
             os.killpg(pgid, signal.SIGTERM)
         except (ValueError, ProcessLookupError, PermissionError):  # policy: gone, or not ours
+            pgid = 0
+        if pgid == 0 and not tree.alive():
             pidfile.unlink(missing_ok=True)
             continue
+        tree.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _group_alive(pgid):
+        while time.monotonic() < deadline and (pgid and _group_alive(pgid) or tree.alive()):
             time.sleep(0.05)
-        if _group_alive(pgid):
+        if pgid and _group_alive(pgid):
             _kill_group(pgid)
-        log.warning("stopped hook process group %d left by an interrupted operation", pgid)
+        tree.signal(signal.SIGKILL)
+        tree.wait(5.0)
+        log.warning("stopped hook process group %s and %d more of its processes left by an "
+                    "interrupted operation", pgid or "(gone)", len(tree.signalled))
         pidfile.unlink(missing_ok=True)
         stopped += 1
     return stopped
