@@ -10,6 +10,9 @@ odd names. Real ``ckptctl serve`` processes where a process is what is tried.
   limit and reported as an unreachable controller; and while such large queries run, the
   control thread, which reads the journal for every operation request, still answers within
   about a second (a long read does not hold up the short ones).
+- A restarted controller carries the last good cycle's time and the image size over from its
+  journal, so those gauges do not go blank.
+- Connections to the metrics port that never send a request hold no thread each for ever.
 
 Neighbours: ``test_serve_start`` (one controller per state directory, stale sockets),
 ``conftest`` (``ipc_dir``).
@@ -19,12 +22,15 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from ckpt_controller import protocol as p
 
@@ -124,6 +130,7 @@ def test_a_history_too_large_for_one_message_is_answered_with_what_fits(spawn_co
     assert seqs == list(range(seqs[0], 29_998))  # 29,997 records in all
 
 
+@pytest.mark.slow  # about 14 s on two loaded cores
 def test_large_history_queries_do_not_hold_up_the_control_thread(spawn_controller, ipc_dir):
     """Four ``history --limit 10000`` at once (each reads for seconds); meanwhile a repeat of
     a finished operation, which the control thread answers from the journal, and heartbeats
@@ -192,3 +199,33 @@ def test_a_restarted_controller_still_reports_the_last_cycle_and_image(spawn_eng
     restarted = values(after, "ckpt_last_successful_cycle_timestamp_seconds")
     assert restarted.keys() == stamp.keys()
     assert abs(restarted[(("engine", "m1"),)] - stamp[(("engine", "m1"),)]) < 1.0
+
+
+@pytest.mark.slow  # the idle connections are closed after 5 s: about 20 s in all
+def test_idle_connections_to_the_metrics_port_pile_up_no_threads(spawn_controller):
+    """300 connections to the metrics port that never send a request: the controller holds
+    a bounded number of threads for them (not one each, for ever), closes the idle ones, and
+    answers the next scrape once they are gone."""
+    import psutil
+
+    from test_metrics import scrape
+
+    ctl = spawn_controller("metrics_port = 0\n")
+    port = ctl.info["metrics_port"]
+    proc = psutil.Process(ctl.pid)
+    base = proc.num_threads()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
+    try:
+        time.sleep(1.0)
+        assert proc.num_threads() < base + 40, proc.num_threads()
+        for s in idle:  # each is closed by the controller: in time, or at once if refused
+            s.settimeout(15)
+            assert s.recv(1) == b""
+    finally:
+        for s in idle:
+            s.close()
+    assert scrape(port)
+    deadline = time.monotonic() + 10
+    while proc.num_threads() > base + 2:
+        assert time.monotonic() < deadline, proc.num_threads()
+        time.sleep(0.1)

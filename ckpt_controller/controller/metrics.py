@@ -39,6 +39,10 @@ prom.disable_created_metrics()
 #: Upper bounds (seconds) of the phase-duration buckets; ``+Inf`` follows implicitly.
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: connections the metrics endpoint serves at once (a thread each); one more is closed at once
+MAX_CONNECTIONS = 16
+#: seconds a metrics connection may stay silent (or not read its answer) before it is closed
+IDLE_TIMEOUT_S = 5.0
 DRAIN_OUTCOMES = ("completed", "aborted", "kept")
 #: the state of an engine whose heartbeats stopped, or that was never reached
 UNKNOWN = "unknown"
@@ -249,7 +253,33 @@ class MetricsServer:
 
 
 class _Server(http.server.ThreadingHTTPServer):
+    """One thread per connection, at most ``MAX_CONNECTIONS`` at once: one more is closed at
+    once (a scraper retries next interval), so idle or slow clients cannot pile up threads in
+    the controller, which its operations need."""
+
     daemon_threads = True
+
+    def __init__(self, *args, **kw) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kw)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.debug("metrics: %d connections open, %s refused", MAX_CONNECTIONS,
+                      client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # policy: no thread started: its slot is free again
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def handle_error(self, request, client_address) -> None:
         # a scraper that hangs up mid-reply is its own problem: log quietly, keep serving
@@ -259,6 +289,8 @@ class _Server(http.server.ThreadingHTTPServer):
 class _Handler(http.server.BaseHTTPRequestHandler):
     metrics: Metrics
     server_version = "ckpt-controller-metrics"
+    #: a connection silent (or not reading) this long is closed, and its thread ends
+    timeout = IDLE_TIMEOUT_S
 
     def do_GET(self) -> None:  # noqa: N802 - the name http.server looks up
         if urlsplit(self.path).path == "/metrics":
