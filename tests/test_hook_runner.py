@@ -290,3 +290,20 @@ def test_a_detached_tree_left_by_a_killed_controller_is_stopped_by_the_next(tmp_
     assert stop_orphan_hooks(tmp_path, "image", grace_s=0.5) == 1
     assert _gone(hook_proc) and _gone(detached)
     assert not list(c.image_dir.glob(".hook-*.pid"))
+
+
+def test_a_hook_that_is_not_executable_is_refused_not_skipped(tmp_path):
+    hooks = tmp_path / "hooks"
+    ran = tmp_path / "ran"
+    hook(hooks / "dump", "10-ok", f"touch {ran}")
+    forgotten = hook(hooks / "dump", "20-criu-dump", "exit 0")
+    forgotten.chmod(0o644)  # installed without chmod +x: it would silently capture nothing
+    with pytest.raises(ConfigError) as info:
+        run_point(hooks, "dump", ctx(tmp_path), 10, [])
+    assert "not an executable file" in info.value.message
+    assert info.value.details["path"] == str(forgotten)
+    assert not ran.exists()  # refused before any hook of the point ran
+    (hooks / "dump" / "README.md").write_text("notes, not a hook\n")  # still let be
+    forgotten.chmod(0o755)
+    run_point(hooks, "dump", ctx(tmp_path), 10, [])
+    assert ran.exists()

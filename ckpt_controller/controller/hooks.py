@@ -79,7 +79,11 @@ def find_hooks(hooks_dir: Path | None, point: str) -> list[Path]:
             continue
         real = trusted_path(path, "hook")  # a link: its target and every folder on the way
         if not real.is_file() or not os.access(real, os.X_OK):
-            continue
+            # refused, not skipped: a dump hook installed without chmod +x would otherwise
+            # let a capture succeed having captured nothing
+            raise ConfigError(f"hook {path.name} at {point} is not an executable file: "
+                              f"chmod +x it, or start its name with '.' to set it aside",
+                              path=str(path), point=point)
         found.append(path)
     return found
 
