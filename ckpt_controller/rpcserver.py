@@ -92,8 +92,10 @@ class RpcServer:
 
     # ------------------------------------------------------------------ life
 
-    def start(self):
-        """Bind the endpoint and start serving; returns once bound."""
+    def bind(self) -> None:
+        """Bind the endpoint without serving yet: what arrives waits in the socket until
+        ``start``. A server that must check its endpoint before it touches anything (the
+        controller, before it recovers) binds first."""
         try:
             self._outbox = Outbox(self._ctx, self.name)
             self._router = self._ctx.socket(zmq.ROUTER)
@@ -122,6 +124,11 @@ class RpcServer:
             if isinstance(exc, CkptError):
                 raise
             raise CkptError(f"cannot bind {self.endpoint}: {exc}", endpoint=self.endpoint) from exc
+
+    def start(self):
+        """Bind the endpoint (unless ``bind`` did) and start serving; returns once bound."""
+        if self._router is None:
+            self.bind()
         name = f"rpc-{self.name}"
         self._thread = threading.Thread(
             target=guarded(self._serve, name, on_death=self._thread_died,

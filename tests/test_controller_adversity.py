@@ -229,3 +229,45 @@ def test_idle_connections_to_the_metrics_port_pile_up_no_threads(spawn_controlle
     while proc.num_threads() > base + 2:
         assert time.monotonic() < deadline, proc.num_threads()
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("taken", ["controller.endpoint", "controller.metrics_port"])
+def test_a_port_in_use_is_refused_before_any_engine_is_touched(spawn_engine, ipc_dir, taken):
+    """The state directory holds an operation a killed controller left running on a PREPARED
+    engine; the new controller's TCP endpoint (or metrics port) is taken. ``serve`` exits 2
+    naming the key, and leaves the engine as it was: recovering it is the job of the
+    controller that does start."""
+    from ckpt_controller.agent.client import AgentClient
+
+    eng = spawn_engine("t1", weights_mib=4, kv_mib=4, layers=1)
+    with AgentClient(eng.control, timeout_s=10) as agent:
+        assert agent.prepare(op_id="direct", drain="abort", level=1).state == "prepared"
+    state = ipc_dir / "state"
+    state.mkdir(mode=0o700)
+    journal = Journal(state / "journal.sqlite3")
+    journal.begin("left-running", "prepare", ["t1"], {})
+    journal.close()
+    port_holder = socket.socket()
+    port_holder.bind(("127.0.0.1", 0))
+    port_holder.listen()
+    port = port_holder.getsockname()[1]
+    endpoint = (f"tcp://127.0.0.1:{port}" if taken == "controller.endpoint"
+                else f"ipc://{ipc_dir}/ctl.sock")
+    config = ipc_dir / "c.toml"
+    config.write_text(f'[controller]\nendpoint = "{endpoint}"\nstate_dir = "{state}"\n'
+                      + (f"metrics_port = {port}\n" if taken == "controller.metrics_port" else "")
+                      + f'[[engine]]\nname = "t1"\ncontrol = "{eng.control}"\n')
+    try:
+        out = subprocess.run([sys.executable, "-m", "ckpt_controller", "serve", "--config",
+                              str(config)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    finally:
+        port_holder.close()
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert taken in out.stderr and "Traceback" not in out.stderr, out.stderr
+    with AgentClient(eng.control, timeout_s=10) as agent:
+        assert agent.status().state == "prepared"  # not rolled back by a refused controller
+    journal = Journal(state / "journal.sqlite3")
+    try:
+        assert [op for op, *_ in journal.unfinished()] == ["left-running"]
+    finally:
+        journal.close()

@@ -4,8 +4,9 @@ Serves handshake, status, operation, history, heartbeat and subscribe (``watch``
 journal record as it is written, plus heartbeats). Operations run on their own threads; status
 and history queries on the server's bounded workers (``RpcServer.offload``: a burst of them is
 shed with ``OverloadedError``); all answer through the outbox, so the control thread never
-blocks. On start it reconciles operations a previous controller left unfinished, then opens
-the optional Prometheus endpoint and the ``monitor`` that keeps its engine gauges current. Neighbours:
+blocks. On start it binds its endpoint and the optional Prometheus endpoint, reconciles
+operations a previous controller left unfinished, then serves and starts the ``monitor`` that
+keeps its engine gauges current. Neighbours:
 ``rpcserver`` (socket loop), ``service``, ``metrics``, ``monitor``.
 """
 
@@ -43,15 +44,23 @@ class ControllerServer(RpcServer):
         self.metrics_server: MetricsServer | None = None
         self.monitor: EngineMonitor | None = None  # follows heartbeats for the engine gauges
 
-    def start(self) -> "ControllerServer":
-        super().start()
-        self.controller.start_reconciler()
-        if self.config.metrics_port is not None:
-            self.monitor = EngineMonitor(self.config, self.metrics).start()
+    def bind(self) -> None:
+        """Bind the endpoint and the metrics port, serving nothing yet: ``serve`` does this
+        before it recovers, so a port in use is refused before any engine is touched."""
+        super().bind()
+        if self.config.metrics_port is not None and self.metrics_server is None:
             self.metrics_server = MetricsServer(self.metrics, self.config.metrics_host,
                                                 self.config.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.config.metrics_host,
                      self.metrics_server.port)
+
+    def start(self) -> "ControllerServer":
+        if self._router is None:
+            self.bind()
+        super().start()
+        self.controller.start_reconciler()
+        if self.config.metrics_port is not None:
+            self.monitor = EngineMonitor(self.config, self.metrics).start()
         return self
 
     def close(self) -> None:
@@ -94,7 +103,10 @@ def serve(config: ControllerConfig, ready=None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):  # a handler only sets a flag
         signal.signal(sig, lambda *_: stop.set())
     try:
-        # before the socket opens: no new operation may touch an engine being reconciled
+        # bound first: an endpoint or metrics port in use is refused before anything is
+        # touched; served only after recovery: no new operation may touch an engine being
+        # reconciled (requests wait in the socket meanwhile)
+        server.bind()
         recovered = server.controller.recover()
         server.start()
         for result in recovered:
