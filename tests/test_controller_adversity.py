@@ -13,6 +13,9 @@ odd names. Real ``ckptctl serve`` processes where a process is what is tried.
 - A restarted controller carries the last good cycle's time and the image size over from its
   journal, so those gauges do not go blank.
 - Connections to the metrics port that never send a request hold no thread each for ever.
+- A controller whose TCP endpoint or metrics port is taken exits 2 before it touches an
+  engine (it recovered, rolling engines back, and only then found the port taken).
+- A journal result that cannot be decoded costs a gauge, not the controller's start.
 
 Neighbours: ``test_serve_start`` (one controller per state directory, stale sockets),
 ``conftest`` (``ipc_dir``).
@@ -271,3 +274,22 @@ def test_a_port_in_use_is_refused_before_any_engine_is_touched(spawn_engine, ipc
         assert [op for op, *_ in journal.unfinished()] == ["left-running"]
     finally:
         journal.close()
+
+
+def test_an_unreadable_result_in_the_journal_does_not_stop_the_controller(spawn_controller,
+                                                                          ipc_dir):
+    """Carrying the gauges over reads old results; one that cannot be decoded (a disk error,
+    a downgrade) costs that gauge, not the controller's start."""
+    state = ipc_dir / "state"
+    state.mkdir(mode=0o700)
+    journal = Journal(state / "journal.sqlite3")
+    journal.begin("garbled", "cycle", ["e"], {})
+    journal.close()
+    db = sqlite3.connect(state / "journal.sqlite3")
+    with db:
+        db.execute("UPDATE operations SET status = 'succeeded', ended_wall = wall + 1, "
+                   "result = ? WHERE op_id = 'garbled'", (b"\xc1 not msgpack",))
+    db.close()
+    ctl = spawn_controller(f'[[engine]]\nname = "e"\ncontrol = "ipc://{ipc_dir}/e"\n')
+    out = ctl.ckptctl("history", "--json")
+    assert out.returncode == 0 and "garbled" in out.stdout, out.stdout + out.stderr

@@ -120,7 +120,11 @@ class Controller:
             for op in self.journal.operations(engine=engine, limit=CARRY_OVER_OPERATIONS):
                 if op.kind != "cycle" or op.duration_s is None:
                     continue
-                result = self.journal.result(op.op_id)
+                try:
+                    result = self.journal.result(op.op_id)
+                except msgspec.MsgspecError as err:  # policy: costs this gauge, not the start
+                    log.warning("journal: the result of %s cannot be read: %s", op.op_id, err)
+                    continue
                 if result is not None and any(o.engine == engine and o.status == "succeeded"
                                               for o in result.engines):
                     self.metrics.last_cycle(engine, op.wall + op.duration_s)
