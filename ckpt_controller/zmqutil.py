@@ -8,8 +8,9 @@ owner thread polls next to its main socket and forwards from.
 A control thread never blocks on itself: once the owner called ``own(sock)``, what it sends
 itself goes straight to ``sock``, non-blocking, never through the outbox it alone drains.
 Every queue is bounded: the outbox holds at most ``OUTBOX_HWM`` messages on each side; a
-sender from another thread waits at most ``OUTBOX_SEND_TIMEOUT_S`` for room, then the message
-is dropped and logged (the owner took nothing for that long: it is stuck or gone). A message
+sender from another thread waits at most ``OUTBOX_SEND_TIMEOUT_S`` for room (its own wait: the
+lock is held for one non-blocking try at a time, so senders never wait out each other's
+timeouts in turn), then the message is dropped and logged (the owner took nothing for that long: it is stuck or gone). A message
 the main socket cannot take (the peer left, or its own queue is full) is dropped too, and
 ``on_gone`` names the peer.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -61,8 +63,8 @@ class Outbox:
         self.inbox.bind(addr)
         self._push = ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, hwm)
-        self._push.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000)))
         self._push.connect(addr)
+        self._send_timeout_s = send_timeout_s
         self._lock = threading.Lock()
         self._closed = False
         self._owner: int | None = None
@@ -83,19 +85,26 @@ class Outbox:
         """Send ``frames`` towards the owned socket; False when they were dropped."""
         if self._owner == threading.get_ident():
             return self._deliver(frames)
-        with self._lock:
-            if self._closed:
-                return False
-            try:
-                self._push.send_multipart(frames)
-                return True
-            except zmq.Again:
-                # policy: the owner took nothing for the whole timeout (stuck or gone); drop
-                # and say so, the sender goes on. A request resent with the same id is answered
-                self.dropped += 1
-                log.warning("%s: outbox full for %.1fs, message dropped (%d so far)", self.name,
-                            self._push.getsockopt(zmq.SNDTIMEO) / 1000, self.dropped)
-                return False
+        deadline = time.monotonic() + self._send_timeout_s
+        pause = 0.001
+        while True:
+            with self._lock:  # held for one non-blocking try: senders never wait in turn
+                if self._closed:
+                    return False
+                try:
+                    self._push.send_multipart(frames, zmq.NOBLOCK)
+                    return True
+                except zmq.Again:  # policy: full: try again until this sender's deadline
+                    if time.monotonic() >= deadline:
+                        # the owner took nothing for the whole timeout (stuck or gone): drop
+                        # and say so, the sender goes on. A request resent with the same id
+                        # is answered
+                        self.dropped += 1
+                        log.warning("%s: outbox full for %.1fs, message dropped (%d so far)",
+                                    self.name, self._send_timeout_s, self.dropped)
+                        return False
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.05)
 
     def forward(self, limit: int = FORWARD_BUDGET) -> int:
         """On the owner thread: send up to ``limit`` queued messages; returns how many went

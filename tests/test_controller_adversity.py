@@ -16,6 +16,7 @@ odd names. Real ``ckptctl serve`` processes where a process is what is tried.
 - A controller whose TCP endpoint or metrics port is taken exits 2 before it touches an
   engine (it recovered, rolling engines back, and only then found the port taken).
 - A journal result that cannot be decoded costs a gauge, not the controller's start.
+- Threads sending through a full outbox each wait their own timeout, not each other's.
 
 Neighbours: ``test_serve_start`` (one controller per state directory, stale sockets),
 ``conftest`` (``ipc_dir``).
@@ -293,3 +294,35 @@ def test_an_unreadable_result_in_the_journal_does_not_stop_the_controller(spawn_
     ctl = spawn_controller(f'[[engine]]\nname = "e"\ncontrol = "ipc://{ipc_dir}/e"\n')
     out = ctl.ckptctl("history", "--json")
     assert out.returncode == 0 and "garbled" in out.stdout, out.stdout + out.stderr
+
+
+def test_outbox_senders_each_wait_their_own_timeout_not_each_others():
+    """The outbox is full and nobody forwards (the owner is stuck): eight threads send at
+    once. Each gives up after about its own timeout; none waits for the others' in turn (the
+    last would wait eight timeouts: 4 s here, 40 s with the real 5 s)."""
+    import zmq
+
+    from ckpt_controller.zmqutil import Outbox
+
+    ctx = zmq.Context()
+    outbox = Outbox(ctx, "stuck", hwm=10, send_timeout_s=0.5)
+    try:
+        while outbox.send([b"peer", b"fill"]):
+            pass
+        waited: list[float] = []
+
+        def one() -> None:
+            start = time.monotonic()
+            assert not outbox.send([b"peer", b"more"])
+            waited.append(time.monotonic() - start)
+
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert len(waited) == 8
+        assert max(waited) < 1.5, sorted(round(w, 2) for w in waited)
+    finally:
+        outbox.close()
+        ctx.term()
