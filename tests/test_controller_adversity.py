@@ -9,7 +9,8 @@ odd names. Real ``ckptctl serve`` processes where a process is what is tried.
   is answered with what fits in a message (the newest records), not lost to the wire's 16 MiB
   limit and reported as an unreachable controller; and while such large queries run, the
   control thread, which reads the journal for every operation request, still answers within
-  about a second (a long read does not hold up the short ones).
+  about a second (a long read does not hold up the short ones). Operations on hundreds of
+  engines each are bounded the same way: the newest that fit.
 - A restarted controller carries the last good cycle's time and the image size over from its
   journal, so those gauges do not go blank.
 - Connections to the metrics port that never send a request hold no thread each for ever.
@@ -326,3 +327,27 @@ def test_outbox_senders_each_wait_their_own_timeout_not_each_others():
     finally:
         outbox.close()
         ctx.term()
+
+
+def test_a_history_of_large_group_operations_is_answered_with_what_fits(spawn_controller,
+                                                                        ipc_dir):
+    """10,000 operations on 300 engines each (a big fleet's hourly group cycles for a year):
+    their summaries alone are about 25 MiB. ``history --limit 10000`` answers with the newest
+    that fit in one message instead of being lost to the 16 MiB limit."""
+    state = ipc_dir / "state"
+    _long_journal(state, operations=10, per_op=1)
+    engines = json.dumps([f"engine-{n:04d}" for n in range(300)])
+    now = time.time()
+    db = sqlite3.connect(state / "journal.sqlite3")
+    with db:
+        db.executemany("INSERT INTO operations (op_id, kind, engines, params, status, wall, "
+                       "monotonic, ended_wall) VALUES (?, 'cycle', ?, '{}', 'succeeded', ?, 0, "
+                       "?)", [(f"group-{i:05d}", engines, now + i, now + i + 1)
+                              for i in range(10_000)])
+    db.close()
+    ctl = spawn_controller(f'[[engine]]\nname = "e"\ncontrol = "ipc://{ipc_dir}/e"\n')
+    out = ctl.ckptctl("history", "--limit", "10000", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    ops = [o["op_id"] for o in json.loads(out.stdout)["operations"]]
+    assert 1_000 < len(ops) < 10_000
+    assert ops == [f"group-{i:05d}" for i in range(9_999, 9_999 - len(ops), -1)]  # the newest

@@ -59,9 +59,9 @@ Done = Callable[[p.OperationResult | CkptError], None]
 TRANSITIONAL = ("preparing", "restoring")
 #: callers one running operation answers at its end; one more is shed (``OverloadedError``)
 MAX_WAITERS = 64
-#: the records one ``history`` answer carries at most (their text): half of what one message
-#: may carry, the rest left to its operations
-HISTORY_RECORD_BYTES = p.HARD_MAX_MESSAGE_BYTES // 2
+#: the operations and records one ``history`` answer carries at most (their encoded size):
+#: half of what one message may carry, leaving room for what a record's text does not count
+HISTORY_BYTES = p.HARD_MAX_MESSAGE_BYTES // 2
 #: the operations of each engine a starting controller looks through for its last good cycle
 CARRY_OVER_OPERATIONS = 1000
 
@@ -71,6 +71,9 @@ class _Running:
     kind: str
     engines: list[str]
     waiters: list[Done] = field(default_factory=list)
+
+
+_summary_encoder = msgspec.msgpack.Encoder()
 
 
 def error_info(err: CkptError) -> p.ErrorInfo:
@@ -482,13 +485,19 @@ class Controller:
 
     def history(self, cmd: p.HistoryCommand) -> p.HistoryReply:
         """The newest ``limit`` operations (of ``engine``, or ``op_id``) and the newest
-        records of those operations only (``engine``'s own, when given), as many as fit in
-        ``HISTORY_RECORD_BYTES``: the answer must fit in one message."""
-        operations = self.journal.operations(engine=cmd.engine, op_id=cmd.op_id,
-                                             limit=cmd.limit)
+        records of those operations only (``engine``'s own, when given); as many of each as
+        fit in ``HISTORY_BYTES`` (operations first), since the answer must fit in one
+        message."""
+        operations, used = [], 0
+        for op in self.journal.operations(engine=cmd.engine, op_id=cmd.op_id,
+                                          limit=cmd.limit):  # newest first
+            used += len(_summary_encoder.encode(op))
+            if used > HISTORY_BYTES:
+                break
+            operations.append(op)
         return p.HistoryReply(operations=operations, records=self.journal.records(
             engine=cmd.engine, op_ids=[o.op_id for o in operations], limit=cmd.limit * 20,
-            max_bytes=HISTORY_RECORD_BYTES))
+            max_bytes=HISTORY_BYTES - used))
 
     # ---------------------------------------------------------------- after a crash
 
