@@ -182,7 +182,7 @@ class OperationCommand(Command, kw_only=True):
     reason: Text = ""
     #: restore: the operation (id) whose image to restore, named explicitly; needed for an
     #: image older than the engine's generation (default: the image of this generation)
-    image: str | None = None
+    image: OpId | None = None
 
 
 class HistoryCommand(Command, kw_only=True):

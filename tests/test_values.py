@@ -218,7 +218,9 @@ def test_the_controller_answers_absurd_values_with_a_typed_error(ipc_dir, spawn_
              ({**base, "op_id": "a", "deadline_s": NAN}, "deadline_s"),
              ({**base, "op_id": "b", "drain_timeout_s": 0.0}, "drain_timeout_s"),
              ({**base, "op_id": "c", "residual_budget_bytes": 2**64 - 1}, "residual_budget_bytes"),
-             ({**base, "op_id": "d", "kind": "cycle", "max_unavailable": 0}, "max_unavailable")]
+             ({**base, "op_id": "d", "kind": "cycle", "max_unavailable": 0}, "max_unavailable"),
+             ({**base, "op_id": "e", "kind": "restore", "image": "../../etc"}, "image"),
+             ({**base, "op_id": "f", "kind": "restore", "image": ""}, "image")]
     for fields, field in cases:
         reply = _send_raw(ctl.endpoint, p.RequestType.OPERATION, fields)
         assert isinstance(reply, p.ErrorReply), (field, reply)
@@ -226,6 +228,9 @@ def test_the_controller_answers_absurd_values_with_a_typed_error(ipc_dir, spawn_
         assert reply.to_exception().exit_code == 2
     reply = _send_raw(ctl.endpoint, p.RequestType.HISTORY, {"limit": -1})
     assert isinstance(reply, p.ErrorReply) and "$.limit" in reply.message
+    # the wire's own bound is the only one: a limit the CLI lets through is answered
+    reply = _send_raw(ctl.endpoint, p.RequestType.HISTORY, {"limit": p.MAX_HISTORY_LIMIT})
+    assert isinstance(reply, p.Reply), reply
     with ControllerClient(ctl.endpoint, timeout_s=10) as c:  # nothing was journaled
         assert c.history().operations == []
 

@@ -79,7 +79,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         if op == "rollback":
             sp.add_argument("--reason", default="", help="recorded with the transition")
         if op == "restore":
-            sp.add_argument("--image", metavar="OP_ID",
+            sp.add_argument("--image", metavar="OP_ID", type=op_id,
                             help="restore the image operation OP_ID dumped (default: the one of "
                                  "the engine's generation; an older one must be named here)")
 

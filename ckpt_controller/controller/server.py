@@ -22,7 +22,6 @@ from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.metrics import Metrics, MetricsServer
 from ckpt_controller.controller.monitor import EngineMonitor
 from ckpt_controller.controller.service import Controller
-from ckpt_controller.errors import UsageError
 from ckpt_controller.rpcserver import RpcServer
 from ckpt_controller.security import CurveServer
 
@@ -82,8 +81,6 @@ class ControllerServer(RpcServer):
                 protocol_version=p.PROTOCOL_VERSION, engine="controller", pid=os.getpid(),
                 incarnation=0, state="serving", heartbeat_interval_s=self.heartbeat_interval_s))
         elif rtype is p.RequestType.HISTORY:
-            if not 1 <= cmd.limit <= 10_000:
-                raise UsageError("history limit must be 1 to 10000", limit=cmd.limit)
             self.offload(identity, call_id, "HISTORY", lambda: self.controller.history(cmd))
         elif rtype is p.RequestType.OPERATION:
             # the result, or the error of a refusal found by asking the engines
