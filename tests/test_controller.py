@@ -144,36 +144,38 @@ def test_progress_on_a_terminal_and_none_with_json(spawn_reference, spawn_contro
 def test_conflicts_and_repeated_ids(spawn_reference, spawn_controller):
     eng = spawn_reference("e1")
     ctl = spawn_controller(engines_toml((eng, "")))
-    with EngineClient(eng.api) as api:
-        api.submit([1, 2, 3], 1000)  # keeps a wait drain busy for a while
-        time.sleep(0.2)
-        done = {}
-        with ControllerClient(ctl.endpoint) as first:
-            def long_prepare():
-                with ControllerClient(ctl.endpoint) as other:
-                    done["r"] = other.prepare(["e1"], op_id="long", drain="wait", level=1)
+    gate = ctl.dir / "let-go"
+    # holds the prepare in PREPARING until the test lets it go: however fast or slow the
+    # machine, "long" holds the engine while the conflicting requests arrive
+    _hook(ctl, "post-drain", "10-hold", f"while [ ! -e {gate} ]; do sleep 0.05; done")
+    done = {}
+    with ControllerClient(ctl.endpoint) as first:
+        def long_prepare():
+            with ControllerClient(ctl.endpoint) as other:
+                done["r"] = other.prepare(["e1"], op_id="long", drain="wait", level=1)
 
-            t = threading.Thread(target=long_prepare)
-            t.start()
-            deadline = time.monotonic() + 10
-            while first.status(["e1"]).engines[0].holder != "long":
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            with pytest.raises(BusyError) as info:
-                first.rollback(["e1"], op_id="other")
-            assert info.value.details["holder"] == "long"
-            out = ctl.ckptctl("restore", "e1", "--json")
-            assert out.returncode == 1
-            assert json.loads(out.stdout)["error"]["details"]["holder"] == "long"
-            t.join(60)
-            assert done["r"].status == "succeeded"
-            # the same id again: the stored result, not a second prepare
-            again = first.prepare(["e1"], op_id="long", drain="wait", level=1)
-            assert again == done["r"]
-            assert first.restore(["e1"], op_id="back").status == "succeeded"
-            hist = first.history(op_id="long", limit=500)
-            assert [r.type for r in hist.records].count("operation_start") == 1
-            assert len(hist.operations) == 1
+        t = threading.Thread(target=long_prepare)
+        t.start()
+        deadline = time.monotonic() + 10
+        while first.status(["e1"]).engines[0].holder != "long":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(BusyError) as info:
+            first.rollback(["e1"], op_id="other")
+        assert info.value.details["holder"] == "long"
+        out = ctl.ckptctl("restore", "e1", "--json")
+        assert out.returncode == 1
+        assert json.loads(out.stdout)["error"]["details"]["holder"] == "long"
+        gate.touch()
+        t.join(60)
+        assert done["r"].status == "succeeded"
+        # the same id again: the stored result, not a second prepare
+        again = first.prepare(["e1"], op_id="long", drain="wait", level=1)
+        assert again == done["r"]
+        assert first.restore(["e1"], op_id="back").status == "succeeded"
+        hist = first.history(op_id="long", limit=500)
+        assert [r.type for r in hist.records].count("operation_start") == 1
+        assert len(hist.operations) == 1
     # and after a controller restart, from the journal: still not run again (e1 is RUNNING
     # now; a second prepare would leave it PREPARED)
     ctl.stop()
