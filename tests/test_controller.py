@@ -873,3 +873,39 @@ def test_a_transition_whose_event_was_lost_is_journaled_from_the_reply(tmp_path)
         session.close()
     assert records == [("transition", "preparing"), ("transition", "prepared")]
     assert session.outcome.state == "prepared"
+
+
+@pytest.mark.parametrize("op, point, held_in, policy, want", [
+    ("prepare", "post-drain", "preparing", "resume", "running"),
+    ("prepare", "post-drain", "preparing", "leave", "failed"),
+    # a capture may have begun (its dump hook was running): never resumed blindly
+    ("cycle", "dump", "prepared", "resume", "failed"),
+])
+def test_an_engine_found_failed_after_a_restart_is_resumed_if_never_captured(
+        spawn_reference, spawn_controller, op, point, held_in, policy, want):
+    """The controller and the engine's agent both went down in the middle of an operation,
+    and the agent came back FAILED (as a restarted vLLM sidecar does when it finds vLLM
+    paused). Where the journal shows the operation never began a capture, the restarted
+    controller restores the engine by itself under ``recover_uncaptured = "resume"``, and
+    leaves it under "leave"; where a capture may have begun, it leaves it FAILED."""
+    eng = spawn_reference("uc")
+    ctl = spawn_controller(f'recover_uncaptured = "{policy}"\n' + engines_toml((eng, "")))
+    gate = ctl.dir / "let-go"
+    _hook(ctl, point, "10-hold", f"while [ ! -e {gate} ]; do sleep 0.05; done")
+    t = threading.Thread(target=lambda: ctl.ckptctl(op, "uc", "--op-id", "cut"))
+    t.start()
+    _wait_state(eng.control, held_in)
+    time.sleep(0.3)  # the hook is running
+    ctl.kill9()
+    t.join(60)
+    with AgentClient(eng.control) as agent:
+        agent.fail(reason="came back and found the engine paused")
+        assert agent.status().state == "failed"
+    gate.touch()
+    ctl.start()
+    assert ctl.info["recovered"] == 1
+    with AgentClient(eng.control) as agent:
+        assert agent.status().state == want
+    journal = Journal(ctl.dir / "state" / "journal.sqlite3")
+    assert journal.result("cut").engines[0].state == want
+    journal.close()

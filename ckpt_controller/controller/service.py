@@ -456,9 +456,15 @@ class Controller:
         return True
 
     def _captured(self, engine: str, op_id: str) -> bool:
-        """Whether operation ``op_id`` began capturing ``engine`` (its dump hooks may have
-        run): the journal's phases say."""
-        return any(r.type == "phase" and r.data.get("name") == "capture"
+        """Whether operation ``op_id`` may have begun capturing ``engine`` (its dump hooks may
+        have run). Only a prepare or a cycle that never brought the engine to PREPARED surely
+        did not: a capture runs in PREPARED, and its phase record is written at its end, so
+        a controller killed in the middle of one leaves the transition and no phase."""
+        known = self.journal.identity(op_id)
+        if known is None or known[0] not in ("prepare", "cycle"):
+            return True
+        return any((r.type == "phase" and r.data.get("name") == "capture")
+                   or (r.type == "transition" and r.data.get("dest") == "prepared")
                    for r in self.journal.records(engine=engine, op_id=op_id, limit=100_000))
 
     # ---------------------------------------------------------------- status, history
@@ -513,8 +519,13 @@ class Controller:
                 stop_orphan_hooks(self.config.image_dir / engine, op_id,
                                   grace_s=self.config.deadlines.hook_grace)
             sessions = [self._session(cmd, e) for e in known]
+            # the same policy as the reconciler's: FAILED after an operation that never began
+            # to capture the engine is resumed (``recover_uncaptured``)
+            resume = {e for e in known if self.config.recover_uncaptured == "resume"
+                      and not self._captured(e, op_id)}
             try:
-                _fan_out(sessions, lambda s: _reconcile(s, self.config.deadlines.operation))
+                _fan_out(sessions, lambda s: _reconcile(s, self.config.deadlines.operation,
+                                                        s.engine.name in resume))
             finally:
                 for s in sessions:
                     s.close()
@@ -671,8 +682,9 @@ def _undo_prepare(s: EngineSession, failed: list[str]) -> None:
                                   details={"failed": failed})
 
 
-def _reconcile(s: EngineSession, wait_s: float) -> None:
-    """Wait for the agent to settle, then bring a PREPARED engine back to RUNNING."""
+def _reconcile(s: EngineSession, wait_s: float, resume_failed: bool) -> None:
+    """Wait for the agent to settle, then bring a PREPARED engine back to RUNNING (and a
+    FAILED one too with ``resume_failed``: the operation never began to capture it)."""
     deadline = time.monotonic() + wait_s
     status = s.client.status()
     # an agent still running a step finishes it; one left PREPARING or RESTORING between two
@@ -681,8 +693,11 @@ def _reconcile(s: EngineSession, wait_s: float) -> None:
         time.sleep(0.1)
         status = s.client.status()
     before = status.state
-    s.outcome.state = _settle_state(s, before, "controller restarted: interrupted operation "
-                                    "rolled back", step="recover")
+    if before == "failed" and resume_failed:
+        s.outcome.state = _resume_uncaptured(s, s.op_id)
+    else:
+        s.outcome.state = _settle_state(s, before, "controller restarted: interrupted "
+                                        "operation rolled back", step="recover")
     s.outcome.status = {"running": "recovered", "failed": "failed"}.get(s.outcome.state, "failed")
     s.record("reconciled", {"found": before, "now": s.outcome.state})
 
