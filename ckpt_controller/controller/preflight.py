@@ -32,6 +32,18 @@ NEEDS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: one quick status request, one try: a probe never holds an engine or waits out retries
+PROBE_TIMEOUT_S = 2.0
+
+
+def probe(config: ControllerConfig, name: str) -> p.StatusReply:
+    """Engine ``name``'s status from its agent, asked once (``PROBE_TIMEOUT_S``); raises the
+    ``CkptError`` of a failure to ask (``UnreachableError`` when it does not answer)."""
+    with AgentClient(config.engine(name).control, timeout_s=PROBE_TIMEOUT_S, retries=0,
+                     curve=config.agent_curve(name)) as c:
+        return c.status()
+
+
 def ask(config: ControllerConfig, cmd: p.OperationCommand,
         engines: list[str]) -> dict[str, p.StatusReply | None]:
     """Each engine's status (None: a restore's engine that may be revived). Raises for the
@@ -47,9 +59,7 @@ def ask(config: ControllerConfig, cmd: p.OperationCommand,
 
     def look(name: str) -> CkptError | None:
         try:
-            with AgentClient(config.engine(name).control, timeout_s=2.0, retries=0,
-                             curve=config.agent_curve(name)) as c:
-                status = statuses[name] = c.status()
+            status = statuses[name] = probe(config, name)
         except UnreachableError as err:  # policy: unreachable refuses, unless revivable
             if revive:
                 statuses[name] = None

@@ -34,7 +34,6 @@ from pathlib import Path
 import msgspec
 
 from ckpt_controller import protocol as p
-from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller import preflight
 from ckpt_controller.controller.config import MAX_SECONDS, ControllerConfig
 from ckpt_controller.controller.hooks import find_hooks, stop_orphan_hooks
@@ -420,9 +419,7 @@ class Controller:
     def _answers(self, engine: str, op_id: str) -> bool:
         """Whether ``engine``'s agent answers a status request (one try, holding nothing)."""
         try:
-            with AgentClient(self.config.engine(engine).control, timeout_s=2.0, retries=0,
-                             curve=self.config.agent_curve(engine)) as c:
-                c.status()
+            preflight.probe(self.config, engine)
         except CkptError as err:  # policy: not reachable yet: next round
             log.info("%s: still unsettled (operation %s): %s", engine, op_id, err.message)
             return False
@@ -478,9 +475,7 @@ class Controller:
                              holder=self._holders.get(name),
                              unsettled_by=self._unsettled.get(name))
             try:
-                with AgentClient(eng.control, timeout_s=2.0, retries=0,
-                                 curve=self.config.agent_curve(name)) as c:
-                    v.status, v.reachable = c.status(), True
+                v.status, v.reachable = preflight.probe(self.config, name), True
             except CkptError as err:  # policy: an unreachable engine is part of the answer
                 v.error = error_info(err)
             return v
