@@ -492,20 +492,20 @@ def test_demo_runs_end_to_end():
     assert not os.path.exists(tmp)  # the temporary directory is gone
 
 
-def test_deadline_is_a_failure_with_exit_3(spawn_reference, spawn_controller):
-    eng = spawn_reference("d1")
+def test_deadline_is_a_failure_with_exit_3(spawn_engine, spawn_controller):
+    # a step engine: its request takes 600 steps of 10 ms whatever the machine's speed, so the
+    # wait drain surely outlasts the 0.5 s deadline
+    eng = spawn_engine("d1")
     ctl = spawn_controller(engines_toml((eng, "")))
-    with EngineClient(eng.api) as api:
-        rid = api.submit([3, 3], 800)
-        time.sleep(0.2)
-        out = ctl.ckptctl("prepare", "d1", "--drain", "wait", "--deadline", "0.5", "--json")
-        assert out.returncode == 3, out.stdout + out.stderr
-        (o,) = json.loads(out.stdout)["engines"]
-        assert o["error"]["kind"] == "DeadlineError" and o["state"] == "running"
-        assert o["status"] == "rolled_back"
-        while not api.requests[rid].ended:  # the deadline did not abort the request
-            api.poll(0.5)
-        assert api.requests[rid].finish_reason == "length"
+    eng.submit("long", steps=600)
+    time.sleep(0.2)
+    out = ctl.ckptctl("prepare", "d1", "--drain", "wait", "--deadline", "0.5", "--json")
+    assert out.returncode == 3, out.stdout + out.stderr
+    (o,) = json.loads(out.stdout)["engines"]
+    assert o["error"]["kind"] == "DeadlineError" and o["state"] == "running"
+    assert o["status"] == "rolled_back"
+    # the deadline did not abort the request: it runs to its end
+    assert eng.collect(["long"], timeout_s=60)["long"]["reason"] == "length"
 
 
 def test_the_capture_deadline_bounds_the_dump_hooks_together(spawn_reference, spawn_controller):
