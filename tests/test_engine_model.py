@@ -112,17 +112,19 @@ def test_scheduler_decodes_requests_together_and_finishes_them(tiny):
 
 def test_preemption_recomputes_and_keeps_outputs_exact(tiny):
     rec = Recorder()
-    pool = BlockPool(tiny.cfg, 66, block_size=16)  # ~1 full sequence: forces preemption
+    # the smallest pool (one full-length sequence: 64 blocks of 16); 8 requests of 4 + 130
+    # tokens need 72 blocks together, so some are preempted and recomputed
+    pool = BlockPool(tiny.cfg, 64, block_size=16)
     sched = Scheduler(tiny, pool, max_batch=8, emit=rec.emit, on_finish=rec.finish)
-    prompts = {f"p{i}": [9, i, 4, 4] for i in range(4)}
+    prompts = {f"p{i}": [9, i, 4, 4] for i in range(8)}
     for rid, prompt in prompts.items():
-        sched.add(Request(rid, prompt, 300, None, 0.0, b""))
-    while len(rec.finished) < 4:
+        sched.add(Request(rid, prompt, 130, None, 0.0, b""))
+    while len(rec.finished) < 8:
         sched.step()
     events = [e.type for outs in rec.outputs.values() for o in outs for e in o.events]
     assert "preempted" in events
     for rid, prompt in prompts.items():
-        assert _tokens(rec, rid) == tiny.reference_tokens(prompt, 300)
+        assert _tokens(rec, rid) == tiny.reference_tokens(prompt, 130)
 
 
 def test_stop_token_keep_resume_and_abort(tiny):
