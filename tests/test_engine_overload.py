@@ -318,3 +318,21 @@ def test_a_burst_of_adds_is_answered_or_shed_and_others_still_are(spawn_referenc
     while (grown := proc.memory_info().rss - before) >= 24 * MIB:
         assert time.monotonic() < deadline, f"RSS grew by {grown / MIB:.0f} MiB and stayed"
         time.sleep(0.2)
+
+
+def test_a_replay_larger_than_the_queue_gets_every_output(spawn_reference):
+    """``replay`` (what drills, the demo and the crash test compare a cycle's outputs with)
+    sends more requests than a full engine holds: each one shed is sent again, so every
+    replayed request comes back with its tokens, never as an empty output a comparison would
+    count as a mismatch."""
+    from ckpt_controller.engine.load import prompt_for, replay
+
+    eng = spawn_reference("replay", "--max-waiting", "4")
+    ids = [f"load-5-{i}" for i in range(40)]
+    again = replay(eng.api, 5, ids)
+    assert sorted(again) == sorted(ids)
+    with EngineClient(eng.api) as client:
+        for rid in ids[:3]:  # and they are the engine's answers to those prompts
+            prompt, max_tokens = prompt_for(5, int(rid.rsplit("-", 1)[1]), 1024)
+            assert client.generate(prompt, max_tokens).token_ids == again[rid]
+    assert all(again[rid] for rid in ids)

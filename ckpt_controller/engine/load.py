@@ -13,11 +13,13 @@ Neighbours: ``client``; ``cli`` (``ckptctl load``), tests, drills and benchmarks
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -142,17 +144,40 @@ def _tally(report: LoadReport, requests: dict[str, Completion], sent: int) -> Lo
     return report
 
 
+#: replayed requests in flight at once: well inside a reference engine's default queue
+REPLAY_WINDOW = 64
+
+
 def replay(endpoint: str, seed: int, request_ids, *, vocab_size: int = 1024,
            timeout_s: float = 120.0) -> dict[str, list[int]]:
-    """Send the load requests ``request_ids`` (``load-<seed>-<i>``) again, all at once, to a
-    RUNNING engine; returns each one's tokens. What a cycle's outputs are compared against."""
+    """Send the load requests ``request_ids`` (``load-<seed>-<i>``) again to a RUNNING engine,
+    ``REPLAY_WINDOW`` at a time; returns each one's tokens. What a cycle's outputs are compared
+    against. A request the engine sheds or refuses for a while (a retryable rejection) is sent
+    again; any other rejection is raised: an empty output would read as a mismatch."""
+    todo = deque(request_ids)
+    flying: dict[str, str] = {}  # replay request id -> load request id
+    tries = itertools.count()
+    out: dict[str, list[int]] = {}
+    deadline = time.monotonic() + timeout_s
     with EngineClient(endpoint) as client:
-        for rid in request_ids:
-            prompt, max_tokens = prompt_for(seed, int(rid.rsplit("-", 1)[1]), vocab_size)
-            client.submit(prompt, max_tokens, request_id="replay-" + rid)
-        deadline = time.monotonic() + timeout_s
-        while not all(c.ended for c in client.requests.values()):
+        while todo or flying:
+            while todo and len(flying) < REPLAY_WINDOW:
+                rid = todo.popleft()
+                prompt, max_tokens = prompt_for(seed, int(rid.rsplit("-", 1)[1]), vocab_size)
+                flying[client.submit(prompt, max_tokens,
+                                     request_id=f"replay-{next(tries)}-{rid}")] = rid
             if time.monotonic() > deadline:
-                raise TimeoutError("replayed requests did not all end")
-            client.poll(0.2)
-        return {rid[len("replay-"):]: c.token_ids for rid, c in client.requests.items()}
+                raise TimeoutError(f"replayed requests did not all end in {timeout_s:.0f} s "
+                                   f"({len(todo) + len(flying)} left)")
+            for c in client.poll(0.2):
+                rid = flying.pop(c.request_id, None)
+                if rid is None:
+                    continue
+                if c.rejected is None:
+                    out[rid] = c.token_ids
+                    continue
+                err = c.rejected.to_exception()
+                if not err.retryable:
+                    raise err
+                todo.append(rid)  # shed by a full engine (or not RUNNING yet): again later
+        return out
