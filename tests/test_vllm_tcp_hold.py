@@ -85,6 +85,18 @@ class SteadyLoad:
         return self.requests
 
 
+def assert_none_lost(sent: list[Sent], gone: float, back: float) -> None:
+    """Every request of a ``SteadyLoad`` ended whole, and at least ten were sent between
+    ``gone`` and ``back`` (wall times: the capture and restore window was really exercised)."""
+    lost = [r for r in sent if r.error or r.finish_reason != "length"]
+    while_gone = [r for r in sent if gone <= r.sent <= back]
+    print(f"\n{len(sent)} requests, {len(while_gone)} sent during the capture and restore "
+          f"({back - gone:.1f} s), {len(lost)} lost; the slowest took "
+          f"{max(r.ended - r.sent for r in sent):.1f} s")
+    assert len(while_gone) >= 10
+    assert not lost, [(r.error, r.finish_reason) for r in lost][:5]
+
+
 class Standin:
     """The stand-in server in its own session (CRIU dumps a session leader), logging to a
     file (a pipe to us could not be restored)."""
@@ -160,13 +172,7 @@ def test_no_request_is_lost_across_a_stop_capture_and_restore(standin, spawn_con
         status = json.loads(ctl.ckptctl("status", "--json").stdout)["engines"][0]["status"]
     finally:
         side.stop()
-    lost = [r for r in sent if r.error or r.finish_reason != "length"]
-    while_gone = [r for r in sent if gone <= r.sent <= back]
-    print(f"\n{len(sent)} requests, {len(while_gone)} sent during the capture and restore "
-          f"({back - gone:.1f} s), {len(lost)} lost; the slowest took "
-          f"{max(r.ended - r.sent for r in sent):.1f} s")
-    assert len(while_gone) >= 10  # the window was really exercised
-    assert not lost, [(r.error, r.finish_reason) for r in lost][:5]
+    assert_none_lost(sent, gone, back)
     assert status["state"] == "running" and status["pid"] == standin.pid
     # the sidecar's own process never left: the server's fingerprint tells the restore
     assert status["restored_from_image"] and status["incarnation"] == 1
