@@ -1,0 +1,166 @@
+"""The project's vocabulary: every state, trigger, mode, reason, level and status, once.
+
+Each word a peer, a journal or an operator can see is a member of one enum here, and every
+layer (the lifecycle, the wire Structs, the agent, the controller, the CLI) uses the member,
+never a bare string. The wire Structs are typed with these enums, so msgspec refuses a
+misspelt value when a frame is decoded, and a value written in one place but not defined here
+is a type error. String enums are ``StrEnum``: a member *is* its wire string, so
+``DrainMode.WAIT == "wait"`` and JSON/msgpack carry the plain word.
+
+Renamed words stay readable: a journal written before the triggers took the step names
+(``prepared``/``restored``, now ``seal``/``resume``) still decodes, through ``_missing_``.
+
+This module imports nothing but ``enum``: anything may import it.
+Neighbours: ``lifecycle`` builds its machine from ``CheckpointState`` and ``Trigger``;
+``protocol`` types its Structs with these enums; ``controller.policy`` maps ``HookPoint`` to
+``HookFailure``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class CheckpointState(enum.StrEnum):
+    """Where an engine stands in the checkpoint/restore cycle (wire value: lowercase name)."""
+
+    RUNNING = "running"  # serves requests
+    PREPARING = "preparing"  # drains, then releases what a checkpoint must not contain
+    PREPARED = "prepared"  # safe to capture
+    RESTORING = "restoring"  # brings back what preparing released
+    FAILED = "failed"
+
+    @property
+    def is_restored(self) -> bool:
+        """True when memory may wake and scheduling resume (RUNNING, RESTORING)."""
+        return self in (CheckpointState.RUNNING, CheckpointState.RESTORING)
+
+
+#: States an engine must not be left in: something is working on it.
+TRANSITIONAL = frozenset({CheckpointState.PREPARING, CheckpointState.RESTORING})
+
+
+class Trigger(enum.StrEnum):
+    """The verbs that move the lifecycle; ``seal`` and ``resume`` are also the agent's last
+    prepare and restore steps, so a step and the transition it makes share one name."""
+
+    PREPARE = "prepare"  # RUNNING -> PREPARING
+    SEAL = "seal"  # PREPARING -> PREPARED
+    RESTORE = "restore"  # PREPARED or FAILED -> RESTORING
+    RESUME = "resume"  # RESTORING -> RUNNING
+    ROLLBACK = "rollback"  # PREPARING or PREPARED -> RESTORING
+    FAIL = "fail"  # any -> FAILED
+
+    @classmethod
+    def _missing_(cls, value: object) -> Trigger | None:
+        # policy: names written by older versions (journals, events) still read
+        return _OLD_TRIGGERS.get(value)  # type: ignore[arg-type]
+
+
+_OLD_TRIGGERS = {"prepared": Trigger.SEAL, "restored": Trigger.RESUME}
+
+
+class DrainMode(enum.StrEnum):
+    """What a prepare does with the requests in flight."""
+
+    WAIT = "wait"  # let them finish (until the drain deadline, then escalate)
+    ABORT = "abort"  # end them now with finish reason ``abort``
+    KEEP = "keep"  # pause them; they resume after the restore
+
+
+class Escalation(enum.StrEnum):
+    """What a ``wait`` drain does at its deadline."""
+
+    ABORT = "abort"
+    KEEP = "keep"
+    FAIL = "fail"  # the prepare fails (and rolls back)
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended (as OpenAI and vLLM spell it)."""
+
+    STOP = "stop"  # a stop token
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # aborted (a drain, a client, a shutdown)
+    ERROR = "error"
+
+
+class ReleaseLevel(enum.IntEnum):
+    """How much memory a prepare releases, as vLLM's sleep levels."""
+
+    NOTHING = 0  # release nothing (drain only)
+    OFFLOAD = 1  # weights offloaded to host memory, KV cache discarded
+    DISCARD = 2  # weights and KV cache discarded; weights reloaded from their file
+
+
+class PrepareStep(enum.StrEnum):
+    """A prepare in one go (``all``) or one step at a time, so hooks can run between."""
+
+    ALL = "all"
+    DRAIN = "drain"  # -> PREPARING, requests drained
+    RELEASE = "release"  # memory released, still PREPARING
+    SEAL = "seal"  # -> PREPARED
+
+
+class RestoreStep(enum.StrEnum):
+    """A restore in one go (``all``) or in two steps, so post-restore hooks run between."""
+
+    ALL = "all"
+    REWAKE = "rewake"  # -> RESTORING: memory back and verified, admission closed
+    RESUME = "resume"  # -> RUNNING
+
+
+class MemoryAction(enum.StrEnum):
+    RELEASE = "release"
+    REWAKE = "rewake"
+
+
+class OperationKind(enum.StrEnum):
+    """What a controller operation does to each engine."""
+
+    PREPARE = "prepare"
+    CAPTURE = "capture"  # prepare, then the dump hooks
+    RESTORE = "restore"
+    CYCLE = "cycle"  # capture, then restore
+    ROLLBACK = "rollback"
+
+
+class OutcomeStatus(enum.StrEnum):
+    """How one engine's part of an operation ended."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    ROLLED_BACK = "rolled_back"
+    SKIPPED = "skipped"  # never started (an all-or-nothing operation stopped first)
+
+
+class OperationStatus(enum.StrEnum):
+    """How a whole operation ended."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    ROLLED_BACK = "rolled_back"
+    INTERRUPTED = "interrupted"  # the controller stopped mid-way; recovery settled it
+
+
+class HookPoint(enum.StrEnum):
+    """The moments of a cycle at which the controller runs hooks, in cycle order."""
+
+    PRE_PREPARE = "pre-prepare"
+    POST_DRAIN = "post-drain"
+    POST_RELEASE = "post-release"
+    DUMP = "dump"
+    POST_DUMP = "post-dump"
+    PRE_RESTORE = "pre-restore"
+    POST_RESTORE = "post-restore"
+    POST_RESUME = "post-resume"
+    ON_FAIL = "on-fail"
+
+
+class HookFailure(enum.StrEnum):
+    """What a hook's non-zero exit or timeout does at its point."""
+
+    VETO = "veto"  # the operation is refused; the engine stays RUNNING
+    ROLLBACK = "rollback"  # the engine is rolled back to RUNNING (if its process lives)
+    FAIL = "fail"  # the engine is marked FAILED
+    LOG = "log"  # logged and counted; the operation goes on
