@@ -209,7 +209,7 @@ class VllmServer:
         self.log_path = model / "server.log"
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
                    HF_HUB_OFFLINE="1")
-        if AMX_PERMISSION.exists():  # on a CPU with AMX (docs/vllm-notes.md; make vllm)
+        if AMX_PERMISSION.exists():  # on a CPU with AMX (docs/vllm.md; make vllm)
             env["LD_PRELOAD"] = str(AMX_PERMISSION)
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(

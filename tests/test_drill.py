@@ -2,7 +2,7 @@
 
 The 20-cycle drill and one fault of each kind run by default; every fault at every place
 (about four minutes) is marked slow. Each fault's outcome is checked here against the table
-in README.md, not only against the drill's own verdict."""
+in docs/drills.md, not only against the drill's own verdict."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ faults (--faults KIND@WHERE[#CYCLE],...; 'all' = every one, one per cycle):
   kill-controller@preparing|prepared|restoring     kill -9 of the controller in that state
   corrupt-weight@rewake                            a weight bit flips before verification
   residual@release                                 untracked memory over the residual budget
-Every fault hits the first engine named; README.md lists the outcome each must have.
+Every fault hits the first engine named; docs/drills.md lists the outcome each must have.
 
 exit codes: 0 every cycle as documented, nothing lost, outputs identical, no leak;
 1 otherwise (see report.json); 2 usage error.

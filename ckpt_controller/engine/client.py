@@ -5,7 +5,8 @@
 wait has a deadline. Until the engine is first heard from, ``contact.FirstContact`` watches
 the connection, so a missing socket file or a refused port is an ``UnreachableError`` within
 about a second; token ids, counts and timeouts are checked (``values``) before anything is
-sent. Neighbours: ``api`` (messages), ``load`` (many requests at a rate), ``contact``.
+sent. Neighbours: ``api`` (messages), ``load`` (many requests at a rate), ``contact``,
+``values`` (the limits), ``endpoints`` (endpoint checks).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 One tensor ``(layers, 2, n_blocks, block_size, heads, head_dim)`` holds every sequence's keys
 and values; a sequence owns a list of block ids (its block table). The tensor is what the
-agent registers as ``kv_cache``: released (discarded) while PREPARED, zero-filled on re-wake,
-after which sequences recompute their blocks. Neighbours: ``model`` reads and writes blocks,
-``scheduler`` allocates and frees them.
+engine registers as ``kv_cache`` with the registry its agent drives: released (discarded) while
+PREPARED, zero-filled on re-wake, after which sequences recompute their blocks. Neighbours:
+``model`` reads and writes blocks (and gives the pool its shape, ``ModelConfig``),
+``scheduler`` allocates and frees them, ``server`` registers the tensor.
 """
 
 from __future__ import annotations

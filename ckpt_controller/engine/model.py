@@ -4,13 +4,16 @@ Token and position embeddings, pre-norm blocks (RMSNorm, multi-head causal atten
 MLP), a final norm and an LM head; greedy decoding. Random weights from a fixed seed, kept in
 a safetensors file whose ``__metadata__`` holds the ``ModelConfig``. Attention reads and writes
 a block-pool KV cache (``kv.BlockPool``): ``prefill`` fills a sequence's blocks in one pass,
-``decode`` advances a whole batch by one token. ``reference_tokens`` recomputes everything
-without a cache: the golden path that checks an engine after re-wake.
+``decode`` advances a whole batch by one token. The golden prompt that checks an engine after
+re-wake runs twice: ``reference_tokens`` recomputes everything without a cache (the weights),
+``paged_tokens`` goes through blocks of the pool, prefill then decode (the path requests take).
 
 Tiny and small models compute in float64 so that a request recomputed after a ``keep`` drain
 (one prefill over prompt + generated tokens) picks exactly the tokens an uninterrupted decode
 picks: float32 rounding differs between the two paths and could flip a near-tie.
-Neighbours: ``kv`` (the pool), ``scheduler`` (who calls prefill/decode), ``server``.
+Neighbours: ``kv`` (the pool), ``scheduler`` (who calls prefill/decode), ``server``;
+``memory`` below (the weights file is written with ``save_file`` and read with
+``SafetensorsFile``).
 """
 
 from __future__ import annotations

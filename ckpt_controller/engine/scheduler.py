@@ -21,7 +21,8 @@ preempted, or kept and resumed, goes back into ``waiting``. ``submit_abort`` hol
 ``MAX_PENDING_ABORTS`` aborts, then sheds likewise. ``submit`` (the engine's own hooks) is not
 counted: each caller waits for its result, so it queues one command at a time. ``running``
 holds at most ``max_batch``.
-Neighbours: ``model``, ``kv``, ``server`` (the thread that runs the loop).
+Neighbours: ``model``, ``kv``, ``api`` (the ``RequestOutput`` messages it emits), ``server``
+(the thread that runs the loop).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ engine's ``EngineHooks`` map the agent's drain and pause/resume calls onto the s
 cache-free path (``TinyLM.reference_tokens``: the weights) and through blocks of the re-woken
 KV pool (``TinyLM.paged_tokens``: the path requests take). After a flood was shed, the heap
 gives back what it left free (``trim_heap``).
-Neighbours: ``scheduler``, ``model``, ``kv``, ``api``; ``agent`` (embedded).
+Neighbours: ``scheduler``, ``model``, ``kv``, ``api``; ``agent`` (embedded), ``memory`` (the
+``MemoryRegistry`` holding ``weights`` and ``kv_cache``), ``zmqutil`` (``Outbox``, ``guarded``).
 """
 
 from __future__ import annotations

@@ -5,12 +5,14 @@ The only layer besides the reference engine that imports torch. Modules, lowest 
     measure          RSS, malloc_trim, CUDA allocator and mem_get_info
     checksum         bit-exact tensor checksum on the tensor's own device
     fill             filling released (untouched) host memory: pages faulted in ahead, threads
-    safetensors_io   safetensors writer, and a reader that fills existing tensors in place
+    safetensors_io   safetensors files: the writer, and a reader that fills existing tensors
     layout           registered tensors grouped by storage (Block), validation
-    registry         MemoryRegistry: register, plan, release, rewake, verify
+    registry         MemoryRegistry: register, plan, release, rewake (verified)
 
-Neighbours: ``errors`` and ``protocol`` (``MemoryReport``, ``DeviceMemory``) below; the agent
-above drives a ``MemoryRegistry`` from its prepare and restore steps.
+Neighbours: ``errors``, ``clock`` and ``protocol`` (``MemoryReport``, ``DeviceMemory``) below;
+above, the agent drives a ``MemoryRegistry`` from its prepare and restore steps (through its
+``MemoryManager`` interface), and the reference engine registers its weights and KV pool and
+writes its weights file.
 """
 
 from ckpt_controller.memory.checksum import tensor_checksum

@@ -19,8 +19,10 @@ Not a cryptographic hash: it detects corruption (bit flips, swapped, zeroed or t
 data, reload from the wrong file), not tampering. Being linear modulo 2**64, it misses a
 change d at word k paired with -d at word k' when (k - k') * d is a multiple of 2**64 (for
 example two words that differ only in their top bit, swapped at an even distance), and
-changes that cancel in both sums; every single-word change is caught by S. Neighbours: ``registry`` checksums every
-preserved tensor at release and again after re-wake.
+changes that cancel in both sums; every single-word change is caught by S.
+Neighbours: ``registry`` (through ``layout``'s window checksums) checksums every preserved
+tensor at release and again after re-wake; a reload from file feeds a ``ChecksumStream`` as
+the bytes arrive.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ checksum taken at release; scratch content (KV cache) comes back zero-filled.
 Storages, not tensors, are the unit of memory: tensors sharing a storage (tied weights, views,
 per-layer slices of one buffer) are released and re-woken once. CPU and CUDA tensors go
 through the same code; device branches exist only for pinned memory, synchronisation,
-``empty_cache`` and measurement (``measure``). Neighbours: ``checksum`` and
-``safetensors_io`` below; the agent above calls ``plan``/``release``/``rewake``.
+``empty_cache`` and measurement (``measure``). Neighbours: ``layout``, ``checksum``,
+``fill``, ``measure`` and ``safetensors_io`` below; the agent above calls
+``plan``/``release``/``rewake`` (``rewake`` verifies); the reference engine registers tags.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Standard library only (``urllib``): the sidecar runs in our environment, not vLL
 call has a timeout. Errors are typed: the server not answering (refused, reset, timed out)
 raises ``EngineError`` with ``unreachable=True``; an HTTP error status raises ``EngineError``
 with the status and the start of the body. Neighbours: ``sidecar`` (uses this to drive the
-lifecycle), ``docs/vllm-notes.md`` (the behaviours seen on a real server).
+lifecycle), ``docs/vllm.md`` (the behaviours seen on a real server).
 """
 
 from __future__ import annotations
