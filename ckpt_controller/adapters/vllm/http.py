@@ -21,8 +21,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from ckpt_controller.errors import EngineError, UsageError
 
 #: HTTP statuses a server sends for "not now, try again" (newer vLLM while paused)
@@ -56,6 +54,9 @@ class RequestMetrics:
 def parse_metrics(text: str) -> RequestMetrics:
     """The request counts in a ``/metrics`` page, summed over vLLM's engines (label
     ``engine``); ``EngineError`` when the page is not Prometheus text."""
+    # imported here: the package costs ~0.1 s, and only the sidecar's polls need it
+    from prometheus_client.parser import text_string_to_metric_families
+
     m = RequestMetrics()
     wanted = "\n".join(line for line in text.splitlines() if any(w in line for w in _WANTED))
     try:
