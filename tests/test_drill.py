@@ -236,6 +236,9 @@ def test_the_timeline_draws_each_phase_kind_with_a_legend_that_matches(tmp_path)
     drain, release = [b for b in lay.bars if b.kind in ("drain", "release")]
     assert [round(x, 6) for x in (drain.start_s, drain.end_s, release.end_s)] == [0.01, 0.06, 0.09]
     assert "seconds" in pic.xlabel and tl.layout(cycles[:2]).cut_s is None
+    unsplit = _tl_cycle(4)
+    unsplit["engines"][0]["drain"] = None  # a prepare that failed before its drain report
+    assert [b.kind for b in tl.layout([unsplit]).bars][:2] == ["hooks", "prepare"]
 
 
 def test_a_long_stall_breaks_the_axis_instead_of_squashing_the_other_bars(tmp_path):

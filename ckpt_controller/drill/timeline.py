@@ -26,6 +26,7 @@ from ckpt_controller.vocab import HookPoint, OperationKind, PrepareStep, Restore
 #: kind of bar -> (legend label, colour), in legend order
 KINDS: dict[str, tuple[str, str]] = {
     "hooks": ("hooks", "#9ecae1"),
+    "prepare": ("prepare (no drain report to split it by)", "#08519c"),
     "drain": ("drain", "#3182bd"),
     "release": ("release", "#6baed6"),
     "seal": ("seal", "#c6dbef"),
@@ -46,6 +47,7 @@ PHASE_KINDS: dict[str, str] = {
     OperationKind.CAPTURE: "capture", OperationKind.RESTORE: "rewake",
     RestoreStep.REWAKE: "rewake", RestoreStep.RESUME: "resume",
     OperationKind.ROLLBACK: "rollback", "recover": "recovery", "reconcile": "reconcile",
+    OperationKind.PREPARE: "prepare",  # when it cannot be split (it failed before a report)
 }
 #: aftermath bars (hatched): what the runner records under a cycle's ``aftermath``
 AFTERMATH = ("recovery", "reconcile", "restart")
