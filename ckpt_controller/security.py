@@ -12,6 +12,18 @@ Trusted paths: ``trusted_path`` and ``private_dir`` refuse a file or folder that
 other than us (or root) could change or replace: hooks (the controller runs them) and the
 state and image directories (``criu-restore`` restores from the latter as root).
 
+Why our own ZAP handler and not ``zmq.auth`` (pyzmq 27, read for this): its
+``Authenticator`` would do none of the three things this one is for without our code inside it.
+Its certificate directory (``configure_curve(location=...)``) is read once, when configured; a
+key added or removed takes effect only through ``configure_curve_callback``, whose callback gets
+``(domain, key)`` and not the peer's address, so the one refusal line with address and key
+would need a subclass reaching into ``handle_zap_message`` (its own lines are DEBUG, address
+and key on separate lines); a NULL-mechanism request is admitted unless its address is denied,
+where we refuse every mechanism but CURVE. And ``handle_zap_message`` is a coroutine: it needs
+an asyncio loop, which ``ThreadAuthenticator`` runs on a thread of its own, where ours answers
+on the server's control thread, in the poll it already runs, and closes with its sockets.
+What would be left of ``zmq.auth`` is the six-frame reply.
+
 Neighbours: ``rpcserver`` (binds with ``CurveServer``), ``rpc`` (connects with
 ``CurveClient``), ``controller.config`` and the CLI (where the paths come from),
 ``controller.hooks`` and ``controller.statedir`` (trusted paths).

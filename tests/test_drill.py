@@ -11,11 +11,11 @@ import subprocess
 import sys
 
 import pytest
-from PIL import Image
 
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.drill import faults as f
 from ckpt_controller.drill import report as r
+from ckpt_controller.drill import timeline as tl
 from ckpt_controller.errors import UsageError
 
 CKPTCTL = [sys.executable, "-m", "ckpt_controller"]
@@ -82,9 +82,14 @@ def test_twenty_cycles_under_load_lose_nothing(tmp_path):
             assert e["memory"]["freed_bytes"] > 0 and e["memory"]["verified_tensors"] > 0
             assert e["requests"]["kept"] == e["drain"]["kept"]
     assert sum(e["requests"]["kept"] for c in rep["cycles"] for e in c["engines"]) > 0
-    with Image.open(tmp_path / "rep" / "timeline.png") as img:
-        assert img.format == "PNG" and img.height > 20 * 2 * 18  # a row per engine and cycle
+    assert _png_size(tmp_path / "rep" / "timeline.png")[1] > 20 * 2 * 18  # a row each
     assert "20 cycles" in out and "0 lost" in out
+
+
+def _png_size(path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", path
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
 
 
 SOME = ("kill-engine@release,stall-agent@drain,fail-hook@post-release,hang-hook@pre-restore,"
@@ -100,6 +105,10 @@ def test_one_fault_of_each_kind_ends_as_documented(tmp_path):
     died = sum(e["requests"]["ended_by_engine_death"] for c in rep["cycles"]
                for e in c["engines"])
     assert died > 0  # the killed engine's requests ended with an error, none lost
+    # what followed the faults is timed for the timeline, which is drawn
+    assert {a["kind"] for c in rep["cycles"] for a in c.get("aftermath", [])} == \
+        {"restart", "reconcile", "recovery"}
+    assert _png_size(tmp_path / "rep" / "timeline.png")[1] > 8 * 18
 
 
 @pytest.mark.slow
@@ -177,3 +186,72 @@ def test_recovery_from_failed_restores_only_the_failed_engine(tmp_path):
     assert not [rec for rec in c2 if rec.op_id == recovery.op_id]
     assert [rec.data["dest"] for rec in c2 if rec.type == "transition"] == \
         ["preparing", "prepared", "restoring", "running"]
+
+
+# ------------------------------------------------------------------------- the timeline
+
+T0 = 1_700_000_000.0
+
+
+def _phases(start: float, *spec: tuple[str, float], ok: bool = True) -> list[dict]:
+    out, t = [], start
+    for name, seconds in spec:
+        out.append({"name": name, "wall": t, "duration_s": seconds, "ok": ok})
+        t += seconds
+    return out
+
+
+def _tl_cycle(n: int, engine: str = "d1", *, stall_s: float = 0.0, fault=None, ok=True,
+              aftermath=()) -> dict:
+    wall = T0 + 100 * n
+    prepare = ("prepare", 0.08 + stall_s)
+    phases = _phases(wall, ("pre-prepare", 0.01), prepare, ("capture", 0.05),
+                     ("pre-restore", 0.01), ("restore", 0.06), ("post-resume", 0.002),
+                     ok=not stall_s)
+    return {"cycle": n, "fault": fault, "ok": ok, "status": "failed" if stall_s else "succeeded",
+            "wall": wall, "aftermath": [dict(a, wall=wall + a["wall"]) for a in aftermath],
+            "engines": [{"engine": engine, "phases": phases,
+                         "drain": {"mode": "keep", "drain_s": 0.05 + stall_s}}]}
+
+
+def test_the_timeline_draws_each_phase_kind_with_a_legend_that_matches(tmp_path):
+    cycles = [_tl_cycle(1), _tl_cycle(2)]
+    stepwise = _tl_cycle(3, fault="fail-hook@post-restore", ok=False, aftermath=[
+        {"kind": "recovery", "engine": "d1", "wall": 1.0, "duration_s": 0.3}])
+    stepwise["engines"][0]["phases"] = _phases(
+        stepwise["wall"], ("drain", 0.05), ("post-drain", 0.01), ("release", 0.04),
+        ("seal", 0.001), ("capture", 0.05), ("rewake", 0.05), ("post-restore", 0.02),
+        ("rollback", 0.03))
+    stepwise["engines"][0]["phases"][-2]["ok"] = False
+    cycles.append(stepwise)
+    pic = tl.render(cycles, tmp_path / "t.png")
+    assert pic.path.exists() and _png_size(pic.path)[0] > 1000
+    assert pic.rows == ["d1  #1  succeeded", "d1  #2  succeeded",
+                        "d1  #3  succeeded  fail-hook@post-restore"]
+    # a one-round-trip prepare is drawn as drain then release; the recovery after the fault
+    assert {"drain", "release", "seal", "capture", "rewake", "hooks", "rollback",
+            "recovery"} == set(pic.kinds)
+    assert pic.legend == [tl.KINDS[k][0] for k in pic.kinds] + [tl.FAILED_LABEL]
+    lay = tl.layout(cycles[:1])
+    drain, release = [b for b in lay.bars if b.kind in ("drain", "release")]
+    assert [round(x, 6) for x in (drain.start_s, drain.end_s, release.end_s)] == [0.01, 0.06, 0.09]
+    assert "seconds" in pic.xlabel and tl.layout(cycles[:2]).cut_s is None
+    unsplit = _tl_cycle(4)
+    unsplit["engines"][0]["drain"] = None  # a prepare that failed before its drain report
+    assert [b.kind for b in tl.layout([unsplit]).bars][:2] == ["hooks", "prepare"]
+
+
+def test_a_long_stall_breaks_the_axis_instead_of_squashing_the_other_bars(tmp_path):
+    cycles = [_tl_cycle(n, engine) for n in range(1, 6) for engine in ("a", "b")]
+    cycles.append(_tl_cycle(6, "a", stall_s=60.0, fault="stall-agent@drain", aftermath=[
+        {"kind": "reconcile", "engine": "a", "wall": 61.0, "duration_s": 9.0}]))
+    cycles = [dict(c, engines=[e for e in c["engines"]]) for c in cycles]
+    pic = tl.render(cycles, tmp_path / "stall.png")
+    lay = tl.layout(cycles)
+    assert pic.cut_s is not None and 0.2 < pic.cut_s < 1.0 and lay.end_s > 69
+    assert "reconcile" in pic.kinds and "broken" in pic.xlabel
+    usual = [px for b, px in zip(lay.bars, pic.bar_px)
+             if not pic.rows[b.row].endswith("stall-agent@drain") and b.end_s - b.start_s > 0.01]
+    # on one linear 70 s axis these would be under a pixel wide; here each is many
+    assert len(usual) > 40 and min(usual) > 10
+    assert _png_size(pic.path)[1] > 11 * 18

@@ -282,3 +282,17 @@ def test_large_tensors_are_read_in_parallel_parts(tmp_path, monkeypatch):
         raw.truncate(path.stat().st_size - 1000)
     with f, pytest.raises(MemoryError_, match="file ended inside a tensor"):
         f.read_into("big", got)
+
+
+def test_tensors_sharing_a_storage_are_each_written_in_full(tmp_path):
+    # tied weights and views: the package alone refuses them; each is written on its own
+    base = torch.arange(12, dtype=torch.float32)
+    tensors = {"embed": base, "tied": base, "head": base[4:], "grid": base.reshape(3, 4).t()}
+    path = tmp_path / "shared.safetensors"
+    save_file(tensors, path)
+    with SafetensorsFile(path) as f:
+        for name, t in tensors.items():
+            out = _empty_like_entry(f, name)
+            f.read_into(name, out)
+            assert torch.equal(out, t), name
+    assert torch.equal(base, torch.arange(12, dtype=torch.float32))  # the sources untouched

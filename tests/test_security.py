@@ -68,8 +68,8 @@ def test_only_an_authorized_key_gets_in_and_refusals_are_logged(keys, caplog):
                 c.status()
             assert "CURVE" in info.value.details["hint"]
         stranger_pub = load(pairs["stranger"][0], secret=False)[0].decode()
-        assert any("refused a CURVE client" in r.message and stranger_pub in r.message
-                   for r in caplog.records)
+        assert any("refused a CURVE client from 127.0.0.1" in r.message
+                   and stranger_pub in r.message for r in caplog.records)
         with client() as c:  # no CURVE at all
             with pytest.raises(UnreachableError):
                 c.status()
@@ -80,6 +80,13 @@ def test_only_an_authorized_key_gets_in_and_refusals_are_logged(keys, caplog):
         (clients / "stranger.key").write_text(pairs["stranger"][0].read_text())
         with client(curve=CurveClient(pairs["stranger"][1], agent_pub)) as c:
             assert c.status().state == "running"
+        # and a key removed is refused from the next connection on, without a restart
+        (clients / "operator.key").unlink()
+        with client(curve=CurveClient(pairs["operator"][1], agent_pub)) as c:
+            with pytest.raises(UnreachableError):
+                c.status()
+        operator_pub = load(pairs["operator"][0], secret=False)[0].decode()
+        assert any(operator_pub in r.message for r in caplog.records)
     assert sum("refused" in r.message for r in caplog.records) >= 2
     secrets = [load(s, secret=True)[1].decode() for _, s in pairs.values()]
     assert not any(s in caplog.text for s in secrets)

@@ -105,6 +105,34 @@ def test_metrics_are_summed_over_engines_and_reasons():
     assert later.ended_since(m, "abort") == 5 and later.ended_since(m, "stop") == 0
 
 
+# what a real vLLM writes: TYPE lines (a counter's family drops _total), a sample without
+# labels, labels in another order, an escaped quote, a timestamp, histograms around them
+TYPED_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="a \\"quoted\\" {model}",engine="0"} 5.0 1700000000000
+# TYPE vllm:request_success counter
+vllm:request_success_total{finished_reason="length",engine="0"} 3.0
+vllm:request_success_total{engine="1",finished_reason="length"} 2.0
+vllm:request_success_created{engine="1",finished_reason="length"} 1.7e+09
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3"} 1.0
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf"} 5.0
+vllm:e2e_request_latency_seconds_count{engine="0"} 5.0
+vllm:e2e_request_latency_seconds_sum{engine="0"} 2.5
+"""
+
+
+def test_metrics_in_every_form_prometheus_writes_them():
+    m = parse_metrics(TYPED_METRICS)
+    assert (m.running, m.waiting) == (2, 5)
+    assert m.finished == {"length": 5}
+    with pytest.raises(EngineError, match="not Prometheus text") as info:
+        parse_metrics("vllm:num_requests_running{engine=0 3\n")
+    assert info.value.details["start"].startswith("vllm:num_requests_running")
+
+
 def test_a_retryable_refusal_is_retried_then_counted(stand):
     s = stand(refuse=2)
     out = VllmHttp(s.url).complete("p", 4, retry_for_s=10)

@@ -279,15 +279,22 @@ class Drill:
                            else None)
         if exp.error is not None and got_error != exp.error:
             problems.append(f"{fault}: error {got_error}, expected {exp.error}")
-        # the aftermath
+        # the aftermath; what took time in it goes on the timeline (``record["aftermath"]``)
+        spans = record.setdefault("aftermath", [])
+        began = time.time()
         if exp.after == "replace" or (exp.state == "gone" and not target.alive()):
             if target.alive():
                 target.stop()
             load.control.engine_lost("the engine process died (drill fault)")
             target.start()
             after.append("engine started again")
+            spans.append({"kind": "restart", "engine": target.name, "wall": began,
+                          "duration_s": time.time() - began})
         elif exp.after == "reconcile":
-            if self._wait_reconciled(target.name, timeout_s=STALL_S + 30):
+            settled = self._wait_reconciled(target.name, timeout_s=STALL_S + 30)
+            spans.append({"kind": "reconcile", "engine": target.name, "wall": began,
+                          "duration_s": time.time() - began})
+            if settled:
                 after.append("reconciled by the controller")
             else:
                 problems.append(f"{fault}: the controller did not reconcile {target.name}")
@@ -303,6 +310,8 @@ class Drill:
                 again = self._operation(record["op_id"] + "-recover", {}, kind="restore",
                                         engines=failed)
                 after.append(f"restore (recovery from FAILED): {again.status}")
+                spans += [{"kind": "recovery", "engine": name, "wall": again.wall,
+                           "duration_s": again.duration_s} for name in failed]
                 if again.status != "succeeded":
                     problems.append(f"{fault}: recovery from FAILED {again.status}")
         elif exp.after == "restart-controller":

@@ -1,17 +1,20 @@
-"""Our own reader and writer for the safetensors format, reading straight into live tensors.
+"""The safetensors format: the package's writer, and our own reader straight into live tensors.
 
 The format: 8 bytes little-endian header length N, then N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``
 (padded with spaces to an 8-byte boundary), then the raw little-endian tensor bytes; offsets
 count from the end of the header.
 
-Why not the ``safetensors`` package: re-waking at level 2 must fill the *existing* storage of
-the engine's parameters (their identity survives a release), so ``read_into`` reads the file
-bytes directly into a tensor's memory: a CPU tensor gets ``pread`` on a buffer over its own
+Writing goes through the ``safetensors`` package (``save_file`` adds our checks, the atomic
+rename and the fsync). Reading stays ours: re-waking at level 2 must fill the *existing*
+storage of the engine's parameters (their identity and address survive a release, and the
+engine's graphs and views point at them), which ``safetensors.torch.load_file`` cannot do (it
+returns new tensors, whose bytes would then be copied once more), so ``read_into`` reads the
+file bytes directly into a tensor's memory: a CPU tensor gets ``pread`` on a buffer over its own
 bytes (no intermediate tensor; a large one in parallel parts, each chunk's pages faulted in
 ahead by ``fill``); a CUDA tensor gets the bytes through two reusable pinned host
-buffers, chunk by chunk, so disk reads overlap host-to-device copies. The tests cross-check both
-directions against the real package.
+buffers, chunk by chunk, so disk reads overlap host-to-device copies. The tests cross-check the
+reader against files the package wrote by itself.
 
 Neighbours: ``registry`` uses ``SafetensorsFile.read_into`` to reload released weights and the
 engine uses ``save_file`` to write their source; errors come from ``ckpt_controller.errors``
@@ -32,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 from ckpt_controller.errors import MemoryError_, UsageError
@@ -97,27 +101,23 @@ def save_file(
 ) -> None:
     """Write ``tensors`` to ``path`` in the safetensors format, atomically.
 
-    Bytes go to a temporary file in the same folder, which is fsynced and then renamed over
-    ``path`` (``os.replace``), so a reader never sees half a file. Tensors on other devices are
-    copied to the host one at a time; tensors sharing a storage are each written in full.
+    The ``safetensors`` package writes the file (``safetensors.torch.save_file``: straight from
+    the tensors' memory, no copy) to a temporary file in the same folder, which is fsynced and
+    then renamed over ``path`` (``os.replace``), so a reader never sees half a file. Tensors on
+    other devices are copied to the host first; tensors sharing a storage are each written in
+    full (a copy for each one after the first), where the package alone refuses them.
     Raises ``UsageError`` for a name, tensor, dtype or metadata value that cannot be written.
     """
     _require_little_endian(path)
     path = Path(path)
-    header, ordered = _build_header(tensors, metadata, path)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    _check(tensors, metadata, path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(len(raw).to_bytes(8, "little"))
-            out.write(raw)
-            for tensor in ordered:
-                host = tensor.detach().to("cpu").contiguous()
-                if host.numel():
-                    out.write(host_buffer(host.reshape(-1)))
-            out.flush()
-            os.fsync(out.fileno())
+        safetensors.torch.save_file(_on_host(tensors), tmp,
+                                    metadata=dict(metadata) if metadata is not None else None)
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
         os.replace(tmp, path)
     except BaseException:
         # policy: never leave a partial temp file behind; the old file (if any) stays intact
@@ -125,11 +125,9 @@ def save_file(
         raise
 
 
-def _build_header(
-    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, path: Path
-) -> tuple[dict, list[torch.Tensor]]:
-    """The JSON header and the tensors in file order (widest dtype first, then by name, so
-    every tensor starts at a multiple of its element size)."""
+def _check(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None,
+           path: Path) -> None:
+    """Refuse what our reader could not read back, naming the file and the tensor."""
     if not isinstance(tensors, Mapping):
         raise UsageError("save_file needs a mapping of name -> tensor", path=str(path))
     for name, tensor in tensors.items():
@@ -142,25 +140,25 @@ def _build_header(
                              tensor=name, dtype=str(tensor.dtype), supported=sorted(DTYPES))
         if tensor.is_sparse or tensor.device.type == "meta":
             raise UsageError("tensor has no dense bytes to write", path=str(path), tensor=name)
-    header: dict = {}
-    if metadata is not None:
-        if not isinstance(metadata, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-        ):
-            raise UsageError("metadata must map str to str", path=str(path))
-        header["__metadata__"] = dict(metadata)
-    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    offset = 0
-    for name in names:
-        tensor = tensors[name]
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": _NAMES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    return header, [tensors[n] for n in names]
+    if metadata is not None and (not isinstance(metadata, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise UsageError("metadata must map str to str", path=str(path))
+
+
+def _on_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor dense and contiguous in host memory (itself when it already is); one whose
+    storage an earlier one uses too is copied, as the package refuses shared storages."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in tensors.items():
+        host = tensor.detach().to("cpu").contiguous()
+        if host.numel():
+            storage = host.untyped_storage().data_ptr()
+            if storage in seen:
+                host = host.clone()
+            seen.add(storage)
+        out[name] = host
+    return out
 
 
 class SafetensorsFile:

@@ -2,7 +2,9 @@
 (``VLLM_SERVER_DEV_MODE=1``: pause, sleep, wake-up, collective RPC, weight checker), its
 Prometheus metrics and completions.
 
-Standard library only (``urllib``): the sidecar runs in our environment, not vLLM's. Every
+HTTP through the standard library (``urllib``): the sidecar runs in our environment, not
+vLLM's; ``/metrics`` is read with ``prometheus_client``'s own text parser (a dependency of
+ours already), so label order, escapes, timestamps and ``# TYPE`` lines are its business. Every
 call has a timeout. Errors are typed: the server not answering (refused, reset, timed out)
 raises ``EngineError`` with ``unreachable=True``; an HTTP error status raises ``EngineError``
 with the status and the start of the body. Neighbours: ``sidecar`` (uses this to drive the
@@ -12,7 +14,6 @@ lifecycle), ``docs/vllm.md`` (the behaviours seen on a real server).
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.error
 import urllib.parse
@@ -25,9 +26,12 @@ from ckpt_controller.errors import EngineError, UsageError
 #: HTTP statuses a server sends for "not now, try again" (newer vLLM while paused)
 RETRYABLE = (429, 503)
 
-_METRIC = re.compile(r"^vllm:(num_requests_running|num_requests_waiting|request_success_total)"
-                     r"\{([^}]*)\} (\S+)$", re.M)
-_REASON = re.compile(r'finished_reason="([^"]+)"')
+_RUNNING, _WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+_FINISHED = "vllm:request_success_total"  # a counter: its family is named without _total
+#: the only lines handed to the parser: it is pure Python (about 35 us a line here) and a real
+#: page is mostly histograms we never read; an 814-line page took 29 ms whole, 1.3 ms so
+#: filtered (the regex this replaced: 0.4 ms)
+_WANTED = (_RUNNING, _WAITING, "vllm:request_success")
 
 
 @dataclass
@@ -48,17 +52,27 @@ class RequestMetrics:
 
 
 def parse_metrics(text: str) -> RequestMetrics:
+    """The request counts in a ``/metrics`` page, summed over vLLM's engines (label
+    ``engine``); ``EngineError`` when the page is not Prometheus text."""
+    # imported here: the package costs ~0.1 s, and only the sidecar's polls need it
+    from prometheus_client.parser import text_string_to_metric_families
+
     m = RequestMetrics()
-    for name, labels, value in _METRIC.findall(text):
-        n = int(float(value))
-        if name == "num_requests_running":
-            m.running += n
-        elif name == "num_requests_waiting":
-            m.waiting += n
-        else:
-            reason = _REASON.search(labels)
-            if reason:
-                m.finished[reason.group(1)] = m.finished.get(reason.group(1), 0) + n
+    wanted = "\n".join(line for line in text.splitlines() if any(w in line for w in _WANTED))
+    try:
+        samples = [s for family in text_string_to_metric_families(wanted)
+                   for s in family.samples]
+    except ValueError as exc:  # policy: a page we cannot read is the engine's fault, typed
+        raise EngineError("vLLM's /metrics is not Prometheus text", problem=str(exc),
+                          start=text[:200]) from None
+    for sample in samples:
+        if sample.name == _RUNNING:
+            m.running += int(sample.value)
+        elif sample.name == _WAITING:
+            m.waiting += int(sample.value)
+        elif sample.name == _FINISHED and "finished_reason" in sample.labels:
+            reason = sample.labels["finished_reason"]
+            m.finished[reason] = m.finished.get(reason, 0) + int(sample.value)
     return m
 
 
