@@ -44,7 +44,13 @@ from ckpt_controller.controller.config_schema import (
 from ckpt_controller.endpoints import check_endpoint, check_name, runtime_dir
 from ckpt_controller.errors import ConfigError, UsageError
 from ckpt_controller.security import CurveClient
-from ckpt_controller.vocab import DrainMode, EngineKind, Escalation, RecoverUncaptured, ReleaseLevel
+from ckpt_controller.vocab import (
+    DrainMode,
+    EngineKind,
+    Escalation,
+    RecoverUncaptured,
+    ReleaseLevel,
+)
 
 #: the longest duration any key may give (a day): longer ones overflow timers and waits
 MAX_SECONDS = values.MAX_DURATION_S
@@ -163,7 +169,7 @@ def load_config(path: str | os.PathLike[str]) -> ControllerConfig:
     file = os.fspath(path)
     try:
         raw = Path(file).read_bytes()
-    except OSError as err:  # policy: missing, no permission, a directory: the person fixes the path
+    except OSError as err:  # policy: missing, unreadable, a directory: the person fixes the path
         raise error(file, None, f"cannot read the file: {err.strerror or err}") from None
     try:
         text = raw.decode("utf-8")
@@ -177,7 +183,7 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
     file whose directory relative paths resolve against (the working directory otherwise)."""
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:  # policy: a syntax error: say where, the person fixes it
+    except tomllib.TOMLDecodeError as err:  # policy: bad syntax: say where; the person fixes it
         at = re.search(r"at line (\d+), column (\d+)", str(err))
         where = {"line": int(at.group(1)), "column": int(at.group(2))} if at else {}
         raise error(file, None, f"invalid TOML: {err}", **where) from None

@@ -38,8 +38,8 @@ from ckpt_controller.vocab import (
     ReleaseLevel,
 )
 
-Seconds = Annotated[values.Duration, Meta(
-    description=f"a finite number of seconds, at most {values.MAX_DURATION_S:.0f} (a day) and > 0")]
+Seconds = Annotated[values.Duration, Meta(description=(
+    f"a finite number of seconds, at most {values.MAX_DURATION_S:.0f} (a day) and > 0"))]
 Text = Annotated[str, Meta(min_length=1, description="a non-empty string")]
 Port = Annotated[int, Meta(ge=0, le=65535,
                            description="an integer port in 0..65535 (0: any free port)")]
