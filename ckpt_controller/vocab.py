@@ -164,3 +164,18 @@ class HookFailure(enum.StrEnum):
     ROLLBACK = "rollback"  # the engine is rolled back to RUNNING (if its process lives)
     FAIL = "fail"  # the engine is marked FAILED
     LOG = "log"  # logged and counted; the operation goes on
+
+
+class EngineKind(enum.StrEnum):
+    """What serves behind an engine's agent (the ``kind`` of a config's ``[[engine]]``)."""
+
+    NATIVE = "native"  # the reference engine, or any engine with the agent built in
+    VLLM = "vllm"  # a vLLM server, through its sidecar agent
+
+
+class RecoverUncaptured(enum.StrEnum):
+    """What the controller does with an engine an interrupted operation never began to capture
+    and that it finds FAILED (``recover_uncaptured`` in the config)."""
+
+    RESUME = "resume"  # restore it to RUNNING
+    LEAVE = "leave"  # leave it FAILED for a person to look at

@@ -20,6 +20,13 @@ from ckpt_controller.controller.config import (
 )
 from ckpt_controller.errors import ConfigError, UsageError
 from ckpt_controller.units import human_bytes, parse_bytes
+from ckpt_controller.vocab import (
+    DrainMode,
+    EngineKind,
+    Escalation,
+    RecoverUncaptured,
+    ReleaseLevel,
+)
 
 FULL = """
 [controller]
@@ -381,3 +388,86 @@ def test_curve_keys_are_checked_and_named(tmp_path):
         with pytest.raises(ConfigError, match=words) as info:
             parse_config(text)
         assert info.value.details["key"] == key
+
+
+NESTED = [
+    # an unknown key in a nested table, with and without a close known one
+    (engines("", '[engine.defaults]\nfoo = 1'), "engine[1].defaults.foo",
+     "unknown key; known keys here: drain, on_deadline, level, tags, residual_budget"),
+    ("[controller.sub]\nx = 1\n", "controller.sub", "unknown key; known keys here: endpoint, "),
+    (engines('kidn = "vllm"'), "engine[0].kidn", "unknown key; did you mean 'kind'? "),
+    # a wrong type or value in a nested table: the whole key, the value, what is wanted
+    (engines("", '[engine.defaults]\ndrain = "later"'), "engine[1].defaults.drain",
+     "must be one of 'wait', 'abort', 'keep', got 'later'"),
+    (engines("", "", '[engine.defaults]\ntags = ["kv", 2]'), "engine[2].defaults.tags",
+     "must be a non-empty array of distinct non-empty strings (at most 256, each at most 64 "
+     "characters), got ['kv', 2]"),
+    (engines('[engine.defaults]\ntags = ["a", "a"]'), "engine[0].defaults.tags",
+     "distinct non-empty strings (at most 256, each at most 64 characters), got ['a', 'a']"),
+    (engines('[engine.defaults]\nresidual_budget = "x"'), "engine[0].defaults.residual_budget",
+     "not a size: 'x'"),
+    (engines("kind = 3"), "engine[0].kind", "must be one of 'native', 'vllm', got 3"),
+    (engines("curve_server_key = 1"), "engine[0].curve_server_key",
+     "must be a non-empty string, got 1"),
+    (engines("defaults = []"), "engine[0].defaults", "must be a table, got []"),
+    ("[deadlines]\ndrain = 1979-05-27\n", "deadlines.drain",
+     "must be a finite number of seconds, at most 86400 (a day) and > 0, got "
+     "datetime.date(1979, 5, 27)"),
+    ("[controller]\nmissed_beats = 1.0\n", "controller.missed_beats",
+     "must be an integer >= 1 and <= 1000, got 1.0"),
+    ("[defaults]\nlevel = 1.0\n", "defaults.level", "must be one of 0, 1, 2, got 1.0"),
+    ("[controller]\nrecover_uncaptured = \"retry\"\n", "controller.recover_uncaptured",
+     "must be one of 'resume', 'leave', got 'retry'"),
+    ("[[engine]]\n", "engine[0].name", "is required"),
+    # NaN and infinity are never a duration, wherever the key is
+    ("[controller]\nheartbeat_interval_s = nan\n", "controller.heartbeat_interval_s",
+     "must be a finite number of seconds, at most 86400 (a day) and > 0, got nan"),
+    ("[controller]\nreconcile_interval_s = -inf\n", "controller.reconcile_interval_s",
+     "got -inf"),
+    ("[deadlines]\nhook_grace = +inf\n", "deadlines.hook_grace", "got inf"),
+    ("[deadlines]\ndrain = -nan\n", "deadlines.drain", "got nan"),
+    # the wire's bounds hold in the file too: a prepare would be refused with these
+    (f'[defaults]\ntags = ["{"t" * 65}"]\n', "defaults.tags", "each at most 64 characters"),
+    ("[defaults]\nresidual_budget = 2305843009213693952\n", "defaults.residual_budget",
+     "at most 2**60 (1 EiB)"),
+    ("[defaults]\nresidual_budget = \"2000000 TiB\"\n", "defaults.residual_budget",
+     "out of range"),
+]
+
+
+@pytest.mark.parametrize("text,key,problem", NESTED,
+                         ids=[f"{i}-{b[1]}" for i, b in enumerate(NESTED)])
+def test_nested_problems_name_the_whole_key(text, key, problem):
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "conf.toml")
+    assert info.value.details["key"] == key
+    assert problem in info.value.details["problem"]
+    assert info.value.message == f"conf.toml: {key}: {info.value.details['problem']}"
+
+
+def test_values_are_vocabulary_members():
+    cfg = parse_config(FULL.replace("heartbeat", 'recover_uncaptured = "leave"\nheartbeat'))
+    assert cfg.defaults.drain is DrainMode.ABORT and cfg.defaults.on_deadline is Escalation.FAIL
+    assert cfg.defaults.level is ReleaseLevel.DISCARD
+    assert cfg.engine("engine-a").kind is EngineKind.VLLM
+    assert cfg.engine("engine-a").defaults == {"level": ReleaseLevel.NOTHING,
+                                               "drain": DrainMode.KEEP}
+    assert cfg.engine("engine.b_2").kind is EngineKind.NATIVE
+    assert cfg.recover_uncaptured is RecoverUncaptured.LEAVE
+    assert parse_config("").recover_uncaptured is RecoverUncaptured.RESUME
+
+
+def test_every_key_says_what_it_wants():
+    """A key added to the file without a description (or an enum) would be refused with a
+    Python type's repr instead of words."""
+    import typing
+
+    from ckpt_controller.controller import config_schema as schema
+
+    tables = [schema.FileTable, schema.ControllerTable, schema.DeadlinesTable,
+              schema.DefaultsTable, schema.EngineTable]
+    for table in tables:
+        for name in typing.get_type_hints(table):
+            words = schema.refused(table, name, None)
+            assert words.startswith("must be ") and words.endswith(", got None")
+            assert not any(s in words for s in ("typing", "<class", "Annotated", "Unset")), words

@@ -7,36 +7,53 @@ Relative paths (and relative ``ipc://`` paths) resolve against the config file's
 Nothing is created on disk here except the private runtime directory that the default
 endpoint lives in; the server creates the state and image directories.
 
-Neighbours: ``endpoints`` (engine names, endpoint schemes, the runtime dir) and ``units``
-(size strings) below; the controller's server and operations and ``ckptctl serve`` above.
+The file's shape, types and ranges are ``config_schema``'s msgspec Structs (unknown keys,
+wrong types, bounds, enums: msgspec checks them, ``config_schema`` words its error). What
+msgspec cannot say is checked here, after the conversion, by small functions:
+engine names and endpoints (``endpoints``' rules, shared with the agent side, whose messages
+say more than a regex's), distinct tags (msgspec has no uniqueness constraint, and a set
+would drop their order silently), ``level`` vs ``tags`` (two keys), size strings
+(``values.BYTES``), paths relative to the file, CURVE key files (read from disk),
+duplicate engine names and the defaults that depend on the environment.
+
+Neighbours: ``config_schema`` (the file's Structs), ``endpoints`` (engine names, endpoint
+schemes, the runtime dir) and ``values`` (sizes) below; the controller's server and
+operations and ``ckptctl serve`` above.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
 import os
 import re
-import reprlib
 import tomllib
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from ckpt_controller import units
+from ckpt_controller import values
+from ckpt_controller.controller.config_schema import (
+    DefaultsTable,
+    EngineTable,
+    FileTable,
+    convert,
+    error,
+    refused,
+    given,
+)
 from ckpt_controller.endpoints import check_endpoint, check_name, runtime_dir
 from ckpt_controller.errors import ConfigError, UsageError
 from ckpt_controller.security import CurveClient
+from ckpt_controller.vocab import (
+    DrainMode,
+    EngineKind,
+    Escalation,
+    RecoverUncaptured,
+    ReleaseLevel,
+)
 
-DRAIN_MODES = ("wait", "abort", "keep")
-ON_DEADLINE = ("abort", "keep", "fail")
-LEVELS = (0, 1, 2)
-KINDS = ("native", "vllm")
-RECOVER_UNCAPTURED = ("resume", "leave")
 #: the longest duration any key may give (a day): longer ones overflow timers and waits
-MAX_SECONDS = 86400.0
-_MISSING: Any = object()
+MAX_SECONDS = values.MAX_DURATION_S
 
 
 @dataclass(frozen=True)
@@ -57,9 +74,9 @@ class Deadlines:
 class PrepareDefaults:
     """Defaults of prepare parameters. ``level`` and ``tags`` exclude each other (tags -> level None)."""
 
-    drain: str = "wait"
-    on_deadline: str = "abort"
-    level: int | None = 1
+    drain: DrainMode = DrainMode.WAIT
+    on_deadline: Escalation = Escalation.ABORT
+    level: ReleaseLevel | None = ReleaseLevel.OFFLOAD
     tags: tuple[str, ...] | None = None
     residual_budget_bytes: int | None = None
 
@@ -84,7 +101,7 @@ class EngineConfig:
 
     name: str
     control: str
-    kind: str = "native"
+    kind: EngineKind = EngineKind.NATIVE
     defaults: dict[str, Any] = field(default_factory=dict, hash=False)
     #: the agent's CURVE public key file: the controller connects with CURVE when set
     curve_server_key: Path | None = None
@@ -105,8 +122,8 @@ class ControllerConfig:
     #: how often engines that an operation lost contact with are looked at again
     reconcile_interval_s: float = 2.0
     #: an engine such an operation never began to capture, found FAILED (its sidecar came
-    #: back and found it paused, say): "resume" restores it, "leave" leaves it FAILED
-    recover_uncaptured: str = "resume"
+    #: back and found it paused, say): RESUME restores it, LEAVE leaves it FAILED
+    recover_uncaptured: RecoverUncaptured = RecoverUncaptured.RESUME
     #: the controller's CURVE secret key file (its identity towards agents and clients)
     curve_secret_key: Path | None = None
     #: public keys of the clients admitted to the controller's own endpoint (with CURVE)
@@ -140,17 +157,24 @@ class ControllerConfig:
         return self.defaults.merged(self.engine(name).defaults)
 
 
+        return CurveClient(self.curve_secret_key, key)
+
+    def prepare_defaults(self, name: str) -> PrepareDefaults:
+        """The global prepare defaults overridden by engine ``name``'s own."""
+        return self.defaults.merged(self.engine(name).defaults)
+
+
 def load_config(path: str | os.PathLike[str]) -> ControllerConfig:
     """Read and check the TOML file at ``path``; ``ConfigError`` for any problem."""
     file = os.fspath(path)
     try:
         raw = Path(file).read_bytes()
-    except OSError as err:  # missing, no permission, a directory: the person fixes the path
-        raise _error(file, None, f"cannot read the file: {err.strerror or err}") from None
+    except OSError as err:  # policy: missing, unreadable, a directory: the person fixes the path
+        raise error(file, None, f"cannot read the file: {err.strerror or err}") from None
     try:
         text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:  # TOML is UTF-8 by definition: report, do not guess
-        raise _error(file, None, f"not UTF-8 text (bad byte at offset {err.start})") from None
+    except UnicodeDecodeError as err:  # policy: TOML is UTF-8 by definition: report, do not guess
+        raise error(file, None, f"not UTF-8 text (bad byte at offset {err.start})") from None
     return parse_config(text, file)
 
 
@@ -159,69 +183,137 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
     file whose directory relative paths resolve against (the working directory otherwise)."""
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:  # a syntax error: say where, the person fixes it
+    except tomllib.TOMLDecodeError as err:  # policy: bad syntax: say where; the person fixes it
         at = re.search(r"at line (\d+), column (\d+)", str(err))
         where = {"line": int(at.group(1)), "column": int(at.group(2))} if at else {}
-        raise _error(file, None, f"invalid TOML: {err}", **where) from None
+        raise error(file, None, f"invalid TOML: {err}", **where) from None
     base = Path.cwd() if file.startswith("<") else Path(file).absolute().parent
-    top = _Table(data, "", file, base, ("controller", "deadlines", "defaults", "engine"))
-    ctl = top.table("controller", ("endpoint", "state_dir", "hooks_dir", "image_dir",
-                                   "metrics_port", "metrics_host", "heartbeat_interval_s",
-                                   "missed_beats", "reconcile_interval_s", "curve_secret_key",
-                                   "curve_clients", "require_dump", "recover_uncaptured"))
-    dl = top.table("deadlines", tuple(f.name for f in fields(Deadlines)))
-    deadlines = Deadlines(**{f.name: dl.seconds(f.name, f.default) for f in fields(Deadlines)})
-    defaults = PrepareDefaults().merged(_prepare_overrides(top.table("defaults", _PREPARE_KEYS)))
-    state_dir = ctl.path("state_dir", None) or _default_state_dir()
+    table = convert(data, file)
     config = ControllerConfig(
-        endpoint=ctl.endpoint("endpoint", None) or _default_endpoint(file),
-        state_dir=state_dir,
-        hooks_dir=ctl.path("hooks_dir", None),
-        image_dir=ctl.path("image_dir", None) or state_dir / "images",
-        metrics_port=ctl.value("metrics_port", None, lambda v: _is_int(v) and 0 <= v <= 65535,
-                               "an integer port in 0..65535 (0: any free port)"),
-        metrics_host=ctl.string("metrics_host", "127.0.0.1"),
-        heartbeat_interval_s=ctl.seconds("heartbeat_interval_s", 0.5),
-        missed_beats=ctl.value("missed_beats", 6, lambda v: _is_int(v) and 1 <= v <= 1000,
-                               "an integer >= 1 and <= 1000"),
-        reconcile_interval_s=ctl.seconds("reconcile_interval_s", 2.0),
-        recover_uncaptured=ctl.value("recover_uncaptured", "resume",
-                                     RECOVER_UNCAPTURED.__contains__,
-                                     _one_of(RECOVER_UNCAPTURED)),
-        curve_secret_key=_curve_key(ctl, "curve_secret_key", secret=True),
-        curve_clients=_curve_clients(ctl),
-        deadlines=deadlines, defaults=defaults, engines=_engines(top),
-        require_dump=ctl.value("require_dump", False, lambda v: isinstance(v, bool),
-                               "true or false"),
+        **_controller(table, file, base),
+        deadlines=Deadlines(**given(table.deadlines)),
+        defaults=PrepareDefaults().merged(_prepare_overrides(table.defaults, "defaults", file)),
+        engines=_engines(table.engine, file, base),
         source=file)
     engines_with_keys = [e.name for e in config.engines if e.curve_server_key]
     if engines_with_keys and config.curve_secret_key is None:
-        raise _error(file, "controller.curve_secret_key", "engines with curve_server_key ("
-                     + ", ".join(engines_with_keys) + ") need the controller's own secret key")
+        raise error(file, "controller.curve_secret_key", "engines with curve_server_key ("
+                    + ", ".join(engines_with_keys) + ") need the controller's own secret key")
     return config
 
 
-def _curve_key(t: _Table, name: str, secret: bool) -> Path | None:
+def _controller(table: FileTable, file: str, base: Path) -> dict[str, Any]:
+    """The ``[controller]`` keys the file gave as ``ControllerConfig`` fields: paths resolved,
+    the endpoint and key files checked, the defaults that depend on the environment added."""
+    out = given(table.controller)
+    key = "controller."
+    if "endpoint" in out:
+        out["endpoint"] = _endpoint(out["endpoint"], file, key + "endpoint", base)
+    else:
+        out["endpoint"] = _default_endpoint(file)
+    for name in ("state_dir", "hooks_dir", "image_dir"):
+        if name in out:
+            out[name] = _path(out[name], base)
+    out.setdefault("state_dir", _default_state_dir())
+    out.setdefault("hooks_dir", None)
+    out.setdefault("image_dir", out["state_dir"] / "images")
+    if "curve_secret_key" in out:
+        out["curve_secret_key"] = _key_file(out["curve_secret_key"], file,
+                                            key + "curve_secret_key", base, secret=True)
+    if "curve_clients" in out:
+        clients = out["curve_clients"] = _path(out["curve_clients"], base)
+        if not clients.is_dir():
+            raise error(file, key + "curve_clients",
+                        f"{clients} is not a directory of client public keys (*.key)")
+        if "curve_secret_key" not in out:
+            raise error(file, key + "curve_clients",
+                        "needs curve_secret_key (the controller's own key) too")
+    return out
+
+
+def _prepare_overrides(table: DefaultsTable, key: str, file: str) -> dict[str, Any]:
+    """The keys a ``[defaults]`` table at ``key`` gave, under ``PrepareDefaults`` field names."""
+    out = given(table)
+    if "level" in out and "tags" in out:
+        raise error(file, f"{key}.tags", "level and tags exclude each other: give one of them")
+    if "tags" in out:
+        tags = out["tags"]
+        if len(set(tags)) != len(tags):
+            raise error(file, f"{key}.tags", refused(DefaultsTable, "tags", tags))
+        out["tags"] = tuple(tags)
+    if "residual_budget" in out:
+        budget = out.pop("residual_budget")
+        try:
+            out["residual_budget_bytes"] = values.BYTES.parse(budget)
+        except ValueError as err:  # policy: a size string that is none, said with the key
+            raise error(file, f"{key}.residual_budget", str(err)) from None
+    return out
+
+
+def _engines(tables: Iterable[EngineTable], file: str, base: Path) -> tuple[EngineConfig, ...]:
+    engines = []
+    for i, table in enumerate(tables):
+        key = f"engine[{i}]"
+        _check_engine_name(table.name, file, f"{key}.name")
+        fields = given(table)
+        fields["control"] = _endpoint(table.control, file, f"{key}.control", base)
+        fields["defaults"] = _prepare_overrides(table.defaults, f"{key}.defaults", file)
+        if "curve_server_key" in fields:
+            fields["curve_server_key"] = _key_file(fields["curve_server_key"], file,
+                                                   f"{key}.curve_server_key", base, secret=False)
+        engines.append(EngineConfig(**fields))
+    _check_unique(engines, file)
+    return tuple(engines)
+
+
+def _path(value: str, base: Path) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def _endpoint(value: str, file: str, key: str, base: Path) -> str:
+    _check_endpoint(value, file, key)
+    rest = value.split("://", 1)[1]
+    if value.startswith("ipc://") and not rest.startswith(("/", "@")):
+        return f"ipc://{base / rest}"  # relative to the file; '@': abstract, no file
+    return value
+
+
+def _key_file(value: str, file: str, key: str, base: Path, secret: bool) -> Path:
     from ckpt_controller.security import load
 
-    path = t.path(name, None)
-    if path is not None:
-        try:
-            load(path, secret=secret)
-        except ConfigError as err:
-            t.fail(name, err.message)
+    path = _path(value, base)
+    try:
+        load(path, secret=secret)
+    except ConfigError as err:  # policy: an unreadable or wrong key file, said with the key
+        raise error(file, key, err.message) from None
     return path
 
 
-def _curve_clients(t: _Table) -> Path | None:
-    path = t.path("curve_clients", None)
-    if path is None:
-        return None
-    if not Path(path).is_dir():
-        t.fail("curve_clients", f"{path} is not a directory of client public keys (*.key)")
-    if "curve_secret_key" not in t.data:
-        t.fail("curve_clients", "needs curve_secret_key (the controller's own key) too")
-    return path
+def _check_endpoint(value: str, file: str, key: str) -> None:
+    try:
+        check_endpoint(value)
+    except ConfigError as err:  # policy: one rule for endpoints; re-raised with the file and key
+        raise error(file, key, f"{err.message}, got {value!r}") from None
+    if not value.split("://", 1)[1]:
+        raise error(file, key, f"names no address after the scheme: {value!r}")
+
+
+def _check_engine_name(name: str, file: str, key: str) -> None:
+    try:
+        check_name(name)
+    except ConfigError as err:  # policy: one rule for engine names; re-raised with file and key
+        raise error(file, key, f"{err.message}, starting with a letter or digit; "
+                               f"got {name!r}") from None
+
+
+def _check_unique(engines: Iterable[EngineConfig], file: str) -> None:
+    seen: dict[str, int] = {}
+    for i, engine in enumerate(engines):
+        if engine.name in seen:
+            raise error(file, f"engine[{i}].name", f"duplicate engine name {engine.name!r} "
+                                                   f"(also engine[{seen[engine.name]}])")
+        seen[engine.name] = i
 
 
 def default_config(engines: Iterable[EngineConfig] = (),
@@ -232,144 +324,13 @@ def default_config(engines: Iterable[EngineConfig] = (),
     for i, engine in enumerate(engines):
         _check_engine_name(engine.name, "<defaults>", f"engine[{i}].name")
         _check_endpoint(engine.control, "<defaults>", f"engine[{i}].control")
-        if engine.kind not in KINDS:
-            raise _error("<defaults>", f"engine[{i}].kind", f"must be one of {', '.join(KINDS)}")
+        if engine.kind not in tuple(EngineKind):
+            raise error("<defaults>", f"engine[{i}].kind",
+                        f"must be one of {', '.join(EngineKind)}")
     _check_unique(engines, "<defaults>")
     state = Path(state_dir).expanduser().absolute() if state_dir else _default_state_dir()
     return ControllerConfig(endpoint=_default_endpoint("<defaults>"), state_dir=state,
                             hooks_dir=None, image_dir=state / "images", engines=engines)
-
-
-_PREPARE_KEYS = ("drain", "on_deadline", "level", "tags", "residual_budget")
-
-
-def _prepare_overrides(t: _Table) -> dict[str, Any]:
-    """The keys a [defaults] table gives, validated, under ``PrepareDefaults`` field names."""
-    if "level" in t.data and "tags" in t.data:
-        t.fail("tags", "level and tags exclude each other: give one of them")
-    read = {
-        "drain": lambda k: t.value(k, _MISSING, DRAIN_MODES.__contains__, _one_of(DRAIN_MODES)),
-        "on_deadline": lambda k: t.value(k, _MISSING, ON_DEADLINE.__contains__,
-                                         _one_of(ON_DEADLINE)),
-        "level": lambda k: t.value(k, _MISSING, lambda v: _is_int(v) and v in LEVELS,
-                                   _one_of(LEVELS)),
-        "tags": lambda k: tuple(t.value(k, _MISSING, _is_tags,
-                                        "a non-empty array of distinct non-empty strings")),
-        "residual_budget": t.size,
-    }
-    return {("residual_budget_bytes" if k == "residual_budget" else k): read[k](k) for k in t.data}
-
-
-def _engines(top: _Table) -> tuple[EngineConfig, ...]:
-    items = top.value("engine", [], lambda v: isinstance(v, list) and all(
-        isinstance(item, dict) for item in v), "an array of tables: [[engine]]")
-    engines = []
-    for i, item in enumerate(items):
-        t = _Table(item, f"engine[{i}]", top.file, top.base,
-                   ("name", "control", "kind", "defaults", "curve_server_key"))
-        name = t.string("name")
-        _check_engine_name(name, t.file, t.key("name"))
-        engines.append(EngineConfig(
-            name=name, control=t.endpoint("control"),
-            kind=t.value("kind", "native", KINDS.__contains__, _one_of(KINDS)),
-            defaults=_prepare_overrides(t.table("defaults", _PREPARE_KEYS)),
-            curve_server_key=_curve_key(t, "curve_server_key", secret=False)))
-    _check_unique(engines, top.file)
-    return tuple(engines)
-
-
-class _Table:
-    """One TOML table under a dotted ``prefix``: unknown keys fail at once, typed getters after."""
-
-    def __init__(self, data: dict, prefix: str, file: str, base: Path, known: tuple[str, ...]):
-        self.data, self.prefix, self.file, self.base = data, prefix, file, base
-        for name in data:
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
-                self.fail(name, f"unknown key; {hint}known keys here: {', '.join(known)}")
-
-    def key(self, name: str) -> str:
-        return f"{self.prefix}.{name}" if self.prefix else name
-
-    def fail(self, name: str, problem: str) -> NoReturn:
-        raise _error(self.file, self.key(name), problem)
-
-    def value(self, name: str, default: Any, ok: Callable[[Any], bool], wants: str) -> Any:
-        """The value at ``name`` if ``ok(value)``; ``default`` when absent (required if _MISSING)."""
-        if name not in self.data:
-            if default is _MISSING:
-                self.fail(name, "is required")
-            return default
-        value = self.data[name]
-        if not ok(value):
-            self.fail(name, f"must be {wants}, got {reprlib.repr(value)}")
-        return value
-
-    def table(self, name: str, known: tuple[str, ...]) -> _Table:
-        data = self.value(name, {}, lambda v: isinstance(v, dict), "a table")
-        return _Table(data, self.key(name), self.file, self.base, known)
-
-    def string(self, name: str, default: Any = _MISSING) -> Any:
-        return self.value(name, default, lambda v: isinstance(v, str) and v != "",
-                          "a non-empty string")
-
-    def seconds(self, name: str, default: float) -> float:
-        return float(self.value(name, default,
-                                lambda v: _is_number(v) and 0 < v <= MAX_SECONDS,
-                                f"a finite number of seconds, at most {MAX_SECONDS:.0f} (a day) "
-                                f"and > 0"))
-
-    def size(self, name: str) -> int:
-        value = self.value(name, _MISSING, lambda v: isinstance(v, str) or _is_int(v) and v >= 0,
-                           "a number of bytes >= 0 or a size string such as 512MiB")
-        try:
-            return value if isinstance(value, int) else units.parse_bytes(value)
-        except ValueError as err:  # re-raised with the file and key, as every config problem
-            self.fail(name, str(err))
-
-    def path(self, name: str, default: Any) -> Any:
-        value = self.string(name, default)
-        if name not in self.data:
-            return value
-        path = Path(value).expanduser()
-        return path if path.is_absolute() else self.base / path
-
-    def endpoint(self, name: str, default: Any = _MISSING) -> Any:
-        value = self.string(name, default)
-        if name not in self.data:
-            return value
-        _check_endpoint(value, self.file, self.key(name))
-        rest = value.split("://", 1)[1]
-        if value.startswith("ipc://") and not rest.startswith(("/", "@")):
-            return f"ipc://{self.base / rest}"  # relative to the file; '@': abstract, no file
-        return value
-
-
-def _check_endpoint(value: str, file: str, key: str) -> None:
-    try:
-        check_endpoint(value)
-    except ConfigError as err:  # one rule for endpoints; re-raised with the file and key
-        raise _error(file, key, f"{err.message}, got {value!r}") from None
-    if not value.split("://", 1)[1]:
-        raise _error(file, key, f"names no address after the scheme: {value!r}")
-
-
-def _check_engine_name(name: str, file: str, key: str) -> None:
-    try:
-        check_name(name)
-    except ConfigError as err:  # one rule for engine names; re-raised with the file and key
-        raise _error(file, key, f"{err.message}, starting with a letter or digit; "
-                                f"got {name!r}") from None
-
-
-def _check_unique(engines: Iterable[EngineConfig], file: str) -> None:
-    seen: dict[str, int] = {}
-    for i, engine in enumerate(engines):
-        if engine.name in seen:
-            raise _error(file, f"engine[{i}].name", f"duplicate engine name {engine.name!r} "
-                                                    f"(also engine[{seen[engine.name]}])")
-        seen[engine.name] = i
 
 
 def _default_state_dir() -> Path:
@@ -381,34 +342,12 @@ def _default_state_dir() -> Path:
 def _default_endpoint(file: str) -> str:
     try:
         return f"ipc://{runtime_dir() / 'controller.sock'}"
-    except (ConfigError, OSError) as err:  # no usable default: the person sets one instead
-        raise _error(file, "controller.endpoint",
-                     f"not given, and the default is unusable: {err}") from None
+    except (ConfigError, OSError) as err:  # policy: no usable default: the person sets one
+        raise error(file, "controller.endpoint",
+                    f"not given, and the default is unusable: {err}") from None
 
 
 def key_error(config: ControllerConfig, key: str, problem: str, **extra: Any) -> ConfigError:
     """A ``ConfigError`` naming the file ``config`` was read from and ``key``: for a value
     that passed these checks but that the running system refuses (found at start)."""
-    return _error(config.source, key, problem, **extra)
-
-
-def _error(file: str, key: str | None, problem: str, **extra: Any) -> ConfigError:
-    where = f"{file}: {key}" if key else file
-    return ConfigError(f"{where}: {problem}", file=file, key=key, problem=problem, **extra)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_tags(value: Any) -> bool:
-    return (isinstance(value, list) and len(value) > 0
-            and all(isinstance(tag, str) and tag for tag in value) and len(set(value)) == len(value))
-
-
-def _one_of(choices: tuple) -> str:
-    return "one of " + ", ".join(map(repr, choices))
+    return error(config.source, key, problem, **extra)
