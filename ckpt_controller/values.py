@@ -27,11 +27,12 @@ from ckpt_controller.errors import UsageError
 #: the longest duration anything here accepts: a day
 MAX_DURATION_S = 86_400.0
 #: an operation id names an image folder: letters, digits, '.', '_', '-'; a letter or digit first
+#: (patterns end in \Z: msgspec matches with re.search, and "$" would accept a final newline)
 MAX_OP_ID_LENGTH = 128
-OP_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+OP_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z"
 #: the ids a controller sends an agent for one step: ``<op id>/<engine>/<step>``
 MAX_STEP_OP_ID_LENGTH = 256
-STEP_OP_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"
+STEP_OP_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*\Z"
 #: requests per second a load may send
 MAX_RATE = 10_000.0
 #: the largest byte size (1 EiB); msgpack integers end at 2**64
@@ -41,7 +42,7 @@ MAX_COUNT = 1 << 31
 #: free text that travels with a request (a reason, a client name)
 MAX_TEXT_LENGTH = 64 << 10
 MAX_NAME_LENGTH = 64
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z"
 
 # ------------------------------------------------------------- wire types (msgspec constraints)
 

@@ -254,3 +254,18 @@ def test_a_long_reason_is_cut_not_refused(ipc_dir):
     assert status.state == "running"
     (reason,) = [t.reason for t in reply.transitions if t.trigger == "rollback"]
     assert reason.endswith("(cut)") and len(reason) < values.MAX_TEXT_LENGTH + 200
+
+
+@pytest.mark.parametrize("typ,rule", [(values.OpId, values.OP_ID),
+                                      (values.StepOpId, values.STEP_OP_ID),
+                                      (values.Name, None)], ids=["op-id", "step-op-id", "name"])
+@pytest.mark.parametrize("bad", ["op1\n", "op1\r\n", "\nop1"],
+                         ids=["lf-after", "crlf-after", "lf-before"])
+def test_a_trailing_or_leading_newline_is_refused_on_the_wire_and_by_the_rules(typ, rule, bad):
+    # msgspec matches a pattern with re.search: a "$" would let "op1\n" through, and an
+    # operation id names an image folder
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert(bad, typ)
+    if rule is not None:
+        with pytest.raises(UsageError):
+            values.check(rule, bad, "op id")
