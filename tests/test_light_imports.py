@@ -160,3 +160,17 @@ def test_a_stop_signal_ends_the_wait_and_the_cleanup_runs(sig):
             proc.kill()
             proc.wait()
     assert (proc.returncode, out, err) == (0, "cleaned up\n", "")
+
+
+def test_the_startup_bench_measures_each_command(tmp_path):
+    out = tmp_path / "startup.json"
+    run = subprocess.run([sys.executable, "bench/startup.py", "--repeat", "2", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "ckptctl --help: median" in run.stdout and f"wrote {out}" in run.stdout
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "startup" and doc["results"]["goal_help_s"] == 0.3
+    rows = {row["command"]: row for row in doc["results"]["commands"]}
+    assert {"ckptctl --help", "import ckpt_controller",
+            "from ckpt_controller.agent import AgentClient"} < set(rows)
+    assert all(len(row["runs_s"]) == 2 and row["min_s"] > 0 for row in rows.values())
