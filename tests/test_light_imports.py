@@ -173,4 +173,5 @@ def test_the_startup_bench_measures_each_command(tmp_path):
     rows = {row["command"]: row for row in doc["results"]["commands"]}
     assert {"ckptctl --help", "import ckpt_controller",
             "from ckpt_controller.agent import AgentClient"} < set(rows)
-    assert all(len(row["runs_s"]) == 2 and row["min_s"] > 0 for row in rows.values())
+    assert all(len(row["runs_s"]) == len(row["cpu_s"]) == 2 and row["min_s"] > 0
+               for row in rows.values())
