@@ -14,7 +14,12 @@ the child directly; the parent stops it in order instead.
 (``become_subreaper`` before it execs), including those that leave its session or process
 group, as ``criu restore --restore-detached`` makes a restored tree do, so a child that fails
 or times out can be ended whole (``HookRunner`` in ``controller.hooks`` does).
-Neighbours: the CLI's demo and drill, the tests, ``controller.hooks``.
+
+``StopSignals`` is the child's side of that: a server (the reference engine, the controller,
+the vLLM sidecar) runs until SIGTERM or SIGINT, whose handler only sets a flag, and cleans up
+on its main thread once ``wait()`` returns.
+Neighbours: the CLI's demo and drill, the tests, ``controller.hooks``; ``engine.server``,
+``controller.server`` and ``adapters.vllm.sidecar`` (``StopSignals``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,27 @@ from ckpt_controller.errors import OperationError
 
 _PR_SET_CHILD_SUBREAPER = 36
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+class StopSignals:
+    """SIGTERM and SIGINT ask this process to stop. Made on the main thread (``signal``
+    allows handlers nowhere else); from then on either signal only sets ``stop``, and
+    ``wait()`` returns once one came, leaving the cleanup to the caller's ``finally``."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.stop.set()  # a signal handler only sets a flag
+
+    def wait(self, poll_s: float = 0.5) -> None:
+        """Block until a stop signal came (woken every ``poll_s`` so a handler always runs)."""
+        while not self.stop.wait(poll_s):
+            pass
 
 
 class ReadyProcess:

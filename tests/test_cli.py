@@ -117,3 +117,33 @@ def test_watch_prints_events(engine):
                                         ("1.5 KiB", 1536), ("3GB", 3 * 10**9)])
 def test_sizes(text, value):
     assert parse_bytes(text) == value
+
+
+def test_flags_take_vocabulary_words_and_say_them_as_before():
+    from ckpt_controller.cli import build_parser
+    from ckpt_controller.vocab import DrainMode, Escalation, OperationKind, ReleaseLevel
+
+    parse = build_parser().parse_args
+    args = parse(["agent", "prepare", "--control", "ipc:///x", "--drain", "keep",
+                  "--on-deadline", "fail", "--level", "2"])
+    assert (args.drain, args.on_deadline, args.level) == ("keep", "fail", 2)
+    assert args.drain is DrainMode.KEEP and args.on_deadline is Escalation.FAIL
+    assert args.level is ReleaseLevel.DISCARD
+    args = parse(["agent", "prepare", "--control", "ipc:///x"])
+    assert args.drain is DrainMode.WAIT and args.on_deadline is Escalation.ABORT
+    args = parse(["cycle", "--all", "--drain", "abort", "--level", "0"])
+    assert args.op is OperationKind.CYCLE and args.drain is DrainMode.ABORT
+    assert args.level is ReleaseLevel.NOTHING
+    args = parse(["drill", "a", "--cycles", "1", "--report", "r"])
+    assert args.drain is DrainMode.KEEP and args.level is ReleaseLevel.DISCARD
+    # what a person reads did not change: the wire words, in --help and in refusals
+    out = ckptctl("agent", "prepare", "--help")
+    assert "{wait,abort,keep}" in out.stdout and "{abort,keep,fail}" in out.stdout
+    assert "{0,1,2}" in out.stdout
+    for flag, value, said in (
+            ("--drain", "nope", "invalid choice: 'nope' (choose from 'wait', 'abort', 'keep')"),
+            ("--on-deadline", "x", "invalid choice: 'x' (choose from 'abort', 'keep', 'fail')"),
+            ("--level", "7", "invalid choice: 7 (choose from 0, 1, 2)"),
+            ("--level", "one", "invalid int value: 'one'")):
+        out = ckptctl("agent", "prepare", "--control", "ipc:///x", flag, value)
+        assert out.returncode == 2 and f"argument {flag}: {said}" in out.stderr, out.stderr

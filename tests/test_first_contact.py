@@ -20,6 +20,7 @@ import zmq
 
 from ckpt_controller.agent import Agent, AgentClient
 from ckpt_controller.controller.client import ControllerClient
+from ckpt_controller.endpoints import free_port
 from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.engine.load import run_load
 from ckpt_controller.errors import UnreachableError
@@ -28,12 +29,6 @@ from ckpt_controller.security import CurveClient, CurveServer, generate
 CKPTCTL = [sys.executable, "-m", "ckpt_controller"]
 #: "within about a second", with room for a loaded machine
 PROMPT_S = 2.5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(params=["missing-ipc", "stale-ipc", "refused-tcp"])
@@ -48,7 +43,7 @@ def nobody(request, ipc_dir) -> str:
         s.bind(str(path))
         s.close()
         return f"ipc://{path}"
-    return f"tcp://127.0.0.1:{_free_port()}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def _prompt(call) -> UnreachableError:

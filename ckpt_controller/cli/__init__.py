@@ -3,7 +3,10 @@
 Exit codes (also in ``ckptctl --help``): 0 success; 1 operation failed or rolled back;
 2 usage or configuration error; 3 deadline passed; 4 unreachable. They come from
 ``CkptError.exit_code``. Each ``*_cmds`` module adds its subcommands and a ``run`` for each;
-the work itself is done by the agent, engine and controller packages.
+the work itself is done by the agent, engine and controller packages, imported by the ``run``
+that needs them: building the parser (``ckptctl --help``, a usage error) loads no transport,
+no protocol, no engine and no torch (``tests/test_light_imports.py``).
+Neighbours: ``cli.common`` and the ``*_cmds`` modules, ``endpoints`` (the default endpoint).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import sys
 from collections.abc import Sequence
 
 from ckpt_controller import __version__
-from ckpt_controller import protocol as p
 from ckpt_controller.cli import agent_cmds, controller_cmds, demo, drill_cmd, engine_cmds, keys_cmd
 from ckpt_controller.cli.common import (
     EXIT_CODES,
@@ -23,6 +25,7 @@ from ckpt_controller.cli.common import (
     parse_bytes,
     print_json,
 )
+from ckpt_controller.endpoints import runtime_dir_path
 from ckpt_controller.errors import CkptError
 
 __all__ = ["build_parser", "human_bytes", "main", "parse_bytes"]
@@ -31,9 +34,7 @@ __all__ = ["build_parser", "human_bytes", "main", "parse_bytes"]
 def default_controller() -> str:
     if os.environ.get("CKPT_CONTROLLER"):
         return os.environ["CKPT_CONTROLLER"]
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    folder = f"{base}/ckpt-controller" if base else f"/tmp/ckpt-controller-{os.getuid()}"
-    return f"ipc://{folder}/controller.sock"
+    return f"ipc://{runtime_dir_path() / 'controller.sock'}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except CkptError as err:
         if getattr(args, "json", False):
+            from ckpt_controller import protocol as p
+
             print_json({"error": {"kind": err.kind, "message": err.message,
                                   "details": p.to_plain(err.details)}})
         print(f"ckptctl: {err.kind}: {err}", file=sys.stderr)

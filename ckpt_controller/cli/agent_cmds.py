@@ -1,4 +1,8 @@
-"""``ckptctl agent ...``: talk to one engine's agent directly, without a controller."""
+"""``ckptctl agent ...``: talk to one engine's agent directly, without a controller.
+
+The client, the protocol and the vLLM sidecar load when an action runs, not for ``--help``.
+Neighbours: ``cli.common``, ``agent.client``, ``adapters.vllm.sidecar``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ import time
 
 import msgspec
 
-from ckpt_controller import protocol as p
 from ckpt_controller.cli.common import (
     EXIT_CODES,
     add_curve_client_args,
@@ -22,8 +25,10 @@ from ckpt_controller.cli.common import (
     parse_bytes,
     print_json,
     step_op_id,
+    word_arg,
 )
 from ckpt_controller.errors import UsageError
+from ckpt_controller.vocab import DrainMode, Escalation, ReleaseLevel
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,15 +52,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     common(sp)
     sp.add_argument("--op-id", type=step_op_id,
                     help="operation id; repeating it returns the first result")
-    sp.add_argument("--drain", choices=["wait", "abort", "keep"], default="wait",
+    sp.add_argument("--drain", **word_arg(DrainMode), default=DrainMode.WAIT,
                     help="wait: let requests finish; abort: end them now; keep: freeze them "
                          "to finish after restore (default wait)")
     sp.add_argument("--drain-timeout", type=duration_or_zero, default=30.0, metavar="S",
                     help="seconds a wait drain may take, 0 to a day (default 30)")
-    sp.add_argument("--on-deadline", choices=["abort", "keep", "fail"], default="abort",
+    sp.add_argument("--on-deadline", **word_arg(Escalation), default=Escalation.ABORT,
                     help="what a wait drain does at its deadline (default abort)")
     what = sp.add_mutually_exclusive_group()
-    what.add_argument("--level", type=int, choices=[0, 1, 2], default=None,
+    what.add_argument("--level", **word_arg(ReleaseLevel), default=None,
                       help="0 nothing; 1 offload weights, discard KV cache (default); "
                            "2 discard both, reload weights from file")
     what.add_argument("--tags", metavar="TAG,...", help="release these tags instead of a level")
@@ -134,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
             result = client.prepare(
                 op_id=args.op_id, drain=args.drain, drain_timeout_s=args.drain_timeout,
                 on_deadline=args.on_deadline,
-                level=None if tags else (1 if args.level is None else args.level),
+                level=None if tags else (ReleaseLevel.OFFLOAD if args.level is None
+                                         else args.level),
                 tags=tags, residual_budget_bytes=args.budget, deadline_s=args.deadline,
             )
         elif action == "restore":
@@ -150,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _watch(client, args: argparse.Namespace) -> int:
+    from ckpt_controller import protocol as p
+
     client.subscribe()
     end = None if args.duration is None else time.monotonic() + args.duration
     while end is None or time.monotonic() < end:

@@ -1,21 +1,30 @@
 """Helpers every ckptctl command shares: argparse types for durations, rates, counts, sizes
-and op ids (the rules themselves live in ``values``), JSON and human output."""
+and op ids (the rules themselves live in ``values``), flags that take a ``vocab`` word, JSON
+and human output.
+
+Building the parser (``ckptctl --help``) imports nothing heavier than ``values``: the wire
+protocol, the transport and CURVE load when a command runs. Neighbours: ``values``,
+``vocab``, ``units``, ``protocol`` (``describe``), ``security`` (CURVE keys).
+"""
 
 from __future__ import annotations
 
 import argparse
+import enum
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ckpt_controller import protocol as p
 from ckpt_controller import values
 from ckpt_controller.errors import UsageError
 from ckpt_controller.units import human_bytes
+
+if TYPE_CHECKING:
+    from ckpt_controller import protocol as p
 
 EXIT_CODES = """exit codes:
   0  success
@@ -62,12 +71,30 @@ step_op_id = arg_type(values.STEP_OP_ID)
 positive = duration
 
 
+def word_arg(words: type[enum.Enum]) -> dict[str, Any]:
+    """``add_argument`` keywords for a flag that takes one word of ``words`` (a ``vocab``
+    enum): ``--help`` and argparse's "invalid choice" message list the wire words as they
+    always did, and the value parsed is the member (``DrainMode.WAIT``, ``ReleaseLevel(2)``)."""
+    plain = int if issubclass(words, int) else str
+
+    def parse(text: str) -> Any:
+        value = plain(text)  # a ValueError: argparse says "invalid int value: 'x'"
+        try:
+            return words(value)
+        except ValueError:  # policy: left as given, for argparse's "invalid choice" message
+            return value
+
+    parse.__name__ = plain.__name__
+    return {"type": parse, "choices": [w.value for w in words]}
+
+
 def print_json(obj) -> None:
     sys.stdout.write(msgspec.json.encode(obj).decode() + "\n")
 
 
-
 def describe(result) -> str:
+    from ckpt_controller import protocol as p
+
     if isinstance(result, p.StatusReply):
         lines = [f"engine {result.engine} (pid {result.pid}): {result.state}, "
                  f"generation {result.generation}",
@@ -95,6 +122,8 @@ def describe(result) -> str:
 
 
 def describe_event(ev: p.EventBody) -> str:
+    from ckpt_controller import protocol as p
+
     if isinstance(ev, p.StateChanged):
         t = ev.transition
         return f"{ev.engine}: {t.source} -> {t.dest} ({t.trigger}{', ' + t.reason if t.reason else ''})"
@@ -107,8 +136,6 @@ def describe_event(ev: p.EventBody) -> str:
     if isinstance(ev, p.Heartbeat):
         return f"{ev.engine}: heartbeat {ev.seq} ({ev.state})"
     return repr(ev)
-
-
 
 
 # ---------------------------------------------------------------- CURVE keys

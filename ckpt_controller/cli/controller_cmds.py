@@ -1,18 +1,22 @@
 """``ckptctl serve`` and the operator commands that talk to a controller:
-``status``, ``prepare``, ``capture``, ``restore``, ``cycle``, ``rollback``, ``history``, ``watch``."""
+``status``, ``prepare``, ``capture``, ``restore``, ``cycle``, ``rollback``, ``history``, ``watch``.
+
+The controller, its client and the protocol load when a command runs, not for ``--help``.
+Neighbours: ``cli.common``, ``controller.client``, ``controller.server``, ``controller.service``
+(``exit_code``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from ckpt_controller import protocol as p
 from ckpt_controller import values
 from ckpt_controller.cli.common import (
     EXIT_CODES,
@@ -24,10 +28,16 @@ from ckpt_controller.cli.common import (
     op_id,
     parse_bytes,
     print_json,
+    word_arg,
 )
 from ckpt_controller.errors import CkptError, UsageError
+from ckpt_controller.vocab import DrainMode, Escalation, OperationKind, ReleaseLevel
 
-OPS = ("prepare", "capture", "restore", "cycle", "rollback")
+if TYPE_CHECKING:
+    from ckpt_controller import protocol as p
+
+#: one subcommand per operation kind, in this order
+OPS = tuple(OperationKind)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -49,36 +59,37 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         sp.add_argument("--json", action="store_true", help="print one JSON document")
 
     def prepare_opts(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--drain", choices=["wait", "abort", "keep"],
+        sp.add_argument("--drain", **word_arg(DrainMode),
                         help="wait | abort | keep (default: configured, else wait)")
         sp.add_argument("--drain-timeout", type=duration, metavar="S")
-        sp.add_argument("--on-deadline", choices=["abort", "keep", "fail"])
+        sp.add_argument("--on-deadline", **word_arg(Escalation))
         what = sp.add_mutually_exclusive_group()
-        what.add_argument("--level", type=int, choices=[0, 1, 2])
+        what.add_argument("--level", **word_arg(ReleaseLevel))
         what.add_argument("--tags", metavar="TAG,...")
         sp.add_argument("--budget", type=parse_bytes, metavar="SIZE",
                         help="largest residual memory allowed after release")
 
-    texts = {"prepare": "drain and release engines (-> PREPARED); all-or-nothing for groups",
-             "capture": "run the dump hooks on PREPARED engines",
-             "restore": "re-wake PREPARED (or FAILED) engines (-> RUNNING)",
-             "cycle": "prepare, capture and restore, rolling across engines",
-             "rollback": "return PREPARED engines to RUNNING"}
+    texts = {OperationKind.PREPARE: "drain and release engines (-> PREPARED); all-or-nothing "
+                                    "for groups",
+             OperationKind.CAPTURE: "run the dump hooks on PREPARED engines",
+             OperationKind.RESTORE: "re-wake PREPARED (or FAILED) engines (-> RUNNING)",
+             OperationKind.CYCLE: "prepare, capture and restore, rolling across engines",
+             OperationKind.ROLLBACK: "return PREPARED engines to RUNNING"}
     for op in OPS:
         sp = sub.add_parser(op, help=texts[op], **fmt)
         engines(sp)
         sp.set_defaults(run=_operation, op=op)
-        if op in ("prepare", "cycle"):
+        if op in (OperationKind.PREPARE, OperationKind.CYCLE):
             prepare_opts(sp)
-        if op == "prepare":
+        if op == OperationKind.PREPARE:
             sp.add_argument("--no-all-or-nothing", action="store_true",
                             help="keep the engines that prepared even if another failed")
-        if op == "cycle":
+        if op == OperationKind.CYCLE:
             sp.add_argument("--max-unavailable", type=count, metavar="N",
                             help="at most N engines out of service at once (default: all)")
-        if op == "rollback":
+        if op == OperationKind.ROLLBACK:
             sp.add_argument("--reason", default="", help="recorded with the transition")
-        if op == "restore":
+        if op == OperationKind.RESTORE:
             sp.add_argument("--image", metavar="OP_ID", type=op_id,
                             help="restore the image operation OP_ID dumped (default: the one of "
                                  "the engine's generation; an older one must be named here)")
@@ -91,7 +102,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("history", help="operations and journal records", **fmt)
     sp.add_argument("--engine")
     sp.add_argument("--op-id")
-    sp.add_argument("--limit", type=arg_type(values.count(1, p.MAX_HISTORY_LIMIT)), default=20)
+    sp.add_argument("--limit", type=_history_limit, default=20)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(run=_history)
 
@@ -100,6 +111,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     help="default: until interrupted or the controller is lost (exit 4)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(run=_watch)
+
+
+def _history_limit(text: str) -> int:
+    """``history --limit``: 1 to the protocol's ``MAX_HISTORY_LIMIT`` (the protocol is
+    imported only when the flag is given)."""
+    from ckpt_controller import protocol as p
+
+    return arg_type(values.count(1, p.MAX_HISTORY_LIMIT))(text)
+
+
+_history_limit.__name__ = "count"  # argparse's fallback message names the type
 
 
 def _client(args: argparse.Namespace, **kw):
@@ -112,6 +134,8 @@ def _client(args: argparse.Namespace, **kw):
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import logging
+
     from ckpt_controller.controller.config import load_config
     from ckpt_controller.controller.server import serve
 
@@ -150,18 +174,18 @@ def _operation(args: argparse.Namespace) -> int:
     if bool(args.engines) == bool(args.all):
         raise UsageError("name the engines, or give --all (not both)")
     params: dict = {"deadline_s": args.deadline}
-    if args.op in ("prepare", "cycle"):
+    if args.op in (OperationKind.PREPARE, OperationKind.CYCLE):
         tags = [t for t in args.tags.split(",") if t] if args.tags else None
         params.update(drain=args.drain, drain_timeout_s=args.drain_timeout,
                       on_deadline=args.on_deadline, level=args.level, tags=tags,
                       residual_budget_bytes=args.budget)
-    if args.op == "prepare":
+    if args.op == OperationKind.PREPARE:
         params["all_or_nothing"] = not args.no_all_or_nothing
-    if args.op == "cycle":
+    if args.op == OperationKind.CYCLE:
         params["max_unavailable"] = args.max_unavailable
-    if args.op == "rollback":
+    if args.op == OperationKind.ROLLBACK:
         params["reason"] = args.reason
-    if args.op == "restore":
+    if args.op == OperationKind.RESTORE:
         params["image"] = args.image
     progress = sys.stderr.isatty() and not args.json
     with _client(args, on_event=_print_progress if progress else None) as c:
@@ -175,6 +199,8 @@ def _operation(args: argparse.Namespace) -> int:
 
 
 def _print_progress(ev: p.EventBody) -> None:
+    from ckpt_controller import protocol as p
+
     if isinstance(ev, p.Journaled):
         line = describe_record(ev.record)
         if line:
@@ -200,7 +226,7 @@ def describe_record(r: p.JournalRecord) -> str | None:
 
 def describe_result(r: p.OperationResult) -> str:
     lines = [f"{r.kind} {r.op_id}: {r.status} in {r.duration_s:.3f}s"]
-    if r.max_unavailable_seen and r.kind == "cycle":
+    if r.max_unavailable_seen and r.kind == OperationKind.CYCLE:
         lines[0] += f" (at most {r.max_unavailable_seen} out of service at once)"
     for o in r.engines:
         phases = ", ".join(f"{ph.name} {ph.duration_s * 1000:.1f}ms" for ph in o.phases
@@ -230,11 +256,11 @@ def _image_line(kind: str, o: p.EngineOutcome) -> str | None:
         return "no dump hook ran: nothing was captured"
     if o.image is None:
         return None
-    if kind == "capture":
+    if kind == OperationKind.CAPTURE:
         return f"captured image {o.image}"
-    if kind == "restore":
+    if kind == OperationKind.RESTORE:
         return f"restored image {o.image}"
-    if kind == "cycle":
+    if kind == OperationKind.CYCLE:
         return f"captured and restored image {o.image}"
     return None
 
@@ -281,6 +307,8 @@ def _history(args: argparse.Namespace) -> int:
 
 
 def _watch(args: argparse.Namespace) -> int:
+    from ckpt_controller import protocol as p
+
     with _client(args) as c:
         c.subscribe()
         end = None if args.duration is None else time.monotonic() + args.duration

@@ -4,21 +4,29 @@ In a temporary directory it starts a reference engine and a controller (real pro
 sockets), drives load, runs one full cycle through the controller (prepare with ``keep`` at
 level 2, capture, restore), checks that every request ended and that every completed output
 equals an uninterrupted run, prints a timeline of the phases, and stops everything it started.
-Exit code 0 only when all of that holds.
+Exit code 0 only when all of that holds. Nothing but argparse loads until the demo runs.
+Neighbours: ``procutil`` (the children), ``controller.client``, ``engine.load``, ``cli.common``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckpt_controller.cli.common import EXIT_CODES, human_bytes, positive
-from ckpt_controller.controller.hooks import install_criu_dump_hook
-from ckpt_controller.procutil import ReadyProcess
+from ckpt_controller.vocab import (
+    DrainMode,
+    FinishReason,
+    HookPoint,
+    OperationStatus,
+    ReleaseLevel,
+)
+
+if TYPE_CHECKING:
+    from ckpt_controller.procutil import ReadyProcess
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,6 +45,9 @@ def _say(text: str = "") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
     tmp = Path(tempfile.mkdtemp(prefix="ckpt-demo-"))
     children: list[ReadyProcess] = []
     try:
@@ -47,19 +58,22 @@ def run(args: argparse.Namespace) -> int:
         if args.keep_dir:
             _say(f"\nkept {tmp} (journal, logs)")
         else:
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _demo(args: argparse.Namespace, tmp: Path, children: list[ReadyProcess]) -> int:
+    import threading
+
     from ckpt_controller.cli.controller_cmds import describe_result
     from ckpt_controller.controller.client import ControllerClient
+    from ckpt_controller.controller.hooks import install_criu_dump_hook
+    from ckpt_controller.endpoints import free_port
     from ckpt_controller.engine.load import replay, run_load
+    from ckpt_controller.procutil import ReadyProcess
 
     py = [sys.executable, "-m", "ckpt_controller"]
     # the engine listens on TCP loopback so CRIU can checkpoint it with clients connected
-    api, control = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    api, control = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     ctl = f"ipc://{tmp}/ctl"
     (tmp / "hooks").mkdir(mode=0o700, exist_ok=True)  # the controller refuses a missing one
     criu_hook = install_criu_dump_hook(tmp / "hooks")
@@ -75,7 +89,7 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[ReadyProcess]) -> 
     (tmp / "controller.toml").write_text(
         f'[controller]\nendpoint = "{ctl}"\nstate_dir = "{tmp / "state"}"\n'
         f'hooks_dir = "{tmp / "hooks"}"\n\n'
-        f'[defaults]\ndrain = "keep"\nlevel = 2\n\n'
+        f'[defaults]\ndrain = "{DrainMode.KEEP}"\nlevel = {ReleaseLevel.DISCARD}\n\n'
         f'[[engine]]\nname = "demo-engine"\ncontrol = "{control}"\n')
     ctl_proc = ReadyProcess(py + ["serve", "--config", str(tmp / "controller.toml")],
                       tmp / "controller.log", "the controller")
@@ -89,7 +103,7 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[ReadyProcess]) -> 
     load.start()
     time.sleep(args.duration / 2)
     with ControllerClient(ctl) as client:
-        result = client.cycle(["demo-engine"], drain="keep", level=2)
+        result = client.cycle(["demo-engine"], drain=DrainMode.KEEP, level=ReleaseLevel.DISCARD)
         history = client.history(op_id=result.op_id, limit=200)
     load.join()
     report, requests = box["report"], box["requests"]
@@ -98,7 +112,7 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[ReadyProcess]) -> 
     _say("\ntimeline:")
     for offset, what in _timeline(history.records):
         _say(f"  +{offset * 1000:8.1f} ms  {what}")
-    dumps = [h for o in result.engines for h in o.hooks if h.point == "dump"]
+    dumps = [h for o in result.engines for h in o.hooks if h.point == HookPoint.DUMP]
     if dumps:
         said = (dumps[0].stdout_tail.strip() or dumps[0].stderr_tail.strip()).splitlines()
         _say(f"  capture: {said[-1] if said else f'dump hook exited {dumps[0].exit_code}'}")
@@ -107,7 +121,7 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[ReadyProcess]) -> 
 
     kept = sum(o.drain.kept for o in result.engines if o.drain is not None)
     completed = {rid: c.token_ids for rid, c in requests.items()
-                 if c.finish_reason in ("stop", "length")}
+                 if c.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)}
     again = replay(api, 7, list(completed))
     mismatched = [rid for rid, tokens in completed.items() if again[rid] != tokens]
     _say(f"\nrequests: sent {report.sent}, completed {report.completed}, aborted "
@@ -116,7 +130,7 @@ def _demo(args: argparse.Namespace, tmp: Path, children: list[ReadyProcess]) -> 
     _say(f"  {kept} requests were kept across the cycle and finished after restore")
     _say(f"  {len(completed) - len(mismatched)} of {len(completed)} completed outputs are "
          f"identical to an uninterrupted run")
-    ok = result.status == "succeeded" and report.lost == 0 and not mismatched
+    ok = result.status == OperationStatus.SUCCEEDED and report.lost == 0 and not mismatched
     _say("\ndemo " + ("passed" if ok else "FAILED"))
     return 0 if ok else 1
 
@@ -148,11 +162,3 @@ def _timeline(records) -> list[tuple[float, str]]:
     rows.sort(key=lambda row: row[0])
     start = rows[0][0] if rows else 0.0
     return [(at - start, what) for at, what in rows]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -1,4 +1,5 @@
-"""``ckptctl drill``: recovery drills (see ``ckpt_controller.drill``)."""
+"""``ckptctl drill``: recovery drills (see ``ckpt_controller.drill``), which load when a drill
+runs. Neighbours: ``cli.common``, ``drill.runner``, ``drill.faults``, ``drill.report``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import argparse
 import time
 from pathlib import Path
 
-from ckpt_controller.cli.common import EXIT_CODES, positive, print_json
+from ckpt_controller.cli.common import EXIT_CODES, positive, print_json, word_arg
+from ckpt_controller.vocab import DrainMode, ReleaseLevel
 
 FAULT_HELP = """\
 faults (--faults KIND@WHERE[#CYCLE],...; 'all' = every one, one per cycle):
@@ -44,9 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="requests per second to each engine (default 10)")
     sp.add_argument("--load-seconds", type=positive, default=3.0, metavar="S",
                     help="seconds of load per cycle; the cycle starts half way (default 3)")
-    sp.add_argument("--drain", choices=("wait", "abort", "keep"), default="keep",
+    sp.add_argument("--drain", **word_arg(DrainMode), default=DrainMode.KEEP,
                     help="drain mode (default keep)")
-    sp.add_argument("--level", type=int, choices=(0, 1, 2), default=2,
+    sp.add_argument("--level", **word_arg(ReleaseLevel), default=ReleaseLevel.DISCARD,
                     help="release level (default 2)")
     sp.add_argument("--faults", default="", metavar="SPEC", help="faults to inject (below)")
     sp.add_argument("--model", default="tiny", help="the engines' model: tiny, small or a "

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.metrics import Metrics, MetricsServer
 from ckpt_controller.controller.monitor import EngineMonitor
 from ckpt_controller.controller.service import Controller
+from ckpt_controller.procutil import StopSignals
 from ckpt_controller.rpcserver import RpcServer
 from ckpt_controller.security import CurveServer
 
@@ -96,9 +95,7 @@ class ControllerServer(RpcServer):
 def serve(config: ControllerConfig, ready=None) -> None:
     """Run the controller until SIGTERM/SIGINT: reconcile, then serve."""
     server = ControllerServer(config)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # a handler only sets a flag
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignals()  # from here a SIGTERM waits for the cleanup below
     try:
         # bound first: an endpoint or metrics port in use is refused before anything is
         # touched; served only after recovery: no new operation may touch an engine being
@@ -113,7 +110,6 @@ def serve(config: ControllerConfig, ready=None) -> None:
             ready({"event": "ready", "endpoint": server.endpoint, "pid": os.getpid(),
                    "state_dir": str(config.state_dir), "recovered": len(recovered),
                    "metrics_port": server.metrics_server.port if server.metrics_server else None})
-        while not stop.wait(0.5):
-            pass
+        stop.wait()
     finally:
         server.close()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -31,6 +30,7 @@ from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.drill.faults import Fault
+from ckpt_controller.endpoints import free_port
 from ckpt_controller.engine.load import LoadControl, LoadReport, replay, run_load
 from ckpt_controller.controller.hooks import install_criu_dump_hook
 from ckpt_controller.errors import CkptError, OperationError, UnreachableError, UsageError
@@ -68,8 +68,8 @@ class _Engine:
     def __init__(self, drill: Drill, name: str) -> None:
         self.name = name
         self.drill = drill
-        self.api = f"tcp://127.0.0.1:{_free_port()}"
-        self.control = f"tcp://127.0.0.1:{_free_port()}"
+        self.api = f"tcp://127.0.0.1:{free_port()}"
+        self.control = f"tcp://127.0.0.1:{free_port()}"
         self.proc: ReadyProcess | None = None
         self.incarnation = 0
 
@@ -469,12 +469,6 @@ def _alive(pid: int) -> bool:
 
 def _du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _install_dump_hook(hooks_dir: Path) -> None:

@@ -331,17 +331,13 @@ class ReferenceEngine(EngineHooks):
 
 def serve(opts: EngineOptions, ready: Callable[[dict], None] | None = None) -> None:
     """Run an engine until SIGTERM/SIGINT; ``ready(info)`` once both endpoints are bound."""
-    import signal
+    from ckpt_controller.procutil import StopSignals
 
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     engine = ReferenceEngine(opts).start()
-    stop = threading.Event()
-    # a signal handler only sets a flag; the main thread does the cleanup
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignals()  # the main thread does the cleanup
     (ready or (lambda info: print(json.dumps(info), flush=True)))(engine.info())
     try:
-        while not stop.wait(0.5):
-            pass
+        stop.wait()
     finally:
         engine.stop()

@@ -535,9 +535,8 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
           heartbeat_interval_s: float = 0.5, ready: Callable[[dict], None] | None = None,
           curve=None) -> None:
     """Run the sidecar until SIGTERM/SIGINT; prints one JSON ready line once bound."""
-    import signal
-
     from ckpt_controller.agent.server import Agent
+    from ckpt_controller.procutil import StopSignals
 
     http = VllmHttp(url, timeout_s=timeout_s)
     if not http.healthy(timeout_s=5.0):
@@ -562,15 +561,12 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
         log.warning("%s", why)
         agent.lifecycle.fire(Trigger.FAIL, reason=why)
     agent.start()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignals()
     info = {"event": "ready", "name": name, "pid": os.getpid(), "engine_pid": pid,
             "url": http.url, "control": agent.endpoint, "model": http.model_name}
     (ready or (lambda i: print(json.dumps(i), flush=True)))(info)
     try:
-        while not stop.wait(0.5):
-            pass
+        stop.wait()
     finally:
         agent.close()
         engine.close()
