@@ -132,11 +132,16 @@ class OutcomeStatus(enum.StrEnum):
     FAILED = "failed"
     ROLLED_BACK = "rolled_back"
     SKIPPED = "skipped"  # never started (an all-or-nothing operation stopped first)
+    #: a restarted controller's recovery (or the reconciler) brought the engine of an
+    #: interrupted operation back to RUNNING
+    RECOVERED = "recovered"
 
 
 class OperationStatus(enum.StrEnum):
-    """How a whole operation ended."""
+    """How a whole operation ended (``running``: begun and not ended, as the journal and
+    ``history`` show an operation in progress or interrupted)."""
 
+    RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     ROLLED_BACK = "rolled_back"

@@ -422,7 +422,7 @@ def test_a_deeply_nested_answer_from_vllm_is_a_typed_error():
 @pytest.mark.slow
 def test_callers_of_one_controller_operation_are_bounded_and_repeats_cost_no_thread(
         spawn_reference, spawn_controller):
-    from ckpt_controller.controller.service import MAX_WAITERS
+    from ckpt_controller.controller.admission import MAX_WAITERS
 
     eng = spawn_reference("w1")
     ctl = spawn_controller(f'[[engine]]\nname = "w1"\ncontrol = "{eng.control}"\n')

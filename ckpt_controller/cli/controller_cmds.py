@@ -169,7 +169,7 @@ def _at_start(config, err: CkptError) -> CkptError:
 
 
 def _operation(args: argparse.Namespace) -> int:
-    from ckpt_controller.controller.service import exit_code
+    from ckpt_controller.controller.exit_codes import exit_code
 
     if bool(args.engines) == bool(args.all):
         raise UsageError("name the engines, or give --all (not both)")

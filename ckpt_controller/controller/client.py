@@ -17,6 +17,7 @@ from __future__ import annotations
 from ckpt_controller import protocol as p
 from ckpt_controller.rpc import RpcClient, new_op_id
 from ckpt_controller.values import OP_ID, check
+from ckpt_controller.vocab import OperationKind
 
 #: how long an operation may take before the client gives up waiting, when the controller's
 #: heartbeats do not already bound the wait (they do once subscribed)
@@ -50,16 +51,16 @@ class ControllerClient(RpcClient):
                          timeout_s=DEFAULT_OPERATION_TIMEOUT_S if timeout_s is None else timeout_s)
 
     def prepare(self, engines=None, **params) -> p.OperationResult:
-        return self.operation("prepare", engines, **params)
+        return self.operation(OperationKind.PREPARE, engines, **params)
 
     def capture(self, engines=None, **params) -> p.OperationResult:
-        return self.operation("capture", engines, **params)
+        return self.operation(OperationKind.CAPTURE, engines, **params)
 
     def restore(self, engines=None, **params) -> p.OperationResult:
-        return self.operation("restore", engines, **params)
+        return self.operation(OperationKind.RESTORE, engines, **params)
 
     def cycle(self, engines=None, **params) -> p.OperationResult:
-        return self.operation("cycle", engines, **params)
+        return self.operation(OperationKind.CYCLE, engines, **params)
 
     def rollback(self, engines=None, **params) -> p.OperationResult:
-        return self.operation("rollback", engines, **params)
+        return self.operation(OperationKind.ROLLBACK, engines, **params)

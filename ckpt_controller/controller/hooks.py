@@ -12,9 +12,10 @@ running is ended too. A hook writable by group or others, or owned by another us
 than root), is refused, and so is one in a folder (``hooks_dir`` or the point's) that is:
 whoever may write there may put a hook there; a symlinked one is checked link by link up to
 its target (``security.trusted_path``). What a failure does is the caller's business
-(``POINTS``).
-Neighbours: ``service`` runs the points; ``protocol.HookRun`` is what the journal keeps;
-``procutil.ProcessTree`` follows a hook's tree; ``security`` judges paths.
+(``policy.HOOK_FAILURE``).
+Neighbours: ``session`` runs the points and ``policy`` says what a failure does;
+``protocol.HookRun`` is what the journal keeps; ``procutil.ProcessTree`` follows a hook's
+tree; ``security`` judges paths.
 """
 
 from __future__ import annotations
@@ -31,24 +32,16 @@ from ckpt_controller.errors import ConfigError, HookError, HookTimeoutError
 from ckpt_controller.procutil import OutputReader, ProcessTree, become_subreaper
 from ckpt_controller.protocol import HookRun
 from ckpt_controller.security import check_owner_and_mode, trusted_path
+from ckpt_controller.vocab import HookPoint
 
 log = logging.getLogger("ckpt_controller.hooks")
 
-#: point -> what a non-zero exit or a timeout does
-POINTS = {
-    "pre-prepare": "veto",          # engine stays RUNNING
-    "post-drain": "rollback",
-    "post-release": "rollback",
-    "dump": "rollback",             # if the process lives
-    "post-dump": "rollback",
-    "pre-restore": "fail",
-    "post-restore": "fail",
-    "post-resume": "log",
-    "on-fail": "log",
-}
+#: the hook points, in cycle order; what a failure at each does is ``policy.HOOK_FAILURE``
+POINTS: tuple[HookPoint, ...] = tuple(HookPoint)
 #: CRIU's own action names, for scripts written for ``criu --action-script``
-CRTOOLS_ACTIONS = {"dump": "pre-dump", "post-dump": "post-dump", "pre-restore": "pre-restore",
-                   "post-restore": "post-restore", "post-resume": "post-resume"}
+CRTOOLS_ACTIONS = {HookPoint.DUMP: "pre-dump", HookPoint.POST_DUMP: "post-dump",
+                   HookPoint.PRE_RESTORE: "pre-restore", HookPoint.POST_RESTORE: "post-restore",
+                   HookPoint.POST_RESUME: "post-resume"}
 TAIL_BYTES = 4096
 
 
@@ -234,7 +227,7 @@ def run_point(hooks_dir: Path | None, point: str, ctx: HookContext, timeout_s: f
               runs: list[HookRun], until_wall: float | None = None,
               grace_s: float = 5.0) -> None:
     """Run every hook of ``point`` in order, appending each run to ``runs``; raise
-    ``HookError`` at the first failure (the caller applies ``POINTS[point]``). Each hook
+    ``HookError`` at the first failure (the caller applies ``policy.HOOK_FAILURE``). Each hook
     gets ``timeout_s``, cut to the operation's deadline and to ``until_wall`` (a limit the
     point's hooks share, such as the capture deadline)."""
     for path in find_hooks(hooks_dir, point):

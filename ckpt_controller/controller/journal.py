@@ -28,6 +28,7 @@ import msgspec
 
 from ckpt_controller.errors import ConfigError
 from ckpt_controller.protocol import JournalRecord, OperationResult, OperationSummary
+from ckpt_controller.vocab import OperationStatus
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS operations (
@@ -35,7 +36,7 @@ CREATE TABLE IF NOT EXISTS operations (
     kind       TEXT NOT NULL,
     engines    TEXT NOT NULL,           -- JSON list
     params     TEXT NOT NULL,           -- JSON object
-    status     TEXT NOT NULL,           -- running | succeeded | failed | rolled_back | interrupted
+    status     TEXT NOT NULL,           -- vocab.OperationStatus
     wall       REAL NOT NULL,
     monotonic  REAL NOT NULL,
     ended_wall REAL,
@@ -128,8 +129,9 @@ class Journal:
     def begin(self, op_id: str, kind: str, engines: list[str], params: dict[str, Any]) -> None:
         self._write(
             "INSERT INTO operations (op_id, kind, engines, params, status, wall, monotonic) "
-            "VALUES (?, ?, ?, ?, 'running', ?, ?)",
-            (op_id, kind, json.dumps(engines), json.dumps(params), time.time(), time.monotonic()),
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (op_id, kind, json.dumps(engines), json.dumps(params), OperationStatus.RUNNING,
+             time.time(), time.monotonic()),
         )
 
     def finish(self, result: OperationResult) -> None:
@@ -155,7 +157,7 @@ class Journal:
     def unfinished(self) -> list[tuple[str, str, list[str], dict[str, Any]]]:
         """``(op_id, kind, engines, params)`` of every operation still marked running."""
         rows = self._read("SELECT op_id, kind, engines, params FROM operations "
-                          "WHERE status = 'running' ORDER BY wall")
+                          "WHERE status = ? ORDER BY wall", (OperationStatus.RUNNING,))
         return [(r[0], r[1], json.loads(r[2]), json.loads(r[3])) for r in rows]
 
     def operations(self, engine: str | None = None, op_id: str | None = None,
@@ -248,8 +250,8 @@ class Journal:
                              "NOT IN (SELECT op_id FROM operations)")[0][0]
         if orphans:
             problems.append(f"{orphans} records of unknown operations")
-        no_result = self._read("SELECT op_id FROM operations WHERE status != 'running' "
-                               "AND result IS NULL")
+        no_result = self._read("SELECT op_id FROM operations WHERE status != ? "
+                               "AND result IS NULL", (OperationStatus.RUNNING,))
         if no_result:
             problems.append(f"ended without a result: {[r[0] for r in no_result]}")
         return problems

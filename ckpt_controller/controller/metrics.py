@@ -30,6 +30,7 @@ import prometheus_client as prom
 from ckpt_controller import protocol as p
 from ckpt_controller.errors import ConfigError
 from ckpt_controller.lifecycle import CheckpointState
+from ckpt_controller.vocab import OperationKind, OutcomeStatus
 
 log = logging.getLogger("ckpt_controller.metrics")
 
@@ -107,10 +108,10 @@ class Metrics:
         failed/refused/...); ``engines``' outcomes of a cycle date each engine's last
         successful cycle."""
         self._operations.labels(str(kind), str(outcome)).inc()
-        if kind == "cycle":
+        if kind == OperationKind.CYCLE:
             now = time.time()
             for o in engines:
-                if o.status == "succeeded":
+                if o.status == OutcomeStatus.SUCCEEDED:
                     self.last_cycle(o.engine, now)
 
     def last_cycle(self, engine: str, wall: float) -> None:

@@ -21,14 +21,15 @@ from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.hooks import find_hooks
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.errors import CkptError, UnreachableError, UsageError
+from ckpt_controller.vocab import CheckpointState, HookPoint, OperationKind
 
 #: the states an operation needs every one of its engines in, checked before it touches any
-NEEDS: dict[str, tuple[str, ...]] = {
-    "prepare": ("running",),
-    "cycle": ("running",),
-    "capture": ("prepared",),
-    "restore": ("prepared", "failed"),
-    "rollback": ("preparing", "prepared"),
+NEEDS: dict[OperationKind, tuple[CheckpointState, ...]] = {
+    OperationKind.PREPARE: (CheckpointState.RUNNING,),
+    OperationKind.CYCLE: (CheckpointState.RUNNING,),
+    OperationKind.CAPTURE: (CheckpointState.PREPARED,),
+    OperationKind.RESTORE: (CheckpointState.PREPARED, CheckpointState.FAILED),
+    OperationKind.ROLLBACK: (CheckpointState.PREPARING, CheckpointState.PREPARED),
 }
 
 
@@ -49,9 +50,10 @@ def ask(config: ControllerConfig, cmd: p.OperationCommand,
     """Each engine's status (None: a restore's engine that may be revived). Raises for the
     first engine that refuses the operation, naming every one in ``details['refused']``."""
     needs = NEEDS[cmd.kind]
-    revive = cmd.kind == "restore" and bool(find_hooks(config.hooks_dir, "pre-restore"))
-    if config.require_dump and cmd.kind in ("capture", "cycle") \
-            and not find_hooks(config.hooks_dir, "dump"):
+    revive = cmd.kind == OperationKind.RESTORE and bool(find_hooks(config.hooks_dir,
+                                                                   HookPoint.PRE_RESTORE))
+    if config.require_dump and cmd.kind in (OperationKind.CAPTURE, OperationKind.CYCLE) \
+            and not find_hooks(config.hooks_dir, HookPoint.DUMP):
         raise UsageError(f"no dump hook is installed (in {config.hooks_dir}/dump) and "
                          "[controller] require_dump = true: a capture would capture nothing",
                          hooks_dir=str(config.hooks_dir))
@@ -89,7 +91,7 @@ def choose_images(config: ControllerConfig, journal: Journal, cmd: p.OperationCo
     names, else the newest one its captures dumped when it is of the engine's generation and
     no later capture dumped nothing. An older one is refused unless named, when pre-restore
     hooks (which restore images) are installed; without them no image is used (None)."""
-    hooks = bool(find_hooks(config.hooks_dir, "pre-restore"))
+    hooks = bool(find_hooks(config.hooks_dir, HookPoint.PRE_RESTORE))
     images: dict[str, str | None] = {}
     for engine, status in statuses.items():
         captures = journal.captures(engine)

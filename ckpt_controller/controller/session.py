@@ -3,9 +3,12 @@
 An ``EngineSession`` talks to the engine's agent (subscribed, so the agent's heartbeats bound
 every wait: a dead engine fails the session within a few heartbeat intervals), runs the hook
 points around each phase, journals the agent's transitions, drain and memory reports, and
-fills an ``EngineOutcome``. Agent operation ids are derived from the controller's operation id
+fills an ``EngineOutcome``. ``prepare`` and ``restore`` return a ``StepOutcome``: a hook
+failure inside them is applied there (``policy.hook_failed``); other failures raise, for the
+step to turn into an outcome. Agent operation ids are derived from the controller's operation id
 (``<op>/<engine>/<step>``), so a step sent again (a retry, a restarted controller) is not run
-twice. Neighbours: ``service`` (which sessions run when), ``hooks``, ``journal``.
+twice. Neighbours: ``steps`` (what each operation does with a session), ``service`` (which
+sessions run when), ``hooks``, ``policy``, ``outcome``, ``journal``.
 """
 
 from __future__ import annotations
@@ -23,12 +26,22 @@ from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig, PrepareDefaults
 from ckpt_controller.controller.hooks import HookContext, find_hooks, run_point
+from ckpt_controller.controller.outcome import StepOutcome
+from ckpt_controller.controller.policy import hook_failed
 from ckpt_controller.errors import (
     CkptError,
     DeadlineError,
     HookError,
     HookTimeoutError,
     OperationError,
+)
+from ckpt_controller.vocab import (
+    CheckpointState,
+    HookPoint,
+    OperationKind,
+    OutcomeStatus,
+    PrepareStep,
+    RestoreStep,
 )
 
 log = logging.getLogger("ckpt_controller.controller")
@@ -52,7 +65,8 @@ class EngineSession:
         self.start_clock()
         self._record = record
         self.metrics = metrics
-        self.outcome = p.EngineOutcome(engine=engine, status="running")
+        #: SKIPPED until a step ends (``steps.guarded`` writes how)
+        self.outcome = p.EngineOutcome(engine=engine, status=OutcomeStatus.SKIPPED)
         self.pid: int | None = None
         self.generation = 0
         #: the image (the id of the operation that dumped it) a restore gives its pre-restore
@@ -70,6 +84,10 @@ class EngineSession:
                        missed_beats=self.config.missed_beats, name=f"controller/{self.op_id}",
                        curve=self.config.agent_curve(self.engine.name),
                        on_event=self._on_agent_event, on_reply=self._on_agent_reply)
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
 
     def start_clock(self) -> None:
         """Start the engine's overall deadline now. A session starts it when it is made; a
@@ -173,39 +191,44 @@ class EngineSession:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         return path
 
-    def prepare(self) -> None:
+    def prepare(self) -> StepOutcome:
         d = self.config.deadlines
-        with self.phase("pre-prepare"):
-            self.hooks("pre-prepare")  # a failure vetoes: nothing moved yet
+        try:
+            with self.phase(HookPoint.PRE_PREPARE):
+                self.hooks(HookPoint.PRE_PREPARE)
+        except (HookError, HookTimeoutError) as err:  # policy: the table's (a veto)
+            return hook_failed(self, HookPoint.PRE_PREPARE, err)
         prm = self.params
         args = dict(drain=prm.drain, on_deadline=prm.on_deadline, level=prm.level,
                     tags=list(prm.tags) if prm.tags else None,
                     residual_budget_bytes=prm.residual_budget_bytes)
-        stepwise = self.has_hooks("post-drain") or self.has_hooks("post-release")
+        stepwise = self.has_hooks(HookPoint.POST_DRAIN) or self.has_hooks(HookPoint.POST_RELEASE)
         drain = self.drain_timeout_s
         # the escalation at the drain timeout (abort, keep) has the release allowance to finish
         if not stepwise:  # one round trip when no hook needs to run inside PREPARING
-            with self.phase("prepare"):
+            with self.phase(OperationKind.PREPARE):
                 reply = self.client.prepare(
                     op_id=f"{self.op_id}/{self.engine.name}/prepare",
                     drain_timeout_s=self.remaining(drain),
                     deadline_s=self.remaining(drain + 2 * d.release),
                     release_deadline_s=d.release, **args)
         else:
-            with self.phase("drain"):
+            with self.phase(PrepareStep.DRAIN):
                 reply = self.client.prepare(
-                    op_id=f"{self.op_id}/{self.engine.name}/drain", step="drain",
+                    op_id=f"{self.op_id}/{self.engine.name}/drain", step=PrepareStep.DRAIN,
                     drain_timeout_s=self.remaining(drain),
                     deadline_s=self.remaining(drain + d.release), **args)
-            self._inside("post-drain")
-            with self.phase("release"):
+            if (out := self._inside(HookPoint.POST_DRAIN)) is not None:
+                return out
+            with self.phase(PrepareStep.RELEASE):
                 released = self.client.prepare(
-                    op_id=f"{self.op_id}/{self.engine.name}/release", step="release",
+                    op_id=f"{self.op_id}/{self.engine.name}/release", step=PrepareStep.RELEASE,
                     deadline_s=self.remaining(d.release), **args)
-            self._inside("post-release")
-            with self.phase("seal"):
+            if (out := self._inside(HookPoint.POST_RELEASE)) is not None:
+                return out
+            with self.phase(PrepareStep.SEAL):
                 sealed = self.client.prepare(
-                    op_id=f"{self.op_id}/{self.engine.name}/seal", step="seal",
+                    op_id=f"{self.op_id}/{self.engine.name}/seal", step=PrepareStep.SEAL,
                     deadline_s=self.remaining(d.release), **args)
             reply = msgspec.structs.replace(sealed, drain=reply.drain, memory=released.memory)
         self.outcome.state, self.outcome.drain = reply.state, reply.drain
@@ -215,36 +238,36 @@ class EngineSession:
         if self.metrics:
             self.metrics.drained(reply.drain.completed, reply.drain.aborted, reply.drain.kept)
             self.metrics.freed_bytes(max(0, reply.memory.freed_bytes))
+        return StepOutcome.succeeded()
 
     def has_hooks(self, point: str) -> bool:
         return bool(find_hooks(self.config.hooks_dir, point))
 
-    def _inside(self, point: str) -> None:
-        """Hooks inside PREPARING: a failure rolls the engine back to RUNNING."""
+    def _inside(self, point: HookPoint) -> StepOutcome | None:
+        """Hooks inside PREPARING; ``None`` when they passed, else what the table made of
+        their failure (a rollback to RUNNING)."""
         try:
             with self.phase(point):
                 self.hooks(point)
-        except CkptError as err:
-            self.rollback(f"{point} hook failed: {err.message}")
-            err.details["rolled_back"] = True
-            err.details["state"] = self.outcome.state
-            raise
+        except CkptError as err:  # policy: the table's, for any failure to run them
+            return hook_failed(self, point, err, reason=f"{point} hook failed: {err.message}")
+        return None
 
     def capture(self) -> None:
         """The dump and post-dump hooks, together within the ``capture`` deadline (and each
         within ``hook``)."""
-        if self.config.require_dump and not self.has_hooks("dump"):
+        if self.config.require_dump and not self.has_hooks(HookPoint.DUMP):
             raise OperationError(f"no dump hook to capture {self.engine.name} with, and "
                                  f"[controller] require_dump = true", engine=self.engine.name,
                                  hooks_dir=str(self.config.hooks_dir))
-        with self.phase("capture"):
+        with self.phase(OperationKind.CAPTURE):
             end = time.time() + self.remaining(self.config.deadlines.capture)
-            dumped = self.hooks("dump", until_wall=end) > 0
+            dumped = self.hooks(HookPoint.DUMP, until_wall=end) > 0
             if time.time() >= end:
                 raise DeadlineError("capture deadline passed after the dump hooks",
                                     engine=self.engine.name, op_id=self.op_id,
                                     capture_s=self.config.deadlines.capture)
-            self.hooks("post-dump", until_wall=end)
+            self.hooks(HookPoint.POST_DUMP, until_wall=end)
         self.outcome.dumped, self.outcome.image = dumped, self.op_id if dumped else None
         # a good capture only: what a later restore chooses its image by (``service``)
         self.record("capture", {"dumped": dumped, "generation": self.generation,
@@ -255,45 +278,49 @@ class EngineSession:
         if self.metrics:
             self.metrics.image_written(self.engine.name, self.image_dir())
 
-    def restore(self, run_pre_restore: bool = True) -> None:
+    def restore(self, run_pre_restore: bool = True) -> StepOutcome:
         d = self.config.deadlines
         if run_pre_restore:
             self.use_image()
-            with self.phase("pre-restore"):
-                if self.hooks("pre-restore"):
-                    self.reconnect()  # a hook may have restored the process from an image
+            try:
+                with self.phase(HookPoint.PRE_RESTORE):
+                    ran = self.hooks(HookPoint.PRE_RESTORE)
+            except (HookError, HookTimeoutError) as err:  # policy: the table's (FAILED)
+                return hook_failed(self, HookPoint.PRE_RESTORE, err)
+            if ran:
+                self.reconnect()  # a hook may have restored the process from an image
         base = f"{self.op_id}/{self.engine.name}"
-        if not self.has_hooks("post-restore"):
-            with self.phase("restore"):
+        if not self.has_hooks(HookPoint.POST_RESTORE):
+            with self.phase(OperationKind.RESTORE):
                 reply = self.client.restore(op_id=f"{base}/restore",
                                             deadline_s=self.remaining(d.restore))
         else:  # post-restore hooks check the engine after re-wake, before re-admission
-            with self.phase("rewake"):
-                rewoken = self.client.restore(op_id=f"{base}/rewake", step="rewake",
+            with self.phase(RestoreStep.REWAKE):
+                rewoken = self.client.restore(op_id=f"{base}/rewake", step=RestoreStep.REWAKE,
                                               deadline_s=self.remaining(d.restore))
             try:
-                with self.phase("post-restore"):
-                    self.hooks("post-restore")
-            except CkptError as err:  # policy: a failed post-restore check is FAILED
-                self.mark_failed(f"post-restore hook failed: {err.message}")
-                err.details["state"] = "failed"
-                raise
-            with self.phase("resume"):
-                reply = self.client.restore(op_id=f"{base}/resume", step="resume",
+                with self.phase(HookPoint.POST_RESTORE):
+                    self.hooks(HookPoint.POST_RESTORE)
+            except CkptError as err:  # policy: the table's (FAILED), for any failure to run
+                return hook_failed(self, HookPoint.POST_RESTORE, err,
+                                   reason=f"post-restore hook failed: {err.message}")
+            with self.phase(RestoreStep.RESUME):
+                reply = self.client.restore(op_id=f"{base}/resume", step=RestoreStep.RESUME,
                                             deadline_s=self.remaining(d.restore))
             reply = msgspec.structs.replace(reply, memory=rewoken.memory)
         self.outcome.state, self.outcome.rewoken = reply.state, reply.memory
         self.outcome.generation = reply.generation
         if reply.memory is not None:
             self.record("memory", msgspec.to_builtins(reply.memory))
-        self._log_only("post-resume")
+        self._log_only(HookPoint.POST_RESUME)
+        return StepOutcome.succeeded()
 
     def use_image(self) -> None:
         """Before the pre-restore hooks: name this restore's image in its outcome and point
         ``<image_dir>/<engine>/latest`` (where criu-restore looks by default) at it; with no
         image, remove that link, so no hook revives an image this restore did not name."""
         self.outcome.image = self.image
-        if not self.has_hooks("pre-restore"):
+        if not self.has_hooks(HookPoint.PRE_RESTORE):
             return
         folder = self.config.image_dir / self.engine.name
         link = folder / "latest"
@@ -316,16 +343,17 @@ class EngineSession:
         """Tell the agent the engine is FAILED (e.g. a pre-restore hook failed)."""
         try:
             self.client.fail(reason=reason, op_id=f"{self.op_id}/{self.engine.name}/fail")
-            self.outcome.state = "failed"
+            self.outcome.state = CheckpointState.FAILED
         except CkptError as exc:  # policy: the original failure is what the caller reports
             log.warning("%s: could not mark FAILED: %s", self.engine.name, exc)
-        self._log_only("on-fail")
+        self._log_only(HookPoint.ON_FAIL)
 
-    def _log_only(self, point: str) -> None:
+    def _log_only(self, point: HookPoint) -> None:
+        """Run hooks whose failure the table only logs (post-resume, on-fail)."""
         try:
             self.hooks(point)
-        except (HookError, HookTimeoutError) as exc:  # policy: post-resume/on-fail: logged only
-            log.warning("%s: %s", self.engine.name, exc)
+        except (HookError, HookTimeoutError) as exc:  # policy: the table's (logged only)
+            hook_failed(self, point, exc)
 
     def refresh_state(self) -> str | None:
         """The agent's state now, or ``None`` if it does not answer."""

@@ -4,8 +4,10 @@
 ``#CYCLE``; items without a cycle take cycles 1, 2, 3, ... in order (skipping those taken).
 Every fault hits the drill's first engine (a ``kill-controller`` hits the controller). What
 each one must lead to is ``expected(kind, where)``; the drill checks it, handles the
-aftermath (``after``), and checks that the engine serves again. Neighbours: ``runner`` (how
-each is injected), ``agent.failpoints`` (the engine-side half).
+aftermath (``after``), and checks that the engine serves again. What a hook fault must lead
+to comes from the controller's own table (``controller.policy.HOOK_FAILURE``), so the drill
+checks the policy the controller applies, not a copy of it. Neighbours: ``runner`` (how each
+is injected), ``agent.failpoints`` (the engine-side half), ``controller.policy``.
 """
 
 from __future__ import annotations
@@ -13,10 +15,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ckpt_controller.controller.policy import HOOK_FAILURE
 from ckpt_controller.errors import UsageError
+from ckpt_controller.vocab import (
+    CheckpointState,
+    HookFailure,
+    HookPoint,
+    OperationStatus,
+)
 
-HOOK_POINTS = ("pre-prepare", "post-drain", "post-release", "dump", "post-dump", "pre-restore",
-               "post-restore", "post-resume", "on-fail")
+HOOK_POINTS = tuple(HookPoint)
 
 #: kind -> where it can strike
 WHERE: dict[str, tuple[str, ...]] = {
@@ -24,7 +32,8 @@ WHERE: dict[str, tuple[str, ...]] = {
     "stall-agent": ("drain", "release", "rewake", "resume"),
     "fail-hook": HOOK_POINTS,
     "hang-hook": HOOK_POINTS,
-    "kill-controller": ("preparing", "prepared", "restoring"),
+    "kill-controller": (CheckpointState.PREPARING, CheckpointState.PREPARED,
+                        CheckpointState.RESTORING),
     "corrupt-weight": ("rewake",),
     "residual": ("release",),
 }
@@ -34,7 +43,8 @@ WHERE: dict[str, tuple[str, ...]] = {
 class Expected:
     #: operation statuses that are right
     status: tuple[str, ...]
-    #: the engine right after the operation: running | failed | gone (process dead)
+    #: the engine right after the operation: running | failed (``CheckpointState``), gone
+    #: (process dead) or unknown (not asked)
     state: str
     #: the error kind on the engine's outcome (None: no error, or not checked)
     error: str | None
@@ -44,49 +54,63 @@ class Expected:
     text: str
 
 
-# point -> (state, status) after a cycle whose hook at that point fails (product.md §4); a
-# failing on-fail hook needs a failure to run, so a failing post-restore hook comes with it
-_HOOK_EFFECTS = {
-    "pre-prepare": ("running", "failed", "veto: the engine stays RUNNING"),
-    "post-drain": ("running", "rolled_back", "rolled back to RUNNING"),
-    "post-release": ("running", "rolled_back", "rolled back to RUNNING"),
-    "dump": ("running", "rolled_back", "rolled back to RUNNING (the process lives)"),
-    "post-dump": ("running", "rolled_back", "rolled back to RUNNING (the process lives)"),
-    "pre-restore": ("failed", "failed", "FAILED; recovered with restore"),
-    "post-restore": ("failed", "failed", "FAILED; recovered with restore"),
-    "post-resume": ("running", "succeeded", "logged only: the cycle succeeds"),
-    "on-fail": ("failed", "failed", "logged only (after a failing post-restore): FAILED; "
-                "recovered with restore"),
+#: what a cycle whose hook fails does, by the table's word: (engine state, operation status,
+#: what the report says)
+_BY_POLICY = {
+    HookFailure.VETO: (CheckpointState.RUNNING, OperationStatus.FAILED,
+                       "veto: the engine stays RUNNING"),
+    HookFailure.ROLLBACK: (CheckpointState.RUNNING, OperationStatus.ROLLED_BACK,
+                           "rolled back to RUNNING (if its process lives)"),
+    HookFailure.FAIL: (CheckpointState.FAILED, OperationStatus.FAILED,
+                       "FAILED; recovered with restore"),
+    HookFailure.LOG: (CheckpointState.RUNNING, OperationStatus.SUCCEEDED,
+                      "logged only: the cycle succeeds"),
 }
+#: a failing on-fail hook needs a failure to run: a failing post-restore hook comes with it
+#: (``runner``), so the cycle ends as that one says
+RUNS_WITH = {HookPoint.ON_FAIL: HookPoint.POST_RESTORE}
+
+
+def _hook_effect(point: HookPoint) -> tuple[str, str, str]:
+    state, status, text = _BY_POLICY[HOOK_FAILURE[RUNS_WITH.get(point, point)]]
+    if point in RUNS_WITH:
+        text = f"logged only (after a failing {RUNS_WITH[point]}): {text}"
+    return state, status, text
+
+
+#: point -> (state, status, text) after a cycle whose hook at that point fails (product.md §4)
+_HOOK_EFFECTS = {point: _hook_effect(point) for point in HookPoint}
 
 
 def expected(kind: str, where: str) -> Expected:
     if kind == "kill-engine":
-        return Expected(("failed",), "gone", None, "replace",
+        return Expected((OperationStatus.FAILED,), "gone", None, "replace",
                         "the operation fails within the heartbeat timeout; the engine is "
                         "started again")
     if kind == "stall-agent":
-        return Expected(("failed",), "unknown", "UnreachableError", "reconcile",
+        return Expected((OperationStatus.FAILED,), "unknown", "UnreachableError", "reconcile",
                         "the operation fails within the heartbeat timeout (exit 4); when the "
                         "agent answers again the controller's reconciler brings it back to "
                         "RUNNING")
     if kind in ("fail-hook", "hang-hook"):
         state, status, text = _HOOK_EFFECTS[where]
-        if kind == "fail-hook" or where in ("post-resume", "on-fail"):
-            error = "HookError"
-        else:
-            error = "HookTimeoutError"
-        return Expected((status,), state, None if status == "succeeded" else error,
-                        "recover" if state == "failed" else "none", text)
+        # the outcome's error is the failing hook's own, or the one it runs with (exit 7)
+        hung = kind == "hang-hook" and where not in RUNS_WITH
+        error = "HookTimeoutError" if hung else "HookError"
+        return Expected((status,), state, None if status == OperationStatus.SUCCEEDED else error,
+                        "recover" if state == CheckpointState.FAILED else "none", text)
     if kind == "kill-controller":
-        return Expected(("interrupted",), "running", None, "restart-controller",
+        return Expected((OperationStatus.INTERRUPTED,), CheckpointState.RUNNING, None,
+                        "restart-controller",
                         "the controller restarts, reconciles, and the engine is RUNNING")
     if kind == "corrupt-weight":
-        return Expected(("failed",), "failed", "VerificationError", "recover",
+        return Expected((OperationStatus.FAILED,), CheckpointState.FAILED, "VerificationError",
+                        "recover",
                         "the bit-exact check fails the restore: FAILED with the tensor named; "
                         "restore (recovery) reloads the weights from their file and checks "
                         "them again")
-    return Expected(("rolled_back",), "running", "ResidualOverBudgetError", "none",
+    return Expected((OperationStatus.ROLLED_BACK,), CheckpointState.RUNNING,
+                    "ResidualOverBudgetError", "none",
                     "the prepare fails on the budget and rolls back to RUNNING")
 
 

@@ -29,12 +29,22 @@ import psutil
 from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.client import ControllerClient
-from ckpt_controller.drill.faults import Fault
+from ckpt_controller.controller.hooks import install_criu_dump_hook
+from ckpt_controller.drill.faults import RUNS_WITH, Fault
 from ckpt_controller.endpoints import free_port
 from ckpt_controller.engine.load import LoadControl, LoadReport, replay, run_load
-from ckpt_controller.controller.hooks import install_criu_dump_hook
 from ckpt_controller.errors import CkptError, OperationError, UnreachableError, UsageError
 from ckpt_controller.procutil import ReadyProcess
+from ckpt_controller.vocab import (
+    TRANSITIONAL,
+    CheckpointState,
+    DrainMode,
+    FinishReason,
+    HookPoint,
+    OperationKind,
+    OperationStatus,
+    ReleaseLevel,
+)
 
 MiB = 1 << 20
 #: the residual fault's ballast, and how far above the engine's RSS its budget sits
@@ -52,8 +62,8 @@ class DrillOptions:
     cycles: int
     report_dir: Path
     rate: float = 10.0
-    drain: str = "keep"
-    level: int = 2
+    drain: DrainMode = DrainMode.KEEP
+    level: ReleaseLevel = ReleaseLevel.DISCARD
     faults: list[Fault] = field(default_factory=list)
     #: seconds of load per cycle; the cycle starts half way
     load_s: float = 3.0
@@ -200,7 +210,7 @@ class Drill:
         self._settle_all(record)
         for e in self.engines:
             states = self._states()
-            if states.get(e.name) != "running":
+            if states.get(e.name) != CheckpointState.RUNNING:
                 problems.append(f"{e.name} is {states.get(e.name)} at the end of the cycle")
         record["engines"] = [self._engine_record(e, result, loads[e.name], op_id)
                              for e in self.engines]
@@ -211,7 +221,7 @@ class Drill:
             if er["verification"]["mismatched"]:
                 problems.append(f"{er['engine']}: {len(er['verification']['mismatched'])} "
                                 f"outputs differ from an uninterrupted run")
-        if fault is None and result.status != "succeeded":
+        if fault is None and result.status != OperationStatus.SUCCEEDED:
             problems.append(f"cycle {result.status}: "
                             f"{result.error.message if result.error else 'no error given'}")
         record["ok"] = not problems
@@ -238,14 +248,15 @@ class Drill:
             body = ("echo 'drill: injected hook failure' >&2\nexit 7" if fault.kind == "fail-hook"
                     else "exec sleep 3600")
             hook(fault.where, body)
-            if fault.where == "on-fail":  # on-fail runs only after a failure
-                hook("post-restore", "echo 'drill: injected failure' >&2\nexit 7")
+            if fault.where in RUNS_WITH:  # on-fail runs only after a failure
+                hook(RUNS_WITH[fault.where], "echo 'drill: injected failure' >&2\nexit 7")
         elif fault.kind == "kill-controller":
             # a hook that holds the controller in the phase, so the kill lands inside it
-            hook({"preparing": "post-drain", "prepared": "dump",
-                  "restoring": "post-restore"}[fault.where], "sleep 2")
+            hook({CheckpointState.PREPARING: HookPoint.POST_DRAIN,
+                  CheckpointState.PREPARED: HookPoint.DUMP,
+                  CheckpointState.RESTORING: HookPoint.POST_RESTORE}[fault.where], "sleep 2")
         elif fault.kind == "kill-engine" and fault.where == "capture":
-            hook("dump", 'kill -9 "$CKPT_ENGINE_PID"; sleep 1; exit 1')
+            hook(HookPoint.DUMP, 'kill -9 "$CKPT_ENGINE_PID"; sleep 1; exit 1')
         elif fault.kind == "kill-engine":
             target.start(f"{fault.where}:kill")
         elif fault.kind == "stall-agent":
@@ -303,16 +314,17 @@ class Drill:
                 path.unlink()
             # only the FAILED engines: a restore sent to a RUNNING one is refused, and would
             # fail a recovery that worked
-            failed = [name for name, state in self._states().items() if state == "failed"]
+            failed = [name for name, state in self._states().items()
+                      if state == CheckpointState.FAILED]
             if not failed:  # an empty list would name every engine
                 problems.append(f"{fault}: no engine is FAILED to recover")
             else:
-                again = self._operation(record["op_id"] + "-recover", {}, kind="restore",
-                                        engines=failed)
+                again = self._operation(record["op_id"] + "-recover", {},
+                                        kind=OperationKind.RESTORE, engines=failed)
                 after.append(f"restore (recovery from FAILED): {again.status}")
                 spans += [{"kind": "recovery", "engine": name, "wall": again.wall,
                            "duration_s": again.duration_s} for name in failed]
-                if again.status != "succeeded":
+                if again.status != OperationStatus.SUCCEEDED:
                     problems.append(f"{fault}: recovery from FAILED {again.status}")
         elif exp.after == "restart-controller":
             after.append("controller restarted and reconciled")
@@ -324,7 +336,7 @@ class Drill:
                 with ControllerClient(self.endpoint, timeout_s=10, retries=0) as c:
                     (view,) = c.status([engine]).engines
                 if view.unsettled_by is None and view.status is not None \
-                        and view.status.state == "running":
+                        and view.status.state == CheckpointState.RUNNING:
                     return True
             except CkptError:  # policy: keep asking until the deadline
                 pass
@@ -333,7 +345,7 @@ class Drill:
 
     # ------------------------------------------------------------------ controller calls
 
-    def _operation(self, op_id: str, params: dict, kind: str = "cycle",
+    def _operation(self, op_id: str, params: dict, kind: str = OperationKind.CYCLE,
                    engines: list[str] | None = None) -> p.OperationResult:
         """Run the operation on ``engines`` (default: all); if the controller died under it,
         start it again (it reconciles) and ask for the same operation id: the journal's
@@ -363,7 +375,7 @@ class Drill:
             with ControllerClient(self.endpoint, timeout_s=10, retries=1) as c:
                 views = c.status().engines
             busy = [v.engine for v in views if v.holder or v.unsettled_by or v.status is None
-                    or v.status.state in ("preparing", "restoring")]
+                    or v.status.state in TRANSITIONAL]
             if not busy:
                 return
             time.sleep(0.2)
@@ -375,7 +387,7 @@ class Drill:
                        op_id: str) -> dict:
         report, requests = load.join()
         completed = {rid: c.token_ids for rid, c in requests.items()
-                     if c.finish_reason in ("stop", "length")}
+                     if c.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)}
         mismatched: list[str] = []
         if completed:
             again = replay(e.api, load.seed, list(completed))
@@ -400,7 +412,8 @@ class Drill:
             "requests": {
                 "sent": report.sent, "completed": report.completed, "aborted": report.aborted,
                 "kept": o.drain.kept if o and o.drain else 0, "rejected": report.rejected,
-                "shed": report.shed, "errored": report.errored, "ended_by_engine_death": len(load.control.ended_by_loss),
+                "shed": report.shed, "errored": report.errored,
+                "ended_by_engine_death": len(load.control.ended_by_loss),
                 "lost": report.lost, "lost_ids": report.lost_ids,
             },
             "rss_bytes": e.rss(),
