@@ -130,6 +130,14 @@ def wait_until(condition, timeout_s: float = 10.0, what: str = "the condition",
         time.sleep(every_s)
 
 
+def gone(pid: int) -> bool:
+    """No process ``pid`` any more, or only its zombie (exited, not yet reaped)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # policy: no such process is what this asks about
+        return True
+
+
 def ipc_connections(pid: int, endpoint: str) -> int:
     """The sockets process ``pid`` holds on its bound ipc ``endpoint``: the listening one and
     one per connection it accepted (``/proc/net/unix`` names the path on the accepting side)."""
