@@ -174,6 +174,16 @@ def settled(eng, timeout_s: float = 30.0) -> bool:
         return False
 
 
+def stop_all(children) -> None:
+    """Stop these ``ReadyProcess`` children together: SIGTERM to every one first, then each
+    is waited for (and killed after its grace period), so their shutdowns overlap."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.terminate()
+    for child in children:
+        child.stop()
+
+
 class SharedEngine:
     """One engine process kept for the tests of a module that only need it RUNNING and idle
     (its start-up, mostly importing torch, is most of such a test's time). ``get`` hands it
@@ -193,10 +203,6 @@ class SharedEngine:
         if isinstance(self.engine, EngineProcess):
             self.engine.forget_results()
         return self.engine
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.stop()
 
 
 @pytest.fixture(scope="module")
@@ -221,8 +227,7 @@ def shared_engines(model_dir):
         return made[name]
 
     yield shared
-    for one in made.values():
-        one.close()
+    stop_all([one.engine for one in made.values() if one.engine is not None])
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -236,8 +241,7 @@ def spawn_engine(ipc_dir):
         return eng
 
     yield spawn
-    for eng in started:
-        eng.stop()
+    stop_all(started)
 
 
 class ReferenceProcess(ReadyProcess):
@@ -298,8 +302,7 @@ def spawn_reference(ipc_dir, model_dir):
         return eng
 
     yield spawn
-    for eng in started:
-        eng.stop()
+    stop_all(started)
 
 
 class ControllerProcess(ReadyProcess):
@@ -335,8 +338,7 @@ def spawn_controller(ipc_dir):
         return ctl
 
     yield spawn
-    for ctl in started:
-        ctl.stop()
+    stop_all(started)
 
 
 # ---------------------------------------------------------------------------- vLLM (-m vllm)
