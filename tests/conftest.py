@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import msgspec
+import psutil
 import pytest
 import zmq
 
@@ -87,19 +88,147 @@ class EngineProcess(ReadyProcess):
                 self.results[msg["id"]] = msg
         return {i: self.results[i] for i in ids}
 
+    def forget_results(self) -> None:
+        """Read and drop every answer waiting on the socket, and forget those collected: the
+        next test starts with none (an engine shared by a module's tests)."""
+        while self.sock.poll(0):
+            self.sock.recv()
+        self.results.clear()
+
     def stop(self) -> None:
+        if self.sock.closed:
+            return
         self.sock.close(linger=0)
         self._ctx.term()
         super().stop(grace_s=5)
 
 
-@pytest.fixture
-def ipc_dir(tmp_path_factory):
+def _private_dir() -> Path:
     # ipc paths must stay under ~100 bytes: a short private dir, not pytest's long tmp path
     d = Path("/tmp") / f"ckpt-t-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     d.mkdir(mode=0o700)
+    return d
+
+
+@pytest.fixture
+def ipc_dir():
+    d = _private_dir()
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+def wait_until(condition, timeout_s: float = 10.0, what: str = "the condition",
+               every_s: float = 0.02):
+    """Poll ``condition()`` until it returns something true (returned) or ``timeout_s``
+    passes (``AssertionError`` naming ``what``): a readiness wait instead of a fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = condition()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(every_s)
+
+
+def gone(pid: int) -> bool:
+    """No process ``pid`` any more, or only its zombie (exited, not yet reaped)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # policy: no such process is what this asks about
+        return True
+
+
+def ipc_connections(pid: int, endpoint: str) -> int:
+    """The sockets process ``pid`` holds on its bound ipc ``endpoint``: the listening one and
+    one per connection it accepted (``/proc/net/unix`` names the path on the accepting side)."""
+    path = endpoint.removeprefix("ipc://")
+    return sum(c.laddr == path for c in psutil.Process(pid).net_connections(kind="unix"))
+
+
+def wait_connected(pid: int, endpoint: str, before: int, timeout_s: float = 30.0) -> None:
+    """Wait until process ``pid`` accepted a connection on ``endpoint`` beyond the ``before``
+    sockets it had (``ipc_connections``): a client started meanwhile (``watch``) is there."""
+    wait_until(lambda: ipc_connections(pid, endpoint) > before, timeout_s,
+               f"a new connection to {endpoint}")
+
+
+def settled(eng, timeout_s: float = 30.0) -> bool:
+    """The engine process lives, its agent says RUNNING, and nothing is in flight (waiting up
+    to ``timeout_s`` for requests left by an earlier test to end)."""
+    from ckpt_controller.agent import AgentClient
+    from ckpt_controller.errors import CkptError
+
+    if eng.proc.poll() is not None:
+        return False
+    try:
+        with AgentClient(eng.control, timeout_s=5) as agent:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                st = agent.status()
+                if st.state != "running" or not st.in_flight:
+                    return st.state == "running"
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+    except CkptError:  # policy: an engine that does not answer is not one to hand out
+        return False
+
+
+def stop_all(children) -> None:
+    """Stop these ``ReadyProcess`` children together: SIGTERM to every one first, then each
+    is waited for (and killed after its grace period), so their shutdowns overlap."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.terminate()
+    for child in children:
+        child.stop()
+
+
+class SharedEngine:
+    """One engine process kept for the tests of a module that only need it RUNNING and idle
+    (its start-up, mostly importing torch, is most of such a test's time). ``get`` hands it
+    out settled (``settled``); one left otherwise by a test (FAILED, killed, still busy) is
+    stopped and replaced by a fresh one, so no test sees what another left behind."""
+
+    def __init__(self, make) -> None:
+        self._make = make
+        self.engine = None
+
+    def get(self):
+        if self.engine is not None and not settled(self.engine):
+            self.engine.stop()
+            self.engine = None
+        if self.engine is None:
+            self.engine = self._make()
+        if isinstance(self.engine, EngineProcess):
+            self.engine.forget_results()
+        return self.engine
+
+
+@pytest.fixture(scope="module")
+def shared_engines(model_dir):
+    """``shared(kind, name, *args, **opts)``: a ``SharedEngine`` for this module, made once
+    per name; ``kind`` is ``"step"`` (``EngineProcess``, in a folder of its own, so its
+    weights file is its own) or ``"reference"`` (``ReferenceProcess``)."""
+    root = _private_dir()
+    made: dict[str, SharedEngine] = {}
+
+    def shared(kind: str, name: str, *args: str, **opts) -> SharedEngine:
+        if name not in made:
+            if kind == "step":
+                def make(name=name):
+                    folder = root / name
+                    folder.mkdir(mode=0o700, exist_ok=True)
+                    return EngineProcess(folder, name, **opts)
+            else:
+                def make(name=name):
+                    return ReferenceProcess(root, model_dir, name, *args)
+            made[name] = SharedEngine(make)
+        return made[name]
+
+    yield shared
+    stop_all([one.engine for one in made.values() if one.engine is not None])
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
@@ -112,8 +241,7 @@ def spawn_engine(ipc_dir):
         return eng
 
     yield spawn
-    for eng in started:
-        eng.stop()
+    stop_all(started)
 
 
 class ReferenceProcess(ReadyProcess):
@@ -130,13 +258,38 @@ class ReferenceProcess(ReadyProcess):
                          tmp / f"{name}.log", f"engine {name}", cwd=ROOT)
 
 
+def pids_naming(marker: str) -> set[int]:
+    """The processes whose command line holds ``marker``: a path or an endpoint of this run's
+    own (a private folder, a port it was given), so never another run's processes, as a
+    name such as ``--name crs`` could be."""
+    found = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        if marker in " ".join(proc.info["cmdline"] or ()):
+            found.add(proc.pid)
+    return found
+
+
+def kill_naming(marker: str, pids=None) -> None:
+    """SIGKILL the processes of ``pids`` (default: every one ``pids_naming(marker)`` finds)
+    whose command line still holds ``marker``: an engine restored from a CRIU image is no
+    child of ours (it comes back under the dumped engine's PID, or another one in a PID
+    namespace of its own), so it is ended by its PID, once checked to be that engine."""
+    for pid in pids_naming(marker) if pids is None else pids:
+        try:
+            proc = psutil.Process(pid)
+            if marker in " ".join(proc.cmdline()):
+                proc.kill()
+        except psutil.Error:  # policy: already gone (or never ours): nothing to end
+            continue
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("models")
     yield path
     # engines restored from a CRIU image are no children of ours: every engine of this session
     # names this folder on its command line, so nothing it started outlives the session
-    subprocess.run(["pkill", "-9", "-f", "--", str(path)], check=False)
+    kill_naming(str(path))
 
 
 @pytest.fixture
@@ -149,8 +302,7 @@ def spawn_reference(ipc_dir, model_dir):
         return eng
 
     yield spawn
-    for eng in started:
-        eng.stop()
+    stop_all(started)
 
 
 class ControllerProcess(ReadyProcess):
@@ -186,8 +338,7 @@ def spawn_controller(ipc_dir):
         return ctl
 
     yield spawn
-    for ctl in started:
-        ctl.stop()
+    stop_all(started)
 
 
 # ---------------------------------------------------------------------------- vLLM (-m vllm)

@@ -22,6 +22,7 @@ from ckpt_controller.errors import (
     UnreachableError,
     VerificationError,
 )
+from conftest import wait_until
 
 MIB = 1 << 20
 
@@ -44,6 +45,11 @@ def client_for(eng, **kw) -> AgentClient:
     c = AgentClient(eng.control, timeout_s=10, heartbeat_interval_s=0.2, **kw)
     _clients.append(c)
     return c
+
+
+def in_flight(ctl: AgentClient, n: int) -> None:
+    """Wait until the engine has admitted ``n`` requests (instead of sleeping a while)."""
+    wait_until(lambda: ctl.status().in_flight == n, what=f"{n} requests in flight")
 
 
 def in_background(fn):
@@ -88,9 +94,20 @@ def reference_outputs(eng, jobs: dict[str, tuple[int, int]]) -> dict[str, list[f
     return {rid: got["ref-" + rid]["output"] for rid in jobs}
 
 
+SMALL = {"weights_mib": 8, "kv_mib": 4, "step_s": 0.01}
+
+
 @pytest.fixture
-def small(spawn_engine):
-    return spawn_engine("small", weights_mib=8, kv_mib=4, step_s=0.01)
+def small(shared_engines):
+    """A small step engine, one process for this module's tests that leave it RUNNING and
+    idle (replaced when one does not)."""
+    return shared_engines("step", "small", **SMALL).get()
+
+
+@pytest.fixture
+def fresh_small(spawn_engine):
+    """A small step engine of this test's own: for a test that corrupts or kills it."""
+    return spawn_engine("small", **SMALL)
 
 
 def test_wait_drain_finishes_in_flight_and_rejects_newcomers(small):
@@ -100,7 +117,7 @@ def test_wait_drain_finishes_in_flight_and_rejects_newcomers(small):
     jobs = {f"r{i}": (60, i) for i in range(5)}
     for rid, (steps, seed) in jobs.items():
         small.submit(rid, steps, seed)
-    time.sleep(0.05)
+    in_flight(ctl, 5)
     t, out = in_background(lambda: ctl.prepare(drain="wait", drain_timeout_s=20, level=1))
     wait_for_state(watcher, "preparing")
     assert_turned_away_at_once(small, "preparing")
@@ -129,7 +146,7 @@ def test_a_request_arriving_mid_prepare_is_rejected_at_once_in_every_mode(small,
     jobs = [f"{mode}{i}" for i in range(3)]
     for i, rid in enumerate(jobs):
         small.submit(rid, 100_000 if mode == "abort" else 40, i)
-    time.sleep(0.1)
+    in_flight(ctl, 3)
     reply = ctl.prepare(drain=mode, level=1, step="drain", op_id=f"mid-{mode}")
     assert reply.state == "preparing"
     assert_turned_away_at_once(small, "preparing")
@@ -167,6 +184,7 @@ def test_keep_drain_finishes_after_restore_with_identical_output(small, level):
     jobs = {f"k{i}": (60, i) for i in range(4)}
     want = reference_outputs(small, jobs)
     ctl = client_for(small)
+    generation = ctl.status().generation
     for rid, (steps, seed) in jobs.items():
         small.submit(rid, steps, seed)
     time.sleep(0.15)
@@ -177,7 +195,8 @@ def test_keep_drain_finishes_after_restore_with_identical_output(small, level):
     assert sorted(status.released_tags) == ["kv_cache", "weights"]
     time.sleep(0.2)
     restored = ctl.restore()
-    assert restored.resumed_kept == reply.drain.kept and restored.generation == 1
+    assert restored.resumed_kept == reply.drain.kept
+    assert restored.generation == generation + 1
     got = small.collect(list(jobs))
     assert {rid: r["output"] for rid, r in got.items()} == want
     assert all(r["reason"] == "length" for r in got.values())
@@ -190,7 +209,7 @@ def test_wait_drain_escalates_at_its_deadline(small, escalation):
     ctl = client_for(small)
     for rid, (steps, seed) in jobs.items():
         small.submit(rid, steps, seed)
-    time.sleep(0.05)
+    in_flight(ctl, 3)
     reply = ctl.prepare(drain="wait", drain_timeout_s=0.3, on_deadline=escalation, level=1)
     d = reply.drain
     assert d.escalated_to == escalation and 0.3 <= d.drain_s < 3
@@ -282,13 +301,14 @@ def test_level1_on_cpu_frees_the_kv_cache(spawn_engine):
 def test_residual_over_budget_rolls_back_to_running(small):
     ctl = client_for(small)
     before = small.introspect()
+    generation = ctl.status().generation
     with pytest.raises(ResidualOverBudgetError) as info:
         ctl.prepare(level=2, residual_budget_bytes=MIB)
     err = info.value
     assert err.details["state"] == "running" and err.details["rolled_back"]
     assert err.details["step"] == "release" and err.exit_code == 1
     st = ctl.status()
-    assert st.state == "running" and st.released_tags == [] and st.generation == 0
+    assert st.state == "running" and st.released_tags == [] and st.generation == generation
     # the budget is held against the measured residual: one just above it is met
     residual = err.details["residual_bytes"]
     assert residual > MIB
@@ -301,7 +321,8 @@ def test_residual_over_budget_rolls_back_to_running(small):
     assert small.collect(["ok"])["ok"]["reason"] == "length"
 
 
-def test_corrupted_weight_is_caught_at_rewake(small, ipc_dir):
+def test_corrupted_weight_is_caught_at_rewake(fresh_small, ipc_dir):
+    small = fresh_small
     ctl = client_for(small)
     ctl.prepare(level=2)
     path = ipc_dir / "weights.safetensors"
@@ -320,7 +341,7 @@ def test_corrupted_weight_is_caught_at_rewake(small, ipc_dir):
 def test_drain_failure_rolls_back_and_requests_finish(small):
     ctl = client_for(small)
     small.submit("long", 200)
-    time.sleep(0.05)
+    in_flight(ctl, 1)
     with pytest.raises(DrainError):
         ctl.prepare(drain="wait", drain_timeout_s=0.1, on_deadline="fail", level=2)
     assert ctl.status().state == "running"
@@ -341,15 +362,16 @@ def test_bad_frames_to_a_real_engine_are_answered(small):
     assert client_for(small).status().state == "running"
 
 
-def test_engine_death_during_an_operation_is_noticed_from_heartbeats(small):
+def test_engine_death_during_an_operation_is_noticed_from_heartbeats(fresh_small):
     """A long keep-nothing wait drain; the engine is killed -9 mid-way. The client, which
     follows heartbeats, gives up within a few heartbeat intervals, not at the op timeout."""
+    small = fresh_small
     ctl = client_for(small)
     ctl.subscribe()
     small.submit("forever", 1_000_000)
-    time.sleep(0.1)
+    in_flight(ctl, 1)
     t, out = in_background(lambda: ctl.prepare(drain="wait", drain_timeout_s=300, level=0))
-    time.sleep(0.5)
+    wait_until(lambda: client_for(small).status().state == "preparing", what="PREPARING")
     killed_at = time.monotonic()
     small.proc.kill()
     t.join(30)
@@ -396,11 +418,12 @@ def _bring_to(ctl: AgentClient, state: str) -> None:
 
 
 @pytest.mark.parametrize("state", list(ALLOWED))
-def test_every_command_in_every_state_over_the_wire(spawn_engine, state):
+def test_every_command_in_every_state_over_the_wire(shared_engines, state):
     """Each wire command sent to a real engine process in each state: an illegal one gets
     InvalidTransitionError naming the state and the allowed triggers and moves nothing; a
-    legal one moves the engine where the lifecycle says."""
-    eng = spawn_engine(f"m-{state}", weights_mib=1, kv_mib=1, step_s=0.01)
+    legal one moves the engine where the lifecycle says. One engine for every state (each
+    test leaves it RUNNING; ``_bring_to`` starts from wherever it is)."""
+    eng = shared_engines("step", "machine", weights_mib=1, kv_mib=1, step_s=0.01).get()
     ctl = client_for(eng)
     commands = {
         "prepare": lambda op: ctl.prepare(op_id=op, level=0),
@@ -413,7 +436,7 @@ def test_every_command_in_every_state_over_the_wire(spawn_engine, state):
         if (state, name) in LEADS_TO:
             continue
         with pytest.raises(InvalidTransitionError) as info:
-            send(f"bad-{name}")
+            send(f"{state}-bad-{name}")  # op ids of this test's own: the engine is shared
         assert info.value.details["state"] == state, (name, info.value.details)
         assert info.value.details["allowed"] == ALLOWED[state], name
         assert info.value.exit_code == 2
@@ -421,11 +444,11 @@ def test_every_command_in_every_state_over_the_wire(spawn_engine, state):
         assert (st.state, st.generation) == (state, generation), name
     for (source, name), dest in LEADS_TO.items():
         if source == state:
-            commands[name](f"ok-{name}")
+            commands[name](f"{state}-ok-{name}")
             assert ctl.status().state == dest, name
             _bring_to(ctl, state)
-    ctl.fail(op_id="ok-fail", reason="from " + state)  # fail is allowed from every state
+    ctl.fail(op_id=f"{state}-ok-fail", reason="from " + state)  # fail is allowed from every state
     assert ctl.status().state == "failed"
-    ctl.restore(op_id="recover")  # and FAILED recovers through RESTORING
+    ctl.restore(op_id=f"{state}-recover")  # and FAILED recovers through RESTORING
     st = ctl.status()
     assert st.state == "running" and st.in_flight == 0

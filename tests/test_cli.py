@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_controller.cli import parse_bytes
+from conftest import ipc_connections, wait_connected
 
 
 def ckptctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -97,11 +98,11 @@ def test_failed_prepare_exits_1_and_deadline_exits_3(engine):
 
 
 def test_watch_prints_events(engine):
+    before = ipc_connections(engine.pid, engine.control)
     watch = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "agent", "watch",
                               "--control", engine.control, "--duration", "4", "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    import time
-    time.sleep(1.5)
+    wait_connected(engine.pid, engine.control, before)  # watch is there and subscribing
     assert ckptctl("agent", "prepare", "--control", engine.control, "--level", "0").returncode == 0
     assert ckptctl("agent", "rollback", "--control", engine.control, "--reason", "drill").returncode == 0
     out, _ = watch.communicate(timeout=20)

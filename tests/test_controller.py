@@ -23,6 +23,7 @@ from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.errors import BusyError, RejectedError
+from conftest import ipc_connections, wait_connected, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -345,6 +346,12 @@ def _wait_state(control: str, state: str, timeout_s: float = 20) -> None:
             time.sleep(0.005)
 
 
+def _wait_in_flight(control: str, n: int) -> None:
+    """Wait until the engine has admitted ``n`` requests (instead of sleeping a while)."""
+    with AgentClient(control) as agent:
+        wait_until(lambda: agent.status().in_flight == n, 20, f"{n} requests in flight")
+
+
 def _kill_mid(ctl, control: str, state: str, *op: str) -> None:
     """Run ``ckptctl *op``, kill -9 the controller once the engine is in ``state``, restart
     it, and check it recovered the one interrupted operation."""
@@ -398,7 +405,7 @@ def test_metrics_endpoint(spawn_reference, spawn_controller):
     assert "metrics_port" in ctl_conf
     with EngineClient(eng.api) as api:
         ids = [api.submit([1, 2, 3 + i], 1000) for i in range(3)]  # in flight at the prepare
-        time.sleep(0.3)
+        _wait_in_flight(eng.control, 3)
         out = ctl.ckptctl("cycle", "m1", "--drain", "abort", "--json")
         assert out.returncode == 0, out.stderr
         deadline = time.monotonic() + 30
@@ -485,9 +492,7 @@ def test_demo_runs_end_to_end():
         assert "(capture ran no dump hook:" in text
     pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", text)]
     assert len(pids) == 2  # the engine and the controller, both stopped
-    time.sleep(0.5)
-    assert not [p for p in pids if psutil.pid_exists(p)
-                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    wait_until(lambda: all(_gone(p) for p in pids), 5, f"processes {pids} gone")
     tmp = re.search(r"ipc://(/\S*ckpt-demo-[^/]+)/", text).group(1)
     assert not os.path.exists(tmp)  # the temporary directory is gone
 
@@ -498,7 +503,7 @@ def test_deadline_is_a_failure_with_exit_3(spawn_engine, spawn_controller):
     eng = spawn_engine("d1")
     ctl = spawn_controller(engines_toml((eng, "")))
     eng.submit("long", steps=600)
-    time.sleep(0.2)
+    _wait_in_flight(eng.control, 1)
     out = ctl.ckptctl("prepare", "d1", "--drain", "wait", "--deadline", "0.5", "--json")
     assert out.returncode == 3, out.stdout + out.stderr
     (o,) = json.loads(out.stdout)["engines"]
@@ -584,10 +589,11 @@ def test_watch_shows_an_operation_live(spawn_reference, spawn_controller):
 
     eng = spawn_reference("w1")
     ctl = spawn_controller(engines_toml((eng, "")))
+    before = ipc_connections(ctl.pid, ctl.endpoint)
     watch = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
                               ctl.endpoint, "watch", "--duration", "6", "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(2)
+    wait_connected(ctl.pid, ctl.endpoint, before)  # watch is there and subscribing
     assert ctl.ckptctl("cycle", "w1", "--op-id", "seen").returncode == 0
     out, _ = watch.communicate(timeout=30)
     records = [json.loads(line) for line in out.splitlines()]
@@ -833,7 +839,7 @@ def test_the_operations_drain_timeout_reaches_the_agent(spawn_reference, spawn_c
     ctl = spawn_controller(engines_toml((eng, "")))
     with EngineClient(eng.api) as api:
         ids = [api.submit([i, 2, 9], 300) for i in range(4)]
-        time.sleep(0.1)
+        _wait_in_flight(eng.control, 4)
         out = ctl.ckptctl("prepare", "dt", "--drain", "wait", "--drain-timeout", "0.05",
                           "--on-deadline", "abort", "--level", "0", "--json")
         assert out.returncode == 0, out.stdout + out.stderr
@@ -890,12 +896,12 @@ def test_an_engine_found_failed_after_a_restart_is_resumed_if_never_captured(
     leaves it under "leave"; where a capture may have begun, it leaves it FAILED."""
     eng = spawn_reference("uc")
     ctl = spawn_controller(f'recover_uncaptured = "{policy}"\n' + engines_toml((eng, "")))
-    gate = ctl.dir / "let-go"
-    _hook(ctl, point, "10-hold", f"while [ ! -e {gate} ]; do sleep 0.05; done")
+    gate, held = ctl.dir / "let-go", ctl.dir / "held"
+    _hook(ctl, point, "10-hold", f"touch {held}; while [ ! -e {gate} ]; do sleep 0.05; done")
     t = threading.Thread(target=lambda: ctl.ckptctl(op, "uc", "--op-id", "cut"))
     t.start()
     _wait_state(eng.control, held_in)
-    time.sleep(0.3)  # the hook is running
+    wait_until(held.exists, 30, "the hook running")
     ctl.kill9()
     t.join(60)
     with AgentClient(eng.control) as agent:

@@ -20,6 +20,7 @@ import pytest
 
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.engine.client import EngineClient
+from conftest import kill_naming, pids_naming
 
 ROOT = Path(__file__).resolve().parent.parent
 CRIU = os.environ.get("CKPT_CRIU") or str(ROOT / ".cache" / "criu" / "bin" / "criu")
@@ -123,8 +124,8 @@ def test_dump_stops_the_engine_and_restore_brings_it_back(spawn_reference, spawn
     eng = tcp_engine(spawn_reference, "crs")
     try:
         _stop_and_restore(eng, spawn_controller)
-    finally:  # the restored copy is no child of ours: end it by name
-        subprocess.run(["pkill", "-f", "--", f"--name {eng.name} "], check=False)
+    finally:  # the restored copy is no child of ours: end it by its PID
+        kill_naming(eng.control, [eng.pid])
 
 
 def _stop_and_restore(eng, spawn_controller) -> None:
@@ -189,8 +190,8 @@ def test_restore_waits_until_the_dumped_engines_pids_are_free(spawn_reference):
             assert agent.restore().state == "running"
         with EngineClient(eng.api) as api:
             assert api.generate([1, 2, 3], 5).finish_reason == "length"
-    finally:  # the restored copy is no child of ours: end it by name
-        subprocess.run(["pkill", "-f", "--", f"--name {eng.name} "], check=False)
+    finally:  # the restored copy is no child of ours: end it by its PID
+        kill_naming(eng.control, [eng.pid])
 
 
 def test_under_load_dump_kill_restore_loses_nothing(spawn_reference, spawn_controller,
@@ -229,8 +230,8 @@ def test_under_load_dump_kill_restore_loses_nothing(spawn_reference, spawn_contr
         assert completed == replay(uncycled.api, 5, list(completed))
         with AgentClient(eng.control) as agent:
             assert agent.status().restored_from_image
-    finally:
-        subprocess.run(["pkill", "-f", "--", f"--name {eng.name} "], check=False)
+    finally:  # the restored copy is no child of ours: end it by its PID
+        kill_naming(eng.control, [eng.pid])
 
 
 def test_prepared_image_is_much_smaller(spawn_reference, tmp_path, capsys):
@@ -280,9 +281,7 @@ def test_leave_running_then_a_copy_in_its_own_pid_namespace(ipc_dir, model_dir):
         out = subprocess.run([str(ROOT / "hooks" / "criu-restore")], env=env, capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 0, out.stderr
-        copies = [int(p) for p in subprocess.run(["pgrep", "-f", "--", "--name pns "],
-                                                 capture_output=True, text=True).stdout.split()]
-        copies = set(copies) - {original.pid}  # not `unshare` itself
+        copies = pids_naming(control) - {original.pid}  # not `unshare` itself
         assert engine_pid in copies and len(copies) == 2  # the original and its copy
         with AgentClient(control) as agent:  # the socket path now leads to the copy
             st = agent.status()
@@ -292,8 +291,8 @@ def test_leave_running_then_a_copy_in_its_own_pid_namespace(ipc_dir, model_dir):
             assert c.generate([1, 2, 3], 5).finish_reason == "length"
         # the original still runs (not stopped, not a zombie) beside its copy
         assert psutil.Process(engine_pid).status() in ("running", "sleeping", "disk-sleep")
-    finally:
-        subprocess.run(["pkill", "-9", "-f", "--", "--name pns "], check=False)
+    finally:  # the copy is no child of ours: its control path is this test's own
+        kill_naming(control)
         original.stop()
 
 
@@ -361,8 +360,8 @@ def test_a_damaged_image_is_refused_at_once_naming_the_file(spawn_reference, mon
         assert _left_behind(eng) == []
         os.replace(intact, pages)
         _restore_serves(eng, env)
-    finally:  # the restored copy is no child of ours: end it by name
-        subprocess.run(["pkill", "-9", "-f", "--", f"--name {eng.name} "], check=False)
+    finally:  # the restored copy is no child of ours: end it by its PID
+        kill_naming(eng.control, [eng.pid])
 
 
 @pytest.mark.slow  # about 10 to 16 s: a dump, a 4 s hook timeout, a restore
@@ -403,8 +402,8 @@ def test_a_restore_that_hangs_is_stopped_whole_at_the_hook_timeout(spawn_referen
         assert "restoring it unchecked" in run.stdout_tail
         os.replace(intact, pages)
         _restore_serves(eng, env)
-    finally:  # the restored copy is no child of ours: end it by name
-        subprocess.run(["pkill", "-9", "-f", "--", f"--name {eng.name} "], check=False)
+    finally:  # the restored copy is no child of ours: end it by its PID
+        kill_naming(eng.control, [eng.pid])
 
 
 @pytest.mark.slow  # about 30 s: an engine, a capture and two restores through the controller
@@ -441,5 +440,5 @@ def test_a_restore_from_a_damaged_image_fails_at_once_and_the_next_one_works(
         assert out.returncode == 0, out.stdout + out.stderr
         with EngineClient(eng.api) as api:
             assert api.generate([1, 2, 3], 5).finish_reason == "length"
-    finally:  # the restored copy is no child of ours: end it by name
-        subprocess.run(["pkill", "-9", "-f", "--", f"--name {eng.name} "], check=False)
+    finally:  # the restored copy is no child of ours: end it by its PID
+        kill_naming(eng.control, [eng.pid])

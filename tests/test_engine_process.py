@@ -35,11 +35,25 @@ def clients():
         c.close()
 
 
-def test_concurrent_requests_decode_together(spawn_reference, clients):
+@pytest.fixture
+def tiny(shared_engines):
+    """The tiny model (seed 0), one process for this module's tests that leave it RUNNING and
+    idle: they cycle it, load it and abort on it, but none needs it fresh."""
+    return shared_engines("reference", "tiny").get()
+
+
+@pytest.fixture
+def uncycled(shared_engines):
+    """The same model in an engine that never goes through a cycle: the outputs to compare
+    with."""
+    return shared_engines("reference", "uncycled").get()
+
+
+def test_concurrent_requests_decode_together(tiny, clients):
     """Six requests sent together are decoded together: one engine step gives each of them
     its next token (60 tokens each take about 60 steps, not 360), each got its first token
     before any finished, and their events are queued then scheduled, stamped in order."""
-    eng = spawn_reference("batch")
+    eng = tiny
     client = clients(EngineClient, eng.api)
     ids = [client.submit([7, i, 3], 60) for i in range(6)]
     deadline = time.monotonic() + 60
@@ -61,8 +75,8 @@ def test_concurrent_requests_decode_together(spawn_reference, clients):
         assert stamps == sorted(stamps) and stamps[0] > 0
 
 
-def test_a_stop_token_ends_a_request_with_stop(spawn_reference, clients):
-    eng = spawn_reference("stop")
+def test_a_stop_token_ends_a_request_with_stop(tiny, clients):
+    eng = tiny
     client = clients(EngineClient, eng.api)
     free = client.generate([5, 6, 7], 30).token_ids
     stop_at = next(i for i, t in enumerate(free) if i >= 3 and t not in free[:i])
@@ -78,12 +92,11 @@ def test_a_stop_token_ends_a_request_with_stop(spawn_reference, clients):
     assert out["finish_reason"] == "stop" and out["token_ids"] == free[:stop_at + 1]
 
 
-def test_same_seed_same_tokens_across_restarts(spawn_reference, clients, model_dir):
+def test_same_seed_same_tokens_across_restarts(spawn_reference, uncycled, clients, model_dir):
     prompts = [[1, 2, 3], [500, 4], [9] * 20]
-    first = spawn_reference("det1")
+    first = uncycled  # an engine of this seed started earlier
     c1 = clients(EngineClient, first.api)
     want = [c1.generate(p, 40).token_ids for p in prompts]
-    first.stop()
     second = spawn_reference("det2")
     c2 = clients(EngineClient, second.api)
     assert [c2.generate(p, 40).token_ids for p in prompts] == want
@@ -92,8 +105,8 @@ def test_same_seed_same_tokens_across_restarts(spawn_reference, clients, model_d
     assert c3.generate(prompts[0], 40).token_ids != want[0]
 
 
-def test_invalid_requests_get_typed_errors(spawn_reference, clients):
-    eng = spawn_reference("bad")
+def test_invalid_requests_get_typed_errors(tiny, clients):
+    eng = tiny
     c = clients(EngineClient, eng.api)
     with pytest.raises(UsageError, match="vocabulary"):
         c.generate([1, 99_999], 5)
@@ -105,8 +118,8 @@ def test_invalid_requests_get_typed_errors(spawn_reference, clients):
 
 
 @pytest.mark.parametrize("mode", ["wait", "abort", "keep"])
-def test_cycle_under_load_loses_nothing(spawn_reference, clients, mode):
-    eng = spawn_reference(f"load-{mode}")
+def test_cycle_under_load_loses_nothing(tiny, uncycled, clients, mode):
+    eng = tiny
     ctl = clients(AgentClient, eng.control, timeout_s=30)
     result = {}
     load = threading.Thread(target=lambda: result.update(zip(("report", "requests"), run_load(
@@ -141,12 +154,11 @@ def test_cycle_under_load_loses_nothing(spawn_reference, clients, mode):
     # that never went through a cycle (same seed, same model)
     completed = {rid: c.token_ids for rid, c in requests.items()
                  if c.finish_reason in ("stop", "length")}
-    uncycled = spawn_reference(f"uncycled-{mode}")
     assert completed == replay(uncycled.api, 11, list(completed))
 
 
-def test_rejection_is_immediate_and_retryable(spawn_reference, clients):
-    eng = spawn_reference("rej")
+def test_rejection_is_immediate_and_retryable(tiny, clients):
+    eng = tiny
     ctl = clients(AgentClient, eng.control)
     c = clients(EngineClient, eng.api)
     ctl.prepare(level=1)
@@ -202,7 +214,7 @@ def test_a_two_gib_engine_releases_everything_and_serves_the_same_tokens(spawn_r
     assert c.generate([4, 8, 15, 16, 23, 42], 12, timeout_s=120).token_ids == want
 
 
-def test_a_sized_model_and_a_model_file_serve(spawn_reference, clients):
+def test_a_sized_model_and_a_model_file_serve(spawn_reference, uncycled, clients):
     """``--model 256MiB`` builds a float32 model of about that many weight bytes and serves;
     ``--model PATH`` serves the weights of that file, token for token."""
     sized = spawn_reference("sized", "--model", "256MiB", "--kv-blocks", "128")
@@ -210,17 +222,17 @@ def test_a_sized_model_and_a_model_file_serve(spawn_reference, clients):
     assert sized.info["dtype"] == "float32"
     tokens = clients(EngineClient, sized.api).generate([3, 1, 4], 8)
     assert tokens.finish_reason == "length" and len(tokens.token_ids) == 8
-    tiny = spawn_reference("from-seed")
-    want = clients(EngineClient, tiny.api).generate([2, 7, 1, 8], 12).token_ids
-    from_file = spawn_reference("from-file", "--model", tiny.info["weights"])
-    assert from_file.info["weights"] == tiny.info["weights"]
+    seeded = uncycled  # the tiny model, made from its seed
+    want = clients(EngineClient, seeded.api).generate([2, 7, 1, 8], 12).token_ids
+    from_file = spawn_reference("from-file", "--model", seeded.info["weights"])
+    assert from_file.info["weights"] == seeded.info["weights"]
     assert clients(EngineClient, from_file.api).generate([2, 7, 1, 8], 12).token_ids == want
     with AgentClient(from_file.control) as ctl:
         assert set(ctl.status().registered_bytes) == {"weights", "kv_cache"}
 
 
-def test_generate_and_load_commands(spawn_reference):
-    eng = spawn_reference("cli")
+def test_generate_and_load_commands(tiny):
+    eng = tiny
     run = lambda *a: subprocess.run([sys.executable, "-m", "ckpt_controller", *a],  # noqa: E731
                                     capture_output=True, text=True, timeout=120)
     out = run("generate", "--api", eng.api, "--prompt-ids", "1,2,3", "--max-tokens", "7", "--json")
@@ -258,8 +270,8 @@ def test_generate_and_load_commands(spawn_reference):
     assert doc["error"]["kind"] == "OperationError" and "OperationError" in lost.stderr
 
 
-def test_client_abort_ends_a_request_with_its_partial_output(spawn_reference, clients):
-    eng = spawn_reference("abort")
+def test_client_abort_ends_a_request_with_its_partial_output(tiny, clients):
+    eng = tiny
     c = clients(EngineClient, eng.api)
     rid = c.submit([1, 2, 3], 1000)
     while len(c.requests[rid].token_ids) < 5:
@@ -273,9 +285,9 @@ def test_client_abort_ends_a_request_with_its_partial_output(spawn_reference, cl
     assert clients(AgentClient, eng.control).status().in_flight == 0
 
 
-def test_two_keep_cycles_in_a_row_keep_outputs_exact(spawn_reference, clients):
+def test_two_keep_cycles_in_a_row_keep_outputs_exact(tiny, clients):
     """Requests kept by one cycle and resumed are in flight for the next one."""
-    eng = spawn_reference("twice")
+    eng = tiny
     ctl = clients(AgentClient, eng.control, timeout_s=30)
     c = clients(EngineClient, eng.api)
     prompts = [[i, 7, 9] for i in range(6)]
@@ -293,10 +305,10 @@ def test_two_keep_cycles_in_a_row_keep_outputs_exact(spawn_reference, clients):
     assert [c.requests[i].token_ids for i in ids] == want
 
 
-def test_a_client_that_reads_late_still_gets_every_end(spawn_reference, clients):
+def test_a_client_that_reads_late_still_gets_every_end(tiny, clients):
     """Thousands of streamed outputs pile up while the client does not read (a script busy
     elsewhere): none may be dropped, above all not the final ones."""
-    eng = spawn_reference("late")
+    eng = tiny
     client = clients(EngineClient, eng.api)
     ids = [client.submit([9, i], 900) for i in range(16)]  # 14,400 outputs
     with AgentClient(eng.control) as agent:

@@ -9,6 +9,7 @@ sockets, a real agent in this process, a real controller process and the real CL
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.engine.load import run_load
 from ckpt_controller.errors import UnreachableError
 from ckpt_controller.security import CurveClient, CurveServer, generate
+from conftest import ipc_connections, wait_connected
 
 CKPTCTL = [sys.executable, "-m", "ckpt_controller"]
 #: "within about a second", with room for a loaded machine
@@ -176,9 +178,11 @@ def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, floa
 @pytest.mark.parametrize("duration", [[], ["--duration", "120"]], ids=["endless", "duration"])
 def test_watch_exits_4_when_the_controller_is_killed(ipc_dir, spawn_controller, duration):
     ctl = spawn_controller(f'[[engine]]\nname = "ghost"\ncontrol = "ipc://{ipc_dir}/ghost.ctl"\n')
+    before = ipc_connections(ctl.pid, ctl.endpoint)
     watch = subprocess.Popen(CKPTCTL + ["--controller", ctl.endpoint, "watch", *duration],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(3)  # started and subscribed
+    wait_connected(ctl.pid, ctl.endpoint, before)  # started and subscribing
+    time.sleep(0.5)  # a few heartbeats followed
     assert watch.poll() is None, watch.communicate()
     ctl.kill9()
     # the controller beats every 0.2 s here: six missed beats, plus room for a loaded machine
@@ -191,11 +195,13 @@ def test_watch_exits_4_when_the_controller_is_killed(ipc_dir, spawn_controller, 
 def test_agent_watch_exits_4_when_the_agent_is_gone(ipc_dir):
     agent = Agent("watched", control=f"ipc://{ipc_dir}/watched.ctl", heartbeat_interval_s=0.2)
     agent.start()
+    before = ipc_connections(os.getpid(), agent.endpoint)
     watch = subprocess.Popen(CKPTCTL + ["agent", "watch", "--control", agent.endpoint,
                                         "--duration", "120"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(3)
+        wait_connected(os.getpid(), agent.endpoint, before)  # started and subscribing
+        time.sleep(0.5)  # a few heartbeats followed
         assert watch.poll() is None, watch.communicate()
     finally:
         agent.close()

@@ -12,6 +12,7 @@ import pytest
 
 from ckpt_controller.controller.hooks import TAIL_BYTES, HookContext, run_hook, run_point
 from ckpt_controller.errors import ConfigError, HookError, HookTimeoutError
+from conftest import gone, wait_until
 
 
 def ctx(tmp_path: Path, **kw) -> HookContext:
@@ -57,8 +58,7 @@ def test_a_hook_deaf_to_sigterm_is_killed_with_its_children(tmp_path):
     assert run.timed_out and run.exit_code != 0
     assert took < 5  # SIGKILL after the grace, not the hook's own end
     child = int(pidfile.read_text())
-    time.sleep(0.2)
-    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+    wait_until(lambda: gone(child), 5, f"the hook's child {child} gone")
 
 
 @pytest.mark.parametrize("where", ["hook", "point folder", "hooks folder"])

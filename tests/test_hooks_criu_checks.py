@@ -7,10 +7,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import psutil
 import pytest
+
+from conftest import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,7 +67,8 @@ def test_dump_refuses_an_engine_holding_io_uring_and_says_how_to_avoid_it(tmp_pa
 def test_restore_treats_a_zombie_engine_as_gone(tmp_path):
     # a dump that stopped the engine leaves a zombie until its parent reaps it: not "alive"
     zombie = subprocess.Popen(["true"])
-    time.sleep(0.5)  # exited, not yet reaped: a zombie
+    wait_until(lambda: psutil.Process(zombie.pid).status() == psutil.STATUS_ZOMBIE,
+               what="exited, not yet reaped: a zombie")
     out = subprocess.run([str(ROOT / "hooks" / "criu-restore")], capture_output=True, text=True,
                          timeout=60, env={"PATH": os.environ["PATH"],
                                           "CKPT_ENGINE_PID": str(zombie.pid),
@@ -94,7 +97,7 @@ def recorded_dump(tmp_path):
                                 text=True)
         procs.append(proc)
         pid = proc.pid if leader else int(proc.stdout.readline())
-        time.sleep(0.1)
+        wait_until(lambda: psutil.Process(pid).name() == "sleep", what="the sleep running")
         image = tmp_path / f"img-{len(procs)}"
         image.mkdir()
         args_file = tmp_path / f"args-{len(procs)}"

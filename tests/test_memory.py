@@ -568,22 +568,6 @@ def test_word_sums_match_a_plain_python_reference(data, row_words, chunk_rows):
     assert got == _reference_sums(data, row_words)
 
 
-def test_checksum_throughput_is_printed():
-    t = torch.randint(-(2**62), 2**62, (256 * MIB // 8,), dtype=torch.int64)
-    tensor_checksum(t)  # warm up
-    best = min(_timed(lambda: tensor_checksum(t)) for _ in range(3))
-    plain = min(_timed(lambda: t.sum()) for _ in range(3))
-    print(f"\nchecksum of 256 MiB: {256 * MIB / best / 1e9:.1f} GB/s "
-          f"(plain torch.sum over the same bytes: {256 * MIB / plain / 1e9:.1f} GB/s, "
-          f"{torch.get_num_threads()} threads)")
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def test_measure_on_a_cpu_only_host():
     assert measure.rss_bytes() > 0
     assert isinstance(trim_host_heap(), bool)

@@ -150,8 +150,9 @@ def burst(endpoint: str, sockets: int, per_socket: int, mix: list[p.RequestType]
 
 
 @pytest.fixture
-def agent_process(spawn_engine):
-    return spawn_engine("burst", weights_mib=4, kv_mib=4, layers=1)
+def agent_process(shared_engines):
+    """One small step engine for this module's tests (each leaves it RUNNING and idle)."""
+    return shared_engines("step", "burst", weights_mib=4, kv_mib=4, layers=1).get()
 
 
 @pytest.fixture
