@@ -2,8 +2,9 @@
 
 Layers, lowest first (a layer imports only the ones above it in this list):
 
+    vocab       every state, trigger, mode, reason, level and status, once
     errors      the error tree
-    lifecycle   CheckpointState and the one transition table
+    lifecycle   the one transition table
     protocol    wire messages (msgspec) and framing (pyzmq-free codec)
     memory      torch tensors under tags: release, re-wake, verify (imports torch)
     agent       engine side: admission gate, drain, control endpoint (pyzmq)
@@ -12,6 +13,6 @@ Layers, lowest first (a layer imports only the ones above it in this list):
 
 __version__ = "0.1.0"
 
-from ckpt_controller.lifecycle import CheckpointState
+from ckpt_controller.vocab import CheckpointState
 
 __all__ = ["CheckpointState", "__version__"]

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from ckpt_controller.clock import Clock, Deadline
 from ckpt_controller.errors import RejectedError, UsageError
-from ckpt_controller.lifecycle import CheckpointState, Lifecycle
+from ckpt_controller.lifecycle import Lifecycle
+from ckpt_controller.vocab import CheckpointState, FinishReason
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 

@@ -28,7 +28,8 @@ from ckpt_controller.errors import (
     OperationError,
     UsageError,
 )
-from ckpt_controller.lifecycle import CheckpointState, Lifecycle, Trigger
+from ckpt_controller.lifecycle import Lifecycle
+from ckpt_controller.vocab import CheckpointState, Trigger
 from ckpt_controller.protocol import (
     Ack,
     DrainProgress,
@@ -131,7 +132,7 @@ class Operations:
                     self.emit(MemoryReported(engine=self.name, op_id=cmd.op_id,
                                              report=pending.memory))
                 else:
-                    self.lifecycle.fire(Trigger.PREPARED, reason=f"op {cmd.op_id}")
+                    self.lifecycle.fire(Trigger.SEAL, reason=f"op {cmd.op_id}")
                     self._pending = None
         except Exception as exc:  # policy: every failure while PREPARING rolls back
             self._pending = None
@@ -322,7 +323,7 @@ class Operations:
         self.failpoints.hit("resume")
         self._call_engine("resume", self.hooks.resume_scheduling)
         self.gate.resume_kept()
-        self.lifecycle.fire(Trigger.RESTORED, reason=reason)
+        self.lifecycle.fire(Trigger.RESUME, reason=reason)
 
     def _fail(self, reason: str) -> None:
         if self.lifecycle.state is not CheckpointState.FAILED:

@@ -66,7 +66,6 @@ from ckpt_controller.errors import (
     UsageError,
     VerificationError,
 )
-from ckpt_controller.lifecycle import Trigger
 from ckpt_controller.protocol import (
     DeviceMemory,
     DrainProgress,
