@@ -132,11 +132,13 @@ class OutcomeStatus(enum.StrEnum):
     FAILED = "failed"
     ROLLED_BACK = "rolled_back"
     SKIPPED = "skipped"  # never started (an all-or-nothing operation stopped first)
+    RECOVERED = "recovered"  # a restarted controller found it mid-operation and settled it
 
 
 class OperationStatus(enum.StrEnum):
-    """How a whole operation ended."""
+    """How a whole operation ended (or ``running``: it has not, as the journal's history says)."""
 
+    RUNNING = "running"  # in progress (an operation summary only; a result has ended)
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     ROLLED_BACK = "rolled_back"
