@@ -58,8 +58,9 @@ def test_every_pair(state, trigger):
 
 
 def test_triggers_take_the_step_names():
-    """The moves into PREPARED and back to RUNNING are named after the agent's steps that make
-    them (``seal``, ``resume``); the lifecycle re-exports the vocabulary, it does not redefine it."""
+    """The moves into PREPARED and back to RUNNING are named after the agent's steps that
+    make them (``seal``, ``resume``); the lifecycle re-exports the vocabulary, never redefines
+    it."""
     names = {(src, dst): trig.value for trig, srcs, dst in TRANSITIONS for src in srcs}
     assert names[(S.PREPARING, S.PREPARED)] == "seal"
     assert names[(S.RESTORING, S.RUNNING)] == "resume"

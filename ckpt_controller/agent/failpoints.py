@@ -45,7 +45,7 @@ from ckpt_controller.vocab import PrepareStep, RestoreStep
 log = logging.getLogger("ckpt_controller.agent")
 
 ENV = "CKPT_FAILPOINTS"
-#: the agent's steps a failpoint can be armed at (each step's failpoint: ``operations.STEPS``)
+#: the agent's steps a failpoint can be armed at (``operations.PREPARE_STEPS``, ``RESTORE_STEPS``)
 POINTS = (PrepareStep.DRAIN, PrepareStep.RELEASE, RestoreStep.REWAKE, RestoreStep.RESUME)
 ACTIONS = ("kill", "stall", "corrupt", "ballast")
 #: actions that make sense only at one point
