@@ -92,6 +92,12 @@ class ReplyType(bytes, enum.Enum):
     EVENT = b"\x82"
 
 
+#: What a handshake or a heartbeat says its server is in: an agent's ``CheckpointState``, or
+#: ``serving`` from the controller (and any ``rpcserver`` without a lifecycle). A plain string:
+#: msgspec takes one string type per field, and ``serving`` is no engine state.
+ServerState = str
+
+
 # ---------------------------------------------------------------- commands (client -> agent)
 
 
@@ -255,7 +261,8 @@ class HandshakeReply(msgspec.Struct, kw_only=True, tag=True):
     engine: str
     pid: int
     incarnation: int
-    state: CheckpointState
+    #: see ``ServerState``
+    state: ServerState
     #: how often the agent sends heartbeats to subscribers
     heartbeat_interval_s: float = 0.0
 
@@ -299,7 +306,8 @@ class RestoreReply(msgspec.Struct, kw_only=True, tag=True):
 
 
 class HeartbeatReply(msgspec.Struct, kw_only=True, tag=True):
-    state: CheckpointState
+    #: see ``ServerState``
+    state: ServerState
     seq: int
     monotonic: float
 
@@ -458,7 +466,8 @@ class MemoryReported(msgspec.Struct, kw_only=True, tag=True):
 
 class Heartbeat(msgspec.Struct, kw_only=True, tag=True):
     engine: str
-    state: CheckpointState
+    #: see ``ServerState``
+    state: ServerState
     seq: int
     monotonic: float
     incarnation: int

@@ -264,8 +264,8 @@ def test_every_status_the_controller_stores_reads_back():
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"type": "Heartbeat", "engine": "e", "state": "sleeping", "seq": 1, "monotonic": 1.0,
-      "incarnation": 0}, "state"),
+    ({"type": "StateChanged", "engine": "e",
+      "transition": {**_transition("seal"), "dest": "sleeping"}}, "transition.dest"),
     ({"type": "StateChanged", "engine": "e", "transition": _transition("jump")},
      "transition.trigger"),
     ({"type": "MemoryReported", "engine": "e", "op_id": "o",
@@ -276,3 +276,11 @@ def test_every_status_the_controller_stores_reads_back():
 def test_a_misspelt_word_in_an_event_is_refused(body, field):
     with pytest.raises(errors.ProtocolError, match=re.escape(f"$.body.{field}")):
         p.decode_reply(_raw_event(body))
+
+
+def test_a_heartbeat_names_a_state_or_serving():
+    """An agent's heartbeat carries its engine's state; the controller's says ``serving``."""
+    for state in (CheckpointState.PREPARED, "serving"):
+        ev = p.decode_reply(_raw_event({"type": "Heartbeat", "engine": "e", "state": state,
+                                        "seq": 1, "monotonic": 1.0, "incarnation": 0}))
+        assert ev.body.state == state

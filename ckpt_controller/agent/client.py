@@ -11,6 +11,7 @@ from __future__ import annotations
 from ckpt_controller import protocol as p
 from ckpt_controller.rpc import RpcClient, check_command, new_op_id
 from ckpt_controller.values import MAX_DURATION_S, MAX_TEXT_LENGTH, STEP_OP_ID, check
+from ckpt_controller.vocab import RestoreStep
 
 
 def _op_id(op_id: str | None) -> str:
@@ -37,7 +38,8 @@ class AgentClient(RpcClient):
         return self.call(p.RequestType.PREPARE, cmd, timeout_s=self._op_timeout(cmd, timeout_s))
 
     def restore(self, *, op_id: str | None = None, deadline_s: float | None = None,
-                timeout_s: float | None = None, step: str = "all") -> p.RestoreReply:
+                timeout_s: float | None = None,
+                step: RestoreStep | str = RestoreStep.ALL) -> p.RestoreReply:
         cmd = p.RestoreCommand(call_id=0, op_id=_op_id(op_id), deadline_s=deadline_s,
                                step=step)
         return self.call(p.RequestType.RESTORE, cmd, timeout_s=self._op_timeout(cmd, timeout_s))

@@ -78,6 +78,7 @@ from ckpt_controller.vocab import (
     Escalation,
     FinishReason,
     MemoryAction,
+    PrepareStep,
     ReleaseLevel,
     Trigger,
 )
@@ -188,7 +189,7 @@ class VllmEngine(EngineHooks):
             else:
                 if deadline.passed():  # the operation's own deadline: a failure, exit 3
                     raise DeadlineError("operation deadline passed while draining",
-                                        step="drain", url=self.http.url)
+                                        step=PrepareStep.DRAIN, url=self.http.url)
                 if cmd.on_deadline == Escalation.FAIL:
                     raise DrainError("requests still in flight at the drain deadline",
                                      in_flight=self.http.metrics().in_flight,
