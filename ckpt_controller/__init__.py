@@ -4,14 +4,14 @@ Layers, lowest first (a layer imports only the ones above it in this list):
 
     vocab       every state, trigger, mode, reason, level and status (imports nothing)
     errors      the error tree
-    lifecycle   CheckpointState and the one transition table
+    lifecycle   the one transition table
     protocol    wire messages (msgspec) and framing (pyzmq-free codec)
     memory      torch tensors under tags: release, re-wake, verify (imports torch)
     agent       engine side: admission gate, drain, control endpoint (pyzmq)
     cli         ``ckptctl``
 
 Importing the package imports nothing else: ``ckptctl --help`` and a client stay light, and
-the names below load on first use. Neighbours: ``lifecycle`` (``CheckpointState``), ``cli``.
+the names below load on first use. Neighbours: ``vocab`` (``CheckpointState``), ``cli``.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ __all__ = ["CheckpointState", "__version__"]
 
 
 def __getattr__(name: str):
-    # PEP 562: ``ckpt_controller.CheckpointState`` loads the lifecycle (transitions,
-    # logging) only when someone asks for it
+    # PEP 562: ``ckpt_controller.CheckpointState`` loads the vocabulary only when someone
+    # asks for it
     if name == "CheckpointState":
-        from ckpt_controller.lifecycle import CheckpointState
+        from ckpt_controller.vocab import CheckpointState
 
         return CheckpointState
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

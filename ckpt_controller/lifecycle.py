@@ -1,13 +1,17 @@
-"""The lifecycle: one state enum and one transition table, and nothing else.
+"""The lifecycle: one transition table over the vocabulary's states and triggers, nothing else.
 
 The table is data (``TRANSITIONS``) fed to the ``transitions`` library with
 ``auto_transitions=False``, so no ``to_<state>()`` shortcut can bypass it. The lifecycle knows
 no sockets, no torch and no engine: the agent (``ckpt_controller.agent``) fires triggers on it
-and publishes the recorded ``Transition`` values. States come from vLLM's ``CheckpointState``.
+and publishes the recorded ``Transition`` values. States come from vLLM's ``CheckpointState``;
+states and triggers are spelled once, in ``vocab`` (re-exported here). ``seal`` and ``resume``
+share their names with the agent's last prepare and restore steps, which fire them.
 
-    RUNNING --prepare--> PREPARING --prepared--> PREPARED --restore--> RESTORING --restored--> RUNNING
+    RUNNING --prepare--> PREPARING --seal--> PREPARED --restore--> RESTORING --resume--> RUNNING
     any state --fail--> FAILED;  FAILED --restore--> RESTORING (recovery)
-    PREPARING or PREPARED --rollback--> RESTORING (--restored--> RUNNING)
+    PREPARING or PREPARED --rollback--> RESTORING (--resume--> RUNNING)
+
+Neighbours: ``vocab`` (the words), ``agent.operations`` (fires the triggers), ``errors``.
 """
 
 from __future__ import annotations
@@ -16,38 +20,16 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 
 from transitions import Machine
 
 from ckpt_controller.clock import Clock
 from ckpt_controller.errors import InvalidTransitionError
+from ckpt_controller.vocab import TRANSITIONAL, CheckpointState, Trigger
 
-
-class CheckpointState(StrEnum):
-    """Where an engine stands in the checkpoint/restore cycle (wire value: lowercase name)."""
-
-    RUNNING = "running"  # serves requests
-    PREPARING = "preparing"  # drains, then releases what a checkpoint must not contain
-    PREPARED = "prepared"  # safe to capture
-    RESTORING = "restoring"  # brings back what preparing released
-    FAILED = "failed"
-
-    @property
-    def is_restored(self) -> bool:
-        """True when memory may wake and scheduling resume (RUNNING, RESTORING)."""
-        return self in (CheckpointState.RUNNING, CheckpointState.RESTORING)
-
-
-class Trigger(StrEnum):
-    """The verbs that move the lifecycle."""
-
-    PREPARE = "prepare"
-    PREPARED = "prepared"
-    RESTORE = "restore"
-    RESTORED = "restored"
-    ROLLBACK = "rollback"
-    FAIL = "fail"
+__all__ = [
+    "TRANSITIONAL", "TRANSITIONS", "CheckpointState", "Lifecycle", "Transition", "Trigger",
+]
 
 
 # transitions logs every callback at INFO; our own log names each transition already
@@ -58,15 +40,12 @@ S, T = CheckpointState, Trigger
 #: The whole lifecycle: (trigger, sources, destination).
 TRANSITIONS: tuple[tuple[Trigger, tuple[CheckpointState, ...], CheckpointState], ...] = (
     (T.PREPARE, (S.RUNNING,), S.PREPARING),
-    (T.PREPARED, (S.PREPARING,), S.PREPARED),
+    (T.SEAL, (S.PREPARING,), S.PREPARED),
     (T.RESTORE, (S.PREPARED, S.FAILED), S.RESTORING),
-    (T.RESTORED, (S.RESTORING,), S.RUNNING),
+    (T.RESUME, (S.RESTORING,), S.RUNNING),
     (T.ROLLBACK, (S.PREPARING, S.PREPARED), S.RESTORING),
     (T.FAIL, tuple(S), S.FAILED),
 )
-
-#: States an engine must not be left in: something is working on it.
-TRANSITIONAL = frozenset({S.PREPARING, S.RESTORING})
 
 
 @dataclass(frozen=True)
@@ -167,7 +146,7 @@ class Lifecycle:
                 self._restoring_cycle = source is CheckpointState.PREPARED
             elif trig is Trigger.ROLLBACK:
                 self._restoring_cycle = False
-            elif trig is Trigger.RESTORED and self._restoring_cycle:
+            elif trig is Trigger.RESUME and self._restoring_cycle:
                 self._generation += 1
                 self._restoring_cycle = False
             record = Transition(

@@ -17,15 +17,17 @@ Schema evolution: new fields only at the end and with defaults; a tag or a type 
 changes; a change that breaks old peers bumps ``PROTOCOL_VERSION``. This module knows no
 sockets and no torch: it only turns Structs into frames and frames into Structs or errors.
 Command fields carry their limits (``values``: durations, op ids, sizes, counts), so a frame
-with NaN, an empty op id or an absurd size is refused when it is decoded.
+with NaN, an empty op id or an absurd size is refused when it is decoded; every state,
+trigger, mode, reason, level, step, kind and status is a ``vocab`` enum, so a misspelt one is
+refused the same way.
 Neighbours: ``agent.server`` and ``agent.client`` move the frames; ``errors`` is carried in
-``ErrorReply``; ``values`` defines what a valid field value is.
+``ErrorReply``; ``values`` defines what a valid field value is; ``vocab`` the words.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -36,12 +38,24 @@ from ckpt_controller.values import (
     Count,
     Duration,
     DurationOrZero,
-    Level,
     Names,
     OpId,
     StepOpId,
     Tags,
     Text,
+)
+from ckpt_controller.vocab import (
+    CheckpointState,
+    DrainMode,
+    Escalation,
+    MemoryAction,
+    OperationKind,
+    OperationStatus,
+    OutcomeStatus,
+    PrepareStep,
+    ReleaseLevel,
+    RestoreStep,
+    Trigger,
 )
 
 PROTOCOL_VERSION = 1
@@ -78,9 +92,10 @@ class ReplyType(bytes, enum.Enum):
     EVENT = b"\x82"
 
 
-DrainMode = Literal["wait", "abort", "keep"]
-Escalation = Literal["abort", "keep", "fail"]
-FinishReason = Literal["stop", "length", "abort", "error"]
+#: What a handshake or a heartbeat says its server is in: an agent's ``CheckpointState``, or
+#: ``serving`` from the controller (and any ``rpcserver`` without a lifecycle). A plain string:
+#: msgspec takes one string type per field, and ``serving`` is no engine state.
+ServerState = str
 
 
 # ---------------------------------------------------------------- commands (client -> agent)
@@ -114,11 +129,11 @@ class PrepareCommand(Command, kw_only=True):
     """Drain, then release memory. ``level`` or ``tags`` (not both) say what to release."""
 
     op_id: StepOpId
-    drain: DrainMode = "wait"
+    drain: DrainMode = DrainMode.WAIT
     #: 0: the drain deadline is now (a wait drain escalates at once)
     drain_timeout_s: DurationOrZero = 30.0
-    on_deadline: Escalation = "abort"
-    level: Level | None = 1
+    on_deadline: Escalation = Escalation.ABORT
+    level: ReleaseLevel | None = ReleaseLevel.OFFLOAD
     tags: Tags | None = None
     residual_budget_bytes: ByteSize | None = None
     deadline_s: Duration | None = None
@@ -127,7 +142,7 @@ class PrepareCommand(Command, kw_only=True):
     #: all: drain, release, PREPARED in one go. Or one step at a time, so a controller can run
     #: hooks between them: drain (-> stays PREPARING), release (stays PREPARING), seal
     #: (-> PREPARED). A failure in any step rolls back to RUNNING.
-    step: Literal["all", "drain", "release", "seal"] = "all"
+    step: PrepareStep = PrepareStep.ALL
 
 
 class RestoreCommand(Command, kw_only=True):
@@ -137,7 +152,7 @@ class RestoreCommand(Command, kw_only=True):
     deadline_s: Duration | None = None
     #: all; or rewake (-> RESTORING: memory back and verified, admission still closed) and
     #: then resume (-> RUNNING), so post-restore hooks can check the engine in between
-    step: Literal["all", "rewake", "resume"] = "all"
+    step: RestoreStep = RestoreStep.ALL
 
 
 class RollbackCommand(Command, kw_only=True):
@@ -155,9 +170,6 @@ class FailCommand(Command, kw_only=True):
     reason: Text = ""
 
 
-OperationKind = Literal["prepare", "capture", "restore", "cycle", "rollback"]
-
-
 class OperationCommand(Command, kw_only=True):
     """Controller: run one operation on some engines (empty list: all configured engines).
 
@@ -170,7 +182,7 @@ class OperationCommand(Command, kw_only=True):
     drain: DrainMode | None = None
     drain_timeout_s: Duration | None = None
     on_deadline: Escalation | None = None
-    level: Level | None = None
+    level: ReleaseLevel | None = None
     tags: Tags | None = None
     residual_budget_bytes: ByteSize | None = None
     #: overall deadline per engine (default: the configured operation deadline)
@@ -219,8 +231,8 @@ class DeviceMemory(msgspec.Struct, kw_only=True):
 class MemoryReport(msgspec.Struct, kw_only=True):
     """What a release or re-wake did. ``tensor_bytes`` is what the registry moved."""
 
-    action: Literal["release", "rewake"]
-    level: int | None = None
+    action: MemoryAction
+    level: ReleaseLevel | None = None
     tags: list[str] = []
     tensor_bytes: int = 0
     offloaded_bytes: int = 0
@@ -234,9 +246,10 @@ class MemoryReport(msgspec.Struct, kw_only=True):
 
 
 class TransitionRecord(msgspec.Struct, kw_only=True):
-    trigger: str
-    source: str
-    dest: str
+    #: an old peer's or journal's ``prepared``/``restored`` reads as ``seal``/``resume``
+    trigger: Trigger
+    source: CheckpointState
+    dest: CheckpointState
     generation: int
     monotonic: float
     wall: float
@@ -248,7 +261,8 @@ class HandshakeReply(msgspec.Struct, kw_only=True, tag=True):
     engine: str
     pid: int
     incarnation: int
-    state: str
+    #: see ``ServerState``
+    state: ServerState
     #: how often the agent sends heartbeats to subscribers
     heartbeat_interval_s: float = 0.0
 
@@ -256,7 +270,7 @@ class HandshakeReply(msgspec.Struct, kw_only=True, tag=True):
 class StatusReply(msgspec.Struct, kw_only=True, tag=True):
     engine: str
     pid: int
-    state: str
+    state: CheckpointState
     is_restored: bool
     generation: int
     in_flight: int
@@ -272,7 +286,7 @@ class StatusReply(msgspec.Struct, kw_only=True, tag=True):
 
 class PrepareReply(msgspec.Struct, kw_only=True, tag=True):
     op_id: str
-    state: str
+    state: CheckpointState
     drain: DrainReport
     memory: MemoryReport
     duration_s: float
@@ -282,7 +296,7 @@ class PrepareReply(msgspec.Struct, kw_only=True, tag=True):
 
 class RestoreReply(msgspec.Struct, kw_only=True, tag=True):
     op_id: str
-    state: str
+    state: CheckpointState
     generation: int
     memory: MemoryReport | None
     duration_s: float
@@ -292,7 +306,8 @@ class RestoreReply(msgspec.Struct, kw_only=True, tag=True):
 
 
 class HeartbeatReply(msgspec.Struct, kw_only=True, tag=True):
-    state: str
+    #: see ``ServerState``
+    state: ServerState
     seq: int
     monotonic: float
 
@@ -332,9 +347,8 @@ class HookRun(msgspec.Struct, kw_only=True):
 
 class EngineOutcome(msgspec.Struct, kw_only=True):
     engine: str
-    #: succeeded | failed | rolled_back | skipped
-    status: str
-    state: str | None = None
+    status: OutcomeStatus
+    state: CheckpointState | None = None
     phases: list[PhaseRecord] = []
     drain: DrainReport | None = None
     released: MemoryReport | None = None
@@ -351,9 +365,8 @@ class EngineOutcome(msgspec.Struct, kw_only=True):
 
 class OperationResult(msgspec.Struct, kw_only=True, tag=True):
     op_id: str
-    kind: str
-    #: succeeded | failed | rolled_back | interrupted
-    status: str
+    kind: OperationKind
+    status: OperationStatus
     engines: list[EngineOutcome]
     wall: float
     duration_s: float
@@ -382,9 +395,10 @@ class ControllerStatusReply(msgspec.Struct, kw_only=True, tag=True):
 
 class OperationSummary(msgspec.Struct, kw_only=True):
     op_id: str
-    kind: str
+    kind: OperationKind
     engines: list[str]
-    status: str
+    #: ``running`` while the operation is in progress
+    status: OperationStatus
     wall: float
     duration_s: float | None = None
 
@@ -452,7 +466,8 @@ class MemoryReported(msgspec.Struct, kw_only=True, tag=True):
 
 class Heartbeat(msgspec.Struct, kw_only=True, tag=True):
     engine: str
-    state: str
+    #: see ``ServerState``
+    state: ServerState
     seq: int
     monotonic: float
     incarnation: int

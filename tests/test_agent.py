@@ -12,7 +12,9 @@ import zmq
 
 from ckpt_controller import protocol as p
 from ckpt_controller.agent import Agent, AgentClient, EngineHooks
+from ckpt_controller.agent.failpoints import POINTS as FAILPOINTS
 from ckpt_controller.agent.incarnation import Fingerprint, IncarnationTracker
+from ckpt_controller.agent.operations import PREPARE_STEPS, RESTORE_STEPS
 from ckpt_controller.errors import (
     BusyError,
     DeadlineError,
@@ -23,6 +25,8 @@ from ckpt_controller.errors import (
     UnreachableError,
     UsageError,
 )
+from ckpt_controller.lifecycle import TRANSITIONS
+from ckpt_controller.vocab import PrepareStep, RestoreStep, Trigger
 
 
 class SlowPause(EngineHooks):
@@ -368,6 +372,81 @@ def test_stepwise_prepare_and_restore(agent, client):
     assert client.rollback(op_id="s7").state == "running"
     with pytest.raises(InvalidTransitionError):
         client.restore(op_id="s8", step="resume")
+
+
+def test_the_step_tables_order_rule():
+    """The agent's sub-steps are one table per operation: each step names the one before it,
+    the first fires the trigger that begins the operation and the last the one that ends it,
+    both as the lifecycle's table has them, and every failpoint belongs to a step."""
+    moves = {trig: (srcs, dst) for trig, srcs, dst in TRANSITIONS}
+    for table, kind in ((PREPARE_STEPS, PrepareStep), (RESTORE_STEPS, RestoreStep)):
+        assert [s.name for s in table] == [k for k in kind if k is not kind.ALL]
+        assert [s.after for s in table] == [None, *(s.name for s in table[:-1])]
+        first, last = table[0], table[-1]
+        assert first.enters is not None and all(s.enters is None for s in table[1:])
+        assert last.leaves is not None and all(s.leaves is None for s in table[:-1])
+        assert len({s.during for s in table}) == 1
+        assert moves[first.enters][1] is first.during  # it begins the state the chain runs in
+        assert moves[last.leaves][0] == (first.during,)  # and the last one leaves it
+    assert (PREPARE_STEPS[-1].leaves, RESTORE_STEPS[-1].leaves) == (Trigger.SEAL, Trigger.RESUME)
+    assert PREPARE_STEPS[-1].leaves.value == PREPARE_STEPS[-1].name.value  # one name, seal
+    assert RESTORE_STEPS[-1].leaves.value == RESTORE_STEPS[-1].name.value  # one name, resume
+    assert [s.failpoint for s in (*PREPARE_STEPS, *RESTORE_STEPS) if s.failpoint] \
+        == list(FAILPOINTS)
+
+
+def test_a_step_out_of_order_names_the_one_that_may_follow(agent, client):
+    """Each refusal moves nothing and says which step may come now."""
+    def refused(call, allowed: str, state: str, words: str) -> None:
+        with pytest.raises(InvalidTransitionError, match=words) as info:
+            call()
+        assert info.value.details["allowed"] == [allowed]
+        assert info.value.details["state"] == state == client.status().state
+
+    refused(lambda: client.prepare(op_id="o1", level=0, step="release"), "drain", "running",
+            "prepare step release does not follow")
+    refused(lambda: client.restore(op_id="o2", step="resume"), "rewake", "running",
+            "restore step resume needs a rewake before it")
+    client.prepare(op_id="o3", level=0, step="drain")
+    refused(lambda: client.prepare(op_id="o4", level=0, step="seal"), "release", "preparing",
+            "does not follow")
+    refused(lambda: client.restore(op_id="o5", step="resume"), "rewake", "preparing",
+            "needs a rewake")
+    client.prepare(op_id="o6", level=0, step="release")
+    refused(lambda: client.prepare(op_id="o7", level=0, step="release"), "seal", "preparing",
+            "does not follow")
+    client.prepare(op_id="o8", level=0, step="seal")
+    client.restore(op_id="o9", step="rewake")
+    refused(lambda: client.prepare(op_id="o10", level=0, step="seal"), "drain", "restoring",
+            "does not follow")
+    r = client.restore(op_id="o11", step="resume")
+    assert r.state == "running" and r.memory is None
+    refused(lambda: client.restore(op_id="o12", step="resume"), "rewake", "running",
+            "needs a rewake")
+
+
+class FailingVerify(EngineHooks):
+    """An engine whose check after re-wake fails: a rollback cannot bring it back."""
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        raise RuntimeError("abort broke")
+
+    def verify(self) -> None:
+        raise RuntimeError("golden mismatch")
+
+
+def test_a_prepare_whose_rollback_fails_leaves_failed_with_both_reasons(ipc_dir):
+    with Agent("unfit", hooks=FailingVerify(), control=f"ipc://{ipc_dir}/unfit.ctl") as a, \
+            AgentClient(a.endpoint, timeout_s=5) as c:
+        a.gate.admit("r1")
+        with pytest.raises(EngineError, match="abort broke") as info:
+            c.prepare(op_id="p1", drain="abort", level=0)
+        details = info.value.details
+        assert details["state"] == "failed" and "rolled_back" not in details
+        assert "golden mismatch" in details["rollback_error"] and details["step"] == "drain"
+        assert c.status().state == "failed"
+        assert [t.trigger for t in a.lifecycle.history] == [
+            Trigger.PREPARE, Trigger.ROLLBACK, Trigger.FAIL]
 
 
 def test_a_server_of_another_protocol_version_is_refused_at_the_handshake(ipc_dir):

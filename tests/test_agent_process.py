@@ -383,9 +383,9 @@ def test_engine_death_during_an_operation_is_noticed_from_heartbeats(fresh_small
 #: the triggers each state allows, and what each wire command leads to from it
 ALLOWED = {
     "running": ["prepare", "fail"],
-    "preparing": ["prepared", "rollback", "fail"],
+    "preparing": ["seal", "rollback", "fail"],
     "prepared": ["restore", "rollback", "fail"],
-    "restoring": ["restored", "fail"],
+    "restoring": ["resume", "fail"],
     "failed": ["restore", "fail"],
 }
 LEADS_TO = {  # (state, command) -> final state of a legal command

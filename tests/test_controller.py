@@ -867,7 +867,7 @@ def test_a_transition_whose_event_was_lost_is_journaled_from_the_reply(tmp_path)
     try:
         first = p.TransitionRecord(trigger="prepare", source="running", dest="preparing",
                                    generation=0, monotonic=1.0, wall=10.0)
-        second = p.TransitionRecord(trigger="prepared", source="preparing", dest="prepared",
+        second = p.TransitionRecord(trigger="seal", source="preparing", dest="prepared",
                                     generation=0, monotonic=2.0, wall=11.0)
         session._on_agent_event(p.StateChanged(engine="x", transition=first, op_id="op1"))
         # the StateChanged of the second one never arrived; the reply lists both

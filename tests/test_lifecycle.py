@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_controller import CheckpointState
 from ckpt_controller.clock import Deadline, ManualClock
 from ckpt_controller.errors import InvalidTransitionError, UsageError
-from ckpt_controller.lifecycle import TRANSITIONS, Lifecycle, Trigger
+from ckpt_controller import lifecycle, vocab
+from ckpt_controller.lifecycle import TRANSITIONS, Lifecycle
+from ckpt_controller.vocab import CheckpointState, Trigger
 
 S, T = CheckpointState, Trigger
 
 LEGAL = {
     (S.RUNNING, T.PREPARE): S.PREPARING,
-    (S.PREPARING, T.PREPARED): S.PREPARED,
+    (S.PREPARING, T.SEAL): S.PREPARED,
     (S.PREPARED, T.RESTORE): S.RESTORING,
     (S.FAILED, T.RESTORE): S.RESTORING,
-    (S.RESTORING, T.RESTORED): S.RUNNING,
+    (S.RESTORING, T.RESUME): S.RUNNING,
     (S.PREPARING, T.ROLLBACK): S.RESTORING,
     (S.PREPARED, T.ROLLBACK): S.RESTORING,
     **{(s, T.FAIL): S.FAILED for s in S},
@@ -56,6 +57,28 @@ def test_every_pair(state, trigger):
         assert set(err.details["allowed"]) == {t.value for (s, t) in LEGAL if s is state}
 
 
+def test_triggers_take_the_step_names():
+    """The moves into PREPARED and back to RUNNING are named after the agent's steps that
+    make them (``seal``, ``resume``); the lifecycle re-exports the vocabulary, never redefines
+    it."""
+    names = {(src, dst): trig.value for trig, srcs, dst in TRANSITIONS for src in srcs}
+    assert names[(S.PREPARING, S.PREPARED)] == "seal"
+    assert names[(S.RESTORING, S.RUNNING)] == "resume"
+    assert [t.value for t in T] == ["prepare", "seal", "restore", "resume", "rollback", "fail"]
+    assert "prepared" not in {t.value for t in T} and "restored" not in {t.value for t in T}
+    assert (lifecycle.CheckpointState, lifecycle.Trigger) == (vocab.CheckpointState, vocab.Trigger)
+    assert lifecycle.TRANSITIONAL is vocab.TRANSITIONAL == {S.PREPARING, S.RESTORING}
+
+
+def test_the_old_trigger_names_still_read():
+    """Journals and events written before the rename say ``prepared`` and ``restored``."""
+    assert T("prepared") is T.SEAL and T("restored") is T.RESUME
+    lc = Lifecycle(initial=S.PREPARING)
+    assert lc.fire("prepared").trigger is T.SEAL and lc.state is S.PREPARED
+    with pytest.raises(ValueError):
+        T("sealed")
+
+
 def test_unknown_trigger_and_no_shortcuts():
     lc = Lifecycle()
     with pytest.raises(InvalidTransitionError):
@@ -70,12 +93,12 @@ def test_generation_counts_completed_cycles_only():
     clock = ManualClock()
     lc = Lifecycle(clock)
     for _ in range(3):
-        for t in (T.PREPARE, T.PREPARED, T.RESTORE, T.RESTORED):
+        for t in (T.PREPARE, T.SEAL, T.RESTORE, T.RESUME):
             clock.advance(1)
             lc.fire(t)
     assert lc.generation == 3
     # a rollback is not a completed cycle, nor is a recovery from FAILED
-    for t in (T.PREPARE, T.ROLLBACK, T.RESTORED, T.FAIL, T.RESTORE, T.RESTORED):
+    for t in (T.PREPARE, T.ROLLBACK, T.RESUME, T.FAIL, T.RESTORE, T.RESUME):
         lc.fire(t)
     assert lc.generation == 3 and lc.state is S.RUNNING
     gens = [r.generation for r in lc.history]

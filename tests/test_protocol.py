@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -10,6 +12,18 @@ from hypothesis import strategies as st
 from ckpt_controller import errors
 from ckpt_controller import protocol as p
 from ckpt_controller import values
+from ckpt_controller.vocab import (
+    CheckpointState,
+    DrainMode,
+    Escalation,
+    OperationKind,
+    OperationStatus,
+    OutcomeStatus,
+    PrepareStep,
+    ReleaseLevel,
+    RestoreStep,
+    Trigger,
+)
 
 ints = st.integers(min_value=0, max_value=2**63 - 1)
 text = st.text(max_size=40)
@@ -132,3 +146,141 @@ def test_replies_and_events_round_trip():
         p.decode_reply([b"\x99", b""])
     with pytest.raises(errors.ProtocolError):
         p.decode_reply([p.ReplyType.REPLY.value, b"\xc1"])
+
+
+# ---------------------------------------------------------------- the vocabulary on the wire
+
+
+def _raw_event(body: dict) -> list[bytes]:
+    return [p.ReplyType.EVENT.value, msgspec.msgpack.encode({"body": body})]
+
+
+def _transition(trigger: str) -> dict:
+    return {"trigger": trigger, "source": "preparing", "dest": "prepared", "generation": 0,
+            "monotonic": 1.0, "wall": 2.0}
+
+
+def test_old_trigger_names_still_decode(tmp_path):
+    """Peers and journals written before the triggers took the step names say ``prepared`` and
+    ``restored``: they read as ``seal`` and ``resume``."""
+    for old, new in (("prepared", Trigger.SEAL), ("restored", Trigger.RESUME)):
+        ev = p.decode_reply(_raw_event({"type": "StateChanged", "engine": "e",
+                                        "transition": _transition(old)}))
+        assert isinstance(ev, p.Event) and ev.body.transition.trigger is new
+        reply = p.decode_reply([p.ReplyType.REPLY.value, msgspec.msgpack.encode(
+            {"call_id": 1, "result": {"type": "PrepareReply", "op_id": "o", "state": "prepared",
+                                      "drain": {"mode": "wait"}, "memory": {"action": "release"},
+                                      "duration_s": 0.1, "transitions": [_transition(old)]}})])
+        assert reply.result.transitions[0].trigger is new
+    # a journal's transition record, as the controller wrote it before the rename
+    from ckpt_controller.controller.journal import Journal
+    journal = Journal(tmp_path / "journal.db")
+    try:
+        journal.record("transition", {"trigger": "restored", "source": "restoring",
+                                      "dest": "running", "generation": 1, "reason": "op c1"},
+                       op_id="c1", engine="e", wall=5.0, monotonic=6.0)
+        (rec,) = journal.records(op_id="c1")
+    finally:
+        journal.close()
+    back = msgspec.convert({**rec.data, "wall": rec.wall, "monotonic": rec.monotonic},
+                           p.TransitionRecord)
+    assert back.trigger is Trigger.RESUME and back.dest is CheckpointState.RUNNING
+    written = p.encode(p.TransitionRecord(**{**_transition("x"), "trigger": Trigger.SEAL}))
+    assert msgspec.msgpack.decode(written)["trigger"] == "seal"  # what is written: the new name
+
+
+def _command(rtype: p.RequestType, **fields) -> list[bytes]:
+    body = {"call_id": 3, "version": p.PROTOCOL_VERSION, "op_id": "o", **fields}
+    return [rtype.value, msgspec.msgpack.encode(body)]
+
+
+MISSPELT_COMMANDS = [
+    (p.RequestType.PREPARE, {"drain": "wiat"}, "drain"),
+    (p.RequestType.PREPARE, {"on_deadline": "stop"}, "on_deadline"),
+    (p.RequestType.PREPARE, {"level": 3}, "level"),
+    (p.RequestType.PREPARE, {"step": "rewake"}, "step"),
+    (p.RequestType.RESTORE, {"step": "seal"}, "step"),
+    (p.RequestType.OPERATION, {"kind": "snapshot"}, "kind"),
+    (p.RequestType.OPERATION, {"kind": "prepare", "drain": "Wait"}, "drain"),
+]
+
+
+@pytest.mark.parametrize("rtype, fields, field", MISSPELT_COMMANDS)
+def test_a_misspelt_word_in_a_command_is_refused(rtype, fields, field):
+    with pytest.raises(errors.ProtocolError, match=rf"\$\.{field}") as info:
+        p.decode_command(_command(rtype, **fields))
+    assert info.value.details["call_id"] == 3
+
+
+def test_command_words_decode_as_vocabulary_members():
+    _, cmd = p.decode_command(_command(p.RequestType.PREPARE, drain="keep", on_deadline="fail",
+                                       level=2, step="seal"))
+    assert (cmd.drain, cmd.on_deadline, cmd.level, cmd.step) == \
+        (DrainMode.KEEP, Escalation.FAIL, ReleaseLevel.DISCARD, PrepareStep.SEAL)
+    assert type(cmd.level) is ReleaseLevel and type(cmd.step) is PrepareStep
+    _, cmd = p.decode_command(_command(p.RequestType.RESTORE, step="rewake"))
+    assert cmd.step is RestoreStep.REWAKE
+    _, cmd = p.decode_command(_command(p.RequestType.OPERATION, kind="cycle"))
+    assert cmd.kind is OperationKind.CYCLE and cmd.drain is None
+    default = p.PrepareCommand(call_id=1, op_id="o")
+    assert (default.drain, default.on_deadline, default.level, default.step) == \
+        ("wait", "abort", 1, "all")  # the wire defaults did not change
+
+
+def _result(**over) -> dict:
+    outcome = {"engine": "e", "status": "succeeded", "state": "running"}
+    outcome.update(over.pop("outcome", {}))
+    return {"type": "OperationResult", "op_id": "o", "kind": "cycle", "status": "succeeded",
+            "engines": [outcome], "wall": 1.0, "duration_s": 1.0, **over}
+
+
+def _decode_result(result: dict):
+    return p.decode_reply([p.ReplyType.REPLY.value,
+                           msgspec.msgpack.encode({"call_id": 1, "result": result})]).result
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"status": "done"}, "status"),
+    ({"kind": "snapshot"}, "kind"),
+    ({"outcome": {"status": "ok"}}, "engines[0].status"),
+    ({"outcome": {"state": "paused"}}, "engines[0].state"),
+])
+def test_a_misspelt_word_in_a_result_is_refused(over, field):
+    with pytest.raises(errors.ProtocolError, match=re.escape(f"$.result.{field}")):
+        _decode_result(_result(**over))
+
+
+def test_every_status_the_controller_stores_reads_back():
+    """A stored result says what the controller wrote, ``recovered`` included; a history
+    entry of an operation in progress says ``running``."""
+    for status in OutcomeStatus:
+        back = _decode_result(_result(status="interrupted", outcome={"status": status.value}))
+        assert back.engines[0].status is status and back.status is OperationStatus.INTERRUPTED
+    history = p.HistoryReply(operations=[p.OperationSummary(
+        op_id="o", kind="prepare", engines=["e"], status="running", wall=1.0)], records=[])
+    back = p.decode_reply(p.reply_frames(2, history)).result
+    assert back.operations[0].status is OperationStatus.RUNNING
+    assert back.operations[0].kind is OperationKind.PREPARE
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"type": "StateChanged", "engine": "e",
+      "transition": {**_transition("seal"), "dest": "sleeping"}}, "transition.dest"),
+    ({"type": "StateChanged", "engine": "e", "transition": _transition("jump")},
+     "transition.trigger"),
+    ({"type": "MemoryReported", "engine": "e", "op_id": "o",
+      "report": {"action": "sleep"}}, "report.action"),
+    ({"type": "MemoryReported", "engine": "e", "op_id": "o",
+      "report": {"action": "release", "level": 5}}, "report.level"),
+])
+def test_a_misspelt_word_in_an_event_is_refused(body, field):
+    with pytest.raises(errors.ProtocolError, match=re.escape(f"$.body.{field}")):
+        p.decode_reply(_raw_event(body))
+
+
+def test_a_heartbeat_names_a_state_or_serving():
+    """An agent's heartbeat carries its engine's state; the controller's says ``serving``."""
+    for state in (CheckpointState.PREPARED, "serving"):
+        ev = p.decode_reply(_raw_event({"type": "Heartbeat", "engine": "e", "state": state,
+                                        "seq": 1, "monotonic": 1.0, "incarnation": 0}))
+        assert ev.body.state == state

@@ -41,7 +41,7 @@ class AgentClient(RpcClient):
 
     def restore(self, *, op_id: str | None = None, deadline_s: float | None = None,
                 timeout_s: float | None = None,
-                step: RestoreStep = RestoreStep.ALL) -> p.RestoreReply:
+                step: RestoreStep | str = RestoreStep.ALL) -> p.RestoreReply:
         cmd = p.RestoreCommand(call_id=0, op_id=_op_id(op_id), deadline_s=deadline_s,
                                step=step)
         return self.call(p.RequestType.RESTORE, cmd, timeout_s=self._op_timeout(cmd, timeout_s))

@@ -4,6 +4,8 @@
 it supports. ``MemoryManager`` is the shape of ``ckpt_controller.memory.MemoryRegistry`` (and of
 adapters for engines whose memory we reach another way, e.g. vLLM's HTTP API). The agent
 imports neither torch nor an engine: both arrive through these interfaces.
+Neighbours: ``operations`` (calls them), ``memory.registry`` and ``adapters.vllm`` (implement
+them), ``vocab`` (levels, modes, steps).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Protocol
 from ckpt_controller.clock import Deadline
 from ckpt_controller.errors import EngineError, UsageError
 from ckpt_controller.protocol import DrainProgress, DrainReport, MemoryReport, PrepareCommand
+from ckpt_controller.vocab import DrainMode, MemoryAction, PrepareStep, ReleaseLevel
 
 
 class EngineHooks:
@@ -27,12 +30,14 @@ class EngineHooks:
         """End each request now with finish reason ``abort`` and its partial output,
         reported to its client, then call ``gate.finish(id, "abort")``. May return first;
         the agent waits for the finishes."""
-        raise EngineError("this engine cannot abort requests", step="drain", mode="abort")
+        raise EngineError("this engine cannot abort requests", step=PrepareStep.DRAIN,
+                          mode=DrainMode.ABORT)
 
     def keep_requests(self, request_ids: list[str]) -> None:
         """Freeze each request, keeping its progress in host memory, so that it completes
         after restore with the output it would have had without the cycle. Return when frozen."""
-        raise EngineError("this engine cannot keep requests", step="drain", mode="keep")
+        raise EngineError("this engine cannot keep requests", step=PrepareStep.DRAIN,
+                          mode=DrainMode.KEEP)
 
     def pause_scheduling(self) -> None:
         """Return once no step runs and none will start until ``resume_scheduling``."""
@@ -86,14 +91,17 @@ class NoMemory:
     def plan(self, level: int | None = None, tags: list[str] | None = None) -> object:
         if tags:
             raise UsageError("no memory is registered under these tags", tags=tags, registered=[])
-        if level is not None and level not in (0, 1, 2):
-            raise UsageError("level must be 0, 1 or 2", level=level)
+        if level is not None:
+            try:
+                level = ReleaseLevel(level)
+            except ValueError:  # policy: the caller's value, named
+                raise UsageError("level must be 0, 1 or 2", level=level) from None
         return (level, tags)
 
     def release(self, plan: object, residual_budget_bytes: int | None = None) -> MemoryReport:
         level, tags = plan  # type: ignore[misc]
-        return MemoryReport(action="release", level=level, tags=list(tags or []),
+        return MemoryReport(action=MemoryAction.RELEASE, level=level, tags=list(tags or []),
                             budget_bytes=residual_budget_bytes)
 
     def rewake(self, tags: list[str] | None = None) -> MemoryReport:
-        return MemoryReport(action="rewake")
+        return MemoryReport(action=MemoryAction.REWAKE)

@@ -25,7 +25,8 @@ ballast=SIZE    SIZE of memory the registry does not know is touched and held un
 ==============  ===============================================================================
 
 Example: ``CKPT_FAILPOINTS=release:stall=8,rewake:corrupt``. A bad spec is a ``ConfigError``
-at start. Neighbours: ``operations`` (calls ``hit``), ``server`` (stalls), the drill (arms).
+at start. Neighbours: ``operations`` (calls ``hit`` as its step table says), ``server``
+(stalls), the drill (arms), ``vocab`` (the step names).
 """
 
 from __future__ import annotations
@@ -39,14 +40,16 @@ from dataclasses import dataclass
 
 from ckpt_controller import units
 from ckpt_controller.errors import ConfigError
+from ckpt_controller.vocab import PrepareStep, RestoreStep
 
 log = logging.getLogger("ckpt_controller.agent")
 
 ENV = "CKPT_FAILPOINTS"
-POINTS = ("drain", "release", "rewake", "resume")
+#: the agent's steps a failpoint can be armed at (``operations.PREPARE_STEPS``, ``RESTORE_STEPS``)
+POINTS = (PrepareStep.DRAIN, PrepareStep.RELEASE, RestoreStep.REWAKE, RestoreStep.RESUME)
 ACTIONS = ("kill", "stall", "corrupt", "ballast")
 #: actions that make sense only at one point
-ONLY_AT = {"corrupt": "rewake", "ballast": "release"}
+ONLY_AT = {"corrupt": RestoreStep.REWAKE, "ballast": PrepareStep.RELEASE}
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ class Failpoints:
 
     def after_refill(self) -> None:
         """Between re-wake and verification: the ``rewake:corrupt`` failpoint."""
-        if self.armed and self.corrupt is not None and self._take("rewake", "corrupt"):
+        if self.armed and self.corrupt is not None and self._take(RestoreStep.REWAKE, "corrupt"):
             log.warning("failpoint flipped a bit of %s", self.corrupt())
 
     def operation_ended(self) -> None:

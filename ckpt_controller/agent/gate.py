@@ -5,7 +5,7 @@ reason)`` when the request ends. Admission is open only while the lifecycle is R
 other state gets an immediate ``RejectedError`` carrying the state and a retry-after hint, so
 no request ever waits on a closed gate. During a drain the gate counts how the in-flight
 requests end (completed, aborted, kept). Neighbours: ``lifecycle`` (read), ``operations``
-(closes the gate by firing ``prepare`` under ``gate.lock``).
+(closes the gate by firing ``prepare`` under ``gate.lock``), ``vocab`` (finish reasons).
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 from ckpt_controller.clock import Clock, Deadline
 from ckpt_controller.errors import RejectedError, UsageError
-from ckpt_controller.lifecycle import CheckpointState, Lifecycle
-
-FINISH_REASONS = ("stop", "length", "abort", "error")
+from ckpt_controller.lifecycle import Lifecycle
+from ckpt_controller.vocab import CheckpointState, FinishReason
 
 
 @dataclass
@@ -35,7 +34,7 @@ class GateTotals:
 
     admitted: int = 0
     rejected: int = 0
-    ended: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
+    ended: dict[FinishReason, int] = field(default_factory=lambda: dict.fromkeys(FinishReason, 0))
 
 
 class AdmissionGate:
@@ -78,10 +77,13 @@ class AdmissionGate:
             self._in_flight[request_id] = self._clock.monotonic()
             self.totals.admitted += 1
 
-    def finish(self, request_id: str, reason: str) -> None:
-        """Record that ``request_id`` ended with ``reason`` (stop, length, abort, error)."""
-        if reason not in FINISH_REASONS:
-            raise UsageError("unknown finish reason", reason=reason, allowed=list(FINISH_REASONS))
+    def finish(self, request_id: str, reason: FinishReason | str) -> None:
+        """Record that ``request_id`` ended with ``reason`` (a ``FinishReason``)."""
+        try:
+            reason = FinishReason(reason)
+        except ValueError:  # policy: the engine's bug, told to the engine
+            raise UsageError("unknown finish reason", reason=reason,
+                             allowed=[r.value for r in FinishReason]) from None
         with self.lock:
             if self._in_flight.pop(request_id, None) is None:
                 raise UsageError("finish for a request that is not in flight", request_id=request_id)
@@ -89,7 +91,7 @@ class AdmissionGate:
             self._kept.discard(request_id)
             self.totals.ended[reason] += 1
             if self._drain is not None and not was_kept:
-                if reason == "abort":
+                if reason is FinishReason.ABORT:
                     self._drain.aborted += 1
                 else:
                     self._drain.completed += 1

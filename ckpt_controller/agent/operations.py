@@ -4,8 +4,15 @@ Each operation moves the lifecycle, calls the engine's hooks and the memory mana
 order product.md fixes, and returns a reply Struct or raises a ``CkptError`` whose details
 say the step and the state the engine was left in. A failed prepare always rolls back (or,
 if even that fails, marks the engine FAILED): no engine is left PREPARING or RESTORING.
+
+The sub-steps are data: ``PREPARE_STEPS`` (drain, release, seal) and ``RESTORE_STEPS``
+(rewake, resume) say which step may follow which, which lifecycle trigger each fires, which
+failpoint it hits and where it checks the deadline; one loop (``Operations._run``) reads them,
+for a whole chain (``step="all"``, a rollback) or one step a controller asks for. A failure
+becomes an outcome (``Failed``: rolled back, or left in a state) that is turned into the
+error's details in one place.
 Neighbours: ``gate`` (admission, drain counts), ``engine`` (hooks, memory), ``server``
-(which threads and sockets run this).
+(which threads and sockets run this), ``failpoints``, ``vocab`` (steps, triggers, modes).
 """
 
 from __future__ import annotations
@@ -28,20 +35,29 @@ from ckpt_controller.errors import (
     OperationError,
     UsageError,
 )
-from ckpt_controller.lifecycle import CheckpointState, Lifecycle, Trigger
+from ckpt_controller.lifecycle import Lifecycle
 from ckpt_controller.protocol import (
     Ack,
     DrainProgress,
     DrainReport,
-    MemoryReport,
     EventBody,
     FailCommand,
+    MemoryReport,
     MemoryReported,
     PrepareCommand,
     PrepareReply,
     RestoreCommand,
     RestoreReply,
     RollbackCommand,
+)
+from ckpt_controller.vocab import (
+    CheckpointState,
+    DrainMode,
+    Escalation,
+    MemoryAction,
+    PrepareStep,
+    RestoreStep,
+    Trigger,
 )
 
 log = logging.getLogger("ckpt_controller.agent")
@@ -50,6 +66,95 @@ log = logging.getLogger("ckpt_controller.agent")
 ABORT_GRACE_S = 10.0
 
 R = TypeVar("R")
+AgentStep = PrepareStep | RestoreStep
+
+
+@dataclass(frozen=True)
+class Step:
+    """One sub-step of a prepare or a restore, as data. A command runs one step or, with
+    ``step="all"``, its whole chain: for each step the deadline check, the failpoint, the work
+    (``Operations._work``), the deadline check after it, then the trigger that ends the chain."""
+
+    name: AgentStep
+    #: the step that must have run just before it; ``None``: it begins the operation
+    after: AgentStep | None
+    #: the engine's state while the chain runs (a later step's command needs it)
+    during: CheckpointState
+    #: fired before the first step: the move that begins the operation (a rollback begins
+    #: the restore chain with ``rollback`` instead)
+    enters: Trigger | None = None
+    #: fired after the last step: the move that ends the operation
+    leaves: Trigger | None = None
+    #: the failpoint hit before the work (``failpoints``)
+    failpoint: AgentStep | None = None
+    #: the operation's deadline is checked before the work (the drain enforces its own)
+    check_before: bool = True
+    #: ... and after it (a stepwise re-wake must not hand a late engine to the next step)
+    check_after: bool = False
+
+
+S = CheckpointState
+#: drain (-> PREPARING, requests drained, scheduling paused), release, seal (-> PREPARED)
+PREPARE_STEPS: tuple[Step, ...] = (
+    Step(PrepareStep.DRAIN, after=None, during=S.PREPARING, enters=Trigger.PREPARE,
+         failpoint=PrepareStep.DRAIN, check_before=False),
+    Step(PrepareStep.RELEASE, after=PrepareStep.DRAIN, during=S.PREPARING,
+         failpoint=PrepareStep.RELEASE),
+    Step(PrepareStep.SEAL, after=PrepareStep.RELEASE, during=S.PREPARING, leaves=Trigger.SEAL),
+)
+#: rewake (-> RESTORING: memory back and verified, admission closed), resume (-> RUNNING)
+RESTORE_STEPS: tuple[Step, ...] = (
+    Step(RestoreStep.REWAKE, after=None, during=S.RESTORING, enters=Trigger.RESTORE,
+         failpoint=RestoreStep.REWAKE, check_before=False, check_after=True),
+    Step(RestoreStep.RESUME, after=RestoreStep.REWAKE, during=S.RESTORING,
+         leaves=Trigger.RESUME, failpoint=RestoreStep.RESUME),
+)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The outcome of a prepare or restore that failed: the error, and how it left the
+    engine (rolled back to RUNNING, or in ``state``, with the rollback's own error if that
+    failed too). ``as_error`` is the one place it becomes the wire's error details."""
+
+    error: CkptError
+    state: CheckpointState
+    rolled_back: bool = False
+    rollback_error: str | None = None
+
+    def as_error(self) -> CkptError:
+        """The error the caller gets: details ``state``, and ``rolled_back`` when it was, or
+        ``rollback_error`` when even the rollback failed."""
+        if self.rolled_back:
+            self.error.details["rolled_back"] = True
+        if self.rollback_error is not None:
+            self.error.details["rollback_error"] = self.rollback_error
+        self.error.details["state"] = self.state.value
+        return self.error
+
+
+@dataclass
+class _Pending:
+    """What a stepwise operation carries from one command to the next."""
+
+    done: AgentStep | None = None  # the last step run
+    plan: object = None
+    drain: DrainReport | None = None
+    memory: MemoryReport | None = None
+    #: requests kept when the restore began (its last step resumes them)
+    kept: int = 0
+
+
+@dataclass
+class _Run:
+    """One command's run through its steps."""
+
+    op_id: str | None  # None: a rollback after a failed prepare (no events of its own)
+    deadline: Deadline
+    pending: _Pending
+    cmd: PrepareCommand | None = None
+    #: the step running now (or the last one run)
+    step: AgentStep = PrepareStep.ALL
 
 
 class Operations:
@@ -81,9 +186,55 @@ class Operations:
         self.external_drain = drain
         #: faults a drill armed (none in normal service)
         self.failpoints = failpoints or Failpoints()
-        #: between the steps of a stepwise prepare / restore
+        #: between the commands of a stepwise prepare or restore
         self._pending: _Pending | None = None
-        self._restoring: int | None = None
+        self._work: dict[AgentStep, Callable[[_Run], None]] = {
+            PrepareStep.DRAIN: self._drain_step, PrepareStep.RELEASE: self._release_step,
+            PrepareStep.SEAL: lambda run: None,
+            RestoreStep.REWAKE: self._rewake_step, RestoreStep.RESUME: self._resume_step,
+        }
+
+    # ------------------------------------------------------------------ the steps
+
+    def _chain(self, table: tuple[Step, ...], step: str) -> tuple[Step, ...]:
+        """The steps a command runs: all of ``table``, or the one it names if it may follow
+        the steps before it (else ``InvalidTransitionError`` naming the one that may)."""
+        if step in (PrepareStep.ALL, RestoreStep.ALL):
+            return table
+        (spec,) = (s for s in table if s.name == step)
+        pending = self._pending
+        if spec.after is None or (pending is not None and pending.done == spec.after
+                                  and self.lifecycle.state is spec.during):
+            return (spec,)
+        names = [s.name for s in table]
+        allowed = table[0].name if pending is None or pending.done not in names \
+            else table[names.index(pending.done) + 1].name
+        raise InvalidTransitionError(
+            f"prepare step {step} does not follow the steps before it" if table is PREPARE_STEPS
+            else f"restore step {step} needs a {spec.after} before it",
+            state=self.lifecycle.state.value, step=step, allowed=[allowed.value])
+
+    def _run(self, steps: tuple[Step, ...], run: _Run, reason: str) -> None:
+        """Run ``steps`` (the trigger that begins them was fired); raises what a step raised."""
+        for spec in steps:
+            run.step = spec.name
+            if spec.check_before:
+                self._check(run.deadline, run.op_id or "", self._label(spec))
+            if spec.failpoint is not None:
+                self.failpoints.hit(spec.failpoint)
+            self._work[spec.name](run)
+            if spec.check_after:
+                self._check(run.deadline, run.op_id or "", self._label(spec))
+            if spec.leaves is not None:
+                self.lifecycle.fire(spec.leaves, reason=reason)
+            run.pending.done = spec.name
+        # between two commands the next step needs what this one did; after the last, nothing
+        self._pending = None if steps[-1].leaves is not None else run.pending
+
+    @staticmethod
+    def _label(spec: Step) -> str:
+        """The step an error names: a prepare's own steps, a restore's as a whole."""
+        return spec.name.value if isinstance(spec.name, PrepareStep) else Trigger.RESTORE.value
 
     # ------------------------------------------------------------------ prepare
 
@@ -91,63 +242,27 @@ class Operations:
         """Drain, pause, release, seal (PREPARED); all at once, or the steps a controller asks
         for one at a time (``cmd.step``). Any failure rolls back to RUNNING."""
         start = self.clock.monotonic()
-        deadline = Deadline.after(cmd.deadline_s, self.clock)
-        if cmd.step in ("all", "drain"):
-            plan = self._enter_preparing(cmd)
-            self._pending = _Pending(plan=plan)
-            steps = ("drain", "pause", "release", "seal") if cmd.step == "all" \
-                else ("drain", "pause")
-        else:
-            if self.lifecycle.state is not CheckpointState.PREPARING or self._pending is None \
-                    or (cmd.step == "seal") != (self._pending.memory is not None):
-                raise InvalidTransitionError(
-                    f"prepare step {cmd.step} does not follow the steps before it",
-                    state=self.lifecycle.state.value, step=cmd.step,
-                    allowed=["drain"] if self._pending is None else
-                    ["seal" if self._pending.memory is not None else "release"])
-            steps = (cmd.step,)
-        pending = self._pending
-        step = steps[0]
+        steps = self._chain(PREPARE_STEPS, cmd.step)
+        if steps[0].enters is not None:
+            self._pending = _Pending(plan=self._enter_preparing(cmd))
+        run = _Run(cmd.op_id, Deadline.after(cmd.deadline_s, self.clock), self._pending, cmd)
         try:
-            for step in steps:
-                if step != "drain":
-                    self._check(deadline, cmd.op_id, step)
-                if step in ("drain", "release"):
-                    self.failpoints.hit(step)
-                if step == "drain":
-                    if self.external_drain is not None:
-                        pending.drain = self._call_engine(
-                            step, self.external_drain.drain, cmd, deadline, self._progress)
-                    else:
-                        pending.drain = self._drain(cmd, deadline)
-                    if cmd.release_deadline_s is not None:  # the release's own limit
-                        deadline = deadline.earlier(
-                            Deadline.after(cmd.release_deadline_s, self.clock))
-                elif step == "pause":
-                    self._call_engine(step, self.hooks.pause_scheduling)
-                elif step == "release":
-                    pending.memory = self.memory.release(
-                        pending.plan, residual_budget_bytes=cmd.residual_budget_bytes)
-                    self.emit(MemoryReported(engine=self.name, op_id=cmd.op_id,
-                                             report=pending.memory))
-                else:
-                    self.lifecycle.fire(Trigger.PREPARED, reason=f"op {cmd.op_id}")
-                    self._pending = None
+            self._run(steps, run, reason=f"op {cmd.op_id}")
         except Exception as exc:  # policy: every failure while PREPARING rolls back
             self._pending = None
-            err = _typed(exc, self.name, step)
-            self._roll_back_after(err, cmd.op_id)
-            raise err from (None if err is exc else exc)
+            failed = self._roll_back_after(_typed(exc, self.name, run.step.value), cmd.op_id)
+            raise failed.as_error() from (None if failed.error is exc else exc)
         return PrepareReply(
-            op_id=cmd.op_id, state=self.lifecycle.state.value,
-            drain=pending.drain or DrainReport(mode=cmd.drain),
-            memory=pending.memory or MemoryReport(action="release"),
+            op_id=cmd.op_id, state=self.lifecycle.state,
+            drain=run.pending.drain or DrainReport(mode=cmd.drain),
+            memory=run.pending.memory or MemoryReport(action=MemoryAction.RELEASE),
             duration_s=self.clock.monotonic() - start,
         )
 
     def _enter_preparing(self, cmd: PrepareCommand):
         """Check everything, then RUNNING -> PREPARING with admission closed; the plan."""
-        self.lifecycle.check(Trigger.PREPARE)  # the state is the first thing a caller must fix
+        enters = PREPARE_STEPS[0].enters
+        self.lifecycle.check(enters)  # the state is the first thing a caller must fix
         if (cmd.level is None) == (not cmd.tags):
             raise UsageError("give a level or tags, not both and not neither",
                              level=cmd.level, tags=cmd.tags)
@@ -155,41 +270,59 @@ class Operations:
             raise UsageError("drain timeout must not be negative", drain_timeout_s=cmd.drain_timeout_s)
         plan = self.memory.plan(level=cmd.level, tags=cmd.tags)  # bad level/tags: nothing moved
         with self.gate.lock:  # admission closes at the same instant the state leaves RUNNING
-            self.lifecycle.fire(Trigger.PREPARE, reason=f"op {cmd.op_id}")
+            self.lifecycle.fire(enters, reason=f"op {cmd.op_id}")
         return plan
+
+    def _drain_step(self, run: _Run) -> None:
+        """Requests drained (by the engine itself or at the gate), then scheduling paused."""
+        cmd = run.cmd
+        if self.external_drain is not None:
+            run.pending.drain = self._call_engine(PrepareStep.DRAIN, self.external_drain.drain,
+                                                  cmd, run.deadline, self._progress)
+        else:
+            run.pending.drain = self._drain(cmd, run.deadline)
+        if cmd.release_deadline_s is not None:  # the release's own limit
+            run.deadline = run.deadline.earlier(Deadline.after(cmd.release_deadline_s, self.clock))
+        self._check(run.deadline, run.op_id, "pause")
+        self._call_engine("pause", self.hooks.pause_scheduling)
+
+    def _release_step(self, run: _Run) -> None:
+        run.pending.memory = self.memory.release(
+            run.pending.plan, residual_budget_bytes=run.cmd.residual_budget_bytes)
+        self.emit(MemoryReported(engine=self.name, op_id=run.op_id, report=run.pending.memory))
 
     def _drain(self, cmd: PrepareCommand, deadline: Deadline) -> DrainReport:
         start = self.clock.monotonic()
         self.gate.begin_drain()
-        escalated: str | None = None
+        escalated: Escalation | None = None
         try:
-            mode = cmd.drain
-            if mode == "wait":
+            mode = DrainMode(cmd.drain)
+            if mode is DrainMode.WAIT:
                 drain_deadline = Deadline.after(cmd.drain_timeout_s, self.clock).earlier(deadline)
                 if not self._wait_idle(drain_deadline, cmd.op_id, start):
                     # the operation's own deadline is a failure, not a reason to escalate
-                    self._check(deadline, cmd.op_id, "drain")
-                    if cmd.on_deadline == "fail":
+                    self._check(deadline, cmd.op_id, PrepareStep.DRAIN)
+                    if cmd.on_deadline == Escalation.FAIL:
                         raise DrainError(
                             "requests still in flight at the drain deadline",
                             engine=self.name, in_flight=len(self.gate.in_flight()),
                             drain_timeout_s=cmd.drain_timeout_s,
                         )
-                    escalated = mode = cmd.on_deadline
+                    escalated, mode = cmd.on_deadline, DrainMode(cmd.on_deadline)
                     log.info("%s: drain deadline passed, escalating to %s", self.name, mode)
-            if mode == "abort":
+            if mode is DrainMode.ABORT:
                 ids = self.gate.in_flight()
                 if ids:
-                    self._call_engine("drain", self.hooks.abort_requests, ids)
+                    self._call_engine(PrepareStep.DRAIN, self.hooks.abort_requests, ids)
                 grace = Deadline.after(ABORT_GRACE_S, self.clock).earlier(deadline)
                 if not self._wait_idle(grace, cmd.op_id, start):
-                    self._check(deadline, cmd.op_id, "drain")  # the op's deadline: exit 3
+                    self._check(deadline, cmd.op_id, PrepareStep.DRAIN)  # the op's: exit 3
                     raise DrainError("aborted requests did not end", engine=self.name,
                                      in_flight=len(self.gate.in_flight()))
-            elif mode == "keep":
+            elif mode is DrainMode.KEEP:
                 ids = self.gate.in_flight()
                 if ids:
-                    self._call_engine("drain", self.hooks.keep_requests, ids)
+                    self._call_engine(PrepareStep.DRAIN, self.hooks.keep_requests, ids)
                     self.gate.mark_kept(ids)
                 left = self.gate.in_flight()
                 if left:  # admitted before the gate closed but unknown to the engine's keep
@@ -219,110 +352,78 @@ class Operations:
             ))
         return self.gate.wait_idle(deadline, tick_s=self.progress_tick_s, on_tick=progress)
 
-    def _roll_back_after(self, err: CkptError, op_id: str) -> None:
+    def _roll_back_after(self, err: CkptError, op_id: str) -> Failed:
         """After a failed prepare: back to RUNNING, or FAILED if that fails too."""
         try:
             self.lifecycle.fire(Trigger.ROLLBACK, reason=f"op {op_id}: {err.message}")
-            self._rewake_and_resume(f"op {op_id} rollback")
-            err.details["rolled_back"] = True
+            self._run(RESTORE_STEPS, _Run(None, Deadline.after(None, self.clock), _Pending()),
+                      f"op {op_id} rollback")
+            return Failed(err, self.lifecycle.state, rolled_back=True)
         except Exception as exc:  # policy: a failed rollback leaves FAILED, with both reasons
-            again = _typed(exc, self.name, "rollback")
-            err.details["rollback_error"] = str(again)
+            again = _typed(exc, self.name, Trigger.ROLLBACK.value)
             self._fail(f"rollback after '{err.message}' failed: {again.message}")
-        err.details["state"] = self.lifecycle.state.value
+            return Failed(err, self.lifecycle.state, rollback_error=str(again))
 
     # ------------------------------------------------------------------ restore, rollback, fail
 
     def restore(self, cmd: RestoreCommand) -> RestoreReply:
-        if cmd.step == "all":
-            return self._bring_back(Trigger.RESTORE, cmd.op_id, cmd.deadline_s, "")
-        start = self.clock.monotonic()
-        deadline = Deadline.after(cmd.deadline_s, self.clock)
-        memory = None
-        if cmd.step == "rewake":
-            kept = self.gate.kept_count
-            self.lifecycle.fire(Trigger.RESTORE, reason=f"op {cmd.op_id}")
-            try:
-                memory = self._rewake(cmd.op_id)
-                self._check(deadline, cmd.op_id, "restore")
-            except Exception as exc:  # policy: whatever failed while RESTORING, the engine is unfit
-                raise self._unfit(exc, cmd.op_id) from None
-            self._restoring = kept
-        else:
-            if self.lifecycle.state is not CheckpointState.RESTORING or self._restoring is None:
-                raise InvalidTransitionError("restore step resume needs a rewake before it",
-                                             state=self.lifecycle.state.value, step=cmd.step,
-                                             allowed=["rewake"])
-            kept, self._restoring = self._restoring, None
-            try:
-                self._resume(f"op {cmd.op_id}", cmd.op_id, deadline)
-            except Exception as exc:  # policy: as above
-                raise self._unfit(exc, cmd.op_id) from None
-        return RestoreReply(
-            op_id=cmd.op_id, state=self.lifecycle.state.value, generation=self.lifecycle.generation,
-            memory=memory, duration_s=self.clock.monotonic() - start, resumed_kept=kept,
-        )
-
-    def _unfit(self, exc: Exception, op_id: str) -> CkptError:
-        self._restoring = None
-        err = _typed(exc, self.name, "restore")
-        self._fail(f"op {op_id}: {err.message}")
-        err.details["state"] = self.lifecycle.state.value
-        return err
+        """Re-wake and resume (RUNNING); all at once, or one step at a time (``cmd.step``).
+        Whatever fails while RESTORING leaves the engine FAILED: it is unfit to serve."""
+        steps = self._chain(RESTORE_STEPS, cmd.step)
+        return self._bring_back(steps, RESTORE_STEPS[0].enters, cmd.op_id, cmd.deadline_s, "")
 
     def rollback(self, cmd: RollbackCommand) -> RestoreReply:
-        return self._bring_back(Trigger.ROLLBACK, cmd.op_id, cmd.deadline_s, cmd.reason)
+        return self._bring_back(RESTORE_STEPS, Trigger.ROLLBACK, cmd.op_id, cmd.deadline_s,
+                                cmd.reason)
 
     def fail(self, cmd: FailCommand) -> Ack:
-        self._pending = self._restoring = None
+        self._pending = None
         self._fail(cmd.reason or f"op {cmd.op_id}")
         return Ack()
 
-    def _bring_back(self, trigger: Trigger, op_id: str, deadline_s: float | None,
-                    reason: str) -> RestoreReply:
+    def _bring_back(self, steps: tuple[Step, ...], trigger: Trigger, op_id: str,
+                    deadline_s: float | None, reason: str) -> RestoreReply:
         start = self.clock.monotonic()
         deadline = Deadline.after(deadline_s, self.clock)
-        kept = self.gate.kept_count
-        self.lifecycle.fire(trigger, reason=f"op {op_id}" + (f": {reason}" if reason else ""))
+        if steps[0].enters is not None:  # a rollback enters the restore chain by its own move
+            pending = _Pending(kept=self.gate.kept_count)
+            self.lifecycle.fire(trigger, reason=f"op {op_id}" + (f": {reason}" if reason else ""))
+        else:
+            pending = self._pending
+        run = _Run(op_id, deadline, pending)
         try:
-            memory = self._rewake_and_resume(f"op {op_id}", op_id, deadline)
+            self._run(steps, run, reason=f"op {op_id}")
         except Exception as exc:  # policy: whatever failed while RESTORING, the engine is unfit
-            raise self._unfit(exc, op_id) from None
+            raise self._unfit(exc, op_id).as_error() from None
         return RestoreReply(
-            op_id=op_id, state=self.lifecycle.state.value, generation=self.lifecycle.generation,
-            memory=memory, duration_s=self.clock.monotonic() - start, resumed_kept=kept,
+            op_id=op_id, state=self.lifecycle.state, generation=self.lifecycle.generation,
+            # a resume alone re-wakes nothing: its rewake's report went with the rewake's reply
+            memory=pending.memory if steps[0].enters is not None else None,
+            duration_s=self.clock.monotonic() - start, resumed_kept=pending.kept,
         )
 
-    def _rewake_and_resume(self, reason: str, op_id: str | None = None,
-                           deadline: Deadline | None = None):
-        """RESTORING -> RUNNING: weights, then KV cache (the memory manager orders tags), then
-        the engine's verification, then scheduling, then admission. A deadline that passed
-        before admission reopens fails the step: the engine never serves late and unchecked."""
-        memory = self._rewake(op_id)
-        self._resume(reason, op_id, deadline)
-        return memory
+    def _unfit(self, exc: Exception, op_id: str) -> Failed:
+        self._pending = None
+        err = _typed(exc, self.name, Trigger.RESTORE.value)
+        self._fail(f"op {op_id}: {err.message}")
+        return Failed(err, self.lifecycle.state)
 
-    def _rewake(self, op_id: str | None):
-        """Memory back (weights first) and verified, the engine's own check; still closed."""
+    def _rewake_step(self, run: _Run) -> None:
+        """Memory back (weights first: the memory manager orders tags) and verified, then the
+        engine's own check; admission still closed."""
         self._pending = None  # a rollback abandons any half-done stepwise prepare
-        self.failpoints.hit("rewake")
-        memory = None
         if self.memory.released_tags:
-            memory = self.memory.rewake()
-            if op_id is not None:
-                self.emit(MemoryReported(engine=self.name, op_id=op_id, report=memory))
+            run.pending.memory = self.memory.rewake()
+            if run.op_id is not None:
+                self.emit(MemoryReported(engine=self.name, op_id=run.op_id,
+                                         report=run.pending.memory))
         self._call_engine("verify", self.hooks.verify)
-        return memory
 
-    def _resume(self, reason: str, op_id: str | None, deadline: Deadline | None) -> None:
-        """Scheduling, kept requests, then admission (RESTORED). A deadline that passed before
-        admission reopens fails the step: the engine never serves late and unchecked."""
-        if deadline is not None:
-            self._check(deadline, op_id or "", "restore")
-        self.failpoints.hit("resume")
-        self._call_engine("resume", self.hooks.resume_scheduling)
+    def _resume_step(self, run: _Run) -> None:
+        """Scheduling, kept requests, then admission (the step's trigger, ``resume``). The
+        deadline was checked before: the engine never serves late and unchecked."""
+        self._call_engine(RestoreStep.RESUME, self.hooks.resume_scheduling)
         self.gate.resume_kept()
-        self.lifecycle.fire(Trigger.RESTORED, reason=reason)
 
     def _fail(self, reason: str) -> None:
         if self.lifecycle.state is not CheckpointState.FAILED:
@@ -344,15 +445,6 @@ class Operations:
         if deadline.passed():
             raise DeadlineError("operation deadline passed", engine=self.name, op_id=op_id,
                                 step=step)
-
-
-@dataclass
-class _Pending:
-    """What a stepwise prepare carries from one step to the next."""
-
-    plan: object
-    drain: DrainReport | None = None
-    memory: MemoryReport | None = None
 
 
 def _typed(exc: Exception, engine: str, step: str) -> CkptError:

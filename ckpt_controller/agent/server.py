@@ -41,14 +41,16 @@ from ckpt_controller.clock import Clock
 from ckpt_controller.errors import BusyError, CkptError, OperationError, OverloadedError
 from ckpt_controller.lifecycle import Lifecycle, Transition
 from ckpt_controller.rpcserver import RpcServer
+from ckpt_controller.vocab import RestoreStep, Trigger
 
 log = logging.getLogger("ckpt_controller.agent")
 
+#: the operations, each named after the trigger it fires first (and its ``Operations`` method)
 _OPERATIONS = {
-    p.RequestType.PREPARE: "prepare",
-    p.RequestType.RESTORE: "restore",
-    p.RequestType.ROLLBACK: "rollback",
-    p.RequestType.FAIL: "fail",
+    p.RequestType.PREPARE: Trigger.PREPARE,
+    p.RequestType.RESTORE: Trigger.RESTORE,
+    p.RequestType.ROLLBACK: Trigger.ROLLBACK,
+    p.RequestType.FAIL: Trigger.FAIL,
 }
 #: results of this many finished operations are kept for repeated op ids
 _OP_MEMORY = 256
@@ -59,7 +61,7 @@ _MAX_WAITERS = 64
 @dataclass
 class _Op:
     op_id: str
-    kind: str
+    kind: Trigger
     waiters: list[tuple[bytes, int]] = field(default_factory=list)  # (identity, call_id)
     result: p.Result | None = None
     error: CkptError | None = None
@@ -113,7 +115,7 @@ class Agent(RpcServer):
         # faults a drill armed through the environment (see failpoints); none normally
         self.failpoints = failpoints if failpoints is not None else Failpoints.from_env()
         self.failpoints.stall = self.stall
-        if hasattr(self.memory, "after_refill") and self.failpoints.armed_at("rewake"):
+        if hasattr(self.memory, "after_refill") and self.failpoints.armed_at(RestoreStep.REWAKE):
             # a MemoryRegistry: the corrupt-weight seam
             self.memory.after_refill = self.failpoints.after_refill
             self.failpoints.corrupt = lambda: self.memory.flip_bit("weights")
@@ -149,7 +151,7 @@ class Agent(RpcServer):
     def heartbeat_body(self, seq: int) -> p.Heartbeat | None:
         if self.engine_alive is not None and not self.engine_alive():
             return None  # silence: a controller must see a dead engine as gone, not slow
-        return p.Heartbeat(engine=self.name, state=self.lifecycle.state.value, seq=seq,
+        return p.Heartbeat(engine=self.name, state=self.lifecycle.state, seq=seq,
                            monotonic=self.clock.monotonic(),
                            incarnation=self.incarnation.incarnation)
 
@@ -160,7 +162,7 @@ class Agent(RpcServer):
         elif rtype is p.RequestType.HANDSHAKE:
             self.reply(identity, cmd.call_id, p.HandshakeReply(
                 protocol_version=p.PROTOCOL_VERSION, engine=self.name, pid=self.engine_pid,
-                incarnation=self.incarnation.incarnation, state=self.lifecycle.state.value,
+                incarnation=self.incarnation.incarnation, state=self.lifecycle.state,
                 heartbeat_interval_s=self.heartbeat_interval_s))
         else:
             self.reply(identity, cmd.call_id, self.status())
@@ -171,7 +173,7 @@ class Agent(RpcServer):
         in_flight, kept = (self.request_counts() if self.request_counts is not None
                            else (len(self.gate.in_flight()), self.gate.kept_count))
         return p.StatusReply(
-            engine=self.name, pid=self.engine_pid, state=self.lifecycle.state.value,
+            engine=self.name, pid=self.engine_pid, state=self.lifecycle.state,
             is_restored=self.lifecycle.state.is_restored, generation=self.lifecycle.generation,
             in_flight=in_flight, kept=kept,
             released_tags=list(self.memory.released_tags),
@@ -244,6 +246,6 @@ class Agent(RpcServer):
 
 
 def _record(t: Transition) -> p.TransitionRecord:
-    return p.TransitionRecord(trigger=t.trigger.value, source=t.source.value, dest=t.dest.value,
+    return p.TransitionRecord(trigger=t.trigger, source=t.source, dest=t.dest,
                               generation=t.generation, monotonic=t.monotonic, wall=t.wall,
                               reason=t.reason)

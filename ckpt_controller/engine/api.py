@@ -11,7 +11,7 @@ carry monotonic times.
 Imports no torch: clients (``ckptctl generate``, ``ckptctl load``) stay light. Any decode
 failure (nesting too deep included) is a ``ProtocolError``; a message over
 ``MAX_MESSAGE_BYTES`` never reaches the engine. Neighbours: ``server`` (engine side),
-``client``, ``protocol`` (the shared decode guard and size limit).
+``client``, ``protocol`` (the shared decode guard and size limit), ``vocab`` (finish reasons).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import msgspec
 
 from ckpt_controller.errors import CkptError, ProtocolError, from_wire
 from ckpt_controller.protocol import HARD_MAX_MESSAGE_BYTES, decode_frame
+from ckpt_controller.vocab import FinishReason
 
 
 class EngineRequestType(bytes, enum.Enum):
@@ -35,7 +36,6 @@ class EngineReplyType(bytes, enum.Enum):
     REJECTED = b"\x81"
 
 
-FinishReason = Literal["stop", "length", "abort", "error"]
 EventType = Literal["queued", "scheduled", "preempted"]
 
 

@@ -23,6 +23,7 @@ from ckpt_controller.endpoints import check_endpoint
 from ckpt_controller.engine import api
 from ckpt_controller.errors import ConfigError, DeadlineError, OperationError
 from ckpt_controller.values import COUNT, DURATION, TOKEN_ID, check, check_optional
+from ckpt_controller.vocab import FinishReason
 
 
 #: outputs queued in this client before the engine's own queue takes over
@@ -37,7 +38,7 @@ class Completion:
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     events: list[api.RequestEvent] = field(default_factory=list)
     error: str | None = None
     rejected: api.RequestRejected | None = None
@@ -97,7 +98,7 @@ class EngineClient:
         ended = []
         for c in self.requests.values():
             if not c.ended:
-                c.finish_reason, c.error, c.ended_at = "error", reason, now
+                c.finish_reason, c.error, c.ended_at = FinishReason.ERROR, reason, now
                 ended.append(c.request_id)
         old = self._sock
         self._contact.detach()
@@ -206,6 +207,6 @@ class EngineClient:
         del self.requests[rid]
         if c.rejected is not None:
             raise c.rejected.to_exception()
-        if c.finish_reason == "error":
+        if c.finish_reason == FinishReason.ERROR:
             raise OperationError("the engine failed the request", request_id=rid, error=c.error)
         return c

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from ckpt_controller.engine.client import Completion, EngineClient
 from ckpt_controller.values import COUNT, DURATION, DURATION_OR_ZERO, RATE, check
+from ckpt_controller.vocab import FinishReason
 
 
 @dataclass
@@ -126,10 +127,11 @@ def run_load(
 
 def _tally(report: LoadReport, requests: dict[str, Completion], sent: int) -> LoadReport:
     report.sent = sent
-    done = {rid: c.token_ids for rid, c in requests.items() if c.finish_reason in ("stop", "length")}
+    done = {rid: c.token_ids for rid, c in requests.items()
+            if c.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)}
     report.completed = len(done)
-    report.aborted = sum(c.finish_reason == "abort" for c in requests.values())
-    report.errored = sum(c.finish_reason == "error" for c in requests.values())
+    report.aborted = sum(c.finish_reason == FinishReason.ABORT for c in requests.values())
+    report.errored = sum(c.finish_reason == FinishReason.ERROR for c in requests.values())
     report.rejected = sum(c.rejected is not None for c in requests.values())
     report.shed = sum(c.rejected is not None and c.rejected.kind == "OverloadedError"
                       for c in requests.values())

@@ -39,6 +39,7 @@ from ckpt_controller.engine.api import RequestEvent, RequestOutput
 from ckpt_controller.engine.kv import BlockPool
 from ckpt_controller.engine.model import TinyLM
 from ckpt_controller.errors import OverloadedError
+from ckpt_controller.vocab import FinishReason
 
 log = logging.getLogger("ckpt_controller.engine")
 
@@ -202,7 +203,7 @@ class Scheduler:
         for rid in request_ids:
             req = self.find(rid)
             if req is not None:
-                self._finish(req, "abort")
+                self._finish(req, FinishReason.ABORT)
                 n += 1
         return n
 
@@ -227,7 +228,7 @@ class Scheduler:
 
     def fail_all(self, error: str) -> None:
         for req in (*self.running, *self.waiting):
-            self._finish(req, "error", error)
+            self._finish(req, FinishReason.ERROR, error)
 
     def step(self) -> None:
         """Admit what fits (prefill), then decode the running batch by one token."""
@@ -290,9 +291,9 @@ class Scheduler:
         req.output.append(token)
         reason = None
         if req.stop_token_id is not None and token == req.stop_token_id:
-            reason = "stop"
+            reason = FinishReason.STOP
         elif len(req.output) >= req.max_tokens or len(req.tokens) >= self.model.cfg.max_seq_len:
-            reason = "length"
+            reason = FinishReason.LENGTH
         if reason is not None:
             self._finish(req, reason, new=[token])
         else:
@@ -300,7 +301,7 @@ class Scheduler:
                                                 events=req.events, step=self.steps))
             req.events = []
 
-    def _finish(self, req: Request, reason: str, error: str | None = None,
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None,
                 new: list[int] | None = None) -> None:
         if req in self.kept:
             self.kept.remove(req)

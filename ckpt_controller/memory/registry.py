@@ -17,7 +17,7 @@ Storages, not tensors, are the unit of memory: tensors sharing a storage (tied w
 per-layer slices of one buffer) are released and re-woken once. CPU and CUDA tensors go
 through the same code; device branches exist only for pinned memory, synchronisation,
 ``empty_cache`` and measurement (``measure``). Neighbours: ``layout``, ``checksum``,
-``fill``, ``measure`` and ``safetensors_io`` below; the agent above calls
+``fill``, ``measure`` and ``safetensors_io`` below, ``vocab`` (release levels); the agent above calls
 ``plan``/``release``/``rewake`` (``rewake`` verifies); the reference engine registers tags.
 """
 
@@ -54,10 +54,11 @@ from ckpt_controller.memory.layout import (
 )
 from ckpt_controller.memory.safetensors_io import SafetensorsFile
 from ckpt_controller.protocol import DeviceMemory, MemoryReport
+from ckpt_controller.vocab import MemoryAction, ReleaseLevel
 
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
-LEVELS = (0, 1, 2)
+LEVELS = tuple(ReleaseLevel)
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class ReleasePlan:
     """What a release will do: the level (or ``None`` for explicit tags) and, per tag in
     registration order, its ``TagAction``. Made by ``MemoryRegistry.plan``."""
 
-    level: int | None
+    level: ReleaseLevel | None
     requested_tags: tuple[str, ...] | None
     actions: tuple[tuple[str, TagAction], ...]
 
@@ -83,7 +84,7 @@ class MemoryRegistry:
         self._lock = threading.RLock()
         self._tags: dict[str, TagEntry] = {}
         self._released: dict[str, TagAction] = {}
-        self._released_level: int | None = None
+        self._released_level: ReleaseLevel | None = None
         #: tag -> {tensor name: checksum at release}; verified (and dropped) by ``rewake``
         self._checksums: dict[str, dict[str, str]] = {}
         #: called between refilling and verifying (a drill's failpoint corrupts a weight here;
@@ -187,17 +188,18 @@ class MemoryRegistry:
                 return self._checked(ReleasePlan(None, tuple(wanted), tuple(actions)))
             if not isinstance(level, int) or isinstance(level, bool) or level not in LEVELS:
                 raise UsageError("unknown release level", level=level, levels=list(LEVELS))
-            if level == 0:
-                return ReleasePlan(0, None, ())
-            if level == 1:
+            level = ReleaseLevel(level)
+            if level is ReleaseLevel.NOTHING:
+                return ReleasePlan(level, None, ())
+            if level is ReleaseLevel.OFFLOAD:
                 actions = [(t, self._level1_action(t)) for t in self._tags]
-                return self._checked(ReleasePlan(1, None, tuple(actions)))
+                return self._checked(ReleasePlan(level, None, tuple(actions)))
             actions = []
             for name, tag in self._tags.items():
                 if tag.preserve:
                     self._check_source(tag)
                 actions.append((name, "reload" if tag.preserve else "discard"))
-            return self._checked(ReleasePlan(2, None, tuple(actions)))
+            return self._checked(ReleasePlan(level, None, tuple(actions)))
 
     def _checked(self, plan: ReleasePlan) -> ReleasePlan:
         """The tensors are still where they were registered and can be freed in place."""
@@ -301,7 +303,7 @@ class MemoryRegistry:
             measure.return_freed(dev)
         after = {d: measure.usage(d) for d in devices}
         report = MemoryReport(
-            action="release", level=plan.level, tags=plan.tags,
+            action=MemoryAction.RELEASE, level=plan.level, tags=plan.tags,
             tensor_bytes=offloaded + discarded, offloaded_bytes=offloaded,
             discarded_bytes=discarded, budget_bytes=budget,
             devices=[_device_memory(before[d], after[d], _note(d, work, kept)) for d in devices],
@@ -403,7 +405,7 @@ class MemoryRegistry:
         verified = self._verify()
         after = {d: measure.usage(d) for d in devices}
         report = MemoryReport(
-            action="rewake", level=level, tags=order, tensor_bytes=restored,
+            action=MemoryAction.REWAKE, level=level, tags=order, tensor_bytes=restored,
             devices=[_device_memory(before[d], after[d], "") for d in devices],
             verified_tensors=verified, duration_s=self._clock.monotonic() - t0,
         )

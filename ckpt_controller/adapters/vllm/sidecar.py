@@ -66,13 +66,21 @@ from ckpt_controller.errors import (
     UsageError,
     VerificationError,
 )
-from ckpt_controller.lifecycle import Trigger
 from ckpt_controller.protocol import (
     DeviceMemory,
     DrainProgress,
     DrainReport,
     MemoryReport,
     PrepareCommand,
+)
+from ckpt_controller.vocab import (
+    DrainMode,
+    Escalation,
+    FinishReason,
+    MemoryAction,
+    PrepareStep,
+    ReleaseLevel,
+    Trigger,
 )
 
 log = logging.getLogger("ckpt_controller.vllm")
@@ -86,11 +94,14 @@ GOLDEN_ATTEMPTS = 3
 #: slow to answer while its engine core is busy; a vanished process counts at once)
 DEAD_AFTER_S = 30.0
 _TAGS = ("weights", "kv_cache")
+#: vLLM's finish reasons (its ``/metrics`` labels) that count as a completion in a drain: ours,
+#: less ``abort``, and vLLM's own ``repetition`` (a repetition detector ended the request)
+_COMPLETED = (FinishReason.STOP, FinishReason.LENGTH, "repetition", FinishReason.ERROR)
 
 
 @dataclass
 class _Plan:
-    level: int | None
+    level: ReleaseLevel | None
     tags: list[str]
 
 
@@ -116,7 +127,7 @@ class VllmEngine(EngineHooks):
         self.checksums: dict[str, str] | None = None
         self._weights_checked = False
         self._released: list[str] = []
-        self._level: int | None = None
+        self._level: ReleaseLevel | None = None
         self._checkpoint_prepared = False
         self._kept = 0
         self._metrics = RequestMetrics()
@@ -165,10 +176,10 @@ class VllmEngine(EngineHooks):
         start = time.monotonic()
         self._baseline()
         before = self.http.metrics()
-        mode, escalated = cmd.drain, None
-        if mode == "wait":
+        mode, escalated = DrainMode(cmd.drain), None
+        if mode is DrainMode.WAIT:
             drain_deadline = Deadline.after(cmd.drain_timeout_s, deadline.clock).earlier(deadline)
-            waiting = _Call(lambda: self.http.pause("wait", timeout_s=self._left(deadline)))
+            waiting = _Call(lambda: self.http.pause(DrainMode.WAIT, timeout_s=self._left(deadline)))
             while not waiting.done.wait(self.tick_s):
                 if drain_deadline.passed():
                     break
@@ -178,24 +189,24 @@ class VllmEngine(EngineHooks):
             else:
                 if deadline.passed():  # the operation's own deadline: a failure, exit 3
                     raise DeadlineError("operation deadline passed while draining",
-                                        step="drain", url=self.http.url)
-                if cmd.on_deadline == "fail":
+                                        step=PrepareStep.DRAIN, url=self.http.url)
+                if cmd.on_deadline == Escalation.FAIL:
                     raise DrainError("requests still in flight at the drain deadline",
                                      in_flight=self.http.metrics().in_flight,
                                      drain_timeout_s=cmd.drain_timeout_s)
-                escalated = mode = cmd.on_deadline
+                escalated, mode = cmd.on_deadline, DrainMode(cmd.on_deadline)
                 log.info("vLLM drain deadline passed, escalating to %s", mode)
-        if mode in ("abort", "keep"):
+        if mode in (DrainMode.ABORT, DrainMode.KEEP):
             self.http.pause(mode, timeout_s=self._left(deadline))
         after = self.http.metrics()
         self._metrics = after
-        kept = after.in_flight if mode == "keep" else 0
+        kept = after.in_flight if mode is DrainMode.KEEP else 0
         self._kept = kept
         self._save()
         return DrainReport(
             mode=cmd.drain, escalated_to=escalated, in_flight_at_start=before.in_flight,
-            completed=after.ended_since(before, "stop", "length", "repetition", "error"),
-            aborted=after.ended_since(before, "abort"), kept=kept,
+            completed=after.ended_since(before, *_COMPLETED),
+            aborted=after.ended_since(before, FinishReason.ABORT), kept=kept,
             drain_s=time.monotonic() - start)
 
     def _baseline(self) -> None:
@@ -216,8 +227,8 @@ class VllmEngine(EngineHooks):
         except EngineError:  # progress is best effort: the drain goes on
             return
         progress(DrainProgress(engine="", op_id=cmd.op_id, in_flight=now.in_flight,
-                               completed=now.ended_since(before, "stop", "length"),
-                               aborted=now.ended_since(before, "abort"), kept=0,
+                               completed=now.ended_since(before, *_COMPLETED),
+                               aborted=now.ended_since(before, FinishReason.ABORT), kept=0,
                                elapsed_s=time.monotonic() - start))
 
     # ------------------------------------------------------------------ memory
@@ -237,10 +248,13 @@ class VllmEngine(EngineHooks):
             if set(tags) == {"weights"}:
                 raise UsageError("vLLM cannot release its weights alone: use level 1 or 2, or "
                                  "tags weights,kv_cache", tags=tags)
-            return _Plan(level=1 if "weights" in tags else None, tags=sorted(set(tags)))
-        if level not in (0, 1, 2):
-            raise UsageError("level must be 0, 1 or 2", level=level)
-        return _Plan(level=level, tags=[] if level == 0 else list(_TAGS))
+            return _Plan(level=ReleaseLevel.OFFLOAD if "weights" in tags else None,
+                         tags=sorted(set(tags)))
+        try:
+            level = ReleaseLevel(level)
+        except ValueError:  # policy: the caller's value, named
+            raise UsageError("level must be 0, 1 or 2", level=level) from None
+        return _Plan(level=level, tags=[] if level is ReleaseLevel.NOTHING else list(_TAGS))
 
     def release(self, plan: _Plan, residual_budget_bytes: int | None = None) -> MemoryReport:
         start = time.monotonic()
@@ -248,16 +262,16 @@ class VllmEngine(EngineHooks):
         # recorded first: a failed release_kv_cache_memory still marks kv_cache asleep in vLLM
         self._released, self._level = list(plan.tags), plan.level
         self._save()
-        if plan.level in (1, 2):
+        if plan.level in (ReleaseLevel.OFFLOAD, ReleaseLevel.DISCARD):
             # already drained: keep leaves anything queued meanwhile queued, abort would end it
-            self.http.sleep(plan.level, "keep", timeout_s=self.step_timeout_s)
+            self.http.sleep(plan.level, DrainMode.KEEP, timeout_s=self.step_timeout_s)
         elif plan.tags == ["kv_cache"]:
             self.http.release_kv_cache_memory(timeout_s=self.step_timeout_s)
         self._checkpoint_prepared = True  # recorded first too: a successor undoes it
         self._save()
         self.http.collective_rpc("checkpoint_prepare", timeout_s=self.step_timeout_s)
-        report = self._report("release", plan.level, plan.tags, before, self._usage(), start,
-                              budget=residual_budget_bytes)
+        report = self._report(MemoryAction.RELEASE, plan.level, plan.tags, before,
+                              self._usage(), start, budget=residual_budget_bytes)
         if residual_budget_bytes is not None and report.residual_bytes > residual_budget_bytes:
             raise ResidualOverBudgetError(
                 "more memory remains after release than the budget allows",
@@ -274,14 +288,15 @@ class VllmEngine(EngineHooks):
         verified = 0
         if "weights" in released:
             self.http.wake_up(["weights"], timeout_s=self.step_timeout_s)
-            if level == 2:
+            if level == ReleaseLevel.DISCARD:
                 self.http.collective_rpc("reload_weights", timeout_s=self.step_timeout_s)
             verified = self._check_weights()
         if "kv_cache" in released:
             self.http.wake_up(["kv_cache"], timeout_s=self.step_timeout_s)
         self._released, self._level = [], None
         self._save()
-        report = self._report("rewake", level, released, before, self._usage(), start)
+        report = self._report(MemoryAction.REWAKE, level, released, before, self._usage(),
+                              start)
         report.verified_tensors = verified
         return report
 
@@ -378,7 +393,7 @@ class VllmEngine(EngineHooks):
                     self._serving()
                     return
             try:
-                self.http.pause("abort", timeout_s=30)
+                self.http.pause(DrainMode.ABORT, timeout_s=30)
             except EngineError as err:
                 log.error("could not pause vLLM after a golden mismatch: %s", err)
             raise VerificationError("the golden completion differs after restore",
@@ -412,9 +427,9 @@ class VllmEngine(EngineHooks):
         out.update(_gpu_bytes({p.pid for p in procs}))
         return out
 
-    def _report(self, action: str, level: int | None, tags: list[str], before: dict[str, int],
-                after: dict[str, int], start: float, *, budget: int | None = None
-                ) -> MemoryReport:
+    def _report(self, action: MemoryAction, level: int | None, tags: list[str],
+                before: dict[str, int], after: dict[str, int], start: float, *,
+                budget: int | None = None) -> MemoryReport:
         devices = []
         for dev in sorted(set(before) | set(after)):
             b, a = before.get(dev, 0), after.get(dev, 0)
