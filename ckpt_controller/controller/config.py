@@ -157,13 +157,6 @@ class ControllerConfig:
         return self.defaults.merged(self.engine(name).defaults)
 
 
-        return CurveClient(self.curve_secret_key, key)
-
-    def prepare_defaults(self, name: str) -> PrepareDefaults:
-        """The global prepare defaults overridden by engine ``name``'s own."""
-        return self.defaults.merged(self.engine(name).defaults)
-
-
 def load_config(path: str | os.PathLike[str]) -> ControllerConfig:
     """Read and check the TOML file at ``path``; ``ConfigError`` for any problem."""
     file = os.fspath(path)
