@@ -48,6 +48,7 @@ from ckpt_controller.vocab import (
     CheckpointState,
     DrainMode,
     Escalation,
+    HookPoint,
     MemoryAction,
     OperationKind,
     OperationStatus,
@@ -336,7 +337,7 @@ class PhaseRecord(msgspec.Struct, kw_only=True):
 
 
 class HookRun(msgspec.Struct, kw_only=True):
-    point: str
+    point: HookPoint
     path: str
     exit_code: int | None
     duration_s: float

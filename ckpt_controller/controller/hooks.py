@@ -279,6 +279,6 @@ def install_criu_dump_hook(hooks_dir: Path) -> str:
         return "CRIU is not installed; `make criu` installs it"
     if os.geteuid() != 0:
         return "CRIU needs root"
-    (hooks_dir / "dump").mkdir(parents=True, exist_ok=True)
-    (hooks_dir / "dump" / "10-criu-dump").symlink_to(hook)
+    (hooks_dir / HookPoint.DUMP).mkdir(parents=True, exist_ok=True)
+    (hooks_dir / HookPoint.DUMP / "10-criu-dump").symlink_to(hook)
     return "installed"

@@ -32,6 +32,7 @@ from ckpt_controller.vocab import (
     CheckpointState,
     OperationKind,
     OutcomeStatus,
+    RecoverUncaptured,
     RestoreStep,
 )
 
@@ -170,7 +171,7 @@ class Reconciler:
     def resumes(self, engine: str, op_id: str) -> bool:
         """Whether ``engine``, found FAILED after operation ``op_id``, is restored
         (``recover_uncaptured = "resume"`` and the operation never began to capture it)."""
-        return self.config.recover_uncaptured == "resume" and not self.captured(engine, op_id)
+        return self.config.recover_uncaptured == RecoverUncaptured.RESUME and not self.captured(engine, op_id)
 
     def captured(self, engine: str, op_id: str) -> bool:
         """Whether operation ``op_id`` may have begun capturing ``engine`` (its dump hooks may

@@ -21,21 +21,26 @@ from ckpt_controller.vocab import (
     CheckpointState,
     HookFailure,
     HookPoint,
+    OperationKind,
     OperationStatus,
+    PrepareStep,
+    RestoreStep,
 )
 
 HOOK_POINTS = tuple(HookPoint)
 
 #: kind -> where it can strike
 WHERE: dict[str, tuple[str, ...]] = {
-    "kill-engine": ("drain", "release", "capture", "rewake", "resume"),
-    "stall-agent": ("drain", "release", "rewake", "resume"),
+    "kill-engine": (PrepareStep.DRAIN, PrepareStep.RELEASE, OperationKind.CAPTURE,
+                    RestoreStep.REWAKE, RestoreStep.RESUME),
+    "stall-agent": (PrepareStep.DRAIN, PrepareStep.RELEASE, RestoreStep.REWAKE,
+                    RestoreStep.RESUME),
     "fail-hook": HOOK_POINTS,
     "hang-hook": HOOK_POINTS,
     "kill-controller": (CheckpointState.PREPARING, CheckpointState.PREPARED,
                         CheckpointState.RESTORING),
-    "corrupt-weight": ("rewake",),
-    "residual": ("release",),
+    "corrupt-weight": (RestoreStep.REWAKE,),
+    "residual": (PrepareStep.RELEASE,),
 }
 
 
