@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# the default suite on TEST_WORKERS pytest-xdist workers (most of its time is tests waiting on
+# the processes they start); `PYTEST_ARGS="-n 0"` runs it in one process
+TEST_WORKERS ?= 4
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/ckptctl demo

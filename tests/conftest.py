@@ -22,6 +22,13 @@ from ckpt_controller.procutil import ReadyProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs the suite on a few workers per core (most tests wait on processes);
+    # torch's OpenMP threads spin while they wait, so several workers' engines each with a
+    # thread per core slow each other down many times over. One compute thread each, set
+    # before anything imports torch, for this worker and every process it starts.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 #: CI sets this: every real part (CRIU, nftables, vLLM, network namespaces) can be installed
 #: there, so a test that would skip for want of one fails instead. Only a GPU may be missing.
 REQUIRE_PARTS = os.environ.get("CKPT_REQUIRE_PARTS") == "1"
