@@ -34,6 +34,9 @@ bench: $(STAMP)
 	$(PY) bench/pages.py --repeat 3 --out bench/results/quick/pages.json
 	$(PY) bench/drain.py --out bench/results/quick/drain.json
 	$(PY) bench/capture.py --out bench/results/quick/capture.json
+	$(PY) bench/startup.py --out bench/results/quick/startup.json
+	$(PY) bench/safetensors_write.py --mib 64 --out bench/results/quick/safetensors_write.json
+	$(PY) bench/checksum.py --mib 64 --out bench/results/quick/checksum.json
 
 # the full sizes: 1,000 agents, 1 to 8 GiB (about a quarter of an hour)
 bench-full: $(STAMP)

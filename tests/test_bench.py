@@ -93,3 +93,19 @@ def test_capture_against_an_unprepared_dump(tmp_path):
     assert level2["image_bytes"] < unprepared["image_bytes"]  # releasing is what prepare is for
     assert res["restore"]["restore_to_first_token_s"] > res["restore"]["criu_restore_s"] > 0
     assert res["cold"]["start_to_first_token_s"] > 0
+
+
+def test_safetensors_writer_against_a_plain_write(tmp_path):
+    res = bench(tmp_path, "safetensors_write", "--mib", "4", "--tensors", "2", "--repeat", "2",
+                "--dir", str(tmp_path))
+    assert res["bytes"] == 4 << 20 and res["tensors"] == 2
+    for key in ("save_file_s", "plain_write_s"):
+        assert len(res["runs"][key]) == 2 and all(v > 0 for v in res["runs"][key])
+    assert res["save_file_vs_plain_write"] > 0
+
+
+def test_checksum_against_torch_sum(tmp_path):
+    res = bench(tmp_path, "checksum", "--mib", "8", "--repeat", "2")
+    assert res["bytes"] == 8 << 20
+    for way in ("checksum", "sum"):
+        assert len(res[way]["runs_s"]) == 2 and res[way]["gbps"] > 0
