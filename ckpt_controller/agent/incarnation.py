@@ -3,6 +3,7 @@
 A CRIU restore recreates the process: the PID may be the same, but the kernel's start time of
 the task (``/proc/self/stat`` field 22) is new, and on another host so is the boot id. The
 agent takes a fingerprint at start and compares it on every heartbeat tick.
+Neighbours: ``agent.server`` (ticks it), ``adapters.vllm.sidecar`` (follows vLLM's process).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""``ckptctl engine serve``, ``ckptctl generate``, ``ckptctl load``: the reference engine."""
+"""``ckptctl engine serve``, ``ckptctl generate``, ``ckptctl load``: the reference engine.
+
+Neighbours: ``engine.server``, ``engine.client`` and ``engine.load`` (imported when a command
+runs), ``cli.common``."""
 
 from __future__ import annotations
 

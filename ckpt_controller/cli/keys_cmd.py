@@ -1,4 +1,6 @@
-"""``ckptctl keys NAME``: a CURVE key pair for a control endpoint or a client."""
+"""``ckptctl keys NAME``: a CURVE key pair for a control endpoint or a client.
+
+Neighbours: ``security`` (the key files), ``endpoints`` (name rules), ``cli.common``."""
 
 from __future__ import annotations
 

@@ -35,6 +35,8 @@ engine's ``generation`` are kept on disk (``state``): a sidecar restarted beside
 sleeping vLLM (after a kill -9, say) comes up FAILED, and a restore (which the controller's
 reconciler sends by itself, ``recover_uncaptured``) undoes, verifies and resumes exactly what
 its predecessor did.
+Neighbours: ``http`` (vLLM's HTTP API) and ``state`` (the state file) below; ``agent`` runs it
+(``Agent`` with ``VllmEngine`` as its hooks and memory); ``cli.agent_cmds`` starts it.
 """
 
 from __future__ import annotations
