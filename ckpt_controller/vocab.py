@@ -54,7 +54,8 @@ class Trigger(enum.StrEnum):
     @classmethod
     def _missing_(cls, value: object) -> Trigger | None:
         # policy: names written by older versions (journals, events) still read
-        return _OLD_TRIGGERS.get(value)  # type: ignore[arg-type]
+        # (anything but a string is simply not a trigger: ValueError, never TypeError)
+        return _OLD_TRIGGERS.get(value) if isinstance(value, str) else None
 
 
 _OLD_TRIGGERS = {"prepared": Trigger.SEAL, "restored": Trigger.RESUME}

@@ -77,6 +77,11 @@ def test_the_old_trigger_names_still_read():
     assert lc.fire("prepared").trigger is T.SEAL and lc.state is S.PREPARED
     with pytest.raises(ValueError):
         T("sealed")
+    for junk in (["prepared"], {"a": 1}, None, 3):  # not a string: not a trigger, typed
+        with pytest.raises(ValueError):
+            T(junk)
+        with pytest.raises(InvalidTransitionError):
+            lc.fire(junk)
 
 
 def test_unknown_trigger_and_no_shortcuts():
