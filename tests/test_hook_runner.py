@@ -307,3 +307,31 @@ def test_a_hook_that_is_not_executable_is_refused_not_skipped(tmp_path):
     forgotten.chmod(0o755)
     run_point(hooks, "dump", ctx(tmp_path), 10, [])
     assert ran.exists()
+
+
+def test_a_hook_pidfile_is_never_seen_empty_or_half_written(tmp_path):
+    """The runner rewrites a hook's pidfile as its tree grows; a controller killed mid-write,
+    or the next one reading it, must find a whole record, or that hook runs on unseen."""
+    import threading
+
+    from ckpt_controller.controller.hooks import write_pidfile
+
+    pidfile = tmp_path / ".hook-dump-4242.pid"
+    write_pidfile(pidfile, "4242\n")
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def read():
+        while not stop.is_set():
+            seen.add(pidfile.read_text())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(3000):
+            write_pidfile(pidfile, f"4242\n{i} 1.0\n")
+    finally:
+        stop.set()
+        reader.join()
+    assert len(seen) > 1 and all(text.startswith("4242\n") for text in seen)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [pidfile.name]

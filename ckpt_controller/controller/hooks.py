@@ -120,7 +120,7 @@ def run_hook(path: Path, point: str, ctx: HookContext, timeout_s: float,
     # the hook's process group, then its tree as seen, so a controller restarted after a
     # crash can stop them
     pidfile = ctx.image_dir / f".hook-{point}-{proc.pid}.pid"
-    pidfile.write_text(f"{proc.pid}\n")
+    write_pidfile(pidfile, f"{proc.pid}\n")
     tree = ProcessTree(proc.pid)
     reader = OutputReader(proc.stdout, proc.stderr)
     timed_out = False
@@ -156,6 +156,15 @@ def run_hook(path: Path, point: str, ctx: HookContext, timeout_s: float,
 LOOK_EVERY_S = 0.25
 
 
+def write_pidfile(pidfile: Path, text: str) -> None:
+    """Replace ``pidfile``'s content at once (a temp file renamed over it): a controller killed
+    mid-write, or a reader, sees the old record or the new one, never an empty file, which
+    would leave a crashed controller's hook running unseen by the next."""
+    tmp = pidfile.with_name(f".tmp{pidfile.name}")
+    tmp.write_text(text)
+    os.replace(tmp, pidfile)
+
+
 def _wait(proc: subprocess.Popen, tree: ProcessTree, seconds: float, pidfile: Path) -> bool:
     """Whether the hook ended within ``seconds``; looks at its process tree meanwhile and
     keeps ``pidfile`` up to date with it."""
@@ -164,7 +173,7 @@ def _wait(proc: subprocess.Popen, tree: ProcessTree, seconds: float, pidfile: Pa
         before = set(tree.seen)
         tree.look()
         if set(tree.seen) != before:
-            pidfile.write_text(f"{proc.pid}\n{tree.record()}")
+            write_pidfile(pidfile, f"{proc.pid}\n{tree.record()}")
         left = deadline - time.monotonic()
         if left <= 0:
             return False
@@ -181,6 +190,8 @@ def stop_orphan_hooks(engine_image_dir: Path, op_id: str, grace_s: float = 5.0) 
     included), so recovery never races a half-finished dump or restore."""
     folder = engine_image_dir / op_id.replace("/", "_")
     stopped = 0
+    for tmp in folder.glob(".tmp.hook-*.pid") if folder.is_dir() else []:
+        tmp.unlink(missing_ok=True)  # a write its crashed controller never finished
     for pidfile in folder.glob(".hook-*.pid") if folder.is_dir() else []:
         first, _, rest = pidfile.read_text().partition("\n")
         # what the hook started, detached parts included, as its runner last saw it
