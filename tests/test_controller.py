@@ -835,24 +835,24 @@ def test_hook_owned_by_another_user_is_refused(spawn_reference, spawn_controller
     assert "owned by another user" in o["error"]["message"] and o["state"] == "running"
 
 
-def test_the_operations_drain_timeout_reaches_the_agent(spawn_reference, spawn_controller):
+def test_the_operations_drain_timeout_reaches_the_agent(spawn_engine, spawn_controller):
     # --drain-timeout overrides the configured [deadlines] drain (30 s): the wait drain
-    # escalates to abort after it instead of waiting the requests out
-    eng = spawn_reference("dt")
+    # escalates to abort after it instead of waiting the requests out. A step engine: each
+    # request takes 600 steps of 10 ms whatever the machine's speed, so none can end before
+    # the drain has begun (a reference engine's could, on a busy machine)
+    eng = spawn_engine("dt")
     ctl = spawn_controller(engines_toml((eng, "")))
-    with EngineClient(eng.api) as api:
-        ids = [api.submit([i, 2, 9], 300) for i in range(4)]
-        _wait_in_flight(eng.control, 4)
-        out = ctl.ckptctl("prepare", "dt", "--drain", "wait", "--drain-timeout", "0.05",
-                          "--on-deadline", "abort", "--level", "0", "--json")
-        assert out.returncode == 0, out.stdout + out.stderr
-        (e,) = json.loads(out.stdout)["engines"]
-        assert e["drain"]["escalated_to"] == "abort" and e["drain"]["aborted"] >= 1
-        ends: dict[str, str] = {}
-        deadline = time.monotonic() + 30
-        while len(ends) < len(ids) and time.monotonic() < deadline:
-            ends.update({c.request_id: c.finish_reason for c in api.poll(0.5)})
-    assert set(ends) == set(ids) and "abort" in ends.values()  # every request ended
+    ids = [f"r{i}" for i in range(4)]
+    for rid in ids:
+        eng.submit(rid, steps=600)
+    _wait_in_flight(eng.control, 4)
+    out = ctl.ckptctl("prepare", "dt", "--drain", "wait", "--drain-timeout", "0.05",
+                      "--on-deadline", "abort", "--level", "0", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    (e,) = json.loads(out.stdout)["engines"]
+    assert e["drain"]["escalated_to"] == "abort" and e["drain"]["aborted"] >= 1
+    ends = eng.collect(ids, timeout_s=30)  # every request ended
+    assert "abort" in {end["reason"] for end in ends.values()}
     assert ctl.ckptctl("restore", "dt").returncode == 0
 
 
