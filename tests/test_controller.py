@@ -364,18 +364,18 @@ def _kill_mid(ctl, control: str, state: str, *op: str) -> None:
     assert ctl.info["recovered"] == 1
 
 
-def test_controller_killed_mid_preparing_recovers_to_running(spawn_reference, spawn_controller):
-    eng = spawn_reference("k1")
+def test_controller_killed_mid_preparing_recovers_to_running(spawn_engine, spawn_controller):
+    # a step engine: its request (600 steps of 10 ms) holds the wait drain in PREPARING for
+    # seconds on any machine, long enough to be seen there and killed
+    eng = spawn_engine("k1")
     ctl = spawn_controller(engines_toml((eng, "")))
-    with EngineClient(eng.api) as api:
-        rid = api.submit([4, 4], 600)
-        _kill_mid(ctl, eng.control, "preparing", "prepare", "k1", "--drain", "wait",
-                  "--op-id", "cut")
-        with AgentClient(eng.control) as agent:
-            assert agent.status().state == "running"
-        while not api.requests[rid].ended:
-            api.poll(0.5)
-        assert api.requests[rid].finish_reason == "length"
+    eng.submit("long", steps=600)
+    _wait_in_flight(eng.control, 1)
+    _kill_mid(ctl, eng.control, "preparing", "prepare", "k1", "--drain", "wait",
+              "--op-id", "cut")
+    with AgentClient(eng.control) as agent:
+        assert agent.status().state == "running"
+    assert eng.collect(["long"], timeout_s=60)["long"]["reason"] == "length"
     journal = Journal(ctl.dir / "state" / "journal.sqlite3")
     assert journal.check() == [] and journal.unfinished() == []
     result = journal.result("cut")
@@ -398,20 +398,20 @@ def test_controller_killed_mid_restoring_recovers(spawn_reference, spawn_control
         assert api.generate([1, 2], 4).finish_reason == "length"
 
 
-def test_metrics_endpoint(spawn_reference, spawn_controller):
-    eng = spawn_reference("m1")
+def test_metrics_endpoint(spawn_engine, spawn_controller):
+    # a step engine: its requests (600 steps of 10 ms) are surely in flight at the prepare
+    eng = spawn_engine("m1")
     ctl = spawn_controller("metrics_port = 0\n" + engines_toml((eng, "")))
     ctl_conf = ctl.config.read_text()
     assert "metrics_port" in ctl_conf
-    with EngineClient(eng.api) as api:
-        ids = [api.submit([1, 2, 3 + i], 1000) for i in range(3)]  # in flight at the prepare
-        _wait_in_flight(eng.control, 3)
-        out = ctl.ckptctl("cycle", "m1", "--drain", "abort", "--json")
-        assert out.returncode == 0, out.stderr
-        deadline = time.monotonic() + 30
-        while not all(api.requests[i].ended for i in ids) and time.monotonic() < deadline:
-            api.poll(0.1)
-    assert [api.requests[i].finish_reason for i in ids] == ["abort"] * 3
+    ids = [f"r{i}" for i in range(3)]
+    for rid in ids:
+        eng.submit(rid, steps=600)
+    _wait_in_flight(eng.control, 3)
+    out = ctl.ckptctl("cycle", "m1", "--drain", "abort", "--json")
+    assert out.returncode == 0, out.stderr
+    ends = eng.collect(ids, timeout_s=30)
+    assert [ends[i]["reason"] for i in ids] == ["abort"] * 3
     (o,) = json.loads(out.stdout)["engines"]
     port = ctl.info["metrics_port"]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
