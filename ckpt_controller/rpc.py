@@ -163,6 +163,11 @@ class RpcClient:
         return reply
 
     @property
+    def subscribed(self) -> bool:
+        """``subscribe`` was called (the server sends this client its events)."""
+        return self._subscribed
+
+    @property
     def follows_heartbeats(self) -> bool:
         """Subscribed to a server that beats: ``poll_events`` notices when it is lost."""
         return self._subscribed and self._server_beats
@@ -182,14 +187,17 @@ class RpcClient:
 
     # ------------------------------------------------------------------ transport
 
-    def call(self, rtype: p.RequestType, cmd: p.Command, *, timeout_s: float | None = None):
-        """Send ``cmd`` and return the reply's result, or raise the server's typed error."""
+    def call(self, rtype: p.RequestType, cmd: p.Command, *, timeout_s: float | None = None,
+             retries: int | None = None):
+        """Send ``cmd`` and return the reply's result, or raise the server's typed error;
+        ``retries`` (resends after a timeout) replaces the client's own for this call."""
         timeout = self.timeout_s if timeout_s is None else check(DURATION, timeout_s, "timeout_s")
+        retries = self.retries if retries is None else retries
         check_command(cmd)
         last_exc: UnreachableError | None = None
         self._take_pending()
         start = time.monotonic()
-        for _ in range(self.retries + 1):
+        for _ in range(retries + 1):
             cmd = msgspec.structs.replace(cmd, call_id=next(self._calls))
             self._sock.send_multipart(p.command_frames(rtype, cmd))
             try:
@@ -207,8 +215,8 @@ class RpcClient:
                     self._sock.send_multipart(p.command_frames(p.RequestType.SUBSCRIBE, sub))
         assert last_exc is not None
         waited = time.monotonic() - start
-        details = dict(last_exc.details, attempts=self.retries + 1, waited_s=round(waited, 3))
-        what, n = last_exc.message, self.retries + 1
+        details = dict(last_exc.details, attempts=retries + 1, waited_s=round(waited, 3))
+        what, n = last_exc.message, retries + 1
         if n > 1:  # the time in the message is the whole wait, every attempt included
             what, found = re.subn(r" in [0-9.]+s$", f" in {waited:.1f}s ({n} attempts)", what)
             if not found:

@@ -31,8 +31,10 @@ def _reason(reason: str) -> str:
 class AgentClient(RpcClient):
     unreachable_hint = "is the engine's agent running? check the endpoint (--control)"
 
-    def status(self) -> p.StatusReply:
-        return self.call(p.RequestType.STATUS, p.StatusCommand(call_id=0))
+    def status(self, *, timeout_s: float | None = None,
+               retries: int | None = None) -> p.StatusReply:
+        return self.call(p.RequestType.STATUS, p.StatusCommand(call_id=0), timeout_s=timeout_s,
+                         retries=retries)
 
     def prepare(self, *, op_id: str | None = None, timeout_s: float | None = None,
                 **fields) -> p.PrepareReply:

@@ -140,11 +140,11 @@ def _generate(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace) -> int:
     from ckpt_controller.engine.load import run_load
 
-    progress = None
-    if sys.stderr.isatty() and not args.json:
-        def progress(r):
-            print(f"sent {r.sent}, completed {r.completed}, aborted {r.aborted}, "
-                  f"rejected {r.rejected}", file=sys.stderr)
+    def show(r) -> None:
+        print(f"sent {r.sent}, completed {r.completed}, aborted {r.aborted}, "
+              f"rejected {r.rejected}", file=sys.stderr)
+
+    progress = show if sys.stderr.isatty() and not args.json else None
     report, _ = run_load(args.api, rate=args.rate, duration_s=args.duration, seed=args.seed,
                          vocab_size=args.vocab_size, settle_s=args.settle, on_progress=progress)
     lost = None

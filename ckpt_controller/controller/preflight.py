@@ -37,18 +37,24 @@ NEEDS: dict[OperationKind, tuple[CheckpointState, ...]] = {
 PROBE_TIMEOUT_S = 2.0
 
 
-def probe(config: ControllerConfig, name: str) -> p.StatusReply:
-    """Engine ``name``'s status from its agent, asked once (``PROBE_TIMEOUT_S``); raises the
-    ``CkptError`` of a failure to ask (``UnreachableError`` when it does not answer)."""
+def probe(config: ControllerConfig, name: str, link: AgentClient | None = None
+          ) -> p.StatusReply:
+    """Engine ``name``'s status from its agent, asked once (``PROBE_TIMEOUT_S``) over
+    ``link`` when given (an open connection of the operation's), else over a new one; raises
+    the ``CkptError`` of a failure to ask (``UnreachableError`` when it does not answer)."""
+    if link is not None:
+        return link.status(timeout_s=PROBE_TIMEOUT_S, retries=0)
     with AgentClient(config.engine(name).control, timeout_s=PROBE_TIMEOUT_S, retries=0,
                      curve=config.agent_curve(name)) as c:
         return c.status()
 
 
-def ask(config: ControllerConfig, cmd: p.OperationCommand,
-        engines: list[str]) -> dict[str, p.StatusReply | None]:
-    """Each engine's status (None: a restore's engine that may be revived). Raises for the
-    first engine that refuses the operation, naming every one in ``details['refused']``."""
+def ask(config: ControllerConfig, cmd: p.OperationCommand, engines: list[str],
+        links: dict[str, AgentClient] | None = None) -> dict[str, p.StatusReply | None]:
+    """Each engine's status (None: a restore's engine that may be revived), asked over its
+    link in ``links`` when there is one. Raises for the first engine that refuses the
+    operation, naming every one in ``details['refused']``."""
+    links = links or {}
     needs = NEEDS[cmd.kind]
     revive = cmd.kind == OperationKind.RESTORE and bool(find_hooks(config.hooks_dir,
                                                                    HookPoint.PRE_RESTORE))
@@ -61,7 +67,7 @@ def ask(config: ControllerConfig, cmd: p.OperationCommand,
 
     def look(name: str) -> CkptError | None:
         try:
-            status = statuses[name] = probe(config, name)
+            status = statuses[name] = probe(config, name, links.get(name))
         except UnreachableError as err:  # policy: unreachable refuses, unless revivable
             if revive:
                 statuses[name] = None
@@ -76,8 +82,12 @@ def ask(config: ControllerConfig, cmd: p.OperationCommand,
                           f"engines; {name} is {status.state}", engine=name,
                           state=status.state, needs=list(needs))
 
-    with ThreadPoolExecutor(max_workers=min(len(engines), 64)) as pool:
-        problems = [(n, e) for n, e in zip(engines, pool.map(look, engines)) if e]
+    if len(engines) == 1:  # no thread pool for one question
+        answers = [look(engines[0])]
+    else:
+        with ThreadPoolExecutor(max_workers=min(len(engines), 64)) as pool:
+            answers = list(pool.map(look, engines))
+    problems = [(n, e) for n, e in zip(engines, answers) if e]
     if problems:
         first = problems[0][1]
         first.details["refused"] = {n: e.message for n, e in problems}

@@ -31,6 +31,7 @@ from ckpt_controller.controller.admission import Admission, Done
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.fanout import fan_out, rolling, summarize
 from ckpt_controller.controller.journal import Journal
+from ckpt_controller.controller.links import AgentLink, AgentLinks
 from ckpt_controller.controller.outcome import error_info
 from ckpt_controller.controller.reconcile import Reconciler
 from ckpt_controller.controller.session import EngineSession
@@ -62,6 +63,8 @@ class Controller:
         self.metrics = metrics
         self.publish = publish or (lambda body: None)
         self.admission = Admission(config, self.journal)
+        #: each engine's agent connection, kept open between operations
+        self.links = AgentLinks(config)
         self.reconciler = Reconciler(config, self.journal, self.admission, self.record,
                                      self._session)
         if metrics is not None:
@@ -92,6 +95,7 @@ class Controller:
 
     def close(self) -> None:
         self.reconciler.stop()
+        self.links.close()
         self.journal.close()
         self._claim.release()
 
@@ -146,14 +150,18 @@ class Controller:
             done(err)
 
     def _run(self, cmd: p.OperationCommand, engines: list[str]) -> None:
+        # the engines are held: their links are this operation's, from the preflight on
+        links = {e: self.links.take(e) for e in engines}
         try:
-            statuses = preflight.ask(self.config, cmd, engines)
+            statuses = preflight.ask(self.config, cmd, engines, links)
             images = (preflight.choose_images(self.config, self.journal, cmd, statuses)
                       if cmd.kind == OperationKind.RESTORE else {})
             params = {k: v for k, v in msgspec.to_builtins(cmd).items()
                       if k not in ("call_id", "version", "op_id", "kind", "engines")}
             self.journal.begin(cmd.op_id, cmd.kind, engines, params)
         except Exception as exc:  # policy: refused before it exists: nothing is journaled
+            for e, link in links.items():
+                self.links.give(e, link)
             self._refuse(cmd, exc if isinstance(exc, CkptError) else OperationError(
                 f"controller error before the operation began: {exc!r}", op_id=cmd.op_id))
             return
@@ -161,10 +169,12 @@ class Controller:
         try:
             self.record("operation_start", {"kind": cmd.kind, "engines": engines},
                         op_id=cmd.op_id)
-            outcomes, peak = self._execute(cmd, engines, images)
+            outcomes, peak = self._execute(cmd, engines, images, links, statuses)
             result = summarize(cmd.op_id, cmd.kind, outcomes, wall, time.monotonic() - start)
             result.max_unavailable_seen = peak
         except Exception as exc:  # policy: a controller bug still ends the operation, journaled
+            for e, link in links.items():  # those no session took
+                self.links.give(e, link)
             log.exception("operation %s crashed", cmd.op_id)
             result = p.OperationResult(
                 op_id=cmd.op_id, kind=cmd.kind, status=OperationStatus.FAILED, engines=[],
@@ -185,7 +195,8 @@ class Controller:
 
     # ---------------------------------------------------------------- running them
 
-    def _session(self, cmd: p.OperationCommand, engine: str) -> EngineSession:
+    def _session(self, cmd: p.OperationCommand, engine: str, link: AgentLink | None = None,
+                 status: p.StatusReply | None = None) -> EngineSession:
         overrides = {k: getattr(cmd, k) for k in
                      ("drain", "on_deadline", "level", "tags", "residual_budget_bytes")
                      if getattr(cmd, k) is not None}
@@ -194,14 +205,18 @@ class Controller:
         params = self.config.prepare_defaults(engine).merged(overrides)
         return EngineSession(self.config, engine, cmd.op_id, params,
                              cmd.deadline_s or self.config.deadlines.operation,
-                             self.record, self.metrics, drain_timeout_s=cmd.drain_timeout_s)
+                             self.record, self.metrics, drain_timeout_s=cmd.drain_timeout_s,
+                             links=self.links, link=link, status=status)
 
     def _execute(self, cmd: p.OperationCommand, engines: list[str],
-                 images: dict[str, str | None]) -> tuple[list[p.EngineOutcome], int]:
-        sessions = [self._session(cmd, e) for e in engines]
-        for s in sessions:
-            s.image = images.get(s.engine.name)
+                 images: dict[str, str | None], links: dict[str, AgentLink],
+                 statuses: dict[str, p.StatusReply | None]
+                 ) -> tuple[list[p.EngineOutcome], int]:
+        sessions = []
         try:
+            for e in engines:
+                sessions.append(self._session(cmd, e, links.pop(e), statuses.get(e)))
+                sessions[-1].image = images.get(e)
             if cmd.kind == OperationKind.CYCLE:
                 return rolling(sessions, cmd.max_unavailable or len(sessions))
             if cmd.kind == OperationKind.RESTORE:

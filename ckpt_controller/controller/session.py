@@ -23,9 +23,9 @@ from typing import Any
 import msgspec
 
 from ckpt_controller import protocol as p
-from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig, PrepareDefaults
 from ckpt_controller.controller.hooks import HookContext, find_hooks, run_point
+from ckpt_controller.controller.links import AgentLink, AgentLinks
 from ckpt_controller.controller.outcome import StepOutcome
 from ckpt_controller.controller.policy import hook_failed
 from ckpt_controller.errors import (
@@ -48,12 +48,16 @@ log = logging.getLogger("ckpt_controller.controller")
 
 #: records every step journals: (type, data, engine)
 Recorder = Callable[..., p.JournalRecord]
+#: how old the preflight's status may be for a session to start from it instead of asking
+STATUS_FRESH_S = 1.0
 
 
 class EngineSession:
     def __init__(self, config: ControllerConfig, engine: str, op_id: str,
                  params: PrepareDefaults, deadline_s: float, record: Recorder,
-                 metrics=None, drain_timeout_s: float | None = None) -> None:
+                 metrics=None, drain_timeout_s: float | None = None,
+                 links: AgentLinks | None = None, link: AgentLink | None = None,
+                 status: p.StatusReply | None = None) -> None:
         self.config = config
         #: how long a wait drain may take before its escalation (the operation's own value,
         #: else the configured drain deadline)
@@ -75,15 +79,16 @@ class EngineSession:
         #: (trigger, monotonic) of each transition journaled, from events or replies
         self._journaled: set[tuple[str, float]] = set()
         self._latest = float("-inf")
-        # quick requests: 2 s, one resend; operations are bounded by heartbeats instead
-        self.client = self._connect()
-
-    def _connect(self) -> AgentClient:
-        return _Client(self.engine.control, timeout_s=2.0, retries=1,
-                       heartbeat_interval_s=self.config.heartbeat_interval_s,
-                       missed_beats=self.config.missed_beats, name=f"controller/{self.op_id}",
-                       curve=self.config.agent_curve(self.engine.name),
-                       on_event=self._on_agent_event, on_reply=self._on_agent_reply)
+        #: where the engine's link comes from and goes back to (none: a link of its own,
+        #: closed with the session)
+        self._parks = links is not None
+        self.links = links or AgentLinks(config)
+        #: the status the operation's preflight just read over the same link, if any
+        self._status = (status, time.monotonic()) if status is not None else None
+        if link is None:
+            link = self.links.take(engine)
+        link.on_event, link.on_reply = self._on_agent_event, self._on_agent_reply
+        self.client: AgentLink = link
 
     @property
     def name(self) -> str:
@@ -100,11 +105,17 @@ class EngineSession:
         """A fresh connection and subscription: after a hook restored the engine's process
         from an image, the old connection belongs to a process that no longer exists."""
         self.client.close()
-        self.client = self._connect()
+        self.client = self.links.fresh(self.engine.name, self._on_agent_event,
+                                       self._on_agent_reply)
+        self._status = None
         return self.open()
 
     def close(self) -> None:
-        self.client.close()
+        """Give the link back (parked for the engine's next operation when it is sound)."""
+        if self._parks:
+            self.links.give(self.engine.name, self.client)
+        else:
+            self.client.close()
 
     def record(self, type_: str, data: dict[str, Any], **kw) -> None:
         self._record(type_, data, op_id=self.op_id, engine=self.engine.name, **kw)
@@ -140,9 +151,16 @@ class EngineSession:
     # ---------------------------------------------------------------- steps
 
     def open(self) -> p.StatusReply:
-        """Subscribe to the agent; raises ``UnreachableError`` when it does not answer."""
-        self.client.subscribe()
-        status = self.client.status()
+        """Subscribe to the agent (a parked link still is) and read its status (the
+        preflight's, read just before over the same link, when there is one); raises
+        ``UnreachableError`` when it does not answer."""
+        if not self.client.subscribed:
+            self.client.subscribe()
+        known, self._status = self._status, None
+        if known is not None and time.monotonic() - known[1] < STATUS_FRESH_S:
+            status = known[0]
+        else:
+            status = self.client.status()
         self.pid, self.outcome.state, self.generation = status.pid, status.state, status.generation
         return status
 
@@ -363,17 +381,3 @@ class EngineSession:
             return None
         self.outcome.state, self.generation = status.state, status.generation
         return status.state
-
-
-class _Client(AgentClient):
-    """An AgentClient that shows every reply to ``on_reply`` (the session journals the
-    transitions listed there)."""
-
-    def __init__(self, *args, on_reply, **kw) -> None:
-        super().__init__(*args, **kw)
-        self._on_reply = on_reply
-
-    def call(self, rtype, cmd, **kw):
-        result = super().call(rtype, cmd, **kw)
-        self._on_reply(result)
-        return result

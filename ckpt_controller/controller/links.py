@@ -1,0 +1,174 @@
+"""The controller's connections to its agents, kept open and subscribed between operations.
+
+Opening a session with an agent costs three round trips (handshake, subscribe, status) and a
+new connection; an operation of one engine is itself only two or three. ``AgentLinks`` keeps
+one ``AgentLink`` per engine (subscribed once a session opened it): an operation (which holds its engines, so one user
+at a time) takes the engine's link, and gives it back when it ends. A link is used again only
+while it is surely still what it was when it subscribed; otherwise it is closed and a fresh
+one made, exactly as without the pool:
+
+- its first contact settled (the agent answered), and its last user ended without a
+  transport failure (no reopened socket, no lost contact, no
+  bad frame: ``healthy``);
+- its connection never dropped since it subscribed (a socket monitor sees every disconnect:
+  a restarted agent, one restored from an image, or a dead one, always drops it);
+- it was idle less than ``IDLE_REFRESH_S`` (an idle link's heartbeats queue up unread; the
+  agent forgets a subscriber whose queue is full).
+
+What queued while it was idle (heartbeats, an operator's own transitions) is read and dropped
+when it is taken: it belongs to no operation. Neighbours: ``session`` (the user of a link),
+``service`` (owns the pool), ``preflight`` (asks a held engine's status over its link),
+``agent.client`` (the requests), ``rpc`` (the transport).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from ckpt_controller import protocol as p
+from ckpt_controller.agent.client import AgentClient
+from ckpt_controller.controller.config import ControllerConfig
+from ckpt_controller.errors import CkptError, ProtocolError, UnreachableError
+
+log = logging.getLogger("ckpt_controller.controller")
+
+#: a link idle longer than this is replaced rather than used again
+IDLE_REFRESH_S = 60.0
+#: a request's timeout on a link (operations are bounded by heartbeats instead); one resend
+LINK_TIMEOUT_S = 2.0
+
+
+class AgentLink(AgentClient):
+    """An ``AgentClient`` whose event and reply listeners change with its user, and which
+    knows whether it may be used again (``reusable``)."""
+
+    def __init__(self, *args, **kw) -> None:
+        self.on_reply: Callable[[object], None] | None = None
+        #: False once a request failed in transport (the pool then closes it)
+        self.healthy = True
+        self._monitor: zmq.Socket | None = None
+        self._idle_since = time.monotonic()
+        super().__init__(*args, **kw)
+
+    def call(self, rtype, cmd, **kw):
+        try:
+            result = super().call(rtype, cmd, **kw)
+        except (UnreachableError, ProtocolError):
+            self.healthy = False
+            raise
+        if self.on_reply is not None:
+            self.on_reply(result)
+        return result
+
+    def _reopen(self) -> None:
+        self.healthy = False  # a new socket: the subscription is no longer sure
+        self._stop_watching()
+        super()._reopen()
+
+    def close(self) -> None:
+        self._stop_watching()
+        super().close()
+
+    # ---------------------------------------------------------------- in the pool
+
+    def park(self) -> None:
+        """Going idle: listeners off; from now on watch the connection for a drop."""
+        self.on_event = self.on_reply = None
+        self._idle_since = time.monotonic()
+        if self._monitor is None and self._contact is not None and self._contact.settled:
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def reusable(self) -> bool:
+        """Whether this parked link may serve another operation; drops what queued while it
+        was idle. A link whose first contact never settled has no watch on its connection
+        and is not used again."""
+        if not (self.healthy and self._monitor is not None):
+            return False
+        if time.monotonic() - self._idle_since > IDLE_REFRESH_S:
+            return False
+        if self._monitor.poll(0, zmq.POLLIN):
+            return False  # the connection dropped at least once while it was parked
+        try:
+            self._take_pending()
+        except CkptError:  # policy: a frame we cannot read: not worth reusing
+            return False
+        self.events.clear()
+        return True
+
+    def _stop_watching(self) -> None:
+        if self._monitor is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:  # policy: the socket is closed already: nothing to stop
+                pass
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+
+class AgentLinks:
+    """One parked link per engine, at most; thread-safe."""
+
+    def __init__(self, config: ControllerConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._parked: dict[str, AgentLink] = {}
+        self._closed = False
+        #: links made, and links used again (what ``bench/control.py`` and the tests read)
+        self.opened = 0
+        self.reused = 0
+
+    def take(self, engine: str, on_event: Callable[[p.EventBody], None] | None = None,
+             on_reply: Callable[[object], None] | None = None) -> AgentLink:
+        """``engine``'s parked link if it is still good, else a new (unsubscribed) one."""
+        with self._lock:
+            link = self._parked.pop(engine, None)
+        if link is not None and link.reusable():
+            self.reused += 1
+        else:
+            if link is not None:
+                link.close()
+            link = self._new(engine)
+        link.on_event, link.on_reply = on_event, on_reply
+        return link
+
+    def fresh(self, engine: str, on_event: Callable[[p.EventBody], None] | None = None,
+              on_reply: Callable[[object], None] | None = None) -> AgentLink:
+        """A new link, whatever is parked (after a hook restored the engine's process)."""
+        link = self._new(engine)
+        link.on_event, link.on_reply = on_event, on_reply
+        return link
+
+    def give(self, engine: str, link: AgentLink) -> None:
+        """Park ``link`` for ``engine``'s next operation, or close it when it cannot serve
+        one (unhealthy) or another is parked already."""
+        if not link.healthy:
+            link.close()
+            return
+        link.park()
+        with self._lock:
+            if self._closed or engine in self._parked:
+                old = link
+            else:
+                self._parked[engine], old = link, None
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            parked, self._parked = list(self._parked.values()), {}
+        for link in parked:
+            link.close()
+
+    def _new(self, engine: str) -> AgentLink:
+        self.opened += 1
+        eng = self.config.engine(engine)
+        return AgentLink(eng.control, timeout_s=LINK_TIMEOUT_S, retries=1,
+                         heartbeat_interval_s=self.config.heartbeat_interval_s,
+                         missed_beats=self.config.missed_beats, name=f"controller/{engine}",
+                         curve=self.config.agent_curve(engine))

@@ -1,0 +1,108 @@
+"""The controller keeps one subscribed connection per agent between operations, and uses it
+again only while it is surely the same: a restarted agent, a dead one, or a link idle too
+long gets a fresh connection, and an operation on it behaves as on a new controller (its
+waits still bounded by heartbeats, a dead agent refused at once). Real step engine processes,
+an in-process ``Controller``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ckpt_controller import protocol as p
+from ckpt_controller.controller import links as links_mod
+from ckpt_controller.controller.config import parse_config
+from ckpt_controller.controller.service import Controller
+from ckpt_controller.errors import UnreachableError
+from ckpt_controller.rpc import new_op_id
+
+
+def _controller(tmp_path, *engines) -> Controller:
+    toml = (f'[controller]\nstate_dir = "{tmp_path}/state"\nheartbeat_interval_s = 0.2\n'
+            f'missed_beats = 3\n[defaults]\nlevel = 0\ndrain = "wait"\n')
+    toml += "".join(f'[[engine]]\nname = "{e.name}"\ncontrol = "{e.control}"\n' for e in engines)
+    return Controller(parse_config(toml))
+
+
+def _op(kind: str, *engines: str, **kw) -> p.OperationCommand:
+    return p.OperationCommand(call_id=0, op_id=new_op_id(), kind=kind, engines=list(engines),
+                              **kw)
+
+
+def test_operations_of_one_engine_share_one_connection(tmp_path, spawn_engine):
+    eng = spawn_engine("ln1", weights_mib=4, kv_mib=1)
+    ctl = _controller(tmp_path, eng)
+    try:
+        for _ in range(3):
+            assert ctl.run(_op("cycle", "ln1"), 60).status == "succeeded"
+        assert (ctl.links.opened, ctl.links.reused) == (1, 2)
+        # every transition still journaled once, from the events or the replies
+        trans = [r for r in ctl.journal.records(engine="ln1", limit=1000)
+                 if r.type == "transition"]
+        assert len(trans) == 3 * 4, [r.data["trigger"] for r in trans]
+    finally:
+        ctl.close()
+
+
+def test_a_restarted_agent_gets_a_fresh_subscription(tmp_path, spawn_engine):
+    """The new process does not know the old subscriber: an operation that reused the old
+    link would hear no heartbeats and call a drain longer than their silence a lost
+    contact."""
+    eng = spawn_engine("ln2", weights_mib=4, kv_mib=1, step_s=0.05)
+    ctl = _controller(tmp_path, eng)
+    try:
+        assert ctl.run(_op("cycle", "ln2"), 60).status == "succeeded"
+        eng.proc.kill()
+        eng.proc.wait(10)
+        eng2 = spawn_engine("ln2", weights_mib=4, kv_mib=1, step_s=0.05)
+        eng2.submit("r", 30)  # 1.5 s of steps: longer than heartbeats may be missed (0.6 s)
+        result = ctl.run(_op("prepare", "ln2"), 60)
+        assert result.status == "succeeded", result.error
+        assert result.engines[0].drain.completed == 1
+        assert ctl.links.opened == 2
+        assert ctl.run(_op("restore", "ln2"), 60).status == "succeeded"
+    finally:
+        ctl.close()
+
+
+def test_a_dead_agents_parked_link_is_not_waited_on(tmp_path, spawn_engine):
+    eng = spawn_engine("ln3", weights_mib=4, kv_mib=1)
+    ctl = _controller(tmp_path, eng)
+    try:
+        assert ctl.run(_op("cycle", "ln3"), 60).status == "succeeded"
+        eng.proc.kill()
+        eng.proc.wait(10)
+        start = time.monotonic()
+        with pytest.raises(UnreachableError, match="no socket file|refused"):
+            ctl.run(_op("cycle", "ln3"), 60)
+        assert time.monotonic() - start < 1.9  # refused at once, not after a probe's timeout
+    finally:
+        ctl.close()
+
+
+def test_a_link_idle_too_long_is_replaced(tmp_path, spawn_engine, monkeypatch):
+    eng = spawn_engine("ln4", weights_mib=4, kv_mib=1)
+    ctl = _controller(tmp_path, eng)
+    monkeypatch.setattr(links_mod, "IDLE_REFRESH_S", 0.3)
+    try:
+        assert ctl.run(_op("cycle", "ln4"), 60).status == "succeeded"
+        assert ctl.run(_op("cycle", "ln4"), 60).status == "succeeded"
+        assert (ctl.links.opened, ctl.links.reused) == (1, 1)
+        time.sleep(0.5)
+        assert ctl.run(_op("cycle", "ln4"), 60).status == "succeeded"
+        assert (ctl.links.opened, ctl.links.reused) == (2, 1)
+    finally:
+        ctl.close()
+
+
+def test_a_refused_operation_gives_its_links_back(tmp_path, spawn_engine):
+    eng = spawn_engine("ln5", weights_mib=4, kv_mib=1)
+    ctl = _controller(tmp_path, eng)
+    try:
+        with pytest.raises(Exception, match="needs PREPARED"):
+            ctl.run(_op("capture", "ln5"), 60)  # refused by the preflight: RUNNING
+        assert ctl.run(_op("cycle", "ln5"), 60).status == "succeeded"
+        assert (ctl.links.opened, ctl.links.reused) == (1, 1)
+    finally:
+        ctl.close()
