@@ -166,9 +166,11 @@ class RpcServer:
 
     def publish(self, body: p.EventBody) -> None:
         """Send an event to every subscriber."""
-        frames = p.event_frames(body)
         with self._subscribers_lock:
             targets = list(self._subscribers)
+        if not targets:
+            return  # nobody listens: nothing to encode
+        frames = p.event_frames(body)
         for identity in targets:
             self.send(identity, frames)
 

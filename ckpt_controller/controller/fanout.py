@@ -28,8 +28,12 @@ def fan_out(sessions: list[EngineSession], step: Callable[[EngineSession], objec
     ``step`` is a ``steps`` step, run through ``steps.guarded``."""
     if not sessions:
         return
+    run = steps.guarded(step) if guard else step
+    if len(sessions) == 1:  # on the caller's thread: no pool to start for one engine
+        run(sessions[0])
+        return
     with ThreadPoolExecutor(max_workers=min(workers or len(sessions), MAX_WORKERS)) as pool:
-        list(pool.map(steps.guarded(step) if guard else step, sessions))
+        list(pool.map(run, sessions))
 
 
 def rolling(sessions: list[EngineSession], max_unavailable: int

@@ -48,6 +48,8 @@ log = logging.getLogger("ckpt_controller.controller")
 
 #: records every step journals: (type, data, engine)
 Recorder = Callable[..., p.JournalRecord]
+#: engines whose capture without a dump hook was logged as a warning (later ones: debug)
+_TOLD_NO_DUMP: set[str] = set()
 #: how old the preflight's status may be for a session to start from it instead of asking
 STATUS_FRESH_S = 1.0
 
@@ -76,6 +78,7 @@ class EngineSession:
         #: the image (the id of the operation that dumped it) a restore gives its pre-restore
         #: hooks; None: no image (the service chooses it, ``use_image`` hands it over)
         self.image: str | None = None
+        self._image_dir: Path | None = None
         #: (trigger, monotonic) of each transition journaled, from events or replies
         self._journaled: set[tuple[str, float]] = set()
         self._latest = float("-inf")
@@ -190,6 +193,8 @@ class EngineSession:
         """Run ``point``'s hooks, each within the ``hook`` deadline, all of them before
         ``until_wall`` when given, and within the operation's deadline. Returns how many ran
         (raises at the first failure)."""
+        if not self.has_hooks(point):
+            return 0  # nothing to run: no context to build, no image folder to make
         ctx = HookContext(engine=self.engine.name, pid=self.pid, state=self.outcome.state or "",
                           generation=self.generation, op_id=self.op_id,
                           image_dir=self.image_dir(), deadline_wall=self.deadline_wall,
@@ -205,9 +210,12 @@ class EngineSession:
         return len(runs)
 
     def image_dir(self) -> Path:
-        path = self.config.image_dir / self.engine.name / self.op_id.replace("/", "_")
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return path
+        """This operation's image folder for the engine, made on first use."""
+        if self._image_dir is None:
+            path = self.config.image_dir / self.engine.name / self.op_id.replace("/", "_")
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._image_dir = path
+        return self._image_dir
 
     def prepare(self) -> StepOutcome:
         d = self.config.deadlines
@@ -291,10 +299,14 @@ class EngineSession:
         self.record("capture", {"dumped": dumped, "generation": self.generation,
                                 "image_dir": str(self.image_dir()) if dumped else None})
         if not dumped:
-            log.warning("%s: capture %s ran no dump hook: nothing was captured",
-                        self.engine.name, self.op_id)
-        if self.metrics:
-            self.metrics.image_written(self.engine.name, self.image_dir())
+            # said once per engine (the outcome says it every time): a fleet cycled without
+            # dump hooks would otherwise log a line per engine per cycle
+            level = logging.DEBUG if self.engine.name in _TOLD_NO_DUMP else logging.WARNING
+            _TOLD_NO_DUMP.add(self.engine.name)
+            log.log(level, "%s: capture %s ran no dump hook: nothing was captured",
+                    self.engine.name, self.op_id)
+        if self.metrics:  # the folder exists only if a hook ran (a dump, a post-dump)
+            self.metrics.image_written(self.engine.name, self._image_dir)
 
     def restore(self, run_pre_restore: bool = True) -> StepOutcome:
         d = self.config.deadlines
