@@ -183,13 +183,15 @@ class Controller:
         self._finish(result)
 
     def _finish(self, result: p.OperationResult) -> None:
-        self.journal.finish(result)
         self.record("operation_end", {"status": result.status, "duration_s": result.duration_s},
                     op_id=result.op_id)
-        if self.metrics:
-            self.metrics.operation_finished(result.kind, result.status, result.engines)
         for outcome in result.engines:  # while the engines are still held
             self.reconciler.note_contact(result.op_id, outcome)
+        # last: the result is on disk with every record before it (an engine the operation
+        # lost contact with among them) before any caller hears of it
+        self.journal.finish(result)
+        if self.metrics:
+            self.metrics.operation_finished(result.kind, result.status, result.engines)
         for done in self.admission.release(result.op_id):
             done(result)
 
