@@ -307,13 +307,13 @@ def test_a_failed_write_is_raised_by_the_next_barrier(tmp_path, caplog):
 
         bad = j.record("refuse", {}, op_id="op")
         good = j.record("note", {"n": 2}, op_id="op")
-        with pytest.raises(sqlite3.IntegrityError, match=f"records {bad.seq}:"):
+        with pytest.raises(sqlite3.IntegrityError, match=rf"1 rows \(seq {bad.seq}\)"):
             j.sync()
         assert [r.seq for r in j.records(op_id="op")] == [good.seq]
 
         j.record("lose", {})
         j.records()
-        with pytest.raises(sqlite3.IntegrityError, match="did not write 1 records"):
+        with pytest.raises(sqlite3.IntegrityError, match="did not write 1 rows"):
             j.begin("op2", "cycle", ["e"], {})
         assert not j.exists("op2")
         j.begin("op2", "cycle", ["e"], {})  # the journal works again

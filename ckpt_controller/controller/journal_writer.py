@@ -191,7 +191,7 @@ class GroupWriter:
             self._settle(batch, last, committed=False, synced=sync)  # nothing to write
             return not closing
         committed = self._write(batch, sync, unsynced)
-        self._settle(batch, last, committed=True, synced=sync and committed)
+        self._settle(batch, last, committed=committed, synced=sync and committed)
         return not closing
 
     def _due_in(self) -> float:
@@ -232,6 +232,8 @@ class GroupWriter:
             for entry in batch:
                 if entry.error is None and entry.sql is not None:
                     entry.error = exc
+            if not any(e.sql for e in batch):
+                log.error("journal: a commit to fsync what came before failed: %s", exc)
             return False
         finally:
             if sync:
@@ -243,7 +245,7 @@ class GroupWriter:
         failed = sum(1 for e in batch if e.error is not None)
         rows = sum(1 for e in batch if e.sql is not None) - failed
         if lost:
-            log.error("journal: %d rows not written (numbers %s): %s", len(lost),
+            log.error("journal: %d rows not written (seq %s): %s", len(lost),
                       _numbers([e.number for e in lost]), lost[0].error)
         with self._lock:
             s = self._stats
@@ -254,8 +256,8 @@ class GroupWriter:
             if lost:
                 exc, numbers = self._failure or (lost[0].error, [])
                 self._failure = (exc, numbers + [e.number for e in lost])
-            if self._written == self._synced:
-                self._unsynced_since = time.monotonic()
+            if self._written == self._synced or (not synced and self._sync_due()):
+                self._unsynced_since = time.monotonic()  # a failed fsync is tried again later
             self._written = last
             if synced:
                 self._synced = last
@@ -327,11 +329,11 @@ def _execute_many(db: sqlite3.Connection, run: list[Entry]) -> None:
 
 def _lost_error(exc: BaseException, numbers: list[int]) -> BaseException:
     """A new error of ``exc``'s class saying which rows were lost, caused by ``exc``."""
-    what = f"records {_numbers(numbers)}" if any(numbers) else "rows"
+    text = f"the journal did not write {len(numbers)} rows (seq {_numbers(numbers)}): {exc}"
     try:
-        err = type(exc)(f"the journal did not write {len(numbers)} {what}: {exc}")
+        err = type(exc)(text)
     except Exception:  # policy: a class that takes other arguments still reports, as sqlite3's
-        err = sqlite3.DatabaseError(f"the journal did not write {len(numbers)} {what}: {exc}")
+        err = sqlite3.DatabaseError(text)
     err.__cause__ = exc
     return err
 
