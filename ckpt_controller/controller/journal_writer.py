@@ -1,15 +1,17 @@
-"""The journal's writer: one thread commits queued rows to SQLite in batches (group commit),
-so writers on many threads share one transaction, and barriers arriving together share one
-fsync.
+"""The journal's writer: queued rows are committed to SQLite in batches (group commit), so
+writers on many threads share one transaction, and barriers arriving together share one
+fsync; one round at a time, made by the writer's thread or by a caller waiting for it.
 
 ``submit`` queues a statement and returns at once with its place in the stream (and, for a
-numbered row, its number: the journal's ``seq``). The thread takes everything queued, runs
-it in one transaction in the order it was queued, and commits: at once for a barrier, a read
-waiting (``wait_written``) or ``WRITE_BATCH`` rows, else ``WRITE_AFTER_S`` after the oldest
-row queued, so that rows arriving close together cost one commit and one wake-up of the
-thread, not one each (waking a thread costs tens of microseconds of CPU on a VM; a process
-killed within that time loses those rows, whole, and nothing after them). A plain commit is not
-fsynced (``synchronous=NORMAL``): in WAL mode a committed transaction is in the WAL file, so
+numbered row, its number: the journal's ``seq``). A round takes everything queued, runs it in
+one transaction in the order it was queued, and commits. A caller waiting for a barrier or a
+read (``wait``, ``wait_written``) makes the round itself when none is under way (the leader of
+what is queued), else waits for the one under way and then leads the next; plain rows alone
+are written by the thread ``WRITE_AFTER_S`` after the oldest (or at ``WRITE_BATCH`` rows), so
+rows arriving close together cost one commit and one wake-up of the thread, not one each
+(waking a thread costs tens of microseconds of CPU on a VM; a process killed within that time
+loses those rows, whole, and nothing after them). A plain commit is not fsynced
+(``synchronous=NORMAL``): in WAL mode a committed transaction is in the WAL file, so
 a process killed right after keeps it, and SQLite's checksummed WAL frames keep what a power
 cut leaves a prefix of the commits. A batch holding a barrier (``submit(..., barrier=True)``,
 then ``wait``) commits with ``synchronous=FULL``: the WAL is fsynced, which makes every
@@ -61,8 +63,8 @@ class Entry:
 
 
 class GroupWriter:
-    """Owns ``db`` (an autocommit connection, ``isolation_level=None``) from now on: only its
-    thread uses it. ``mark_sql`` writes a row of no meaning with one argument (the wall
+    """Owns ``db`` (an autocommit connection, ``isolation_level=None``) from now on: only the
+    round under way uses it (the thread's, or a waiting caller's). ``mark_sql`` writes a row of no meaning with one argument (the wall
     time): a barrier after commits not yet fsynced writes it, so that its commit surely has a
     page to fsync. ``first_number`` is the number the first numbered row gets."""
 
@@ -79,11 +81,11 @@ class GroupWriter:
         self._synced = 0         # place up to which every commit is fsynced
         self._unsynced_since = 0.0
         self._queued_since = 0.0  # when the oldest entry queued was
-        self._wanted = 0          # place a barrier or a read waits to see written
         self._next_number = first_number
         self._failure: tuple[BaseException, list[int]] | None = None  # rows lost, unreported
         self._closing = False
         self._idle = False       # the writer waits for work (a submit must wake it)
+        self._busy = False       # a round is being made (by the thread or a leading caller)
         self._dead: BaseException | None = None
         self._stats = {"rows": 0, "commits": 0, "syncs": 0, "failed_rows": 0}
         self._thread = threading.Thread(target=self._run, name="journal-writer", daemon=True)
@@ -95,7 +97,9 @@ class GroupWriter:
                barrier: bool = False, takes_failures: bool = True,
                refuses_after_failure: bool = False) -> Entry:
         """Queue ``sql``; with ``numbered`` its row takes the next number, passed as the
-        first argument. Waits only while ``MAX_QUEUED`` entries are queued."""
+        first argument. Waits only while ``MAX_QUEUED`` entries are queued. A barrier is
+        written once ``wait`` is called for it (its caller makes the round, or the one under
+        way does), so call ``wait`` right away."""
         entry = Entry(sql, args, barrier, takes_failures)
         with self._lock:
             while len(self._queue) >= MAX_QUEUED and self._usable():
@@ -112,9 +116,7 @@ class GroupWriter:
             self._queue.append(entry)
             if len(self._queue) == 1:
                 self._queued_since = time.monotonic()
-            if barrier:
-                self._wanted = entry.pos
-            if self._idle and (barrier or len(self._queue) in (1, WRITE_BATCH)):
+            if self._idle and not barrier and len(self._queue) in (1, WRITE_BATCH):
                 self._work.notify()  # a plain row after the first waits ``WRITE_AFTER_S``
         return entry
 
@@ -122,8 +124,7 @@ class GroupWriter:
         """Until ``entry``'s batch is committed (and, for a barrier, fsynced); raises its own
         failure, or for a barrier that takes them, a failure of rows queued before it."""
         with self._lock:
-            while not entry.done and self._dead is None:
-                self._progress.wait()
+            self._await(lambda: entry.done)
         if entry.error is not None:
             raise entry.error
         if not entry.done:
@@ -133,12 +134,7 @@ class GroupWriter:
         """Until everything queued before this call is committed (or failed): no fsync."""
         with self._lock:
             target = self._pos
-            if self._written < target:
-                self._wanted = max(self._wanted, target)
-                if self._idle:
-                    self._work.notify()
-            while self._written < target and self._dead is None:
-                self._progress.wait()
+            self._await(lambda: self._written >= target)
 
     def stats(self) -> dict[str, int]:
         """Rows written, commits, fsynced commits, rows that failed: counts since the start."""
@@ -166,37 +162,66 @@ class GroupWriter:
 
     def _run(self) -> None:
         try:
-            while self._round():
-                pass
+            while True:
+                with self._lock:
+                    while self._busy or (left := self._due_in()) > 0:
+                        self._idle = True
+                        self._work.wait(None if self._busy or left == float("inf") else left)
+                        self._idle = False
+                    closing = self._closing
+                    taken = self._take()
+                self._commit(*taken)
+                if closing:
+                    return
         except BaseException as exc:  # policy: a writer bug fails its waiters, never hangs them
             log.exception("journal: the writer stopped")
             with self._lock:
-                self._dead = exc
+                self._dead = self._dead or exc
                 self._progress.notify_all()
                 self._room.notify_all()
 
-    def _round(self) -> bool:
-        """Take what is queued, write it in one transaction; False once closed and empty."""
-        with self._lock:
-            while (left := self._due_in()) > 0:
-                self._idle = True
-                self._work.wait(None if left == float("inf") else left)
-                self._idle = False
-            batch, self._queue = self._queue, []
-            last, closing = self._pos, self._closing
-            sync = closing or self._sync_due() or any(e.barrier for e in batch)
-            unsynced = self._written > self._synced
-            self._room.notify_all()
-        if not any(e.sql for e in batch) and not (sync and unsynced):
-            self._settle(batch, last, committed=False, synced=sync)  # nothing to write
-            return not closing
-        committed = self._write(batch, sync, unsynced)
-        self._settle(batch, last, committed=committed, synced=sync and committed)
-        return not closing
+    def _await(self, done) -> None:
+        """(Lock held.) Until ``done()``: when no round is being made, the caller makes one
+        itself (the leader of what is queued), which spares two thread wake-ups; else it
+        waits for the round under way to end. On closing, the thread makes the last one."""
+        while not done() and self._dead is None:
+            if self._busy or self._closing or not self._queue:
+                self._progress.wait()
+                continue
+            taken = self._take()
+            self._lock.release()
+            try:
+                self._commit(*taken)
+            finally:
+                self._lock.acquire()
+
+    def _take(self) -> tuple[list[Entry], int, bool, bool]:
+        """(Lock held.) Take what is queued for one round: ``(batch, last, sync, unsynced)``."""
+        self._busy = True
+        batch, self._queue = self._queue, []
+        sync = self._closing or self._sync_due() or any(e.barrier for e in batch)
+        self._room.notify_all()
+        return batch, self._pos, sync, self._written > self._synced
+
+    def _commit(self, batch: list[Entry], last: int, sync: bool, unsynced: bool) -> None:
+        """Write ``batch`` in one transaction (if there is anything to write) and settle it."""
+        try:
+            if not any(e.sql for e in batch) and not (sync and unsynced):
+                self._settle(batch, last, committed=False, synced=sync)  # nothing to write
+                return
+            committed = self._write(batch, sync, unsynced)
+            self._settle(batch, last, committed=committed, synced=sync and committed)
+        except BaseException as exc:  # policy: a bug here fails every waiter, never hangs one
+            with self._lock:
+                self._dead, self._busy = exc, False
+                self._progress.notify_all()
+                self._room.notify_all()
+                self._work.notify()
+            raise
 
     def _due_in(self) -> float:
         """Seconds until the writer has a round to make (0: now; inf: only once woken)."""
-        if self._closing or self._wanted > self._written or len(self._queue) >= WRITE_BATCH:
+        if self._closing or len(self._queue) >= WRITE_BATCH:
             return 0.0
         now, due = time.monotonic(), float("inf")
         if self._queue:
@@ -270,7 +295,10 @@ class GroupWriter:
                 entry.done = True
             if report is not None:
                 self._failure = None
+            self._busy = False
             self._progress.notify_all()
+            if self._idle and (self._queue or self._written > self._synced or self._closing):
+                self._work.notify()  # the thread has timers to set, or the last round
 
     # ---------------------------------------------------------------- helpers
 
