@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) bench/startup.py --out bench/results/quick/startup.json
 	$(PY) bench/safetensors_write.py --mib 64 --out bench/results/quick/safetensors_write.json
 	$(PY) bench/checksum.py --mib 64 --out bench/results/quick/checksum.json
+	$(PY) bench/journal.py --records 2000 --ops 100 --out bench/results/quick/journal.json
 
 # the full sizes: 1,000 agents, 1 to 8 GiB (about a quarter of an hour)
 bench-full: $(STAMP)
@@ -45,6 +46,7 @@ bench-full: $(STAMP)
 	$(PY) bench/pages.py
 	$(PY) bench/drain.py
 	$(PY) bench/capture.py
+	$(PY) bench/journal.py
 
 # the GPU's own path (needs a CUDA device): level 1 offload to pinned host memory and back
 # against pinned device-to-host and host-to-device copies, and level 2 on device tensors

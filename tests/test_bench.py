@@ -36,6 +36,21 @@ def test_control_overhead_and_fan_out(tmp_path):
     assert [row["engines"] for row in res["fanout"]] == [1, 3]
 
 
+def test_journal_records_and_operations_share_fsyncs(tmp_path):
+    res = bench(tmp_path, "journal", "--threads", "1,8", "--records", "400", "--ops", "16",
+                "--repeat", "1", "--dir", str(tmp_path))
+    assert [r["threads"] for r in res["records"]] == [1, 8]
+    for row in res["records"]:
+        assert row["records"] == 400 and row["per_s"] > 0 and row["call_median_us"] > 0
+        # group commit: many records to one fsync (one each before it)
+        assert 1 <= row["fsyncs"] < row["records"] / 10, row
+    for row in res["operations"]:
+        assert row["operations"] == 16 and row["records_per_op"] == 14 and row["per_s"] > 0
+        # begin and finish are the fsyncs: at most two per operation, never one per record
+        assert 0 < row["fsyncs_per_op"] <= 2, row
+    assert res["summary"]["records"][0]["threads"] == 1
+
+
 def test_release_and_rewake_against_the_copy_limits(tmp_path):
     res = bench(tmp_path, "memory", "--sizes", "0.25", "--repeat", "2")
     (row,) = res["sizes"]

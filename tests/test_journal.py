@@ -98,3 +98,246 @@ def test_history_limit_returns_records_only_of_the_operations_it_lists(tmp_path)
             assert len(reply.records) == 3 * limit
     finally:
         ctl.close()
+
+
+# ---------------------------------------------------------------- group commit
+
+def _result(op_id: str) -> p.OperationResult:
+    return p.OperationResult(op_id=op_id, kind="cycle", status="succeeded", engines=[],
+                             wall=0.0, duration_s=0.1)
+
+
+def test_a_burst_from_many_threads_shares_commits_and_keeps_every_record_in_order(tmp_path):
+    """While the file is held by another writer, 32 threads journal 100 records each: every
+    ``record`` returns at once, and once the file is free they go in a few commits, each
+    record whole, in order per writer, numbered without a gap; ``sync`` makes them durable in
+    one fsync. A reopened journal numbers on from the largest."""
+    import sqlite3
+    import threading
+
+    path = tmp_path / "journal.sqlite3"
+    j = Journal(path)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # the writer's commits wait for it
+    seqs: dict[int, list[int]] = {}
+
+    def writer(n: int) -> None:
+        seqs[n] = [j.record("note", {"writer": n, "i": i}, engine=f"e{n}").seq
+                   for i in range(100)]
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads)  # nobody waited for the disk
+    assert j.stats()["rows"] == 0
+    holder.execute("ROLLBACK")
+    j.sync()
+    stats = j.stats()
+    assert stats["rows"] == 3200 and stats["failed_rows"] == 0
+    assert stats["commits"] <= 6 and stats["syncs"] <= 2, stats
+    every = sorted(s for ss in seqs.values() for s in ss)
+    assert every == list(range(every[0], every[0] + 3200))
+    for n in range(32):
+        recs = j.records(engine=f"e{n}")
+        assert [r.data for r in recs] == [{"writer": n, "i": i} for i in range(100)]
+        assert [r.seq for r in recs] == seqs[n]
+    j.close()
+    holder.close()
+    reopened = Journal(path)
+    try:
+        assert reopened.record("note", {}).seq == every[-1] + 1
+        assert len(reopened.records(limit=10_000)) == 3201 and reopened.check() == []
+    finally:
+        reopened.close()
+
+
+def test_a_read_sees_every_record_journaled_before_it(tmp_path):
+    """A record is written a moment after ``record`` returns; a read made after that sees
+    it all the same, from any thread."""
+    import threading
+
+    j = Journal(tmp_path / "journal.sqlite3")
+    misses: list[tuple[int, int]] = []
+
+    def writer(n: int) -> None:
+        for i in range(40):
+            rec = j.record("note", {"i": i}, engine=f"e{n}", op_id=f"op{n}")
+            seen = j.records(engine=f"e{n}", since=rec.seq - 1)
+            if [r.seq for r in seen] != [rec.seq]:
+                misses.append((n, i))
+            if i % 10 == 0 and j.captures(f"e{n}") != []:
+                misses.append((n, -i))
+
+    try:
+        threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert misses == []
+        rec = j.record("capture", {"image_dir": "/x"}, engine="e9", op_id="op9")
+        assert j.captures("e9") == [("op9", {"image_dir": "/x"})]
+        j.record("contact_lost", {}, engine="e9", op_id="op9")
+        assert j.unsettled() == {"e9": "op9"} and rec.seq > 0
+    finally:
+        j.close()
+
+
+CHILD = r"""
+import sys, time
+from ckpt_controller import protocol as p
+from ckpt_controller.controller.journal import Journal
+j = Journal(sys.argv[1])
+for i in range(3):
+    j.record("note", {"i": i}, op_id="op", engine="e")
+j.begin("op", "cycle", ["e"], {})
+if sys.argv[2] == "begin":
+    print("returned", flush=True)
+    time.sleep(60)
+for i in range(3, 6):
+    j.record("note", {"i": i}, op_id="op", engine="e")
+j.finish(p.OperationResult(op_id="op", kind="cycle", status="succeeded", engines=[],
+                           wall=0.0, duration_s=0.1))
+print("returned", flush=True)
+time.sleep(60)
+"""
+
+
+def _killed_at(tmp_path, script: str, *args: str, after: float = 0.0):
+    """Start ``script`` in a child, wait for its first line, SIGKILL it ``after`` seconds on."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        time.sleep(after)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+    return line
+
+
+@pytest.mark.parametrize("barrier", ["begin", "finish"])
+def test_begin_and_finish_are_on_disk_when_they_return(tmp_path, barrier):
+    """A controller killed -9 right after ``begin`` (or ``finish``) returned: the reopened
+    journal has that row and every record journaled before it."""
+    path = tmp_path / "journal.sqlite3"
+    assert _killed_at(tmp_path, CHILD, str(path), barrier) == "returned\n"
+    j = Journal(path)
+    try:
+        assert j.check() == []
+        (op,) = j.operations()
+        before = [r.data["i"] for r in j.records(op_id="op")]
+        if barrier == "begin":
+            assert op.status == "running" and j.unfinished()[0][0] == "op"
+            assert before == [0, 1, 2]
+        else:
+            assert op.status == "succeeded" and j.result("op") == _result("op")
+            assert before == list(range(6))
+    finally:
+        j.close()
+
+
+WRITER = r"""
+import sys
+from ckpt_controller.controller.journal import Journal
+j = Journal(sys.argv[1])
+print("writing", flush=True)
+i = 0
+while True:
+    j.record("note", {"i": i, "pad": "x" * (i % 700), "sum": i * 7}, engine="e")
+    if i % 50 == 0:
+        j.sync()
+    i += 1
+"""
+
+
+@pytest.mark.parametrize("after", [0.05, 0.2, 0.5])
+def test_records_cut_by_a_kill_leave_a_whole_prefix(tmp_path, after):
+    """A controller killed -9 while journaling as fast as it can: the journal opens clean
+    and holds records 0..k, each whole, and none after a missing one."""
+    path = tmp_path / "journal.sqlite3"
+    assert _killed_at(tmp_path, WRITER, str(path), after=after) == "writing\n"
+    j = Journal(path)
+    try:
+        assert j.check() == []
+        recs = j.records(limit=10**7)
+        assert recs, "nothing was written before the kill"
+        assert [r.data["i"] for r in recs] == list(range(len(recs)))
+        assert all(r.data == {"i": i, "pad": "x" * (i % 700), "sum": i * 7}
+                   for i, r in enumerate(recs))
+        assert [r.seq for r in recs] == list(range(recs[0].seq, recs[0].seq + len(recs)))
+    finally:
+        j.close()
+
+
+def test_a_failed_write_is_raised_by_the_next_barrier(tmp_path, caplog):
+    """Records lost to a failed commit (a trigger stands in for a full disk: it rolls the
+    whole transaction back) are logged at once and raised by the next ``finish``/``sync``,
+    once; a ``begin`` then refuses, journaling nothing. A row that breaks a constraint fails
+    alone: the others in its commit stay."""
+    import sqlite3
+
+    path = tmp_path / "journal.sqlite3"
+    j = Journal(path)
+    other = sqlite3.connect(path, isolation_level=None)
+    other.executescript(
+        "CREATE TRIGGER lose BEFORE INSERT ON records WHEN NEW.type = 'lose' "
+        "BEGIN SELECT RAISE(ROLLBACK, 'disk is full (stand-in)'); END;"
+        "CREATE TRIGGER refuse BEFORE INSERT ON records WHEN NEW.type = 'refuse' "
+        "BEGIN SELECT RAISE(ABORT, 'constraint (stand-in)'); END;")
+    other.close()
+    try:
+        j.begin("op", "cycle", ["e"], {})
+        kept = j.record("note", {"n": 1}, op_id="op")
+        lost = j.record("lose", {}, op_id="op")
+        assert lost.seq == kept.seq + 1  # record() itself cannot know yet
+        assert j.records(op_id="op") == []  # a read writes them: the whole batch is lost
+        assert "not written" in caplog.text and str(lost.seq) in caplog.text
+        with pytest.raises(sqlite3.IntegrityError, match=f"{kept.seq}..{lost.seq}"):
+            j.finish(_result("op"))
+        assert j.result("op") == _result("op")  # its own row was written
+        j.sync()  # reported once
+
+        bad = j.record("refuse", {}, op_id="op")
+        good = j.record("note", {"n": 2}, op_id="op")
+        with pytest.raises(sqlite3.IntegrityError, match=rf"1 rows \(seq {bad.seq}\)"):
+            j.sync()
+        assert [r.seq for r in j.records(op_id="op")] == [good.seq]
+
+        j.record("lose", {})
+        j.records()
+        with pytest.raises(sqlite3.IntegrityError, match="did not write 1 rows"):
+            j.begin("op2", "cycle", ["e"], {})
+        assert not j.exists("op2")
+        j.begin("op2", "cycle", ["e"], {})  # the journal works again
+        j.record("lose", {})
+    finally:
+        with pytest.raises(sqlite3.IntegrityError, match="did not write"):
+            j.close()  # the last failure is not left unsaid
+
+
+def test_close_writes_what_is_queued_and_stops_its_thread(tmp_path):
+    import sqlite3
+    import threading
+
+    path = tmp_path / "journal.sqlite3"
+    j = Journal(path)
+    for i in range(100):
+        j.record("note", {"i": i})
+    j.close()
+    j.close()  # a second close does nothing
+    assert not [t for t in threading.enumerate() if t.name == "journal-writer"]
+    with pytest.raises(sqlite3.ProgrammingError):
+        j.record("note", {})
+    reopened = Journal(path)
+    try:
+        assert [r.data["i"] for r in reopened.records()] == list(range(100))
+    finally:
+        reopened.close()

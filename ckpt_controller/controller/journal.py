@@ -3,14 +3,32 @@ SQLite (WAL) under the state directory.
 
 Tables: ``operations`` (one row per operation id: kind, engines, parameters, status, result)
 and ``records`` (an append-only sequence: transitions, phases, drain and memory reports, hook
-runs, notes; each with wall and monotonic time). Each write is one transaction, so a controller
+runs, notes; each with wall and monotonic time). Writes go through one writer thread that
+commits whatever has queued in one transaction (group commit, ``journal_writer``), in the
+order they were made, so the file is always a prefix of what was journaled and a controller
 killed at any instant leaves a journal that opens clean: an operation whose row still says
-``running`` is what restart reconciles. One connection, guarded by a lock, writes; reads go
-through connections of their own (WAL lets them run beside the writer and each other), so a long
-read (a ``history`` of thousands of operations) never holds up a short one (the lookups the
-controller's control thread makes for every operation request) or a write. ``records`` can
-stop at a byte budget, newest records first, so an answer fits in one message.
-Neighbours: ``service`` writes it, ``server`` serves ``history`` from it.
+``running`` is what restart reconciles.
+
+When things are durable: ``record`` returns at once with the record's ``seq`` (numbered here,
+from the table's largest at open); it is committed a moment later, without an fsync of its
+own. ``begin`` (before any engine is touched) and ``finish`` (before any caller is answered)
+return once their row and every record journaled before it are committed and fsynced, and so
+does ``sync``; callers arriving together share one fsync. Reads of records (``records``,
+``captures``, ``unsettled``, ``check``) see every record whose ``record`` returned before the
+read began; reads of operations need no wait (only ``begin`` and ``finish`` write them).
+
+A write that fails: a duplicate ``begin`` raises ``sqlite3.IntegrityError`` and journals
+nothing. A record lost to a failed commit (disk full, I/O error) is logged at once and raised,
+as the same ``sqlite3`` error class naming the lost ``seq`` numbers, by the next ``finish``,
+``sync`` or ``close``, once; a ``begin`` while such a failure is unreported raises it instead
+and journals nothing (the operation is refused before it exists).
+
+Reads go through connections of their own (WAL lets them run beside the writer and each
+other), so a long read (a ``history`` of thousands of operations) never holds up a short one
+(the lookups the controller's control thread makes for every operation request) or a write.
+``records`` can stop at a byte budget, newest records first, so an answer fits in one message.
+Neighbours: ``service`` writes it, ``server`` serves ``history`` from it, ``journal_writer``
+commits for it.
 """
 
 from __future__ import annotations
@@ -26,6 +44,7 @@ from typing import Any
 
 import msgspec
 
+from ckpt_controller.controller.journal_writer import GroupWriter
 from ckpt_controller.errors import ConfigError
 from ckpt_controller.protocol import JournalRecord, OperationResult, OperationSummary
 from ckpt_controller.vocab import OperationStatus
@@ -53,7 +72,15 @@ CREATE TABLE IF NOT EXISTS records (
 );
 CREATE INDEX IF NOT EXISTS records_engine ON records(engine, seq);
 CREATE INDEX IF NOT EXISTS records_op ON records(op_id, seq);
+CREATE TABLE IF NOT EXISTS sync_mark (
+    id         INTEGER PRIMARY KEY CHECK (id = 1),
+    wall       REAL NOT NULL            -- rewritten by a barrier so its commit has a page to fsync
+);
 """
+
+INSERT_RECORD = ("INSERT INTO records (seq, op_id, engine, type, wall, monotonic, data) "
+                 "VALUES (?, ?, ?, ?, ?, ?, ?)")
+MARK_SYNC = "INSERT OR REPLACE INTO sync_mark (id, wall) VALUES (1, ?)"
 
 #: read connections kept open for the next read; more readers at once open more
 MAX_IDLE_READERS = 8
@@ -68,36 +95,50 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock = threading.Lock()
         try:
-            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
-                                       timeout=30)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(SCHEMA)
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
+                                 timeout=30)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(SCHEMA)
+            # AUTOINCREMENT's own counter too: a seq is never reused, even one deleted
+            first = 1 + max(n or 0 for (n,) in db.execute(
+                "SELECT MAX(seq) FROM records UNION ALL "
+                "SELECT seq FROM sqlite_sequence WHERE name = 'records'"))
         except sqlite3.DatabaseError as exc:  # policy: an unusable journal stops the controller
             raise ConfigError(f"cannot open the journal: {exc}", file=str(self.path),
                               key="controller.state_dir", problem=str(exc)) from None
+        #: from here on only the writer's thread uses ``db``
+        self._writer = GroupWriter(db, first_number=first, mark_sql=MARK_SYNC)
+        self._db = db
 
         #: idle read connections (at most ``MAX_IDLE_READERS`` kept); guarded by
-        #: ``_pool_lock``, not ``_lock``: a read never waits for a write's fsync
+        #: ``_pool_lock``: a read never waits for a write's fsync
         self._pool_lock = threading.Lock()
         self._readers: list[sqlite3.Connection] = []
         self._closed = False
 
     def close(self) -> None:
-        with self._lock:
+        """Write and fsync what is queued, stop the writer, close the connections. Raises a
+        write failure no barrier has reported yet (after closing all the same)."""
+        try:
+            self._writer.close()
+        finally:
+            with self._pool_lock:
+                self._closed = True
+                for conn in self._readers:
+                    conn.close()
+                self._readers.clear()
             self._db.close()
-        with self._pool_lock:
-            self._closed = True
-            for conn in self._readers:
-                conn.close()
-            self._readers.clear()
 
-    def _write(self, sql: str, args: tuple) -> int:
-        with self._lock:
-            cur = self._db.execute(sql, args)
-            return cur.lastrowid
+    def sync(self) -> None:
+        """Return once every record journaled before this call is committed and fsynced;
+        raises a write failure not yet reported (see the module's docstring)."""
+        self._writer.wait(self._writer.submit(None, barrier=True))
+
+    def stats(self) -> dict[str, int]:
+        """The writer's counts since open: ``rows``, ``commits``, ``syncs`` (fsynced commits),
+        ``failed_rows``."""
+        return self._writer.stats()
 
     def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._reader() as conn:
@@ -127,18 +168,21 @@ class Journal:
     # ---------------------------------------------------------------- operations
 
     def begin(self, op_id: str, kind: str, engines: list[str], params: dict[str, Any]) -> None:
-        self._write(
+        """Journal a new operation as running; returns once it (and every record before it)
+        is durable. Raises, journaling nothing, for an id that exists or a failed write."""
+        self._writer.wait(self._writer.submit(
             "INSERT INTO operations (op_id, kind, engines, params, status, wall, monotonic) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
             (op_id, kind, json.dumps(engines), json.dumps(params), OperationStatus.RUNNING,
              time.time(), time.monotonic()),
-        )
+            barrier=True, takes_failures=False, refuses_after_failure=True))
 
     def finish(self, result: OperationResult) -> None:
-        self._write(
+        """Journal an operation's result; returns once it (and every record before it) is
+        durable. Raises its own failed write, or one of records journaled before it."""
+        self._writer.wait(self._writer.submit(
             "UPDATE operations SET status = ?, ended_wall = ?, result = ? WHERE op_id = ?",
-            (result.status, time.time(), _enc.encode(result), result.op_id),
-        )
+            (result.status, time.time(), _enc.encode(result), result.op_id), barrier=True))
 
     def result(self, op_id: str) -> OperationResult | None:
         rows = self._read("SELECT result FROM operations WHERE op_id = ?", (op_id,))
@@ -183,12 +227,9 @@ class Journal:
                             wall=time.time() if wall is None else wall,
                             monotonic=time.monotonic() if monotonic is None else monotonic,
                             data=data)
-        rec.seq = self._write(
-            "INSERT INTO records (op_id, engine, type, wall, monotonic, data) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (op_id, engine, type_, rec.wall, rec.monotonic,
-             msgspec.json.encode(data).decode()),
-        )
+        rec.seq = self._writer.submit(
+            INSERT_RECORD, (op_id, engine, type_, rec.wall, rec.monotonic,
+                            msgspec.json.encode(data).decode()), numbered=True).number
         return rec
 
     def records(self, *, engine: str | None = None, op_id: str | None = None,
@@ -199,6 +240,7 @@ class Journal:
         of ``op_id`` and of the operations in ``op_ids`` (when given; ``[]`` matches none).
         With ``max_bytes``: only the newest of those whose text (``data`` and names) adds up
         to at most that, so the answer they make fits in one message."""
+        self._writer.wait_written()
         where, args = _where(("seq > ?", since), ("engine = ?", engine), ("op_id = ?", op_id),
                              keep=("seq > ?",))
         if op_ids is not None:
@@ -224,6 +266,7 @@ class Journal:
     def captures(self, engine: str) -> list[tuple[str, dict[str, Any]]]:
         """``(op_id, data)`` of every ``capture`` record of ``engine``, newest first: whether
         it dumped an image, and the engine's generation then."""
+        self._writer.wait_written()
         rows = self._read("SELECT op_id, data FROM records WHERE engine = ? AND type = "
                           "'capture' ORDER BY seq DESC", (engine,))
         return [(op, json.loads(data)) for op, data in rows]
@@ -231,6 +274,7 @@ class Journal:
     def unsettled(self) -> dict[str, str]:
         """Engine -> op id of every engine whose last ``contact_lost`` record has no
         ``reconciled`` record after it: an operation ended without knowing how it left it."""
+        self._writer.wait_written()
         rows = self._read(
             "SELECT engine, type, op_id FROM records WHERE seq IN (SELECT MAX(seq) FROM records "
             "WHERE type IN ('contact_lost', 'reconciled') AND engine IS NOT NULL "
@@ -242,6 +286,7 @@ class Journal:
     def check(self) -> list[str]:
         """Problems found (empty when consistent): SQLite's own integrity check, records of
         unknown operations, operations ended without a result."""
+        self._writer.wait_written()
         problems = []
         ok = self._read("PRAGMA integrity_check")
         if ok != [("ok",)]:
