@@ -19,8 +19,9 @@ from ckpt_controller.rpc import new_op_id
 
 
 def _controller(tmp_path, *engines) -> Controller:
-    toml = (f'[controller]\nstate_dir = "{tmp_path}/state"\nheartbeat_interval_s = 0.2\n'
-            f'missed_beats = 3\n[defaults]\nlevel = 0\ndrain = "wait"\n')
+    toml = (f'[controller]\nendpoint = "ipc://{tmp_path}/ctl.sock"\n'
+            f'state_dir = "{tmp_path}/state"\nheartbeat_interval_s = 0.2\nmissed_beats = 3\n'
+            f'[defaults]\nlevel = 0\ndrain = "wait"\n')
     toml += "".join(f'[[engine]]\nname = "{e.name}"\ncontrol = "{e.control}"\n' for e in engines)
     return Controller(parse_config(toml))
 

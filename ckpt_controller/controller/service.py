@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -189,7 +190,13 @@ class Controller:
             self.reconciler.note_contact(result.op_id, outcome)
         # last: the result is on disk with every record before it (an engine the operation
         # lost contact with among them) before any caller hears of it
-        self.journal.finish(result)
+        try:
+            self.journal.finish(result)
+        except sqlite3.Error as err:  # policy: the callers still get the result, the log
+            # says why the journal lacks it; a restarted controller then recovers the
+            # operation as one left running (its engines are settled again)
+            log.error("journal: the result of operation %s was not written: %s",
+                      result.op_id, err)
         if self.metrics:
             self.metrics.operation_finished(result.kind, result.status, result.engines)
         for done in self.admission.release(result.op_id):
@@ -208,7 +215,8 @@ class Controller:
         return EngineSession(self.config, engine, cmd.op_id, params,
                              cmd.deadline_s or self.config.deadlines.operation,
                              self.record, self.metrics, drain_timeout_s=cmd.drain_timeout_s,
-                             links=self.links, link=link, status=status)
+                             links=self.links, link=link, status=status,
+                             sync=self.journal.sync)
 
     def _execute(self, cmd: p.OperationCommand, engines: list[str],
                  images: dict[str, str | None], links: dict[str, AgentLink],

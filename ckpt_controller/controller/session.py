@@ -59,7 +59,8 @@ class EngineSession:
                  params: PrepareDefaults, deadline_s: float, record: Recorder,
                  metrics=None, drain_timeout_s: float | None = None,
                  links: AgentLinks | None = None, link: AgentLink | None = None,
-                 status: p.StatusReply | None = None) -> None:
+                 status: p.StatusReply | None = None,
+                 sync: Callable[[], None] | None = None) -> None:
         self.config = config
         #: how long a wait drain may take before its escalation (the operation's own value,
         #: else the configured drain deadline)
@@ -70,6 +71,8 @@ class EngineSession:
         self.deadline_s = deadline_s
         self.start_clock()
         self._record = record
+        #: makes what was journaled durable (the journal's barrier): before hooks run
+        self._sync = sync or (lambda: None)
         self.metrics = metrics
         #: SKIPPED until a step ends (``steps.guarded`` writes how)
         self.outcome = p.EngineOutcome(engine=engine, status=OutcomeStatus.SKIPPED)
@@ -195,6 +198,9 @@ class EngineSession:
         (raises at the first failure)."""
         if not self.has_hooks(point):
             return 0  # nothing to run: no context to build, no image folder to make
+        # write-ahead: a hook acts outside (a dump, a restore), so what led to it is on disk
+        # first; recovery decides whether a capture may have begun from these records
+        self._sync()
         ctx = HookContext(engine=self.engine.name, pid=self.pid, state=self.outcome.state or "",
                           generation=self.generation, op_id=self.op_id,
                           image_dir=self.image_dir(), deadline_wall=self.deadline_wall,
