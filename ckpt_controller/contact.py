@@ -63,6 +63,9 @@ class FirstContact:
         so far (how long the connection has been refused) carries over."""
         self.detach()
         self._sock = sock
+        #: the wait once settled: one poller for the socket's life, not one per wait
+        self._plain = zmq.Poller()
+        self._plain.register(sock, zmq.POLLIN)
         if self.settled:
             return
         self._monitor = sock.get_monitor_socket(_EVENTS)
@@ -94,7 +97,7 @@ class FirstContact:
         while True:
             if self._monitor is None:  # settled: a plain wait
                 left = deadline - time.monotonic()
-                return bool(self._sock.poll(max(0, math.ceil(left * 1000)), zmq.POLLIN))
+                return bool(self._plain.poll(max(0, math.ceil(left * 1000))))
             now = time.monotonic()
             wait = deadline - now
             if self._refused_since is not None:  # wake up when the grace ends

@@ -58,7 +58,8 @@ class Admission:
         engines = self.select(cmd.engines)
         check(cmd)
         with self.lock:
-            known = self.journal.identity(cmd.op_id)
+            row = self.journal.lookup(cmd.op_id)
+            known = row[:2] if row is not None else None
             running = self.running.get(cmd.op_id)
             if known is None and running is not None:
                 known = (running.kind, running.engines)
@@ -74,18 +75,20 @@ class Admission:
                         op_id=cmd.op_id, retry_after_s=1.0)
                 running.waiters.append(done)
                 return None
-            stored = self.journal.result(cmd.op_id)
+            stored = row[2] if row is not None else None
             if stored is None:
-                self._hold(cmd, engines, done)
+                self._hold(cmd, engines, done, journaled=row is not None)
         if stored is not None:
             # answered at once, outside the lock: a burst of repeats costs no thread each
             done(stored)
             return None
         return engines
 
-    def _hold(self, cmd: p.OperationCommand, engines: list[str], done: Done) -> None:
-        """Under ``lock``: hold ``engines`` for the new operation ``cmd``, or refuse it."""
-        if self.journal.exists(cmd.op_id):
+    def _hold(self, cmd: p.OperationCommand, engines: list[str], done: Done,
+              journaled: bool) -> None:
+        """Under ``lock``: hold ``engines`` for the new operation ``cmd``, or refuse it
+        (``journaled``: the id is in the journal without a result)."""
+        if journaled:
             raise BusyError("operation id belongs to an interrupted operation being "
                             "recovered", op_id=cmd.op_id)
         busy = {e: self.holders[e] for e in engines if e in self.holders}

@@ -195,6 +195,17 @@ class Journal:
         rows = self._read("SELECT kind, engines FROM operations WHERE op_id = ?", (op_id,))
         return (rows[0][0], json.loads(rows[0][1])) if rows else None
 
+    def lookup(self, op_id: str) -> tuple[str, list[str], OperationResult | None] | None:
+        """``(kind, engines, result)`` of the operation with this id (``result`` None while
+        it has none), or ``None`` if there is none: what admitting a request needs, in one
+        read."""
+        rows = self._read("SELECT kind, engines, result FROM operations WHERE op_id = ?",
+                          (op_id,))
+        if not rows:
+            return None
+        kind, engines, result = rows[0]
+        return kind, json.loads(engines), None if result is None else _result_dec.decode(result)
+
     def exists(self, op_id: str) -> bool:
         return bool(self._read("SELECT 1 FROM operations WHERE op_id = ?", (op_id,)))
 

@@ -37,6 +37,7 @@ from ckpt_controller.controller.outcome import error_info
 from ckpt_controller.controller.reconcile import Reconciler
 from ckpt_controller.controller.session import EngineSession
 from ckpt_controller.controller.statedir import claim
+from ckpt_controller.controller.workers import Workers
 from ckpt_controller.errors import CkptError, OperationError
 from ckpt_controller.vocab import OperationKind, OperationStatus, OutcomeStatus
 
@@ -66,6 +67,8 @@ class Controller:
         self.admission = Admission(config, self.journal)
         #: each engine's agent connection, kept open between operations
         self.links = AgentLinks(config)
+        #: the threads operations run on, kept between operations
+        self._operations = Workers("operation")
         self.reconciler = Reconciler(config, self.journal, self.admission, self.record,
                                      self._session)
         if metrics is not None:
@@ -95,6 +98,7 @@ class Controller:
                 self.metrics.image_written(engine, Path(image_dir) if image_dir else None)
 
     def close(self) -> None:
+        self._operations.close()
         self.reconciler.stop()
         self.links.close()
         self.journal.close()
@@ -123,8 +127,7 @@ class Controller:
             self._count(cmd.kind, "refused")
             raise
         if engines is not None:
-            threading.Thread(target=self._run, args=(cmd, engines), daemon=True,
-                             name=f"op-{cmd.op_id}").start()
+            self._operations.submit(self._run, cmd, engines)
 
     def run(self, cmd: p.OperationCommand, timeout_s: float | None = None) -> p.OperationResult:
         """``start`` and wait: for in-process callers (tests, the demo). Raises a refusal."""
