@@ -73,6 +73,27 @@ def make(size: int, device: str, source_dir: Path):
     return reg, weights, kv, source
 
 
+def fresh_copy(src, nbytes: int, device: str) -> tuple[float, list]:
+    """The fresh-copy limit: seconds to copy ``nbytes``, 1 GiB at a time, from ``src`` (a
+    touched tensor of at least ``min(1 GiB, nbytes)`` bytes) into destinations allocated for
+    it, one by one and all kept, every page faulted in by the copy itself; only the copies are
+    timed, not allocating. Returns the seconds and the destinations (the caller drops them,
+    or copies into them again, now touched). ``bench/capture.py`` takes it too."""
+    import torch
+
+    chunk = min(GiB, nbytes)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fresh = 0.0
+    dsts = []
+    for n in [min(chunk, nbytes - off) for off in range(0, nbytes, chunk)]:
+        dsts.append(torch.empty(n, dtype=torch.uint8, device=device))  # fresh pages
+        t0 = time.perf_counter()
+        dsts[-1].copy_(src[:n])
+        sync()
+        fresh += time.perf_counter() - t0
+    return fresh, dsts
+
+
 def copy_limits(src, nbytes: int, device: str) -> tuple[float, float, float | None]:
     """(fresh, touched, prefaulted) seconds to copy ``nbytes``, 1 GiB at a time, from ``src``
     (1 GiB, touched, allocated before the registry's memory was released, so the copies draw
@@ -86,17 +107,9 @@ def copy_limits(src, nbytes: int, device: str) -> tuple[float, float, float | No
 
     from ckpt_controller.memory import fill
 
-    chunk = min(GiB, nbytes)
-    sizes = [min(chunk, nbytes - off) for off in range(0, nbytes, chunk)]
+    fresh, dsts = fresh_copy(src, nbytes, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    fresh = 0.0
-    dsts = []
-    for n in sizes:
-        dsts.append(torch.empty(n, dtype=torch.uint8, device=device))  # fresh pages
-        t0 = time.perf_counter()
-        dsts[-1].copy_(src[:n])
-        sync()
-        fresh += time.perf_counter() - t0
+    sizes = [dst.numel() for dst in dsts]
     t0 = time.perf_counter()
     for dst in dsts:
         dst.copy_(src[:dst.numel()])

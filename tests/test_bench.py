@@ -108,6 +108,16 @@ def test_capture_against_an_unprepared_dump(tmp_path):
     assert level2["image_bytes"] < unprepared["image_bytes"]  # releasing is what prepare is for
     assert res["restore"]["restore_to_first_token_s"] > res["restore"]["criu_restore_s"] > 0
     assert res["cold"]["start_to_first_token_s"] > 0
+    # the re-wake against the fresh-copy limit, both measured in this run
+    rewake = res["rewake"]
+    assert len(rewake["runs"]) == 1 and rewake["verified_tensors"] > 0
+    assert rewake["bytes"] > 0 and rewake["fresh_copy_s"] > 0 and rewake["fresh_copy_gbps"] > 0
+    assert rewake["restore_reply_s"] > rewake["rewake_s"] > 0 and rewake["golden_prompt_s"] > 0
+    assert rewake["rewake_client_s"] >= rewake["restore_reply_s"]
+    assert rewake["rewake_over_fresh_copy"] == pytest.approx(
+        rewake["rewake_s"] / rewake["fresh_copy_s"])
+    assert rewake["goal"] == 1.25 and rewake["goal_met"] == (rewake["rewake_over_fresh_copy"]
+                                                             <= 1.25)
 
 
 def test_safetensors_writer_against_a_plain_write(tmp_path):

@@ -45,6 +45,24 @@ def test_prefill_decode_and_recompute_match_the_golden_path(tiny):
     assert tiny.prefill(prompt + want[:12], fresh.kv, fresh.allocate(4)) == want[12]
 
 
+def test_the_golden_checks_take_every_token_in_one_pass(tiny):
+    """Teacher forcing: one cache-free pass over a prompt and its greedy continuation gives
+    each greedy token, and a prefill then one decode through the KV pool gives the last two;
+    a changed weight shows at the same position."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = tiny.reference_tokens(prompt, 12)
+    seq = prompt + want[:-1]
+    assert tiny.forced_tokens(seq, 12) == want
+    pool = BlockPool(tiny.cfg, 64)
+    assert tiny.paged_forced(seq, pool.kv, pool.allocate(pool.blocks_for(len(seq)))) \
+        == want[-2:]
+    other = TinyLM(PRESETS["tiny"])
+    other.randomize(0)
+    with torch.no_grad():
+        other.lm_head[want[0]].mul_(-1.0)  # the first golden token is no longer picked
+    assert other.forced_tokens(seq, 12)[0] != want[0]
+
+
 def test_seeds_and_safetensors_round_trip(tiny, tmp_path):
     other = TinyLM(PRESETS["tiny"])
     other.randomize(0)

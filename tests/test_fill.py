@@ -104,3 +104,60 @@ def test_zero_fresh_zeroes_every_byte_of_a_large_range():
     t = torch.ones(fill.PARALLEL_BYTES + 3 * MIB + 5, dtype=torch.uint8)
     fill.zero_fresh(t)
     assert torch.count_nonzero(t) == 0
+
+
+def test_in_chunks_shares_the_chunks_of_many_ranges_over_the_threads(monkeypatch):
+    monkeypatch.setattr(fill, "PARALLEL_BYTES", 64 * 1024)
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 16 * 1024)
+    monkeypatch.setattr(fill, "THREADS", 2)
+    # many ranges, each smaller than what in_parts would split: together they fill two threads
+    sizes = [20_000, 8, 0, 40_003, 16 * 1024, 30_000, 5]
+    ts = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    seen: list[tuple[int, int, int]] = []
+    threads: dict[int, list[tuple[int, int]]] = {}
+    lock = threading.Lock()
+    both_running = threading.Barrier(2, timeout=10)  # broken if the runs went one by one
+
+    def work(i: int, lo: int, hi: int) -> None:
+        with lock:
+            first = threading.get_ident() not in threads
+            threads.setdefault(threading.get_ident(), []).append((i, lo))
+        if first:
+            both_running.wait()
+        ts[i][lo:hi] += 1
+        with lock:
+            seen.append((i, lo, hi))
+
+    fill.in_chunks([(t.data_ptr(), t.numel()) for t in ts], work)
+    assert all(torch.all(t == 1) for t in ts)  # every byte of every range once
+    assert all(hi - lo <= 16 * 1024 and lo % (16 * 1024) == 0 for _, lo, hi in seen)
+    assert len(threads) == 2
+    for run in threads.values():  # each thread walks its own stretch front to back
+        assert run == sorted(run)
+
+
+def test_in_chunks_of_a_little_memory_runs_on_the_calling_thread():
+    ts = [torch.zeros(n, dtype=torch.uint8) for n in (MIB, 3, 0)]
+    where = []
+    fill.in_chunks([(t.data_ptr(), t.numel()) for t in ts],
+                   lambda i, lo, hi: where.append((i, threading.get_ident())))
+    assert where == [(0, threading.get_ident()), (1, threading.get_ident())]
+    fill.in_chunks([], lambda i, lo, hi: where.append(i))  # nothing to fill: nothing called
+    assert len(where) == 2
+
+
+def test_in_chunks_raises_a_failing_chunk_after_all_runs_stopped(monkeypatch):
+    monkeypatch.setattr(fill, "PARALLEL_BYTES", 64 * 1024)
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 16 * 1024)
+    monkeypatch.setattr(fill, "THREADS", 2)
+    ts = [torch.zeros(64 * 1024, dtype=torch.uint8) for _ in range(2)]
+    done = []
+
+    def work(i: int, lo: int, hi: int) -> None:
+        if (i, lo) == (0, 0):
+            raise OSError(5, "Input/output error")
+        done.append((i, lo))
+
+    with pytest.raises(OSError, match="Input/output"):
+        fill.in_chunks([(t.data_ptr(), t.numel()) for t in ts], work)
+    assert done[-1] == (1, 48 * 1024)  # the other run went to its end

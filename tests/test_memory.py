@@ -631,3 +631,33 @@ def test_reloaded_bytes_are_checked_as_they_are_read(tmp_path, monkeypatch):
     with pytest.raises(VerificationError) as info:
         reg.rewake()
     assert "weights/layers.1.weight" in info.value.details["mismatches"]
+
+
+def test_a_model_of_small_tensors_reloads_on_every_thread_checked_as_read(tmp_path,
+                                                                          monkeypatch):
+    """Every tensor is below what one read splits over threads; the reload shares their
+    chunks out over every thread all the same, and checks each chunk as it lands (no second
+    pass over the re-woken weights)."""
+    import threading
+
+    from ckpt_controller.memory import checksum, fill, registry
+
+    monkeypatch.setattr(fill, "PARALLEL_BYTES", 1 << 18)
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 1 << 14)
+    monkeypatch.setattr(fill, "THREADS", 2)
+    model = Stack(6, 128)  # 64 KiB per layer
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    source = tmp_path / "w.safetensors"
+    save_file(model.state_dict(), source)
+    reg = MemoryRegistry()
+    reg.register("weights", model, source=source)
+    reg.release(level=2)
+    threads = set()
+    real_update = checksum.ChecksumStream.update
+    monkeypatch.setattr(checksum.ChecksumStream, "update", lambda self, lo, hi: (
+        threads.add(threading.get_ident()), real_update(self, lo, hi))[1])
+    monkeypatch.setattr(registry, "tensor_checksum",
+                        lambda t: pytest.fail("a second pass over a reloaded CPU tensor"))
+    report = reg.rewake()
+    assert report.verified_tensors == len(want) and len(threads) == 2
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())

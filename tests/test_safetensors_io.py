@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 
 import pytest
 import safetensors.torch
@@ -296,3 +297,45 @@ def test_tensors_sharing_a_storage_are_each_written_in_full(tmp_path):
             f.read_into(name, out)
             assert torch.equal(out, t), name
     assert torch.equal(base, torch.arange(12, dtype=torch.float32))  # the sources untouched
+
+
+def test_many_tensors_are_read_as_one_job_on_every_thread(tmp_path, monkeypatch):
+    import ckpt_controller.memory.safetensors_io as sio
+    from ckpt_controller.memory import fill
+
+    monkeypatch.setattr(fill, "PARALLEL_BYTES", 1 << 16)
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 1 << 14)
+    monkeypatch.setattr(fill, "THREADS", 2)
+    populated = []
+    real_populate = fill.populate_pages
+    monkeypatch.setattr(fill, "populate_pages",
+                        lambda a, n: populated.append(n) or real_populate(a, n))
+    # each tensor alone is below what read_into splits over threads
+    want = {f"t{i}": torch.arange(i * 1000, i * 1000 + n, dtype=torch.float64)
+            for i, n in enumerate([7000, 1, 5000, 8192, 3])}
+    path = tmp_path / "many.safetensors"
+    sio.save_file(want, path)
+    got = {name: torch.empty_like(t) for name, t in want.items()}
+    chunks: list[tuple[int, int, int]] = []
+    threads = set()
+
+    def landed(i: int, lo: int, hi: int) -> None:
+        threads.add(threading.get_ident())
+        chunks.append((i, lo, hi))
+
+    with sio.SafetensorsFile(path) as f:
+        f.read_many(list(got.items()), on_chunk=landed)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert sum(populated) == sum(t.nbytes for t in want.values())  # pages faulted in ahead
+    assert sum(hi - lo for _, lo, hi in chunks) == sum(t.nbytes for t in want.values())
+    assert len(threads) == 2
+    with sio.SafetensorsFile(path) as f:
+        with pytest.raises(UsageError, match="shape differs"):
+            f.read_many([("t0", torch.empty(3, dtype=torch.float64))])
+        with pytest.raises(UsageError, match="no such tensor"):
+            f.read_many([("nope", got["t0"])])
+    with open(path, "r+b") as raw:  # the file shrinks after its header was read
+        f = sio.SafetensorsFile(path)
+        raw.truncate(path.stat().st_size - 100)
+    with f, pytest.raises(MemoryError_, match="file ended inside a tensor"):
+        f.read_many(list(got.items()))

@@ -5,8 +5,10 @@ MLP), a final norm and an LM head; greedy decoding. Random weights from a fixed 
 a safetensors file whose ``__metadata__`` holds the ``ModelConfig``. Attention reads and writes
 a block-pool KV cache (``kv.BlockPool``): ``prefill`` fills a sequence's blocks in one pass,
 ``decode`` advances a whole batch by one token. The golden prompt that checks an engine after
-re-wake runs twice: ``reference_tokens`` recomputes everything without a cache (the weights),
-``paged_tokens`` goes through blocks of the pool, prefill then decode (the path requests take).
+re-wake runs twice, each time on the prompt and its greedy continuation taken at start (teacher
+forcing: one pass checks every token): ``forced_tokens`` computes without a cache (the
+weights), ``paged_forced`` goes through blocks of the pool, prefill then decode (the path
+requests take). ``reference_tokens`` (greedy, a pass per token) makes the continuation.
 
 Tiny and small models compute in float64 so that a request recomputed after a ``keep`` drain
 (one prefill over prompt + generated tokens) picks exactly the tokens an uninterrupted decode
@@ -226,15 +228,37 @@ class TinyLM(torch.nn.Module):
         """Greedy tokens computed from scratch each step (no KV cache): the golden path."""
         seq = list(prompt)
         for _ in range(n):
-            x = self.tok_emb[torch.tensor(seq)] + self.pos_emb[: len(seq)]
-            for blk in self.blocks:
-                q, k, v = (self._rms(x, blk.norm1) @ blk.wqkv.T).split(self.cfg.d_model, -1)
-                q, k, v = (self._split_heads(t).transpose(0, 1) for t in (q, k, v))
-                att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                x = x + att.transpose(0, 1).reshape(len(seq), -1) @ blk.wo.T
-                x = x + self._mlp(blk, x)
-            seq.append(int(self._logits(x[-1]).argmax()))
+            seq.append(int(self._logits(self._cache_free(seq)[-1]).argmax()))
         return seq[len(prompt):]
+
+    @torch.inference_mode()
+    def forced_tokens(self, tokens: list[int], n: int) -> list[int]:
+        """The greedy next token after each of the last ``n`` prefixes of ``tokens``, from one
+        cache-free pass over all of them (teacher forcing). For a prompt followed by its own
+        first ``n - 1`` greedy tokens these are the ``n`` tokens ``reference_tokens`` picks one
+        pass at a time, computed at the cost of one pass; a change in the weights shows at the
+        same position."""
+        return self._logits(self._cache_free(tokens)[-n:]).argmax(-1).tolist()
+
+    @torch.inference_mode()
+    def paged_forced(self, tokens: list[int], kv: torch.Tensor, blocks: list[int]) -> list[int]:
+        """Through the paged KV cache at the cost of two passes: a prefill of all of ``tokens``
+        but the last (its K/V written into ``blocks``) gives its next token; one decode of the
+        last token, at its position, attends over every position read back from the blocks
+        and gives the one after it. ``blocks`` must hold ``len(tokens)`` positions."""
+        first = self.prefill(tokens[:-1], kv, blocks)
+        return [first, self.decode([(tokens[-1], len(tokens) - 1, blocks)], kv)[0]]
+
+    def _cache_free(self, seq: list[int]) -> torch.Tensor:
+        """The last layer's output at every position of ``seq``, computed from scratch."""
+        x = self.tok_emb[torch.tensor(seq)] + self.pos_emb[: len(seq)]
+        for blk in self.blocks:
+            q, k, v = (self._rms(x, blk.norm1) @ blk.wqkv.T).split(self.cfg.d_model, -1)
+            q, k, v = (self._split_heads(t).transpose(0, 1) for t in (q, k, v))
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + att.transpose(0, 1).reshape(len(seq), -1) @ blk.wo.T
+            x = x + self._mlp(blk, x)
+        return x
 
 
 # -------------------------------------------------------------------- weights on disk

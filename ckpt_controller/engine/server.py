@@ -13,8 +13,9 @@ API or the scheduler thread dies of a bug, the process exits with status 70
 (``zmqutil.guarded``): an engine whose agent heartbeats RUNNING must be able to serve. The
 engine's ``EngineHooks`` map the agent's drain and pause/resume calls onto the scheduler, and
 ``verify`` re-runs a golden prompt before the engine serves again, twice: through the
-cache-free path (``TinyLM.reference_tokens``: the weights) and through blocks of the re-woken
-KV pool (``TinyLM.paged_tokens``: the path requests take). After a flood was shed, the heap
+cache-free path (``TinyLM.forced_tokens``: the weights) and through blocks of the re-woken
+KV pool (``TinyLM.paged_forced``: the path requests take), each on the prompt and its greedy
+continuation taken at start, so one pass checks every token (teacher forcing). After a flood was shed, the heap
 gives back what it left free (``trim_heap``).
 Neighbours: ``scheduler``, ``model``, ``kv``, ``api``; ``agent`` (embedded), ``memory`` (the
 ``MemoryRegistry`` holding ``weights`` and ``kv_cache``), ``zmqutil`` (``Outbox``, ``guarded``).
@@ -107,6 +108,9 @@ class ReferenceEngine(EngineHooks):
         n_blocks = opts.kv_blocks or 4 * self.pool_blocks_for(cfg.max_seq_len, opts.block_size)
         self.pool = BlockPool(cfg, n_blocks, opts.block_size)
         self.golden = self.model.reference_tokens(GOLDEN_PROMPT, GOLDEN_TOKENS)
+        #: the golden prompt and its continuation, checked at once (teacher forcing)
+        self._golden_seq = GOLDEN_PROMPT + self.golden[:-1]
+        self.golden_forced = self._forced_golden()
         self.golden_paged = self._paged_golden()
         self.registry = MemoryRegistry()
         self.registry.register("weights", self.model, source=self.weights_path)
@@ -303,23 +307,33 @@ class ReferenceEngine(EngineHooks):
     def resume_scheduling(self) -> None:
         self._on_scheduler(self.scheduler.resume)
 
+    def _forced_golden(self) -> list[int]:
+        """The golden tokens, every one from one cache-free pass over the golden prompt and
+        its continuation (``TinyLM.forced_tokens``)."""
+        return self.model.forced_tokens(self._golden_seq, GOLDEN_TOKENS)
+
     def _paged_golden(self) -> list[int] | None:
-        """The golden prompt through free blocks of the KV pool (scheduler thread, or before
-        it starts); ``None`` when too few blocks are free to hold it."""
-        blocks = self.pool.allocate(self.pool.blocks_for(len(GOLDEN_PROMPT) + GOLDEN_TOKENS))
+        """The golden prompt and its continuation through free blocks of the KV pool, a
+        prefill then a decode (scheduler thread, or before it starts); ``None`` when too few
+        blocks are free to hold it."""
+        blocks = self.pool.allocate(self.pool.blocks_for(len(self._golden_seq)))
         if blocks is None:
             return None
         try:
-            return self.model.paged_tokens(GOLDEN_PROMPT, GOLDEN_TOKENS, self.pool.kv, blocks)
+            return self.model.paged_forced(self._golden_seq, self.pool.kv, blocks)
         finally:
             self.pool.free(blocks)
 
     def verify(self) -> None:
-        got = self.model.reference_tokens(GOLDEN_PROMPT, GOLDEN_TOKENS)
-        if got != self.golden:
+        """The golden prompt, checked against what it gave at start, cache-free (the weights)
+        and through the KV pool (the path requests take). Each path is one pass or two over the
+        prompt and its greedy continuation (teacher forcing), not one per token: a restore
+        waits for this before it serves."""
+        got = self._forced_golden()
+        if got != self.golden_forced:
             raise VerificationError("golden prompt gives other tokens after re-wake",
                                     engine=self.opts.name, path="cache-free",
-                                    expected=self.golden, got=got)
+                                    expected=self.golden_forced, got=got)
         paged = self._on_scheduler(self._paged_golden)
         if paged is None:  # every block held (cannot happen after a drain): say so, go on
             log.warning("%s: no free KV blocks for the paged golden check", self.opts.name)

@@ -7,7 +7,12 @@ touches them. Here every chunk's pages are faulted in first, in one call
 CPU's cache; a large range is split into one contiguous part per thread, so the page faults
 run on every core. ``populate_pages`` is a no-op where the kernel or libc lacks the call.
 
-Neighbours: ``safetensors_io`` fills re-woken weights from their file through ``in_parts``;
+Many ranges at once (``in_chunks``: every re-woken weight of a tag, whatever their sizes) are
+cut into the same chunks, and the chunks of all of them are shared out over the threads, so a
+model of many middle-sized tensors fills on every core too.
+
+Neighbours: ``safetensors_io`` fills re-woken weights from their file through ``in_parts`` and
+``in_chunks``;
 ``registry`` zero-fills a re-woken KV cache with ``zero_fresh``. Nothing here knows tags.
 """
 
@@ -16,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -80,12 +85,45 @@ def in_parts(address: int, nbytes: int, fill: Callable[[int, int], None]) -> Non
             populate_pages(address + c0, c1 - c0)
             fill(c0, c1)
 
-    starts = list(range(0, nbytes, step))
-    if len(starts) == 1:
-        part(0)
+    _run([functools.partial(part, lo) for lo in range(0, nbytes, step)])
+
+
+def in_chunks(ranges: Sequence[tuple[int, int]], fill: Callable[[int, int, int], None]) -> None:
+    """Call ``fill(i, lo, hi)`` for consecutive ``CHUNK_BYTES`` chunks covering ``[0, n)`` of
+    each host memory range ``i`` of ``ranges`` (``(address, n)``), each chunk's pages populated
+    just before. The chunks of all ranges, in order, are split into runs of about equal bytes,
+    one per thread (as many as ``in_parts`` would use for their total), so each thread walks
+    its own stretch of memory (and of a file read into it) front to back. The first exception
+    of any run is raised once all have stopped."""
+    chunk = CHUNK_BYTES
+    chunks = [(i, lo, min(n, lo + chunk)) for i, (_, n) in enumerate(ranges)
+              for lo in range(0, n, chunk)]
+    if not chunks:
         return
-    with ThreadPoolExecutor(max_workers=len(starts)) as pool:
-        for future in [pool.submit(part, lo) for lo in starts]:
+    total = sum(n for _, n in ranges)
+    workers = max(1, min(THREADS, total // max(1, PARALLEL_BYTES // 2), len(chunks)))
+    runs: list[list[tuple[int, int, int]]] = [[] for _ in range(workers)]
+    done = 0
+    for item in chunks:
+        runs[min(workers - 1, done * workers // max(1, total))].append(item)
+        done += item[2] - item[1]
+
+    def run(items: list[tuple[int, int, int]]) -> None:
+        for i, lo, hi in items:
+            populate_pages(ranges[i][0] + lo, hi - lo)
+            fill(i, lo, hi)
+
+    _run([functools.partial(run, items) for items in runs if items])
+
+
+def _run(parts: list[Callable[[], None]]) -> None:
+    """Each part on its own thread (one alone on the calling thread); the first exception is
+    raised once every part has stopped."""
+    if len(parts) == 1:
+        parts[0]()
+        return
+    with ThreadPoolExecutor(max_workers=len(parts)) as pool:
+        for future in [pool.submit(part) for part in parts]:
             future.result()
 
 

@@ -428,19 +428,33 @@ class MemoryRegistry:
         if action == "reload":
             for key in [k for k in self._read_checksums if k[0] == tag.name]:
                 del self._read_checksums[key]  # a failed earlier attempt's, if any
-            pending = self._checksums.get(tag.name, {}) if self.after_refill is None else {}
-            with SafetensorsFile(tag.source) as src:
-                for item in distinct_windows(tag):
-                    stream = None
-                    if item.name in pending and item.tensor.device.type == "cpu":
-                        stream = ChecksumStream(item.tensor)  # checked as it is read
-                    src.read_into(item.name, item.tensor,
-                                  on_chunk=stream.update if stream else None)
-                    if stream is not None:
-                        self._read_checksums[(tag.name, item.name)] = stream.digest()
+            self._reload(tag)
         for dev in {b.device for b in tag.blocks if b.host is not None}:
             measure.synchronize(dev)  # the host copies are dropped once this returns
         return moved
+
+    def _reload(self, tag: TagEntry) -> None:
+        """Read ``tag``'s tensors back from its source: the CPU ones as one job on every
+        thread, each chunk checksummed as it lands (while it is in the CPU's cache), the others
+        one by one (checked after the refill, on their device)."""
+        pending = self._checksums.get(tag.name, {}) if self.after_refill is None else {}
+        items = distinct_windows(tag)
+        host = [item for item in items if item.tensor.device.type == "cpu"]
+        streams = [ChecksumStream(item.tensor) if item.name in pending else None
+                   for item in host]
+
+        def landed(i: int, lo: int, hi: int) -> None:
+            if streams[i] is not None:
+                streams[i].update(lo, hi)
+
+        with SafetensorsFile(tag.source) as src:
+            src.read_many([(item.name, item.tensor) for item in host], on_chunk=landed)
+            for item in items:
+                if item.tensor.device.type != "cpu":
+                    src.read_into(item.name, item.tensor)
+        for item, stream in zip(host, streams):
+            if stream is not None:
+                self._read_checksums[(tag.name, item.name)] = stream.digest()
 
     def _verify(self) -> int:
         """Check every pending checksum of the re-woken tags (all of them, so nothing stays
