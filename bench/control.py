@@ -6,6 +6,9 @@ Agents are real ``Agent`` objects with nothing registered, hosted in separate pr
 (``--per-process`` agents each, so 1,000 agents fit in memory), each on its own ipc socket.
 The controller is a real ``ControllerServer`` (SQLite journal, fsync per record) alone in its
 own process, driven by a ``ControllerClient`` from this one over its socket, as the CLI would.
+Each engine count gets agents and a controller of its own, started for it and ended after it:
+no idle agent of a larger count shares the CPUs with a smaller one's cycles (in a fleet the
+other engines' agents run on other hosts).
 
 - bare round trip: a pyzmq DEALER here and a ROUTER echo in its own process, over ipc as the
   agents are reached; ``--round-trips`` small messages, half before the cycles and half after,
@@ -26,7 +29,9 @@ Neighbours: ``_hosts`` (the processes and their CPU clocks), ``_common`` (tables
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,17 +51,21 @@ GOALS = [("single_rt", "one engine, one cycle", 20.0, "bare RT"),
 def config(d: Path, n: int, state: Path) -> str:
     engines = "".join(f'[[engine]]\nname = "a{i}"\ncontrol = "ipc://{d}/a{i}.ctl"\n'
                       for i in range(n))
-    return (f'[controller]\nendpoint = "ipc://{d}/ctl-{n}.sock"\nstate_dir = "{state}"\n'
+    return (f'[controller]\nendpoint = "ipc://{d}/controller.sock"\nstate_dir = "{state}"\n'
             f'heartbeat_interval_s = 1.0\n[defaults]\nlevel = 0\ndrain = "abort"\n' + engines)
 
 
-def run_count(d: Path, fleet: Fleet, n: int, reps: int, state_root: Path) -> dict:
-    """``reps`` measured cycles of ``n`` engines at once, with a controller of their own."""
-    conf = d / f"ctl-{n}.toml"
-    conf.write_text(config(d, n, state_root / f"state-{n}"))
+def run_count(d: Path, n: int, args, reps: int) -> dict:
+    """``reps`` measured cycles of ``n`` engines at once, with a fleet of ``n`` agents and a
+    controller of their own, all in ``d``."""
     from ckpt_controller.controller.client import ControllerClient
 
-    with ControllerHost(conf) as ctl, ControllerClient(ctl.endpoint, timeout_s=120) as c:
+    d.mkdir()
+    conf = d / "controller.toml"
+    conf.write_text(config(d, n, (args.state_dir or d) / f"state-{d.name}"))
+    fleet = Fleet(d, n, args.per_process)
+    with contextlib.closing(fleet), ControllerHost(conf) as ctl, \
+            ControllerClient(ctl.endpoint, timeout_s=120) as c:
         c.subscribe()
         names = [f"a{i}" for i in range(n)]
         c.cycle(names, max_unavailable=n)  # warm: connections, imports
@@ -81,6 +90,8 @@ def run_count(d: Path, fleet: Fleet, n: int, reps: int, state_root: Path) -> dic
     row = {"engines": n, "cycles": len(times), "median_s": median(times), "p90_s": p90(times),
            "runs_s": times, "phase_median_s": {k: median(v) for k, v in phases.items()},
            "measured_s": measured_s, "idle_s": idle_s}
+    print(f"{n} engines: {reps} cycles, median {row['median_s'] * 1e3:.1f} ms",
+          file=sys.stderr, flush=True)  # progress: the tables come at the end
     for i, who in enumerate(("controller", "agents")):
         busy, idle = cpu1[i] - cpu0[i], cpu2[i] - cpu1[i]
         net = busy - idle / idle_s * measured_s
@@ -121,9 +132,12 @@ def fit(results: dict) -> dict | None:
             "intercept_rt": line.intercept / rt}
 
 
+def plural(count: int, word: str) -> str:
+    return f"{count:,} {word}{'s' if count != 1 else ''}"
+
+
 def engines(row: dict) -> str:
-    n = row["engines"]
-    return f"{n} engine{'s' if n != 1 else ''}, {row['cycles']} cycles"
+    return f"{plural(row['engines'], 'engine')}, {plural(row['cycles'], 'cycle')}"
 
 
 def goals(results: dict) -> list[dict]:
@@ -133,7 +147,7 @@ def goals(results: dict) -> list[dict]:
              for who in ("controller", "agents")}
     measured = {
         "single_rt": (results["single"]["median_rt"], "median of "
-                      f"{results['single']['cycles']} cycles"),
+                      + plural(results["single"]["cycles"], "cycle")),
         "fanout_slope_rt": (results["fit"]["slope_rt"], "fit over "
                             + ",".join(map(str, results["fit"]["counts"])))
         if results["fit"] else (None, "needs two counts"),
@@ -154,20 +168,16 @@ def measure(args) -> dict:
     results: dict = {"single": None, "fanout": []}
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp:
         d = Path(tmp)
-        fleet = Fleet(d, max(counts), args.per_process)
-        echo = None
+        echo = EchoHost(f"ipc://{d}/echo.sock", d / "echo.log")
         try:
-            echo = EchoHost(f"ipc://{d}/echo.sock", d / "echo.log")
             before = echo.round_trips(args.round_trips // 2)
-            results["single"] = run_count(d, fleet, 1, args.repeat, args.state_dir or d)
+            results["single"] = run_count(d / "single", 1, args, args.repeat)
             for n in counts:
-                results["fanout"].append(run_count(d, fleet, n, args.fanout_repeat,
-                                                   args.state_dir or d))
+                results["fanout"].append(run_count(d / f"fanout-{n}", n, args,
+                                                   args.fanout_repeat))
             after = echo.round_trips(args.round_trips - args.round_trips // 2)
         finally:
-            if echo is not None:
-                echo.close()
-            fleet.close()
+            echo.close()
     results["round_trip"] = round_trip(before, after)
     in_rt(results)
     results["fit"] = fit(results)

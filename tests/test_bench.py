@@ -35,11 +35,11 @@ def positive(value) -> bool:
 
 
 def test_control_overhead_and_fan_out(tmp_path):
-    res = bench(tmp_path, "control", "--counts", "1,10", "--repeat", "3", "--fanout-repeat",
+    res = bench(tmp_path, "control", "--counts", "1,3", "--repeat", "3", "--fanout-repeat",
                 "1", "--round-trips", "200")
     assert len(res["single"]["runs_s"]) == 3 and res["single"]["median_s"] > 0
     assert {"prepare", "restore"} <= set(res["single"]["phase_median_s"])
-    assert [row["engines"] for row in res["fanout"]] == [1, 10]
+    assert [row["engines"] for row in res["fanout"]] == [1, 3]
     rt = res["round_trip"]
     assert rt["round_trips"] == 200
     assert all(positive(rt[k]) for k in ("median_s", "p90_s", "median_before_s",
@@ -54,7 +54,7 @@ def test_control_overhead_and_fan_out(tmp_path):
         assert row["controller_idle_cpu_s"] >= 0 and row["agents_idle_cpu_s"] >= 0
         assert set(row["phase_median_rt"]) == set(row["phase_median_s"])
     fit = res["fit"]
-    assert fit["counts"] == [1, 10]
+    assert fit["counts"] == [1, 3]
     # a line through two noisy counts: its sign is the machine's to say, not this test's
     assert all(math.isfinite(fit[k]) for k in ("slope_s", "intercept_s", "slope_rt",
                                                "intercept_rt"))
