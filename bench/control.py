@@ -75,7 +75,7 @@ def run_count(d: Path, n: int, args, reps: int) -> dict:
             t0 = time.perf_counter()
             r = c.cycle(names, max_unavailable=n)
             times.append(time.perf_counter() - t0)
-            assert r.status == OperationStatus.SUCCEEDED, r.error
+            assert r.status == OperationStatus.SUCCEEDED, f"{n} engines: {r.error}"
             results.append(r)
         measured_s = time.perf_counter() - start
         cpu1 = (ctl.cpu_s(), fleet.cpu_s())
