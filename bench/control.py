@@ -68,7 +68,8 @@ def run_count(d: Path, n: int, args, reps: int) -> dict:
             ControllerClient(ctl.endpoint, timeout_s=120) as c:
         c.subscribe()
         names = [f"a{i}" for i in range(n)]
-        c.cycle(names, max_unavailable=n)  # warm: connections, imports
+        r = c.cycle(names, max_unavailable=n)  # warm: connections, imports
+        assert r.status == OperationStatus.SUCCEEDED, f"{n} engines, warm-up: {r.error}"
         times, results = [], []
         cpu0, start = (ctl.cpu_s(), fleet.cpu_s()), time.perf_counter()
         for _ in range(reps):
