@@ -41,11 +41,17 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
     cells = [header] + [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     line = "  ".join("-" * w for w in widths)
-    out = [title, line, "  ".join(h.ljust(w) for h, w in zip(header, widths)), line]
-    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells[1:]]
+    out = [title, line, "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(), line]
+    out += ["  ".join(_align(c, w, v) for c, w, v in zip(r, widths, row)).rstrip()
+            for r, row in zip(cells[1:], rows)]
     text = "\n".join(out + [line, ""])
     print(text, flush=True)
     return text
+
+
+def _align(cell: str, width: int, value) -> str:
+    """Text to the left, figures to the right."""
+    return cell.ljust(width) if isinstance(value, str) else cell.rjust(width)
 
 
 def _fmt(v) -> str:

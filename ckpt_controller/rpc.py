@@ -46,6 +46,21 @@ from ckpt_controller.values import COUNT, DURATION, check, count, shown
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
+#: sockets the process's shared context may hold. zmq's default, 1023, is about 340 clients
+#: (a DEALER each and, until first contact, a monitor pair): fewer than the engines one
+#: controller cycles at once
+SHARED_MAX_SOCKETS = 16_384
+
+
+def shared_context() -> zmq.Context:
+    """The process's shared zmq context, with room for ``SHARED_MAX_SOCKETS`` sockets. zmq reads
+    the limit when the context makes its first socket: one that other code used first keeps
+    the limit it had then."""
+    ctx = zmq.Context.instance()
+    ctx.set(zmq.MAX_SOCKETS, SHARED_MAX_SOCKETS)
+    return ctx
+
+
 def new_op_id() -> str:
     return uuid.uuid4().hex[:16]
 
@@ -91,7 +106,7 @@ class RpcClient:
         self.name = name
         self.on_event = on_event
         self.events: deque[p.EventBody] = deque(maxlen=10_000)
-        self._ctx = context or zmq.Context.instance()
+        self._ctx = context or shared_context()
         self._calls = itertools.count(1)
         self._subscribed = False
         #: the server sends heartbeats to subscribers (its handshake said so)

@@ -9,6 +9,7 @@ criu``) and skips with the reason without it.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -29,11 +30,44 @@ def bench(tmp_path: Path, script: str, *args: str) -> dict:
     return doc["results"]
 
 
+def positive(value) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
 def test_control_overhead_and_fan_out(tmp_path):
-    res = bench(tmp_path, "control", "--counts", "1,3", "--repeat", "3", "--fanout-repeat", "1")
+    res = bench(tmp_path, "control", "--counts", "1,3", "--repeat", "3", "--fanout-repeat",
+                "1", "--round-trips", "200")
     assert len(res["single"]["runs_s"]) == 3 and res["single"]["median_s"] > 0
     assert {"prepare", "restore"} <= set(res["single"]["phase_median_s"])
     assert [row["engines"] for row in res["fanout"]] == [1, 3]
+    rt = res["round_trip"]
+    assert rt["round_trips"] == 200
+    assert all(positive(rt[k]) for k in ("median_s", "p90_s", "median_before_s",
+                                         "median_after_s"))
+    for row in [res["single"]] + res["fanout"]:  # every time also in bare round trips
+        assert all(positive(row[k]) for k in (
+            "median_rt", "p90_rt", "measured_s", "idle_s", "controller_cpu_s", "agents_cpu_s",
+            "controller_cpu_per_engine_cycle_s", "controller_net_cpu_per_engine_cycle_s",
+            "controller_net_cpu_per_engine_cycle_rt", "agents_cpu_per_engine_cycle_s",
+            "agents_net_cpu_per_engine_cycle_s", "agents_net_cpu_per_engine_cycle_rt"))
+        assert row["idle_s"] >= row["measured_s"]  # idle as long as the cycles measured
+        assert row["controller_idle_cpu_s"] >= 0 and row["agents_idle_cpu_s"] >= 0
+        assert set(row["phase_median_rt"]) == set(row["phase_median_s"])
+    fit = res["fit"]
+    assert fit["counts"] == [1, 3]
+    # a line through two noisy counts: its sign is the machine's to say, not this test's
+    assert all(math.isfinite(fit[k]) for k in ("slope_s", "intercept_s", "slope_rt",
+                                               "intercept_rt"))
+    goals = {g["goal"]: g for g in res["goals"]}
+    assert set(goals) == {"single_rt", "fanout_slope_rt", "controller_cpu_ms", "agent_cpu_ms"}
+    assert goals["single_rt"]["value"] == res["single"]["median_rt"]
+    assert goals["fanout_slope_rt"]["value"] == fit["slope_rt"]
+    for g in goals.values():
+        assert positive(g["limit"]) and g["met"] == (g["value"] <= g["limit"])
+    for key, who in (("controller_cpu_ms", "controller"), ("agent_cpu_ms", "agents")):
+        assert positive(goals[key]["value"])  # the worst count's, in ms
+        assert goals[key]["value"] == max(r[f"{who}_net_cpu_per_engine_cycle_s"] * 1e3
+                                          for r in [res["single"]] + res["fanout"])
 
 
 def test_journal_records_and_operations_share_fsyncs(tmp_path):

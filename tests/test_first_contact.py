@@ -164,6 +164,33 @@ def test_a_peer_that_accepted_but_never_answers_gets_the_retries_and_the_real_ti
     assert abs(err.details["waited_s"] - took) < 0.3
 
 
+#: a client per engine, as a controller opens them for one cycle over a thousand engines
+HOLD_CLIENTS = r"""
+import resource, sys
+from ckpt_controller.agent import AgentClient
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[3]), int(sys.argv[3])))
+clients = [AgentClient(f"ipc://{sys.argv[1]}/a{i}.ctl") for i in range(int(sys.argv[2]))]
+for c in clients:
+    c.close()
+print(len(clients))
+"""
+
+
+def test_one_process_opens_clients_to_a_thousand_engines_at_once(ipc_dir):
+    """Each client holds a DEALER and, until first contact, a monitor pair: zmq's default of
+    1023 sockets per context stopped a process at about 340 (``Too many open files``). A fresh
+    process, so the shared context is made here; each client also takes 3 file descriptors."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    files = 8192 if hard == resource.RLIM_INFINITY else min(hard, 8192)
+    if files < 4 * 1000:
+        pytest.skip(f"the hard limit on open files ({hard}) is below 4,000")
+    run = subprocess.run([sys.executable, "-c", HOLD_CLIENTS, str(ipc_dir), "1000", str(files)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.split() == ["1000"], run.stderr[-2000:]
+
+
 def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, float]:
     start = time.monotonic()
     try:

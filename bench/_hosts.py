@@ -1,0 +1,213 @@
+"""The processes ``control.py`` measures, each a real process of its own: agent hosts, a
+controller host and a bare zmq echo; and the CPU clock that says what each of them spent.
+
+- ``Fleet``: ``n`` real ``Agent`` objects with nothing registered, at most ``per`` to a host
+  process, each on its own ipc socket;
+- ``ControllerHost``: a real ``ControllerServer`` (its config given as TOML) alone in its
+  process, as ``ckptctl serve`` runs it;
+- ``EchoHost`` and ``round_trips``: a ROUTER that sends every message back, and a DEALER that
+  times each round trip: the transport's own cost, with none of this project's code in it;
+- ``cpu_s(pid)``: a process's CPU time (user + system, all its threads, also those that
+  have ended) from its POSIX CPU clock, in nanoseconds; ``/proc/<pid>/stat`` counts in 10 ms
+  ticks, too coarse for a few cycles.
+
+Each host waits on its stdin and ends when it is closed. Neighbours: ``control`` (the only
+user), ``ckpt_controller.agent`` and ``ckpt_controller.controller.server`` (what is hosted).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+#: how long a host may take to say it is ready, and to end once its stdin is closed
+HOST_START_S = 120.0
+HOST_EXIT_S = 30.0
+#: how long the echo may take to answer one message before the measurement is called broken
+ECHO_TIMEOUT_MS = 5_000
+
+AGENT_HOST = r"""
+import sys, json
+from ckpt_controller.agent import Agent
+d, first, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+agents = [Agent(f"a{i}", control=f"ipc://{d}/a{i}.ctl", heartbeat_interval_s=1.0).start()
+          for i in range(first, first + count)]
+print(json.dumps({"event": "ready", "agents": count}), flush=True)
+sys.stdin.read()   # until the benchmark closes our stdin
+for a in agents:
+    a.close()
+"""
+
+CONTROLLER_HOST = r"""
+import sys, json
+from pathlib import Path
+from ckpt_controller.controller.config import parse_config
+from ckpt_controller.controller.server import ControllerServer
+server = ControllerServer(parse_config(Path(sys.argv[1]).read_text())).start()
+print(json.dumps({"event": "ready", "endpoint": server.endpoint}), flush=True)
+sys.stdin.read()   # until the benchmark closes our stdin
+server.close()
+"""
+
+ECHO_HOST = r"""
+import sys, json, zmq
+ctx = zmq.Context()
+sock = ctx.socket(zmq.ROUTER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.bind(sys.argv[1])
+print(json.dumps({"event": "ready"}), flush=True)
+while True:
+    frames = sock.recv_multipart()
+    if frames[1:] == [b"stop"]:
+        break
+    sock.send_multipart(frames)
+sock.close()
+ctx.term()
+"""
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` has spent so far, user and system, all its threads."""
+    clock = ctypes.c_int()
+    err = _libc.clock_getcpuclockid(pid, ctypes.byref(clock))
+    if err:
+        raise OSError(err, f"no CPU clock for process {pid}")
+    return time.clock_gettime_ns(clock.value) / 1e9
+
+
+def _popen(script: str, *argv: str, log: Path) -> subprocess.Popen:
+    """A host started; what it logs goes to ``log`` (a controller warns once per engine and
+    cycle that nothing was captured, which would bury the tables)."""
+    with open(log, "ab") as err:
+        return subprocess.Popen([sys.executable, "-c", script, *argv], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+
+
+def _spawn(script: str, *argv: str, log: Path) -> tuple[subprocess.Popen, dict]:
+    """A host started and ready: its process and what its ready line said."""
+    proc = _popen(script, *argv, log=log)
+    try:
+        return proc, _ready(proc, log)
+    except BaseException:  # policy: a host that failed to start is ended, the error goes on
+        _end([proc])
+        raise
+
+
+def _ready(proc: subprocess.Popen, log: Path) -> dict:
+    """The host's ready line; a host that ends, says something else first or says nothing
+    for ``HOST_START_S`` is an error that shows the end of its log."""
+    readable, _, _ = select.select([proc.stdout], [], [], HOST_START_S)
+    line = proc.stdout.readline() if readable else f"(nothing in {HOST_START_S:.0f} s)"
+    try:
+        said = json.loads(line)
+    except json.JSONDecodeError:  # policy: not a ready line: the host failed to start
+        said = {}
+    if said.get("event") != "ready":
+        proc.kill()
+        tail = log.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"a benchmark host did not start: {line!r}\n{tail}")
+    return said
+
+
+def _end(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.stdin and not proc.stdin.closed:
+            proc.stdin.close()
+    for proc in procs:
+        try:
+            proc.wait(HOST_EXIT_S)
+        except subprocess.TimeoutExpired:  # policy: a host that hangs on close is killed
+            proc.kill()
+            proc.wait()
+
+
+class Fleet:
+    """``n`` agents in processes of at most ``per`` agents each."""
+
+    def __init__(self, d: Path, n: int, per: int) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        try:
+            for first in range(0, n, per):
+                self.logs.append(d / f"agents-{first}.log")
+                self.procs.append(_popen(AGENT_HOST, str(d), str(first),
+                                         str(min(per, n - first)), log=self.logs[-1]))
+            for proc, log in zip(self.procs, self.logs):
+                _ready(proc, log)
+        except BaseException:  # policy: a fleet half started is ended before the error goes on
+            self.close()
+            raise
+
+    def cpu_s(self) -> float:
+        """CPU seconds all agent hosts have spent so far."""
+        return sum(cpu_s(proc.pid) for proc in self.procs)
+
+    def close(self) -> None:
+        _end(self.procs)
+
+
+class ControllerHost:
+    """A ``ControllerServer`` alone in its process, configured by the TOML in ``config``."""
+
+    def __init__(self, config: Path) -> None:
+        self.proc, said = _spawn(CONTROLLER_HOST, str(config), log=config.with_suffix(".log"))
+        self.endpoint: str = said["endpoint"]
+
+    def cpu_s(self) -> float:
+        return cpu_s(self.proc.pid)
+
+    def close(self) -> None:
+        _end([self.proc])
+
+    def __enter__(self) -> "ControllerHost":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class EchoHost:
+    """A bare ROUTER in its own process that sends each message back as it came."""
+
+    def __init__(self, endpoint: str, log: Path) -> None:
+        self.endpoint = endpoint
+        self.proc, _ = _spawn(ECHO_HOST, endpoint, log=log)
+
+    def round_trips(self, count: int, body_bytes: int = 64, warm: int = 100) -> list[float]:
+        """Seconds of each of ``count`` round trips of a two-frame message (a type byte and a
+        ``body_bytes`` body, as a protocol frame), after ``warm`` untimed ones."""
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, ECHO_TIMEOUT_MS)
+        sock.connect(self.endpoint)
+        frames = [b"\x01", bytes(body_bytes)]
+        times = []
+        try:
+            for i in range(warm + count):
+                t0 = time.perf_counter()
+                sock.send_multipart(frames)
+                sock.recv_multipart()  # zmq.Again after ECHO_TIMEOUT_MS: the echo is broken
+                if i >= warm:
+                    times.append(time.perf_counter() - t0)
+        finally:
+            sock.close()
+        return times
+
+    def close(self) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1_000)
+        sock.connect(self.endpoint)
+        sock.send(b"stop")
+        sock.close()
+        _end([self.proc])
