@@ -107,3 +107,20 @@ def test_a_refused_operation_gives_its_links_back(tmp_path, spawn_engine):
         assert (ctl.links.opened, ctl.links.reused) == (1, 1)
     finally:
         ctl.close()
+
+
+def test_the_controller_raises_its_open_files_limit_for_its_engines():
+    """A thousand engines need thousands of descriptors; the usual soft limit is 1,024."""
+    import subprocess
+    import sys
+
+    code = ("import resource\n"
+            "from ckpt_controller.controller.server import raise_open_files\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (512, 4096))\n"
+            "raise_open_files(3000); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+            "raise_open_files(100_000); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3000", "4096"]  # as asked; then capped at the hard limit
+    assert "hard limit" in out.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.config import ControllerConfig
@@ -26,6 +27,27 @@ from ckpt_controller.security import CurveServer
 
 log = logging.getLogger("ckpt_controller.controller")
 
+#: file descriptors the controller may hold per engine (its link: a socket, its monitor pair,
+#: zmq's mailboxes; the monitor's link; a probe's), and besides the engines
+FILES_PER_ENGINE = 12
+FILES_BASE = 256
+
+
+def raise_open_files(needed: int) -> None:
+    """Raise the soft limit on open files towards ``needed`` (at most the hard limit): a
+    controller of a thousand engines needs several thousand, and the usual soft limit is
+    1,024. Says so in the log when the hard limit is lower."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        log.warning("open files are limited to %d (hard limit); %d engines may need %d: "
+                    "raise LimitNOFILE (systemd) or ulimit -Hn", target, needed // FILES_PER_ENGINE,
+                    needed)
+
 
 class ControllerServer(RpcServer):
     serves = frozenset({p.RequestType.HANDSHAKE, p.RequestType.STATUS,
@@ -37,6 +59,7 @@ class ControllerServer(RpcServer):
                          curve=CurveServer(config.curve_secret_key, config.curve_clients)
                          if config.curve_clients is not None else None)
         self.config = config
+        raise_open_files(FILES_PER_ENGINE * len(config.engines) + FILES_BASE)
         self.metrics = Metrics()
         self.controller = Controller(config, metrics=self.metrics, publish=self.publish)
         self.metrics_server: MetricsServer | None = None
