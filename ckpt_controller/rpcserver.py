@@ -165,10 +165,12 @@ class RpcServer:
     # ------------------------------------------------------------------ sending (any thread)
 
     def publish(self, body: p.EventBody) -> None:
-        """Send an event to every subscriber."""
-        frames = p.event_frames(body)
+        """Send an event to every subscriber (encoded once; not at all when there is none)."""
         with self._subscribers_lock:
+            if not self._subscribers:
+                return
             targets = list(self._subscribers)
+        frames = p.event_frames(body)
         for identity in targets:
             self.send(identity, frames)
 
