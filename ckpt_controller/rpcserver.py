@@ -45,7 +45,8 @@ from ckpt_controller.clock import Clock
 from ckpt_controller.errors import (CkptError, EngineError, OperationError, OverloadedError,
                                     ProtocolError)
 from ckpt_controller.security import CurveServer, ZapHandler, log_handshake_failures
-from ckpt_controller.zmqutil import DeathHook, Outbox, exit_on_thread_death, guarded
+from ckpt_controller.zmqutil import (DeathHook, Outbox, exit_on_thread_death, guarded,
+                                     more_to_read)
 
 log = logging.getLogger("ckpt_controller.rpc")
 
@@ -262,9 +263,11 @@ class RpcServer:
                 for _ in range(READ_BUDGET):  # the rest waits for the next round
                     try:
                         frames = self._router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
+                    except zmq.Again:  # policy: nothing after all: back to polling
                         break
                     self._dispatch(frames)
+                    if not more_to_read(self._router):
+                        break
             if self.clock.monotonic() >= next_beat:
                 next_beat = self.clock.monotonic() + self.heartbeat_interval_s
                 self.on_tick()
