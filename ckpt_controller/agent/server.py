@@ -136,8 +136,9 @@ class Agent(RpcServer):
         self._current: _Op | None = None
         self._ops_lock = threading.Lock()
         # the operation thread's jobs: one at most, since one operation runs at a time (it
-        # is taken before the next may start); None stops the thread
-        self._jobs: queue.Queue[tuple[_Op, p.Command] | None] = queue.Queue(maxsize=1)
+        # is taken before the next may start; ``_start_operation`` checks); None stops the
+        # thread. A SimpleQueue: a ``Queue``'s Python condition cost more than the op
+        self._jobs: queue.SimpleQueue[tuple[_Op, p.Command] | None] = queue.SimpleQueue()
         self._op_thread: threading.Thread | None = None
         self.lifecycle.subscribe(self._on_transition)
 
@@ -217,18 +218,15 @@ class Agent(RpcServer):
                 raise BusyError(f"engine {self.name} is busy with {self._current.kind}",
                                 engine=self.name, holder=self._current.op_id,
                                 state=self.lifecycle.state.value)
+            if self._jobs.qsize():  # the previous job was never taken: the thread died
+                raise OperationError("the agent's operation thread is not running",
+                                     engine=self.name, op_id=op_id)
             op = _Op(op_id, kind, waiters=[(identity, cmd.call_id)])
             self._ops[op_id] = op
             while len(self._ops) > _OP_MEMORY:
                 self._ops.popitem(last=False)
             self._current = op
-            try:  # never full while the thread lives: the previous job was taken
-                self._jobs.put_nowait((op, cmd))
-            except queue.Full:  # policy: the operation thread died of a bug: refuse, typed
-                self._current = None
-                del self._ops[op_id]
-                raise OperationError("the agent's operation thread is not running",
-                                     engine=self.name, op_id=op_id) from None
+            self._jobs.put((op, cmd))
         if self._op_thread is None:  # only the control thread starts operations
             name = f"ckpt-op-{self.name}"
             self._op_thread = threading.Thread(
@@ -238,13 +236,10 @@ class Agent(RpcServer):
 
     def close(self) -> None:
         """Stop serving; the operation thread ends after the operation it runs, if any (a
-        daemon thread: close never waits for an operation, as before)."""
+        daemon thread: close never waits for an operation)."""
         super().close()
         if self._op_thread is not None:
-            try:
-                self._jobs.put_nowait(None)
-            except queue.Full:  # policy: a job not yet taken runs; the idle daemon is harmless
-                pass
+            self._jobs.put(None)
             self._op_thread = None
 
     def _operation_loop(self) -> None:
@@ -252,7 +247,6 @@ class Agent(RpcServer):
             self._run_operation(*job)
 
     def _run_operation(self, op: _Op, cmd: p.Command) -> None:
-        # one INFO line per operation, at its end: logging is a real share of a no-op's cost
         log.debug("agent %s: %s %s starts", self.name, op.kind, op.op_id)
         try:
             op.result = getattr(self.operations, op.kind)(cmd)
@@ -265,8 +259,13 @@ class Agent(RpcServer):
         self.failpoints.operation_ended()
         if isinstance(op.result, (p.PrepareReply, p.RestoreReply)):
             op.result.transitions = list(op.transitions)
-        outcome = "ok" if op.error is None else f"{op.error.kind}: {op.error}"
-        log.info("agent %s: %s %s ends: %s", self.name, op.kind, op.op_id, outcome)
+        # a failure is worth a line in the engine's log; a success is in the controller's
+        # journal, and an INFO line for it cost a no-op operation as much as its own work
+        if op.error is None:
+            log.debug("agent %s: %s %s ends: ok", self.name, op.kind, op.op_id)
+        else:
+            log.warning("agent %s: %s %s ends: %s: %s", self.name, op.kind, op.op_id,
+                        op.error.kind, op.error)
         with self._ops_lock:
             op.done = True
             self._current = None
