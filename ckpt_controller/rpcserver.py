@@ -221,6 +221,10 @@ class RpcServer:
     def on_tick(self) -> None:
         """Runs on the control thread every heartbeat interval, before the heartbeat."""
 
+    def before_wait(self) -> None:
+        """Runs on the control thread after each round, just before it waits for the next:
+        the place to wake another thread, which then finds the GIL about to be free."""
+
     def heartbeat_body(self, seq: int) -> p.Heartbeat | None:
         """The heartbeat to publish, or None to stay silent this interval."""
         return p.Heartbeat(engine=self.name, state="serving", seq=seq,
@@ -246,6 +250,7 @@ class RpcServer:
         interval_ms = max(1, int(self.heartbeat_interval_s * 1000))
         next_beat = self.clock.monotonic()
         while not self._stop.is_set():
+            self.before_wait()
             if time.monotonic() < self._stalled_until:
                 time.sleep(min(0.1, self._stalled_until - time.monotonic()))
                 continue
