@@ -1,7 +1,11 @@
 """The lifecycle: one transition table over the vocabulary's states and triggers, nothing else.
 
-The table is data (``TRANSITIONS``) fed to the ``transitions`` library with
-``auto_transitions=False``, so no ``to_<state>()`` shortcut can bypass it. The lifecycle knows
+The table is data (``TRANSITIONS``), read once into a map from (state, trigger) to the next
+state: a move is one lookup under a lock, and there is no other way to change the state (no
+``to_<state>()`` shortcut, an unknown or illegal trigger is an error that moves nothing).
+This used to be fed to the ``transitions`` library (``auto_transitions=False``); its generic
+event machinery (callbacks, event data, debug logging) was about 70% of the CPU of a no-op
+prepare+restore on the agent (bench/agent_ops.py), for nothing this table needs. The lifecycle knows
 no sockets, no torch and no engine: the agent (``ckpt_controller.agent``) fires triggers on it
 and publishes the recorded ``Transition`` values. States come from vLLM's ``CheckpointState``;
 states and triggers are spelled once, in ``vocab`` (re-exported here). ``seal`` and ``resume``
@@ -16,12 +20,9 @@ Neighbours: ``vocab`` (the words), ``agent.operations`` (fires the triggers), ``
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from transitions import Machine
 
 from ckpt_controller.clock import Clock
 from ckpt_controller.errors import InvalidTransitionError
@@ -31,9 +32,6 @@ __all__ = [
     "TRANSITIONAL", "TRANSITIONS", "CheckpointState", "Lifecycle", "Transition", "Trigger",
 ]
 
-
-# transitions logs every callback at INFO; our own log names each transition already
-logging.getLogger("transitions").setLevel(logging.WARNING)
 
 S, T = CheckpointState, Trigger
 
@@ -61,10 +59,14 @@ class Transition:
     reason: str = ""
 
 
-class _Model:
-    """The object ``transitions`` attaches trigger methods and ``state`` to."""
-
-    state: str
+#: (state, trigger) -> the state it leads to: the table, read for every move
+_MOVES: dict[tuple[CheckpointState, Trigger], CheckpointState] = {
+    (src, trig): dst for trig, srcs, dst in TRANSITIONS for src in srcs
+}
+#: state -> the triggers allowed in it, in table order
+_ALLOWED: dict[CheckpointState, tuple[Trigger, ...]] = {
+    state: tuple(t for t in Trigger if (state, t) in _MOVES) for state in CheckpointState
+}
 
 
 class Lifecycle:
@@ -79,18 +81,7 @@ class Lifecycle:
     ) -> None:
         self._clock = clock or Clock()
         self._lock = threading.RLock()
-        self._model = _Model()
-        self._machine = Machine(
-            model=self._model,
-            states=[s.value for s in CheckpointState],
-            transitions=[
-                {"trigger": t.value, "source": [s.value for s in src], "dest": dst.value}
-                for t, src, dst in TRANSITIONS
-            ],
-            initial=initial.value,
-            auto_transitions=False,
-            ignore_invalid_triggers=False,
-        )
+        self._state = CheckpointState(initial)
         self._generation = generation
         self._restoring_cycle = False  # True while RESTORING came from PREPARED via restore
         self._history: list[Transition] = []
@@ -99,7 +90,7 @@ class Lifecycle:
 
     @property
     def state(self) -> CheckpointState:
-        return CheckpointState(self._model.state)
+        return self._state
 
     @property
     def generation(self) -> int:
@@ -112,8 +103,7 @@ class Lifecycle:
 
     def allowed(self, state: CheckpointState | None = None) -> list[Trigger]:
         """Triggers allowed in ``state`` (default: the current one), in table order."""
-        names = set(self._machine.get_triggers((state or self.state).value))
-        return [t for t in Trigger if t.value in names]
+        return list(_ALLOWED[state or self._state])
 
     def subscribe(self, listener: Callable[[Transition], None]) -> None:
         """Call ``listener(transition)`` after every move (under the lifecycle's lock)."""
@@ -121,27 +111,31 @@ class Lifecycle:
 
     def check(self, trigger: Trigger | str) -> Trigger:
         """Raise ``InvalidTransitionError`` unless ``trigger`` is allowed now; move nothing."""
-        source = self.state
+        return self._next(trigger)[0]
+
+    def _next(self, trigger: Trigger | str) -> tuple[Trigger, CheckpointState]:
+        """The trigger and where it leads from the current state, or the typed refusal."""
+        source = self._state
         try:
             trig = Trigger(trigger)
-        except ValueError:
+        except ValueError:  # policy: not a trigger at all is refused like an illegal one
             trig = None
-        if trig is None or trig not in self.allowed(source):
+        dest = _MOVES.get((source, trig)) if trig is not None else None
+        if dest is None:
             raise InvalidTransitionError(
                 f"cannot {trigger} an engine that is {source}",
                 state=source.value,
                 trigger=str(trigger),
-                allowed=[t.value for t in self.allowed(source)],
+                allowed=[t.value for t in _ALLOWED[source]],
             )
-        return trig
+        return trig, dest
 
     def fire(self, trigger: Trigger | str, reason: str = "") -> Transition:
         """Move by ``trigger`` or raise ``InvalidTransitionError`` and change nothing."""
         with self._lock:
-            source = self.state
-            trig = self.check(trigger)
-            getattr(self._model, trig.value)()
-            dest = self.state
+            source = self._state
+            trig, dest = self._next(trigger)
+            self._state = dest
             if trig is Trigger.RESTORE:
                 self._restoring_cycle = source is CheckpointState.PREPARED
             elif trig is Trigger.ROLLBACK:

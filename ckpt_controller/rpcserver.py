@@ -45,7 +45,8 @@ from ckpt_controller.clock import Clock
 from ckpt_controller.errors import (CkptError, EngineError, OperationError, OverloadedError,
                                     ProtocolError)
 from ckpt_controller.security import CurveServer, ZapHandler, log_handshake_failures
-from ckpt_controller.zmqutil import DeathHook, Outbox, exit_on_thread_death, guarded
+from ckpt_controller.zmqutil import (DeathHook, Outbox, exit_on_thread_death, guarded,
+                                     more_to_read)
 
 log = logging.getLogger("ckpt_controller.rpc")
 
@@ -165,11 +166,11 @@ class RpcServer:
     # ------------------------------------------------------------------ sending (any thread)
 
     def publish(self, body: p.EventBody) -> None:
-        """Send an event to every subscriber."""
+        """Send an event to every subscriber (encoded once; not at all when there is none)."""
         with self._subscribers_lock:
+            if not self._subscribers:
+                return
             targets = list(self._subscribers)
-        if not targets:
-            return  # nobody listens: nothing to encode
         frames = p.event_frames(body)
         for identity in targets:
             self.send(identity, frames)
@@ -220,6 +221,10 @@ class RpcServer:
     def on_tick(self) -> None:
         """Runs on the control thread every heartbeat interval, before the heartbeat."""
 
+    def before_wait(self) -> None:
+        """Runs on the control thread after each round, just before it waits for the next:
+        the place to wake another thread, which then finds the GIL about to be free."""
+
     def heartbeat_body(self, seq: int) -> p.Heartbeat | None:
         """The heartbeat to publish, or None to stay silent this interval."""
         return p.Heartbeat(engine=self.name, state="serving", seq=seq,
@@ -245,6 +250,7 @@ class RpcServer:
         interval_ms = max(1, int(self.heartbeat_interval_s * 1000))
         next_beat = self.clock.monotonic()
         while not self._stop.is_set():
+            self.before_wait()
             if time.monotonic() < self._stalled_until:
                 time.sleep(min(0.1, self._stalled_until - time.monotonic()))
                 continue
@@ -262,9 +268,11 @@ class RpcServer:
                 for _ in range(READ_BUDGET):  # the rest waits for the next round
                     try:
                         frames = self._router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
+                    except zmq.Again:  # policy: nothing after all: back to polling
                         break
                     self._dispatch(frames)
+                    if not more_to_read(self._router):
+                        break
             if self.clock.monotonic() >= next_beat:
                 next_beat = self.clock.monotonic() + self.heartbeat_interval_s
                 self.on_tick()

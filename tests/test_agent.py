@@ -479,3 +479,44 @@ def test_a_server_of_another_protocol_version_is_refused_at_the_handshake(ipc_di
     finally:
         t.join(10)
         server.close()
+
+
+def test_one_operation_thread_runs_every_operation(agent, client):
+    """Operations run on one thread kept for the agent's life, not on a thread each."""
+    seen = []
+
+    class Recording(EngineHooks):
+        def resume_scheduling(self) -> None:
+            seen.append(threading.get_ident())
+
+    agent.operations.hooks = Recording()
+    for n in range(3):
+        client.prepare(op_id=f"p{n}", level=0, drain="abort")
+        client.restore(op_id=f"r{n}")
+    assert len(seen) == 3 and len(set(seen)) == 1
+    (op_thread,) = [t for t in threading.enumerate() if t.name == "ckpt-op-unit"]
+    assert op_thread.ident == seen[0] and op_thread.is_alive()
+
+
+def test_an_operation_logs_one_line_at_its_end_and_a_warning_when_it_fails(agent, client,
+                                                                          caplog):
+    caplog.set_level("DEBUG", logger="ckpt_controller.agent")
+    client.prepare(op_id="ok-1", level=0, drain="abort")
+    with pytest.raises(InvalidTransitionError):
+        client.prepare(op_id="bad-1", level=0, drain="abort")  # already PREPARED
+    mine = [r for r in caplog.records if "ends:" in r.getMessage()]
+    assert [(r.levelname, r.getMessage().split(" ends: ")[0]) for r in mine] == [
+        ("DEBUG", "agent unit: prepare ok-1"), ("WARNING", "agent unit: prepare bad-1")]
+    assert "ends: InvalidTransitionError: cannot prepare an engine that is prepared" \
+        in mine[1].getMessage()
+
+
+def test_events_are_not_built_for_nobody(agent):
+    """With no subscriber an event is not even encoded (one that could not be is no error)."""
+    agent.publish(object())  # not an event at all: never reaches the encoder
+    agent._subscribers.add(b"someone")
+    try:
+        with pytest.raises(TypeError):
+            agent.publish(object())
+    finally:
+        agent._subscribers.discard(b"someone")

@@ -85,6 +85,21 @@ def test_journal_records_and_operations_share_fsyncs(tmp_path):
     assert res["summary"]["records"][0]["threads"] == 1
 
 
+def test_agent_cost_of_a_no_op_prepare_and_restore(tmp_path):
+    # --compare: a second agent from a source tree (here this one again), measured in turn
+    res = bench(tmp_path, "agent_ops", "--pairs", "100", "--rounds", "2", "--levels", "0,2",
+                "--compare", str(ROOT))
+    assert [row["level"] for row in res["levels"]] == [0, 2]
+    assert [row["level"] for row in res["compare"]] == [0, 2]
+    assert {row["tree"] for row in res["compare"]} == {f"--compare {ROOT.name}"}
+    for row in res["levels"] + res["compare"]:
+        assert row["pairs"] == 100 and len(row["runs"]) == 2
+        assert row["cpu_per_pair_s"] > 0 and row["wall_per_pair_s"] > 0
+        for run in row["runs"]:  # the child's CPU was read: it cannot do 100 pairs for free
+            assert run["raw_cpu_per_pair_s"] > 0 and run["wall_per_pair_s"] > 0
+            assert run["idle_cpu_rate"] >= 0
+
+
 def test_release_and_rewake_against_the_copy_limits(tmp_path):
     res = bench(tmp_path, "memory", "--sizes", "0.25", "--repeat", "2")
     (row,) = res["sizes"]

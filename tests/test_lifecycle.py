@@ -90,7 +90,9 @@ def test_unknown_trigger_and_no_shortcuts():
         lc.fire("to_prepared")
     with pytest.raises(InvalidTransitionError):
         lc.fire("explode")
-    assert not hasattr(lc._model, "to_prepared")  # auto_transitions=False
+    assert not [n for n in dir(lc) if n.startswith("to_")]  # no shortcut around the table
+    with pytest.raises(AttributeError):  # the state moves only by a trigger
+        lc.state = S.PREPARED
     assert lc.state is S.RUNNING
 
 

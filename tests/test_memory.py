@@ -661,3 +661,22 @@ def test_a_model_of_small_tensors_reloads_on_every_thread_checked_as_read(tmp_pa
     report = reg.rewake()
     assert report.verified_tensors == len(want) and len(threads) == 2
     assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
+
+
+def test_a_level_0_release_measures_but_hands_nothing_back(monkeypatch):
+    """Level 0 frees nothing: no ``malloc_trim``/``empty_cache`` and no wait for the device,
+    but the report's device figures are still measured (RSS), so what it says is true."""
+    handed_back: list[str] = []
+    real = measure.return_freed
+    monkeypatch.setattr(measure, "return_freed",  # a spy around the real call
+                        lambda dev: (handed_back.append(str(dev)), real(dev))[1])
+    reg = MemoryRegistry()
+    reg.register("kv_cache", {"kv": filled(4 * MIB)})
+    report = reg.release(level=0)
+    assert handed_back == [] and report.freed_bytes == 0 and report.tensor_bytes == 0
+    (cpu,) = report.devices
+    assert cpu.device == "cpu" and cpu.residual_bytes > 0  # RSS, measured after
+    reg.rewake()
+    reg.release(level=2)  # something to free: handed back
+    assert handed_back == ["cpu"]
+    reg.rewake()

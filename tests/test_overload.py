@@ -478,3 +478,31 @@ def test_callers_of_one_controller_operation_are_bounded_and_repeats_cost_no_thr
         assert peak - threads_before < 10
     finally:
         s.close(linger=0)
+
+
+def test_an_outbox_burst_wakes_its_owner_once_and_keeps_its_order():
+    """Messages queued behind one wake-up ride on it: a burst of sends from another thread
+    leaves one message in ``inbox``, and ``forward`` delivers the whole burst in order, the
+    rest of it in the next round when it is over the budget."""
+    ctx = zmq.Context()
+    outbox = Outbox(ctx, "burst", hwm=100)
+    pull = ctx.socket(zmq.PULL)
+    pull.bind("inproc://burst-out")
+    push = ctx.socket(zmq.PUSH)
+    push.connect("inproc://burst-out")
+    try:
+        outbox.own(push)  # this thread owns the PUSH; the burst comes from another
+        sender = threading.Thread(target=lambda: [outbox.send([b"%d" % n]) for n in range(5)])
+        sender.start()
+        sender.join()
+        assert outbox.inbox.poll(1000) and outbox.inbox.recv(zmq.NOBLOCK) == b""
+        assert not outbox.inbox.poll(0)  # one wake-up for five messages
+        assert outbox.forward(limit=3) == 3  # (the wake-up taken above: forward goes on)
+        assert outbox.inbox.poll(1000)  # over the budget: woken again for the rest
+        assert outbox.forward() == 2
+        assert [pull.recv() for _ in range(5)] == [b"%d" % n for n in range(5)]
+    finally:
+        outbox.close()
+        pull.close(linger=0)
+        push.close(linger=0)
+        ctx.term()

@@ -279,7 +279,7 @@ class MemoryRegistry:
         t0 = self._clock.monotonic()
         work = [(self._tags[t], a) for t, a in plan.actions]
         devices = self._devices()
-        for dev in devices:
+        for dev in devices if work else ():  # nothing to free (level 0): nothing to wait for
             measure.synchronize(dev)  # no engine kernel may still touch what we free
         before = {d: measure.usage(d) for d in devices}
         checksums = {tag.name: window_checksums(tag) for tag, _ in work if tag.preserve}
@@ -299,7 +299,7 @@ class MemoryRegistry:
                     discarded += block.nbytes
             if action == "offload":
                 offloaded += tag.nbytes
-        for dev in devices:
+        for dev in devices if work else ():  # nothing freed: no malloc_trim, no empty_cache
             measure.return_freed(dev)
         after = {d: measure.usage(d) for d in devices}
         report = MemoryReport(

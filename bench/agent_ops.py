@@ -1,0 +1,164 @@
+"""The agent's own cost of a no-op cycle: CPU and wall time per prepare+restore pair.
+
+One real ``Agent`` with nothing registered (no engine hooks, no memory: ``NoMemory``) runs in
+a child process on an ipc socket, as in ``control.py``; an ``AgentClient`` in this process
+asks it for PAIRS prepare (drain abort) + restore pairs, one after the other, at each release
+level given. The child's CPU time (user + system, all its threads, from ``/proc`` through
+psutil) is read before and after; what it spends idle (heartbeats, its poll loop) over an
+interval as long as the run is measured just after and subtracted. The agent logs at INFO
+as ``ckpt-controller engine serve`` sets it up (to /dev/null; ``--log none`` for none), and the
+client subscribes to its events as a controller's session does. Wall time is the
+client's, per pair (two round trips and the agent's work). ``--compare DIR`` measures an
+agent from another source tree beside this checkout's, round by round in turn, so a before
+and an after see the same machine load.
+
+The goal (issue 15): at most 0.5 ms of agent CPU per no-op pair.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from _common import median, parser, table, write
+
+HOST = r"""
+import sys, json, os, logging
+if sys.argv[3]:  # --compare: that tree's ckpt_controller, not this checkout's
+    sys.path.insert(0, sys.argv[3])
+if sys.argv[2] == "info":  # as ``ckpt-controller engine serve`` configures it
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+from ckpt_controller.agent import Agent
+agent = Agent("bench", control=sys.argv[1], heartbeat_interval_s=1.0).start()
+import ckpt_controller
+print(json.dumps({"event": "ready", "pid": os.getpid(), "src": ckpt_controller.__file__}),
+      flush=True)
+sys.stdin.read()   # until the benchmark closes our stdin
+agent.close()
+"""
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def pairs(client, level: int, n: int) -> list[float]:
+    """``n`` prepare+restore pairs; the wall time of each."""
+    from ckpt_controller.vocab import DrainMode
+
+    walls = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        client.prepare(level=level, drain=DrainMode.ABORT)
+        client.restore()
+        walls.append(time.perf_counter() - t0)
+    return walls
+
+
+class Host:
+    """One agent in a child process (from this checkout, or from ``src``), and a client of
+    it subscribed to its events as a controller's session is."""
+
+    def __init__(self, endpoint: str, log: str, src: Path | None) -> None:
+        from ckpt_controller.agent import AgentClient
+
+        self.tree = "this checkout" if src is None else f"--compare {src.name}"
+        self.host = subprocess.Popen(
+            [sys.executable, "-c", HOST, endpoint, log, str(src.resolve()) if src else ""],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self.host.stdout.readline()
+        if "ready" not in line:
+            self.close()
+            raise RuntimeError(f"the agent host did not start: {line!r}")
+        ready = json.loads(line)
+        self.proc = psutil.Process(ready["pid"])
+        print(f"agent {ready['pid']} ({self.tree}) from {ready['src']}", flush=True)
+        self.client = AgentClient(endpoint, timeout_s=30)
+        self.client.subscribe()
+
+    def close(self) -> None:
+        if getattr(self, "client", None) is not None:
+            self.client.close()
+        self.host.stdin.close()
+        try:
+            self.host.wait(30)
+        except subprocess.TimeoutExpired:
+            self.host.kill()
+
+
+def measure(hosts: list[Host], level: int, n: int, rounds: int) -> list[dict]:
+    """``rounds`` runs of ``n`` pairs on each host in turn (so a compared tree sees the same
+    machine load), each run followed by an idle interval as long as itself."""
+    for h in hosts:
+        pairs(h.client, level, max(10, n // 10))  # warm: imports, first allocations
+    rows: list[list[dict]] = [[] for _ in hosts]
+    for _ in range(rounds):
+        for h, out in zip(hosts, rows):
+            c0 = cpu_s(h.proc)
+            t0 = time.perf_counter()
+            walls = pairs(h.client, level, n)
+            busy_s = time.perf_counter() - t0
+            busy_cpu = cpu_s(h.proc) - c0
+            c1, t1 = cpu_s(h.proc), time.perf_counter()
+            time.sleep(busy_s)
+            idle_rate = (cpu_s(h.proc) - c1) / (time.perf_counter() - t1)
+            out.append({"cpu_per_pair_s": max(0.0, busy_cpu - idle_rate * busy_s) / n,
+                        "raw_cpu_per_pair_s": busy_cpu / n, "idle_cpu_rate": idle_rate,
+                        "wall_per_pair_s": median(walls)})
+    return [{"tree": h.tree, "level": level, "pairs": n, "rounds": rounds, "runs": out,
+             "cpu_per_pair_s": median([r["cpu_per_pair_s"] for r in out]),
+             "wall_per_pair_s": median([r["wall_per_pair_s"] for r in out]),
+             "idle_cpu_rate": median([r["idle_cpu_rate"] for r in out])}
+            for h, out in zip(hosts, rows)]
+
+
+def main() -> int:
+    p = parser("agent_ops", __doc__)
+    p.add_argument("--pairs", type=int, default=2000, help="prepare+restore pairs per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per level (median reported)")
+    p.add_argument("--levels", default="0,2", help="release levels to ask for")
+    p.add_argument("--log", choices=["info", "none"], default="info",
+                   help="the agent's logging: INFO as the engine CLI sets it, or none")
+    p.add_argument("--compare", type=Path, default=None, metavar="DIR",
+                   help="also measure an agent imported from this source tree (e.g. another "
+                        "commit: git archive COMMIT ckpt_controller | tar -x -C DIR), round "
+                        "by round in turn with this checkout's")
+    args = p.parse_args()
+
+    levels = [int(x) for x in args.levels.split(",")]
+    results: dict = {"levels": [], "compare": []}
+    with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp:
+        hosts: list[Host] = []
+        try:
+            hosts.append(Host(f"ipc://{tmp}/agent.ctl", args.log, None))
+            if args.compare is not None:
+                hosts.append(Host(f"ipc://{tmp}/compare.ctl", args.log, args.compare))
+            for level in levels:
+                mine, *other = measure(hosts, level, args.pairs, args.rounds)
+                results["levels"].append(mine)
+                results["compare"] += other
+        finally:
+            for h in hosts:
+                h.close()
+    rows = sorted(results["levels"] + results["compare"], key=lambda r: r["level"])
+    table(f"agent cost of one no-op prepare (drain abort) + restore pair "
+          f"(nothing registered, log {args.log}; {args.pairs} pairs x {args.rounds} rounds, "
+          "median)",
+          ["level", "agent", "agent CPU ms/pair", "wall ms/pair", "idle CPU %",
+           "vs 0.5 ms goal"],
+          [[r["level"], r["tree"], r["cpu_per_pair_s"] * 1e3, r["wall_per_pair_s"] * 1e3,
+            r["idle_cpu_rate"] * 100, r["cpu_per_pair_s"] / 0.5e-3] for r in rows])
+    write(args.out, "agent_ops", args, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
