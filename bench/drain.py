@@ -58,6 +58,7 @@ def wait_case(tmp: Path, k: int) -> dict:
         agent.restore()
     return {"requests": k, "drain_s": reply.drain.drain_s, "prepare_reply_s": drained,
             "longest_remaining_s": last_end, "completed": reply.drain.completed,
+            "in_flight_at_start": reply.drain.in_flight_at_start,
             "overhead_s": reply.drain.drain_s - last_end}
 
 

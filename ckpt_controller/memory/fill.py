@@ -21,8 +21,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -117,14 +117,27 @@ def in_chunks(ranges: Sequence[tuple[int, int]], fill: Callable[[int, int, int],
 
 
 def _run(parts: list[Callable[[], None]]) -> None:
-    """Each part on its own thread (one alone on the calling thread); the first exception is
-    raised once every part has stopped."""
-    if len(parts) == 1:
-        parts[0]()
-        return
-    with ThreadPoolExecutor(max_workers=len(parts)) as pool:
-        for future in [pool.submit(part) for part in parts]:
-            future.result()
+    """Each part on a thread of its own, the first on the calling thread; the first exception
+    is raised once every part has stopped. Threads of their own, not a pool's: a pool hands a
+    part to a thread that finished an earlier one, and two parts then run one after the
+    other."""
+    errors: list[BaseException] = []
+
+    def guard(part: Callable[[], None]) -> None:
+        try:
+            part()
+        except BaseException as exc:  # policy: kept for the caller, raised once all stopped
+            errors.append(exc)
+
+    others = [threading.Thread(target=guard, args=(part,), daemon=True,
+                               name=f"fill-{n}") for n, part in enumerate(parts[1:], 1)]
+    for t in others:
+        t.start()
+    guard(parts[0])
+    for t in others:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def zero_fresh(flat: torch.Tensor) -> None:
