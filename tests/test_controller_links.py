@@ -124,3 +124,25 @@ def test_the_controller_raises_its_open_files_limit_for_its_engines():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["3000", "4096"]  # as asked; then capped at the hard limit
     assert "hard limit" in out.stderr
+
+
+def test_a_link_that_cannot_be_made_refuses_the_operation(tmp_path, spawn_engine,
+                                                         monkeypatch):
+    """Making a link may fail (CURVE keys unreadable by now): the request is refused with
+    that error and its engines are free, never held by an operation that never ran."""
+    from ckpt_controller.errors import ConfigError
+
+    eng = spawn_engine("ln6", weights_mib=4, kv_mib=1)
+    ctl = _controller(tmp_path, eng)
+    real = ctl.links._new
+
+    def broken(engine):
+        raise ConfigError("cannot read the agent's CURVE keys", engine=engine)
+    monkeypatch.setattr(ctl.links, "_new", broken)
+    try:
+        with pytest.raises(ConfigError, match="CURVE keys"):
+            ctl.run(_op("cycle", "ln6"), 30)
+        monkeypatch.setattr(ctl.links, "_new", real)
+        assert ctl.run(_op("cycle", "ln6"), 60).status == "succeeded"  # not left held
+    finally:
+        ctl.close()

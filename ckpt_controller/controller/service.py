@@ -155,8 +155,10 @@ class Controller:
 
     def _run(self, cmd: p.OperationCommand, engines: list[str]) -> None:
         # the engines are held: their links are this operation's, from the preflight on
-        links = {e: self.links.take(e) for e in engines}
+        links: dict[str, AgentLink] = {}
         try:
+            for e in engines:  # a link that cannot be made (its keys unreadable) refuses
+                links[e] = self.links.take(e)
             statuses = preflight.ask(self.config, cmd, engines, links)
             images = (preflight.choose_images(self.config, self.journal, cmd, statuses)
                       if cmd.kind == OperationKind.RESTORE else {})
