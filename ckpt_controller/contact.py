@@ -25,6 +25,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ckpt_controller.errors import UnreachableError
+from ckpt_controller.zmqutil import monitor_socket
 
 #: how long a refused connection may keep being refused before the first contact fails (a
 #: server that is just binding gets this long)
@@ -68,7 +69,7 @@ class FirstContact:
         self._plain.register(sock, zmq.POLLIN)
         if self.settled:
             return
-        self._monitor = sock.get_monitor_socket(_EVENTS)
+        self._monitor = monitor_socket(sock, _EVENTS)
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)

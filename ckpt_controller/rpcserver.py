@@ -46,7 +46,7 @@ from ckpt_controller.errors import (CkptError, EngineError, OperationError, Over
                                     ProtocolError)
 from ckpt_controller.security import CurveServer, ZapHandler, log_handshake_failures
 from ckpt_controller.zmqutil import (DeathHook, Outbox, exit_on_thread_death, guarded,
-                                     more_to_read)
+                                     monitor_socket, more_to_read)
 
 log = logging.getLogger("ckpt_controller.rpc")
 
@@ -110,8 +110,8 @@ class RpcServer:
             if self.curve is not None:  # the handler first: without one, libzmq admits anyone
                 self._zap = ZapHandler(self._ctx, self.curve, self.name)
                 self.curve.apply(self._router)
-                self._monitor = self._router.get_monitor_socket(
-                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+                self._monitor = monitor_socket(
+                    self._router, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
             elif self.endpoint.startswith("tcp://"):
                 log.warning("%s: control endpoint %s has no CURVE keys: anyone who can reach "
                             "it can drive it", self.name, self.endpoint)

@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 
@@ -216,3 +217,16 @@ def guarded(target: Callable[[], None], name: str, *, on_death: DeathHook | None
             (on_death or exit_on_thread_death)(name, exc)
 
     return run
+
+
+def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR socket receiving ``sock``'s monitor ``events``, on an inproc address of its
+    own. pyzmq's ``get_monitor_socket`` names the address after the socket's file number,
+    and a number freed by a closed socket is taken again while its monitor's address may
+    still be bound: the new monitor then fails with "Address already in use"."""
+    addr = f"inproc://ckpt-monitor-{uuid.uuid4().hex}"
+    sock.monitor(addr, events)
+    pair = sock.context.socket(zmq.PAIR)
+    pair.setsockopt(zmq.LINGER, 0)
+    pair.connect(addr)
+    return pair

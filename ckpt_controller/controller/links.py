@@ -34,6 +34,7 @@ from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.errors import CkptError, ProtocolError, UnreachableError
+from ckpt_controller.zmqutil import monitor_socket
 
 log = logging.getLogger("ckpt_controller.controller")
 
@@ -81,7 +82,7 @@ class AgentLink(AgentClient):
         self.on_event = self.on_reply = None
         self._idle_since = time.monotonic()
         if self._monitor is None and self._contact is not None and self._contact.settled:
-            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = monitor_socket(self._sock, zmq.EVENT_DISCONNECTED)
 
     def reusable(self) -> bool:
         """Whether this parked link may serve another operation; drops what queued while it
@@ -149,7 +150,12 @@ class AgentLinks:
         if not link.healthy:
             link.close()
             return
-        link.park()
+        try:
+            link.park()
+        except zmq.ZMQError as exc:  # policy: a link we cannot watch is not kept
+            log.warning("%s: connection not kept: %s", engine, exc)
+            link.close()
+            return
         with self._lock:
             if self._closed or engine in self._parked:
                 old = link
