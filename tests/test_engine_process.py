@@ -126,6 +126,11 @@ def test_cycle_under_load_loses_nothing(tiny, uncycled, clients, mode):
         eng.api, rate=40, duration_s=3.0, seed=11, settle_s=60))))
     load.start()
     time.sleep(1.2)
+    # on a busy machine the load may still be starting: prepare only once requests are in
+    # flight, which each drain mode needs to show its own work
+    deadline = time.monotonic() + 30
+    while ctl.status().in_flight < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
     prep = ctl.prepare(drain=mode, level=2, drain_timeout_s=20)
     prepared_at = time.monotonic()
     assert prep.state == "prepared"
