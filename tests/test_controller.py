@@ -44,8 +44,8 @@ def test_full_cycle_through_the_cli_with_json(spawn_reference, spawn_controller)
     assert result["status"] == "succeeded" and result["op_id"] == "first"
     (e1,) = result["engines"]
     assert e1["state"] == "running" and e1["generation"] == 1
-    assert [p["name"] for p in e1["phases"]] == ["pre-prepare", "prepare", "capture",
-                                                   "pre-restore", "restore"]
+    # a hook point with no hooks is no phase
+    assert [p["name"] for p in e1["phases"]] == ["prepare", "capture", "restore"]
     assert e1["released"]["level"] == 2 and e1["drain"]["mode"] == "keep"
     status = json.loads(ctl.ckptctl("status", "--json").stdout)
     assert status["engines"][0]["status"]["state"] == "running"
@@ -716,8 +716,8 @@ def test_hooks_inside_preparing_and_restoring(spawn_reference, spawn_controller)
     assert out.returncode == 0, out.stdout + out.stderr
     (o,) = json.loads(out.stdout)["engines"]
     assert [p["name"] for p in o["phases"]] == [
-        "pre-prepare", "drain", "post-drain", "release", "post-release", "seal", "capture",
-        "pre-restore", "rewake", "post-restore", "resume"]
+        "drain", "post-drain", "release", "post-release", "seal", "capture",
+        "rewake", "post-restore", "resume"]
     assert log.read_text().split("\n")[:3] == ["post-drain preparing", "post-release preparing",
                                                "post-restore restoring"]
     assert o["released"]["tensor_bytes"] > 0 and o["rewoken"]["verified_tensors"] > 0

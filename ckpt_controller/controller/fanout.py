@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from ckpt_controller import protocol as p
 from ckpt_controller.controller import steps
 from ckpt_controller.controller.session import EngineSession
+from ckpt_controller.controller.workers import LANES
 from ckpt_controller.vocab import OperationKind, OperationStatus, OutcomeStatus
 
 #: the most engines one fan-out drives at once
@@ -32,8 +32,7 @@ def fan_out(sessions: list[EngineSession], step: Callable[[EngineSession], objec
     if len(sessions) == 1:  # on the caller's thread: no pool to start for one engine
         run(sessions[0])
         return
-    with ThreadPoolExecutor(max_workers=min(workers or len(sessions), MAX_WORKERS)) as pool:
-        list(pool.map(run, sessions))
+    LANES.each(run, sessions, min(workers or len(sessions), MAX_WORKERS))
 
 
 def rolling(sessions: list[EngineSession], max_unavailable: int

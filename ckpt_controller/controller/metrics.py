@@ -93,12 +93,22 @@ class Metrics:
         self._image = prom.Gauge("ckpt_image_bytes", "Size of the engine's last captured "
                                  "image.", ["engine"], registry=r)
         self._lock = threading.Lock()
+        #: (metric, label values) -> its child: ``labels()`` takes a lock and builds a key on
+        #: every call, the most of what counting a transition or a phase costs
+        self._children: dict[tuple, object] = {}
         #: engine -> its state as last seen
         self._current: dict[str, str] = {}
         for state in STATES:
             self._engines.labels(state).set(0)
         for outcome in DRAIN_OUTCOMES:
             self._drained.labels(outcome)
+
+    def _child(self, metric, *labels: str):
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:  # two threads may both make it: labels() returns the same child
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     # ---------------------------------------------------------------- operations
 
@@ -107,7 +117,7 @@ class Metrics:
         """Count one finished operation (``kind`` prepare/restore/..., ``outcome`` succeeded/
         failed/refused/...); ``engines``' outcomes of a cycle date each engine's last
         successful cycle."""
-        self._operations.labels(str(kind), str(outcome)).inc()
+        self._child(self._operations, str(kind), str(outcome)).inc()
         if kind == OperationKind.CYCLE:
             now = time.time()
             for o in engines:
@@ -121,14 +131,14 @@ class Metrics:
 
     def transition(self, engine: str, source: str, dest: str) -> None:
         """Count one lifecycle transition of ``engine``."""
-        self._transitions.labels(str(engine), str(source), str(dest)).inc()
+        self._child(self._transitions, str(engine), str(source), str(dest)).inc()
 
     def phase(self, phase: str, seconds: float, engine: str = "") -> None:
         """Observe one phase (drain, release, capture, ...) of ``engine`` that took
         ``seconds``."""
         if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"a phase duration must be a finite number >= 0, got {seconds!r}")
-        self._phases.labels(str(phase), str(engine)).observe(seconds)
+        self._child(self._phases, str(phase), str(engine)).observe(seconds)
 
     def drained(self, completed: int, aborted: int, kept: int) -> None:
         """Count the requests one drain completed, aborted and kept."""
@@ -136,7 +146,8 @@ class Metrics:
         for outcome, n in counts.items():
             _check_count(f"drained {outcome}", n)
         for outcome, n in counts.items():
-            self._drained.labels(outcome).inc(n)
+            if n:
+                self._child(self._drained, outcome).inc(n)
 
     def freed_bytes(self, n: int) -> None:
         """Count ``n`` bytes of memory freed by a release."""

@@ -13,13 +13,12 @@ journals an operation; ``journal`` (the capture records); ``hooks`` (which point
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.hooks import find_hooks
 from ckpt_controller.controller.journal import Journal
+from ckpt_controller.controller.workers import LANES
 from ckpt_controller.errors import CkptError, UnreachableError, UsageError
 from ckpt_controller.vocab import CheckpointState, HookPoint, OperationKind
 
@@ -82,12 +81,12 @@ def ask(config: ControllerConfig, cmd: p.OperationCommand, engines: list[str],
                           f"engines; {name} is {status.state}", engine=name,
                           state=status.state, needs=list(needs))
 
-    if len(engines) == 1:  # no thread pool for one question
-        answers = [look(engines[0])]
+    answers: dict[str, CkptError | None] = {}
+    if len(engines) == 1:  # on the caller's thread: one question
+        answers[engines[0]] = look(engines[0])
     else:
-        with ThreadPoolExecutor(max_workers=min(len(engines), 64)) as pool:
-            answers = list(pool.map(look, engines))
-    problems = [(n, e) for n, e in zip(engines, answers) if e]
+        LANES.each(lambda name: answers.__setitem__(name, look(name)), engines, 64)
+    problems = [(n, answers[n]) for n in engines if answers[n]]
     if problems:
         first = problems[0][1]
         first.details["refused"] = {n: e.message for n, e in problems}

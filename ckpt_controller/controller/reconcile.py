@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from ckpt_controller import protocol as p
 from ckpt_controller.controller import preflight
@@ -26,6 +25,7 @@ from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.outcome import StepOutcome
 from ckpt_controller.controller.session import EngineSession
+from ckpt_controller.controller.workers import LANES
 from ckpt_controller.errors import CkptError
 from ckpt_controller.vocab import (
     TRANSITIONAL,
@@ -128,8 +128,7 @@ class Reconciler:
                         del adm.holders[engine]
 
         if todo:
-            with ThreadPoolExecutor(max_workers=min(len(todo), 64)) as pool:
-                list(pool.map(one, todo.items()))
+            LANES.each(one, list(todo.items()), 64)
         return settled
 
     def _answers(self, engine: str, op_id: str) -> bool:

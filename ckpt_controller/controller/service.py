@@ -21,7 +21,6 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -37,7 +36,7 @@ from ckpt_controller.controller.outcome import error_info
 from ckpt_controller.controller.reconcile import Reconciler
 from ckpt_controller.controller.session import EngineSession
 from ckpt_controller.controller.statedir import claim
-from ckpt_controller.controller.workers import Workers
+from ckpt_controller.controller.workers import LANES, Workers
 from ckpt_controller.errors import CkptError, OperationError
 from ckpt_controller.vocab import OperationKind, OperationStatus, OutcomeStatus
 
@@ -289,9 +288,10 @@ class Controller:
                 v.error = error_info(err)
             return v
 
-        with ThreadPoolExecutor(max_workers=min(len(engines), 64)) as pool:
-            views = list(pool.map(view, engines))
-        return p.ControllerStatusReply(controller_pid=os.getpid(), engines=views)
+        views: dict[str, p.EngineView] = {}
+        LANES.each(lambda name: views.__setitem__(name, view(name)), engines, 64)
+        return p.ControllerStatusReply(controller_pid=os.getpid(),
+                                       engines=[views[e] for e in engines])
 
     def history(self, cmd: p.HistoryCommand) -> p.HistoryReply:
         """The newest ``limit`` operations (of ``engine``, or ``op_id``) and the newest

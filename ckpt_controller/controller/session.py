@@ -215,6 +215,14 @@ class EngineSession:
                 self.record("hook", msgspec.to_builtins(run))
         return len(runs)
 
+    def hook_phase(self, point: HookPoint) -> int:
+        """``point``'s hooks as a phase of their own; a point with no hooks is no phase (no
+        record, no timing): how many ran."""
+        if not self.has_hooks(point):
+            return 0
+        with self.phase(point):
+            return self.hooks(point)
+
     def image_dir(self) -> Path:
         """This operation's image folder for the engine, made on first use."""
         if self._image_dir is None:
@@ -226,8 +234,7 @@ class EngineSession:
     def prepare(self) -> StepOutcome:
         d = self.config.deadlines
         try:
-            with self.phase(HookPoint.PRE_PREPARE):
-                self.hooks(HookPoint.PRE_PREPARE)
+            self.hook_phase(HookPoint.PRE_PREPARE)
         except (HookError, HookTimeoutError) as err:  # policy: the table's (a veto)
             return hook_failed(self, HookPoint.PRE_PREPARE, err)
         prm = self.params
@@ -279,8 +286,7 @@ class EngineSession:
         """Hooks inside PREPARING; ``None`` when they passed, else what the table made of
         their failure (a rollback to RUNNING)."""
         try:
-            with self.phase(point):
-                self.hooks(point)
+            self.hook_phase(point)
         except CkptError as err:  # policy: the table's, for any failure to run them
             return hook_failed(self, point, err, reason=f"{point} hook failed: {err.message}")
         return None
@@ -319,8 +325,7 @@ class EngineSession:
         if run_pre_restore:
             self.use_image()
             try:
-                with self.phase(HookPoint.PRE_RESTORE):
-                    ran = self.hooks(HookPoint.PRE_RESTORE)
+                ran = self.hook_phase(HookPoint.PRE_RESTORE)
             except (HookError, HookTimeoutError) as err:  # policy: the table's (FAILED)
                 return hook_failed(self, HookPoint.PRE_RESTORE, err)
             if ran:
