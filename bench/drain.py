@@ -47,6 +47,7 @@ def wait_case(tmp: Path, k: int) -> dict:
 
     with EngineClient(f"ipc://{tmp}/api") as c, AgentClient(f"ipc://{tmp}/ctl",
                                                             timeout_s=120) as agent:
+        agent.status()  # connected before the requests start: the prepare goes out at once
         ids = [c.submit([7, i], 40 + 60 * i) for i in range(k)]
         _until(c, lambda: all(c.requests[r].first_token_at is not None for r in ids),
                "every request decoding")
