@@ -24,6 +24,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ckpt_controller import hub
 from ckpt_controller.errors import UnreachableError
 from ckpt_controller.zmqutil import monitor_socket
 
@@ -67,12 +68,10 @@ class FirstContact:
         #: the wait once settled: one poller for the socket's life, not one per wait
         self._plain = zmq.Poller()
         self._plain.register(sock, zmq.POLLIN)
+        self._socks = (sock,)
         if self.settled:
             return
         self._monitor = monitor_socket(sock, _EVENTS)
-        self._poller = zmq.Poller()
-        self._poller.register(sock, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
 
     def detach(self) -> None:
         """Stop watching the current socket (call before closing it)."""
@@ -98,12 +97,14 @@ class FirstContact:
         while True:
             if self._monitor is None:  # settled: a plain wait
                 left = deadline - time.monotonic()
+                if hub.current() is not None:
+                    return bool(hub.poll(self._socks, left))
                 return bool(self._plain.poll(max(0, math.ceil(left * 1000))))
             now = time.monotonic()
             wait = deadline - now
             if self._refused_since is not None:  # wake up when the grace ends
                 wait = min(wait, self._refused_since + self.grace_s - now)
-            ready = dict(self._poller.poll(max(0, math.ceil(wait * 1000))))
+            ready = hub.poll((self._sock, self._monitor), wait)
             if self._monitor in ready:
                 self._read_events()
             if self._sock in ready:

@@ -12,14 +12,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from ckpt_controller import hub
 from ckpt_controller import protocol as p
 from ckpt_controller.controller import steps
 from ckpt_controller.controller.session import EngineSession
-from ckpt_controller.controller.workers import LANES
 from ckpt_controller.vocab import OperationKind, OperationStatus, OutcomeStatus
 
-#: the most engines one fan-out drives at once
-MAX_WORKERS = 512
 
 
 def fan_out(sessions: list[EngineSession], step: Callable[[EngineSession], object],
@@ -29,10 +27,7 @@ def fan_out(sessions: list[EngineSession], step: Callable[[EngineSession], objec
     if not sessions:
         return
     run = steps.guarded(step) if guard else step
-    if len(sessions) == 1:  # on the caller's thread: no pool to start for one engine
-        run(sessions[0])
-        return
-    LANES.each(run, sessions, min(workers or len(sessions), MAX_WORKERS))
+    hub.each(run, sessions, workers or len(sessions))
 
 
 def rolling(sessions: list[EngineSession], max_unavailable: int

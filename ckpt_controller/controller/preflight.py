@@ -13,12 +13,12 @@ journals an operation; ``journal`` (the capture records); ``hooks`` (which point
 
 from __future__ import annotations
 
+from ckpt_controller import hub
 from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.hooks import find_hooks
 from ckpt_controller.controller.journal import Journal
-from ckpt_controller.controller.workers import LANES
 from ckpt_controller.errors import CkptError, UnreachableError, UsageError
 from ckpt_controller.vocab import CheckpointState, HookPoint, OperationKind
 
@@ -82,10 +82,7 @@ def ask(config: ControllerConfig, cmd: p.OperationCommand, engines: list[str],
                           state=status.state, needs=list(needs))
 
     answers: dict[str, CkptError | None] = {}
-    if len(engines) == 1:  # on the caller's thread: one question
-        answers[engines[0]] = look(engines[0])
-    else:
-        LANES.each(lambda name: answers.__setitem__(name, look(name)), engines, 64)
+    hub.each(lambda name: answers.__setitem__(name, look(name)), engines, len(engines))
     problems = [(n, answers[n]) for n in engines if answers[n]]
     if problems:
         first = problems[0][1]

@@ -18,6 +18,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from ckpt_controller import hub
 from ckpt_controller import protocol as p
 from ckpt_controller.controller import preflight
 from ckpt_controller.controller.admission import Admission
@@ -25,7 +26,6 @@ from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.outcome import StepOutcome
 from ckpt_controller.controller.session import EngineSession
-from ckpt_controller.controller.workers import LANES
 from ckpt_controller.errors import CkptError
 from ckpt_controller.vocab import (
     TRANSITIONAL,
@@ -128,7 +128,7 @@ class Reconciler:
                         del adm.holders[engine]
 
         if todo:
-            LANES.each(one, list(todo.items()), 64)
+            hub.each(one, list(todo.items()), 64)
         return settled
 
     def _answers(self, engine: str, op_id: str) -> bool:

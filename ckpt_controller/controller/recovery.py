@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ckpt_controller import hub
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.fanout import fan_out
@@ -72,7 +73,7 @@ def recover_engine(s: EngineSession, wait_s: float, resume_failed: bool) -> Step
     # an agent still running a step finishes it; one left PREPARING or RESTORING between two
     # steps (no current operation) is handled below at once
     while status.current_op and time.monotonic() < deadline:
-        time.sleep(0.1)
+        hub.sleep(0.1)
         status = s.client.status()
     before = status.state
     if before == CheckpointState.FAILED and resume_failed:

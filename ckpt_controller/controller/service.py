@@ -25,6 +25,7 @@ from pathlib import Path
 
 import msgspec
 
+from ckpt_controller import hub
 from ckpt_controller import protocol as p
 from ckpt_controller.controller import preflight, recovery, steps
 from ckpt_controller.controller.admission import Admission, Done
@@ -36,7 +37,7 @@ from ckpt_controller.controller.outcome import error_info
 from ckpt_controller.controller.reconcile import Reconciler
 from ckpt_controller.controller.session import EngineSession
 from ckpt_controller.controller.statedir import claim
-from ckpt_controller.controller.workers import LANES, Workers
+from ckpt_controller.controller.workers import Workers
 from ckpt_controller.errors import CkptError, OperationError
 from ckpt_controller.vocab import OperationKind, OperationStatus, OutcomeStatus
 
@@ -289,7 +290,7 @@ class Controller:
             return v
 
         views: dict[str, p.EngineView] = {}
-        LANES.each(lambda name: views.__setitem__(name, view(name)), engines, 64)
+        hub.each(lambda name: views.__setitem__(name, view(name)), engines, 64)
         return p.ControllerStatusReply(controller_pid=os.getpid(),
                                        engines=[views[e] for e in engines])
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from ckpt_controller import hub
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.config import ControllerConfig, PrepareDefaults
 from ckpt_controller.controller.hooks import HookContext, find_hooks, run_point
@@ -200,15 +201,17 @@ class EngineSession:
             return 0  # nothing to run: no context to build, no image folder to make
         # write-ahead: a hook acts outside (a dump, a restore), so what led to it is on disk
         # first; recovery decides whether a capture may have begun from these records
-        self._sync()
+        hub.blocking(self._sync)
         ctx = HookContext(engine=self.engine.name, pid=self.pid, state=self.outcome.state or "",
                           generation=self.generation, op_id=self.op_id,
                           image_dir=self.image_dir(), deadline_wall=self.deadline_wall,
                           undo_capture=undo_capture)
         runs: list[p.HookRun] = []
         try:
-            run_point(self.config.hooks_dir, point, ctx, self.config.deadlines.hook, runs,
-                      until_wall, grace_s=self.config.deadlines.hook_grace)
+            # on a thread of its own under a hub: the other engines' steps go on meanwhile
+            hub.blocking(lambda: run_point(self.config.hooks_dir, point, ctx,
+                                           self.config.deadlines.hook, runs, until_wall,
+                                           grace_s=self.config.deadlines.hook_grace))
         finally:
             for run in runs:
                 self.outcome.hooks.append(run)

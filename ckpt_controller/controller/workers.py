@@ -14,13 +14,10 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable
 
 log = logging.getLogger("ckpt_controller.controller")
 
-T = TypeVar("T")
-_END = object()
 
 
 class Workers:
@@ -46,40 +43,6 @@ class Workers:
             self._threads.append(t)
             t.start()
 
-    def each(self, fn: Callable[[T], object], items: Sequence[T], at_most: int) -> None:
-        """``fn(item)`` for every item, at most ``at_most`` at once, on kept threads; returns
-        when all are done, and raises the first exception one raised (the items not yet
-        begun then are not run). ``at_most`` jobs each take the next item until none is
-        left, so no thread is made while enough are idle."""
-        todo = iter(items)
-        lock = threading.Lock()
-        lanes = max(1, min(at_most, len(items)))
-        left = [lanes]
-        failed: list[BaseException] = []
-        done = threading.Event()
-
-        def lane() -> None:
-            try:
-                while not failed:
-                    with lock:
-                        item = next(todo, _END)
-                    if item is _END:
-                        return
-                    fn(item)
-            except BaseException as exc:  # policy: the caller's, raised there (below)
-                failed.append(exc)
-            finally:
-                with lock:
-                    left[0] -= 1
-                    if left[0] == 0:
-                        done.set()
-
-        for _ in range(lanes):
-            self.submit(lane)
-        done.wait()
-        if failed:
-            raise failed[0]
-
     def close(self) -> None:
         """Let every thread end once its job is done (without waiting for them)."""
         for _ in self._threads:
@@ -95,7 +58,3 @@ class Workers:
             with self._lock:
                 self._idle += 1
 
-
-#: the threads fan-outs and preflights run engines on, kept between operations: starting a
-#: thread per engine per operation cost more than a no-op step's own work
-LANES = Workers("engine")
