@@ -11,6 +11,7 @@ import time
 import pytest
 
 from ckpt_controller import protocol as p
+from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller import links as links_mod
 from ckpt_controller.controller.config import parse_config
 from ckpt_controller.controller.service import Controller
@@ -58,6 +59,10 @@ def test_a_restarted_agent_gets_a_fresh_subscription(tmp_path, spawn_engine):
         eng.proc.wait(10)
         eng2 = spawn_engine("ln2", weights_mib=4, kv_mib=1, step_s=0.05)
         eng2.submit("r", 30)  # 1.5 s of steps: longer than heartbeats may be missed (0.6 s)
+        with AgentClient(eng2.control) as agent:  # admitted before the prepare goes out
+            deadline = time.monotonic() + 30
+            while agent.status().in_flight < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
         result = ctl.run(_op("prepare", "ln2"), 60)
         assert result.status == "succeeded", result.error
         assert result.engines[0].drain.completed == 1
