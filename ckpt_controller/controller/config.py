@@ -23,6 +23,7 @@ operations and ``ckptctl serve`` above.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tomllib
@@ -136,11 +137,19 @@ class ControllerConfig:
     #: the file this was read from (named in errors found when the controller starts)
     source: str = "<defaults>"
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, EngineConfig]:
+        """Engines by name: an operation looks its engines up several times each."""
+        return {e.name: e for e in self.engines}
+
+    def knows(self, name: str) -> bool:
+        return name in self._by_name
+
     def engine(self, name: str) -> EngineConfig:
         """The engine called ``name``; ``UsageError`` naming the known engines otherwise."""
-        for engine in self.engines:
-            if engine.name == name:
-                return engine
+        engine = self._by_name.get(name)
+        if engine is not None:
+            return engine
         known = [e.name for e in self.engines]
         raise UsageError(f"unknown engine {name!r}; known engines: {', '.join(known) or 'none'}",
                          engine=name, known=known)
@@ -154,7 +163,15 @@ class ControllerConfig:
 
     def prepare_defaults(self, name: str) -> PrepareDefaults:
         """The global prepare defaults overridden by engine ``name``'s own."""
-        return self.defaults.merged(self.engine(name).defaults)
+        merged = self._merged.get(name)
+        if merged is None:
+            merged = self._merged[name] = self.defaults.merged(self.engine(name).defaults)
+        return merged
+
+    @functools.cached_property
+    def _merged(self) -> dict[str, PrepareDefaults]:
+        """Each engine's prepare defaults, merged once (frozen, so shared safely)."""
+        return {}
 
 
 def load_config(path: str | os.PathLike[str]) -> ControllerConfig:

@@ -107,7 +107,7 @@ class Reconciler:
         adm = self.admission
         with adm.lock:
             todo = {e: op for e, op in self._unsettled.items() if e not in adm.holders
-                    and any(c.name == e for c in self.config.engines)}
+                    and self.config.knows(e)}
         settled: list[str] = []
 
         def one(item: tuple[str, str]) -> None:

@@ -43,7 +43,7 @@ def recover(config: ControllerConfig, journal: Journal, reconciler: Reconciler,
     for op_id, kind, engines, _params in journal.unfinished():
         wall, start = time.time(), time.monotonic()
         cmd = p.OperationCommand(call_id=0, op_id=op_id, kind=kind, engines=engines)
-        known = [e for e in engines if any(c.name == e for c in config.engines)]
+        known = [e for e in engines if config.knows(e)]
         for engine in known:
             stop_orphan_hooks(config.image_dir / engine, op_id,
                               grace_s=config.deadlines.hook_grace)
