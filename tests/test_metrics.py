@@ -172,6 +172,8 @@ def test_engine_state_gauges_carry_every_state_for_every_engine():
         == 2000.25
     assert engine_states(samples)["a"] == {s: float(s == "unknown") for s in STATES}
     assert values(samples, "ckpt_engine_up") == {(("engine", "a"),): 0, (("engine", "b"),): 1}
+    assert values(samples, "ckpt_engines") == {
+        (("state", s),): {"unknown": 1, "failed": 1}.get(s, 0) for s in STATES}
     with pytest.raises(ValueError, match="unknown engine state 'serving'"):
         m.engine_seen("a", "serving")
 

@@ -96,8 +96,9 @@ class Metrics:
         #: (metric, label values) -> its child: ``labels()`` takes a lock and builds a key on
         #: every call, the most of what counting a transition or a phase costs
         self._children: dict[tuple, object] = {}
-        #: engine -> its state as last seen
+        #: engine -> its state as last seen, and how many engines are in each state
         self._current: dict[str, str] = {}
+        self._per_state: dict[str, int] = dict.fromkeys(STATES, 0)
         for state in STATES:
             self._engines.labels(state).set(0)
         for outcome in DRAIN_OUTCOMES:
@@ -186,13 +187,19 @@ class Metrics:
         if state not in STATES:
             raise ValueError(f"unknown engine state {state!r}; states: {', '.join(STATES)}")
         with self._lock:  # one engine's gauges and the per-state counts change together
-            changed = self._current.get(engine) != state
+            before = self._current.get(engine)
+            changed = before != state
             self._current[engine] = state
             if changed:
                 for s in STATES:
                     self._state.labels(engine, s).set(1 if s == state else 0)
-                for s in STATES:
-                    self._engines.labels(s).set(sum(v == s for v in self._current.values()))
+                # counted as they change: a count over every engine at each change made a
+                # cycle of N engines cost N * N
+                if before is not None:
+                    self._per_state[before] -= 1
+                    self._engines.labels(before).set(self._per_state[before])
+                self._per_state[state] += 1
+                self._engines.labels(state).set(self._per_state[state])
             if since_wall is not None:
                 self._since.labels(engine).set(since_wall)
             elif changed:
