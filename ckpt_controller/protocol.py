@@ -571,20 +571,22 @@ def decode_command(frames: list[bytes]) -> tuple[RequestType, Command]:
                                f"invalid {rtype.name} command", call_id=call_id)
 
 
+#: each reply type's first frame -> (its decoder, what a frame that fails it is called)
+_REPLY_DECODERS = {
+    ReplyType.REPLY.value: (_reply_decoder, "malformed REPLY"),
+    ReplyType.ERROR.value: (_error_decoder, "malformed ERROR"),
+    ReplyType.EVENT.value: (_event_decoder, "malformed EVENT"),
+}
+
+
 def decode_reply(frames: list[bytes]) -> Reply | ErrorReply | Event:
     """Decode ``[type, payload]`` from an agent or the controller, or raise ``ProtocolError``."""
     if len(frames) != 2 or len(frames[0]) != 1:
         raise ProtocolError(f"malformed reply ({len(frames)} frames)")
-    try:
-        rtype = ReplyType(bytes(frames[0]))
-    except ValueError:
-        raise ProtocolError(f"unknown reply type 0x{bytes(frames[0]).hex()}") from None
-    decoder = {
-        ReplyType.REPLY: _reply_decoder,
-        ReplyType.ERROR: _error_decoder,
-        ReplyType.EVENT: _event_decoder,
-    }[rtype]
-    return decode_frame(decoder, frames[1], f"malformed {rtype.name}")
+    found = _REPLY_DECODERS.get(bytes(frames[0]))  # a dict look-up, no enum to construct
+    if found is None:
+        raise ProtocolError(f"unknown reply type 0x{bytes(frames[0]).hex()}")
+    return decode_frame(found[0], frames[1], found[1])
 
 
 def decode_frame(decoder: msgspec.msgpack.Decoder, payload: bytes, what: str, **details: Any):

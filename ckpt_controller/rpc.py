@@ -39,6 +39,7 @@ from ckpt_controller.errors import (
     VersionMismatchError,
 )
 from ckpt_controller.security import CurveClient
+from ckpt_controller.zmqutil import recv_frames
 from ckpt_controller.values import COUNT, DURATION, check, count, shown
 
 
@@ -285,7 +286,7 @@ class RpcClient:
             # otherwise: a stale reply to an earlier, timed-out call; dropped
 
     def _receive(self) -> p.Reply | p.ErrorReply | p.Event:
-        frames = self._sock.recv_multipart()
+        frames = recv_frames(self._sock)
         self._last_seen = time.monotonic()
         if not self._contact.settled:
             self._contact.heard()

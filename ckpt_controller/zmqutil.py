@@ -54,6 +54,7 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+_RCVMORE = int(zmq.RCVMORE)
 
 #: ``hook(thread_name, exception)``, called when a guarded thread dies unexpectedly
 DeathHook = Callable[[str, BaseException], None]
@@ -185,6 +186,15 @@ def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
     for frame in frames[:-1]:
         send(frame, _MORE_NOBLOCK)
     send(frames[-1], _NOBLOCK)
+
+
+def recv_frames(sock: zmq.Socket) -> list[bytes]:
+    """``sock.recv_multipart()`` (blocking, copied frames), without its flag arithmetic."""
+    recv, get = sock.recv, sock.get
+    frames = [recv()]
+    while get(_RCVMORE):
+        frames.append(recv())
+    return frames
 
 
 def more_to_read(sock: zmq.Socket) -> bool:
