@@ -165,12 +165,17 @@ class RpcServer:
 
     # ------------------------------------------------------------------ sending (any thread)
 
-    def publish(self, body: p.EventBody) -> None:
-        """Send an event to every subscriber (encoded once; not at all when there is none)."""
+    def publish(self, body: p.EventBody, *, skip: frozenset[bytes] = frozenset(),
+                only: frozenset[bytes] | None = None) -> None:
+        """Send an event to every subscriber (encoded once; not at all when there is none),
+        but those in ``skip``; with ``only``, to those of them that subscribed."""
         with self._subscribers_lock:
             if not self._subscribers:
                 return
-            targets = list(self._subscribers)
+            targets = [i for i in (self._subscribers if only is None
+                                   else self._subscribers & only) if i not in skip]
+        if not targets:
+            return
         frames = p.event_frames(body)
         for identity in targets:
             self.send(identity, frames)

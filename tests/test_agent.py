@@ -220,18 +220,48 @@ def test_a_late_reply_to_an_earlier_call_is_not_taken_for_the_next_one(agent):
     c.close()
 
 
+def _changes(events: list) -> list[tuple[str, str | None]]:
+    return [(e.transition.dest, e.op_id) for e in events if isinstance(e, p.StateChanged)]
+
+
 def test_state_events_carry_the_operation(agent, client):
+    watcher = AgentClient(agent.endpoint, timeout_s=3, heartbeat_interval_s=0.05)
+    watcher.subscribe()
     client.subscribe()
     prepared = client.prepare(op_id="op-7", level=0)
     restored = client.restore(op_id="op-8")
-    # the replies list the same transitions, for a caller that lost an event
+    # the replies list every transition of their operation
     assert [t.dest for t in prepared.transitions] == ["preparing", "prepared"]
     assert [t.dest for t in restored.transitions] == ["restoring", "running"]
+    # the caller got the transitions that began each operation as events, as they happened;
+    # the one that ended it came in the reply only
     events = client.poll_events(0.3)
-    changes = [(e.transition.dest, e.op_id) for e in events if isinstance(e, p.StateChanged)]
-    assert changes == [("preparing", "op-7"), ("prepared", "op-7"),
-                       ("restoring", "op-8"), ("running", "op-8")]
+    assert _changes(events) == [("preparing", "op-7"), ("restoring", "op-8")]
     assert any(isinstance(e, p.MemoryReported) and e.op_id == "op-7" for e in events)
+    # every other subscriber gets all of them as events
+    assert _changes(watcher.poll_events(0.3)) == [("preparing", "op-7"), ("prepared", "op-7"),
+                                                  ("restoring", "op-8"), ("running", "op-8")]
+    watcher.close()
+
+
+class GoldenDiffers(EngineHooks):
+    def verify(self) -> None:
+        raise EngineError("golden prompt differs")
+
+
+def test_an_operation_that_fails_sends_its_final_transition_as_an_event(ipc_dir):
+    """An error reply lists no transitions: the caller gets the one that ended the failed
+    operation as an event, before the error."""
+    with Agent("fv", hooks=GoldenDiffers(), control=f"ipc://{ipc_dir}/fv.ctl",
+               heartbeat_interval_s=0.05) as a, \
+            AgentClient(a.endpoint, timeout_s=3, heartbeat_interval_s=0.05) as c:
+        c.subscribe()
+        c.prepare(op_id="fv-1", level=0)
+        with pytest.raises(EngineError, match="golden prompt differs"):
+            c.restore(op_id="fv-2")
+        got = _changes(c.poll_events(0.3))
+        assert got[:2] == [("preparing", "fv-1"), ("restoring", "fv-2")]
+        assert got[2:] == [("failed", "fv-2")] and c.status().state == "failed"
 
 
 def test_restore_detection_from_fingerprint(ipc_dir):

@@ -45,7 +45,7 @@ from ckpt_controller.errors import BusyError, CkptError, OperationError, Overloa
 from ckpt_controller.lifecycle import Lifecycle, Transition
 from ckpt_controller.rpcserver import RpcServer
 from ckpt_controller.zmqutil import guarded
-from ckpt_controller.vocab import RestoreStep, Trigger
+from ckpt_controller.vocab import TRANSITIONAL, RestoreStep, Trigger
 
 log = logging.getLogger("ckpt_controller.agent")
 
@@ -56,6 +56,10 @@ _OPERATIONS = {
     p.RequestType.ROLLBACK: Trigger.ROLLBACK,
     p.RequestType.FAIL: Trigger.FAIL,
 }
+#: operations whose successful reply lists their transitions (``PrepareReply``,
+#: ``RestoreReply``): the transition into a settled state that ends one goes to its callers
+#: in the reply only, not also as an event (one message fewer each way per operation)
+_REPLY_LISTS_TRANSITIONS = frozenset({Trigger.PREPARE, Trigger.RESTORE, Trigger.ROLLBACK})
 #: results of this many finished operations are kept for repeated op ids
 _OP_MEMORY = 256
 #: callers one running operation answers at its end; one more is shed (``OverloadedError``)
@@ -71,6 +75,8 @@ class _Op:
     error: CkptError | None = None
     done: bool = False
     transitions: list[p.TransitionRecord] = field(default_factory=list)
+    #: the final transition's event, held back from the callers (who were skipped)
+    held: tuple[p.StateChanged, frozenset[bytes]] | None = None
 
 
 class Agent(RpcServer):
@@ -149,10 +155,21 @@ class Agent(RpcServer):
     def _on_transition(self, t: Transition) -> None:
         current = self._current
         record = _record(t)
-        if current is not None:
-            current.transitions.append(record)
-        self.publish(p.StateChanged(engine=self.name, transition=record,
-                                    op_id=current.op_id if current else None))
+        event = p.StateChanged(engine=self.name, transition=record,
+                               op_id=current.op_id if current else None)
+        if current is None:
+            self.publish(event)
+            return
+        current.transitions.append(record)
+        if current.kind in _REPLY_LISTS_TRANSITIONS and record.dest not in TRANSITIONAL:
+            # the transition that ends the operation: its reply, sent next, lists it for
+            # the callers; they get it as an event only if the reply is an error (no list)
+            with self._ops_lock:
+                callers = frozenset(identity for identity, _ in current.waiters)
+            current.held = (event, callers)
+            self.publish(event, skip=callers)
+        else:
+            self.publish(event)
 
     # ------------------------------------------------------------------ control thread
 
@@ -276,6 +293,11 @@ class Agent(RpcServer):
         else:
             log.warning("agent %s: %s %s ends: %s: %s", self.name, op.kind, op.op_id,
                         op.error.kind, op.error)
+        if op.held is not None and op.error is not None:
+            # an error reply lists no transitions: the callers that were skipped get the
+            # final one as an event after all, before the reply
+            event, callers = op.held
+            self.publish(event, only=callers)
         with self._ops_lock:
             op.done = True
             self._current = None

@@ -122,8 +122,17 @@ def run(args: argparse.Namespace) -> int:
         return _vllm(args)
 
     progress = sys.stderr.isatty() and not args.json
-    on_event = (lambda ev: print(describe_event(ev), file=sys.stderr)) if progress else None
-    with AgentClient(args.control, timeout_s=args.timeout, on_event=on_event,
+    shown: set[tuple[str, float]] = set()  # transitions printed from events
+    engine = [""]
+
+    def on_event(ev) -> None:
+        transition = getattr(ev, "transition", None)
+        if transition is not None:
+            shown.add((transition.trigger, transition.monotonic))
+        engine[0] = getattr(ev, "engine", engine[0])
+        print(describe_event(ev), file=sys.stderr)
+    with AgentClient(args.control, timeout_s=args.timeout,
+                     on_event=on_event if progress else None,
                      curve=curve_client(args)) as client:
         action = args.agent_command
         if action == "watch":
@@ -148,6 +157,13 @@ def run(args: argparse.Namespace) -> int:
         else:
             result = client.rollback(op_id=args.op_id, reason=args.reason,
                                      deadline_s=args.deadline)
+    if progress:  # the transition that ended the operation comes in its reply, not as an event
+        from ckpt_controller import protocol as p
+
+        for t in getattr(result, "transitions", ()):
+            if (t.trigger, t.monotonic) not in shown:
+                ev = p.StateChanged(engine=engine[0] or args.control, transition=t)
+                print(describe_event(ev), file=sys.stderr)
     if args.json:
         print_json(result)
     else:
