@@ -557,10 +557,9 @@ def decode_command(frames: list[bytes]) -> tuple[RequestType, Command]:
     call_id = header.call_id
     if len(tframe) != 1:
         raise ProtocolError(f"type frame must be 1 byte, got {len(tframe)}", call_id=call_id)
-    try:
-        rtype = RequestType(bytes(tframe))
-    except ValueError:
-        raise ProtocolError(f"unknown request type 0x{tframe.hex()}", call_id=call_id) from None
+    rtype = _REQUEST_TYPES.get(bytes(tframe))  # a dict look-up, no enum to construct
+    if rtype is None:
+        raise ProtocolError(f"unknown request type 0x{tframe.hex()}", call_id=call_id)
     if header.version != PROTOCOL_VERSION:
         raise VersionMismatchError(
             f"protocol version {header.version} is not supported",
@@ -577,6 +576,10 @@ _REPLY_DECODERS = {
     ReplyType.ERROR.value: (_error_decoder, "malformed ERROR"),
     ReplyType.EVENT.value: (_event_decoder, "malformed EVENT"),
 }
+
+
+#: each request type by its byte (a dict look-up instead of building the enum)
+_REQUEST_TYPES = {t.value: t for t in RequestType}
 
 
 def decode_reply(frames: list[bytes]) -> Reply | ErrorReply | Event:
