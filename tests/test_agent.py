@@ -237,10 +237,14 @@ def test_state_events_carry_the_operation(agent, client):
     # the one that ended it came in the reply only
     events = client.poll_events(0.3)
     assert _changes(events) == [("preparing", "op-7"), ("restoring", "op-8")]
-    assert any(isinstance(e, p.MemoryReported) and e.op_id == "op-7" for e in events)
+    # so did the release's memory report
+    assert prepared.memory.action == "release"
+    assert not any(isinstance(e, p.MemoryReported) for e in events)
     # every other subscriber gets all of them as events
-    assert _changes(watcher.poll_events(0.3)) == [("preparing", "op-7"), ("prepared", "op-7"),
-                                                  ("restoring", "op-8"), ("running", "op-8")]
+    seen = watcher.poll_events(0.3)
+    assert _changes(seen) == [("preparing", "op-7"), ("prepared", "op-7"),
+                              ("restoring", "op-8"), ("running", "op-8")]
+    assert any(isinstance(e, p.MemoryReported) and e.op_id == "op-7" for e in seen)
     watcher.close()
 
 
@@ -252,16 +256,25 @@ class GoldenDiffers(EngineHooks):
 def test_an_operation_that_fails_sends_its_final_transition_as_an_event(ipc_dir):
     """An error reply lists no transitions: the caller gets the one that ended the failed
     operation as an event, before the error."""
-    with Agent("fv", hooks=GoldenDiffers(), control=f"ipc://{ipc_dir}/fv.ctl",
+    import torch
+
+    from ckpt_controller.memory import MemoryRegistry
+
+    memory = MemoryRegistry()
+    memory.register("weights", {"w": torch.ones(4096)})
+    with Agent("fv", hooks=GoldenDiffers(), memory=memory, control=f"ipc://{ipc_dir}/fv.ctl",
                heartbeat_interval_s=0.05) as a, \
             AgentClient(a.endpoint, timeout_s=3, heartbeat_interval_s=0.05) as c:
         c.subscribe()
-        c.prepare(op_id="fv-1", level=0)
+        c.prepare(op_id="fv-1", level=1)
         with pytest.raises(EngineError, match="golden prompt differs"):
-            c.restore(op_id="fv-2")
-        got = _changes(c.poll_events(0.3))
+            c.restore(op_id="fv-2")  # the weights came back, then the engine's check failed
+        events = c.poll_events(0.3)
+        got = _changes(events)
         assert got[:2] == [("preparing", "fv-1"), ("restoring", "fv-2")]
         assert got[2:] == [("failed", "fv-2")] and c.status().state == "failed"
+        reports = [e for e in events if isinstance(e, p.MemoryReported)]
+        assert [(r.op_id, r.report.action) for r in reports] == [("fv-2", "rewake")]
 
 
 def test_restore_detection_from_fingerprint(ipc_dir):

@@ -56,9 +56,9 @@ _OPERATIONS = {
     p.RequestType.ROLLBACK: Trigger.ROLLBACK,
     p.RequestType.FAIL: Trigger.FAIL,
 }
-#: operations whose successful reply lists their transitions (``PrepareReply``,
-#: ``RestoreReply``): the transition into a settled state that ends one goes to its callers
-#: in the reply only, not also as an event (one message fewer each way per operation)
+#: operations whose successful reply lists their transitions and memory report
+#: (``PrepareReply``, ``RestoreReply``): the transition into a settled state that ends one,
+#: and its memory report, go to its callers in the reply only, not also as events
 _REPLY_LISTS_TRANSITIONS = frozenset({Trigger.PREPARE, Trigger.RESTORE, Trigger.ROLLBACK})
 #: results of this many finished operations are kept for repeated op ids
 _OP_MEMORY = 256
@@ -75,8 +75,8 @@ class _Op:
     error: CkptError | None = None
     done: bool = False
     transitions: list[p.TransitionRecord] = field(default_factory=list)
-    #: the final transition's event, held back from the callers (who were skipped)
-    held: tuple[p.StateChanged, frozenset[bytes]] | None = None
+    #: events its callers were skipped for (``Agent._publish_beside_reply``), and who they were
+    held: list[tuple[p.EventBody, frozenset[bytes]]] = field(default_factory=list)
 
 
 class Agent(RpcServer):
@@ -131,7 +131,7 @@ class Agent(RpcServer):
             self.failpoints.corrupt = lambda: self.memory.flip_bit("weights")
         self.operations = Operations(
             engine_name=name, lifecycle=self.lifecycle, gate=self.gate, memory=self.memory,
-            hooks=hooks or EngineHooks(), emit=self.publish, clock=self.clock, drain=drain,
+            hooks=hooks or EngineHooks(), emit=self._emit, clock=self.clock, drain=drain,
             failpoints=self.failpoints,
         )
         self.engine_pid = engine_pid or os.getpid()
@@ -161,15 +161,31 @@ class Agent(RpcServer):
             self.publish(event)
             return
         current.transitions.append(record)
-        if current.kind in _REPLY_LISTS_TRANSITIONS and record.dest not in TRANSITIONAL:
-            # the transition that ends the operation: its reply, sent next, lists it for
-            # the callers; they get it as an event only if the reply is an error (no list)
-            with self._ops_lock:
-                callers = frozenset(identity for identity, _ in current.waiters)
-            current.held = (event, callers)
-            self.publish(event, skip=callers)
+        if record.dest not in TRANSITIONAL:
+            # the transition that ends the operation: its reply, sent next, lists it
+            self._publish_beside_reply(current, event)
         else:
             self.publish(event)
+
+    def _emit(self, body: p.EventBody) -> None:
+        """An operation's events: a memory report goes in its reply as well."""
+        current = self._current
+        if current is not None and isinstance(body, p.MemoryReported):
+            self._publish_beside_reply(current, body)
+        else:
+            self.publish(body)
+
+    def _publish_beside_reply(self, op: _Op, event: p.EventBody) -> None:
+        """An event whose content the operation's successful reply carries (its final
+        transition, its memory report): sent to every subscriber but the operation's callers,
+        and held for them in case the reply is an error, which carries neither."""
+        if op.kind not in _REPLY_LISTS_TRANSITIONS:
+            self.publish(event)
+            return
+        with self._ops_lock:
+            callers = frozenset(identity for identity, _ in op.waiters)
+        op.held.append((event, callers))
+        self.publish(event, skip=callers)
 
     # ------------------------------------------------------------------ control thread
 
@@ -293,11 +309,11 @@ class Agent(RpcServer):
         else:
             log.warning("agent %s: %s %s ends: %s: %s", self.name, op.kind, op.op_id,
                         op.error.kind, op.error)
-        if op.held is not None and op.error is not None:
-            # an error reply lists no transitions: the callers that were skipped get the
-            # final one as an event after all, before the reply
-            event, callers = op.held
-            self.publish(event, only=callers)
+        if op.error is not None:
+            # an error reply carries no transitions or memory report: the callers that were
+            # skipped get those events after all, before the reply
+            for event, callers in op.held:
+                self.publish(event, only=callers)
         with self._ops_lock:
             op.done = True
             self._current = None
