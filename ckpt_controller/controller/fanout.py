@@ -1,7 +1,7 @@
 """Running a step on many engines: all at once, or rolling, and what the whole came to.
 
-``fan_out`` runs a step for every engine's session concurrently (a group prepare takes about
-as long as its slowest engine); ``rolling`` cycles engines keeping at most
+``fan_out`` runs a step for every engine's session concurrently, each in a greenlet of a
+``hub`` on the operation's thread (a group prepare takes about as long as its slowest engine); ``rolling`` cycles engines keeping at most
 ``max_unavailable`` of them out of service and stops at the first that does not succeed (the
 rest are ``skipped``); ``summarize`` turns the engines' outcomes into the operation's status.
 Neighbours: ``steps`` (what runs on each engine), ``session``; ``service`` calls these.
@@ -17,7 +17,6 @@ from ckpt_controller import protocol as p
 from ckpt_controller.controller import steps
 from ckpt_controller.controller.session import EngineSession
 from ckpt_controller.vocab import OperationKind, OperationStatus, OutcomeStatus
-
 
 
 def fan_out(sessions: list[EngineSession], step: Callable[[EngineSession], object],

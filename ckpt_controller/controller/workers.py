@@ -19,7 +19,6 @@ from collections.abc import Callable
 log = logging.getLogger("ckpt_controller.controller")
 
 
-
 class Workers:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -57,4 +56,3 @@ class Workers:
                 log.exception("%s: a job failed", self.name)
             with self._lock:
                 self._idle += 1
-
