@@ -1,9 +1,10 @@
 """Running a step on many engines: all at once, or rolling, and what the whole came to.
 
 ``fan_out`` runs a step for every engine's session concurrently, each in a greenlet of a
-``hub`` on the operation's thread (a group prepare takes about as long as its slowest engine); ``rolling`` cycles engines keeping at most
-``max_unavailable`` of them out of service and stops at the first that does not succeed (the
-rest are ``skipped``); ``summarize`` turns the engines' outcomes into the operation's status.
+``hub`` on the operation's thread (a group prepare takes about as long as its slowest
+engine); ``rolling`` cycles engines keeping at most ``max_unavailable`` of them out of service
+and stops at the first that does not succeed (the rest are ``skipped``); ``summarize`` turns
+the engines' outcomes into the operation's status.
 Neighbours: ``steps`` (what runs on each engine), ``session``; ``service`` calls these.
 """
 
