@@ -24,6 +24,8 @@ Neighbours: ``contact`` (the socket waits), ``controller.workers`` (fan-outs run
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import os
 import threading
@@ -111,6 +113,10 @@ class Hub:
         #: greenlets whose ``off_loop`` job ended (filled by the job's thread)
         self._jobs_done: deque[greenlet.greenlet] = deque()
         self._jobs = 0
+        #: (deadline, seq, greenlet, its wait) of every wait made; one that ended (woken by
+        #: its socket) stays until it comes to the top: each round looks at the earliest only
+        self._deadlines: list[tuple[float, int, greenlet.greenlet, _Wait]] = []
+        self._seq = itertools.count()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
 
@@ -122,7 +128,8 @@ class Hub:
 
     def wait(self, socks: Sequence[zmq.Socket], timeout_s: float) -> list[zmq.Socket]:
         me = greenlet.getcurrent()
-        self._waits[me] = _Wait(socks, time.monotonic() + max(0.0, timeout_s))
+        w = self._waits[me] = _Wait(socks, time.monotonic() + max(0.0, timeout_s))
+        heapq.heappush(self._deadlines, (w.deadline, next(self._seq), me, w))
         for s in socks:
             self._items[s] = (s, _POLLIN)
             self._owner[s] = me
@@ -199,7 +206,10 @@ class Hub:
 
     def _poll(self) -> None:
         now = time.monotonic()
-        until = min((w.deadline for w in self._waits.values()), default=math.inf)
+        heap, waits = self._deadlines, self._waits
+        while heap and waits.get(heap[0][2]) is not heap[0][3]:
+            heapq.heappop(heap)  # a wait that ended already
+        until = heap[0][0] if heap else math.inf
         items = list(self._items.values())
         if self._jobs:
             items.append((self._wake_r, _POLLIN))
@@ -219,9 +229,10 @@ class Hub:
             woken.setdefault(self._owner[s], []).append(s)
         while self._jobs_done:
             self._runnable.append((self._jobs_done.popleft(), None))
+        for g, socks in woken.items():
+            self._runnable.append((g, socks))
         now = time.monotonic()
-        for g, w in self._waits.items():
-            if g in woken:
-                self._runnable.append((g, woken[g]))
-            elif w.deadline <= now:
+        while heap and heap[0][0] <= now:  # waits that ran out (and were not woken)
+            _, _, g, w = heapq.heappop(heap)
+            if waits.get(g) is w and g not in woken:
                 self._runnable.append((g, []))
