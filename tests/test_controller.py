@@ -23,7 +23,7 @@ from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.errors import BusyError, RejectedError
-from conftest import ipc_connections, wait_connected, wait_until
+from conftest import StreamedLines, ipc_connections, wait_connected, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -588,18 +588,27 @@ def test_engine_death_fails_the_operation_promptly(spawn_reference, spawn_contro
 
 
 def test_watch_shows_an_operation_live(spawn_reference, spawn_controller):
+    import signal
     import subprocess
 
     eng = spawn_reference("w1")
     ctl = spawn_controller(engines_toml((eng, "")))
     before = ipc_connections(ctl.pid, ctl.endpoint)
     watch = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
-                              ctl.endpoint, "watch", "--duration", "6", "--json"],
+                              ctl.endpoint, "watch", "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_connected(ctl.pid, ctl.endpoint, before)  # watch is there and subscribing
-    assert ctl.ckptctl("cycle", "w1", "--op-id", "seen").returncode == 0
-    out, _ = watch.communicate(timeout=30)
-    records = [json.loads(line) for line in out.splitlines()]
+    printed = StreamedLines(watch.stdout)
+    try:
+        wait_connected(ctl.pid, ctl.endpoint, before)  # watch is there and subscribing
+        assert ctl.ckptctl("cycle", "w1", "--op-id", "seen").returncode == 0
+        # printed as it happened, up to the operation's end, while watch still runs
+        wait_until(lambda: any('"operation_end"' in line for line in list(printed.lines)), 20,
+                   "the operation's end printed")
+        assert watch.poll() is None
+    finally:
+        watch.send_signal(signal.SIGINT)
+        watch.communicate(timeout=30)
+    records = [json.loads(line) for line in printed.join()]
     assert {r["op_id"] for r in records} == {"seen"}
     dests = [r["data"]["dest"] for r in records if r["type"] == "transition"]
     assert dests == ["preparing", "prepared", "restoring", "running"]
