@@ -169,7 +169,11 @@ def test_abort_drain_ends_requests_with_partial_output(small):
     jobs = [f"a{i}" for i in range(6)]
     for i, rid in enumerate(jobs):
         small.submit(rid, 100_000, i)
-    time.sleep(0.2)
+    # a one-step request sent after them ends with the first step that takes them all: once
+    # it has, each has some output to be aborted with (instead of sleeping a while)
+    small.submit("a-first-step", 1)
+    assert small.collect(["a-first-step"])["a-first-step"]["reason"] == "length"
+    in_flight(ctl, 6)
     reply = ctl.prepare(drain="abort", level=0)
     assert (reply.drain.aborted, reply.drain.completed, reply.drain.kept) == (6, 0, 0)
     got = small.collect(jobs, timeout_s=5)
@@ -187,7 +191,7 @@ def test_keep_drain_finishes_after_restore_with_identical_output(small, level):
     generation = ctl.status().generation
     for rid, (steps, seed) in jobs.items():
         small.submit(rid, steps, seed)
-    time.sleep(0.15)
+    in_flight(ctl, 4)
     reply = ctl.prepare(drain="keep", level=level)
     assert reply.drain.kept + reply.drain.completed == 4 and reply.drain.kept >= 1
     status = ctl.status()
