@@ -299,7 +299,12 @@ def test_two_keep_cycles_in_a_row_keep_outputs_exact(tiny, clients):
     c = clients(EngineClient, eng.api)
     prompts = [[i, 7, 9] for i in range(6)]
     ids = [c.submit(pr, 400) for pr in prompts]
-    time.sleep(0.1)
+    # all six admitted (not a fixed sleep: on a busy machine some could still be unread, and
+    # be rejected by the prepare instead of kept)
+    deadline = time.monotonic() + 30
+    while ctl.status().in_flight < 6:
+        assert time.monotonic() < deadline, "six requests never in flight"
+        time.sleep(0.02)
     first = ctl.prepare(drain="keep", level=2)
     ctl.restore()
     second = ctl.prepare(drain="keep", level=2)
