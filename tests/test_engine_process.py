@@ -125,11 +125,12 @@ def test_cycle_under_load_loses_nothing(tiny, uncycled, clients, mode):
     load = threading.Thread(target=lambda: result.update(zip(("report", "requests"), run_load(
         eng.api, rate=40, duration_s=3.0, seed=11, settle_s=60))))
     load.start()
-    time.sleep(1.2)
-    # on a busy machine the load may still be starting: prepare only once requests are in
-    # flight, which each drain mode needs to show its own work
+    # prepare once requests are in flight, which each drain mode needs to show its own work,
+    # and early in the load's 3 s: on a busy machine a fixed wait first (it was 1.2 s) could
+    # use up the rest, and the prepare found the load's last requests already ended
     deadline = time.monotonic() + 30
-    while ctl.status().in_flight < 3 and time.monotonic() < deadline:
+    while ctl.status().in_flight < 3:
+        assert time.monotonic() < deadline, "the load never had 3 requests in flight"
         time.sleep(0.02)
     prep = ctl.prepare(drain=mode, level=2, drain_timeout_s=20)
     prepared_at = time.monotonic()
