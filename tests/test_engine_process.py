@@ -326,7 +326,11 @@ def test_a_client_that_reads_late_still_gets_every_end(tiny, clients):
     ids = [client.submit([9, i], 900) for i in range(16)]  # 14,400 outputs
     with AgentClient(eng.control) as agent:
         deadline = time.monotonic() + 120
-        time.sleep(0.5)
+        # all sixteen admitted first (a fixed 0.5 s could pass before the engine read them,
+        # and the wait below then ended at once, with nothing piled up)
+        while agent.status().in_flight < 16:
+            assert time.monotonic() < deadline, "sixteen requests never in flight"
+            time.sleep(0.05)
         while agent.status().in_flight:  # not reading the outputs meanwhile
             assert time.monotonic() < deadline
             time.sleep(0.2)
