@@ -125,11 +125,17 @@ def test_cycle_under_load_loses_nothing(tiny, uncycled, clients, mode):
     load = threading.Thread(target=lambda: result.update(zip(("report", "requests"), run_load(
         eng.api, rate=40, duration_s=3.0, seed=11, settle_s=60))))
     load.start()
-    # prepare once requests are in flight, which each drain mode needs to show its own work,
-    # and early in the load's 3 s: on a busy machine a fixed wait first (it was 1.2 s) could
-    # use up the rest, and the prepare found the load's last requests already ended
+    # three long requests of the test's own (1,000 tokens: a second or more) beside the
+    # load's short ones, decoding before the prepare: each drain mode always has requests in
+    # flight to show its work on, however long a busy machine keeps the prepare from
+    # arriving (the load's own, of 16 to 128 tokens, could all have ended by then)
+    own = clients(EngineClient, eng.api)
+    mine = [own.submit([7, i, 3], 1000) for i in range(3)]
     deadline = time.monotonic() + 30
-    while ctl.status().in_flight < 3:
+    while not all(own.requests[r].first_token_at is not None for r in mine):
+        assert time.monotonic() < deadline, "the test's own requests never decoded"
+        own.poll(0.02)
+    while ctl.status().in_flight < 6:  # and the load's requests too
         assert time.monotonic() < deadline, "the load never had 3 requests in flight"
         time.sleep(0.02)
     prep = ctl.prepare(drain=mode, level=2, drain_timeout_s=20)
@@ -139,6 +145,9 @@ def test_cycle_under_load_loses_nothing(tiny, uncycled, clients, mode):
     restore_at = time.monotonic()
     ctl.restore()
     load.join(90)
+    while not all(own.requests[r].ended for r in mine):
+        assert time.monotonic() < deadline + 90, "the test's own requests never ended"
+        own.poll(0.1)
     report, requests = result["report"], result["requests"]
     assert report.sent >= 100 and report.lost == 0, report
     assert report.completed + report.aborted + report.rejected == report.sent
@@ -146,23 +155,35 @@ def test_cycle_under_load_loses_nothing(tiny, uncycled, clients, mode):
     for c in requests.values():
         assert c.ended
     assert prep.drain.escalated_to is None  # each mode did its own work, no escalation
+    assert prep.drain.in_flight_at_start >= len(mine)
+    want = {"wait": "length", "abort": "abort", "keep": "length"}[mode]
+    assert [own.requests[r].finish_reason for r in mine] == [want] * len(mine)
     if mode == "wait":
-        assert prep.drain.completed == prep.drain.in_flight_at_start > 0
+        assert prep.drain.completed == prep.drain.in_flight_at_start
         assert report.aborted == 0 and prep.drain.kept == 0
     if mode == "abort":
-        assert prep.drain.aborted == report.aborted > 0
+        assert prep.drain.aborted == report.aborted + len(mine)
+        assert all(0 < len(own.requests[r].token_ids) < 1000 for r in mine)
     if mode == "keep":
         assert report.aborted == 0
         # admitted before the engine was prepared, ended only once the restore began: exactly
         # the kept ones (a request sent while the prepare call was on its way is kept too)
         across = [rid for rid, c in requests.items() if c.rejected is None
                   and c.sent_at < prepared_at and c.ended_at > restore_at]
-        assert len(across) == prep.drain.kept > 0
+        assert len(across) + len(mine) == prep.drain.kept
     # every completed request, kept ones included, has exactly its output from an engine
     # that never went through a cycle (same seed, same model)
     completed = {rid: c.token_ids for rid, c in requests.items()
                  if c.finish_reason in ("stop", "length")}
     assert completed == replay(uncycled.api, 11, list(completed))
+    if want == "length":
+        straight = clients(EngineClient, uncycled.api)
+        ref = [straight.submit([7, i, 3], 1000) for i in range(3)]
+        while not all(straight.requests[r].ended for r in ref):
+            assert time.monotonic() < deadline + 180, "the uncycled engine never answered"
+            straight.poll(0.1)
+        assert [own.requests[r].token_ids for r in mine] == \
+            [straight.requests[r].token_ids for r in ref]
 
 
 def test_rejection_is_immediate_and_retryable(tiny, clients):
