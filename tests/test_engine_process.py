@@ -320,7 +320,9 @@ def test_two_keep_cycles_in_a_row_keep_outputs_exact(tiny, clients):
     ctl = clients(AgentClient, eng.control, timeout_s=30)
     c = clients(EngineClient, eng.api)
     prompts = [[i, 7, 9] for i in range(6)]
-    ids = [c.submit(pr, 400) for pr in prompts]
+    # 900 tokens each (a second or more): none can end between the status that counts them
+    # and the first prepare, nor before the second one, however busy the machine
+    ids = [c.submit(pr, 900) for pr in prompts]
     # all six admitted (not a fixed sleep: on a busy machine some could still be unread, and
     # be rejected by the prepare instead of kept)
     deadline = time.monotonic() + 30
@@ -335,8 +337,12 @@ def test_two_keep_cycles_in_a_row_keep_outputs_exact(tiny, clients):
     deadline = time.monotonic() + 60
     while not all(c.requests[i].ended for i in ids) and time.monotonic() < deadline:
         c.poll(0.2)
-    want = [c.generate(pr, 400).token_ids for pr in prompts]
+    again = [c.submit(pr, 900) for pr in prompts]  # the same six, straight through
+    while not all(c.requests[i].ended for i in again) and time.monotonic() < deadline + 60:
+        c.poll(0.2)
+    want = [c.requests[i].token_ids for i in again]
     assert [c.requests[i].token_ids for i in ids] == want
+    assert all(len(tokens) == 900 for tokens in want)
 
 
 def test_a_client_that_reads_late_still_gets_every_end(tiny, clients):
