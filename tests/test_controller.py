@@ -565,19 +565,23 @@ def test_release_and_restore_deadlines(spawn_reference, spawn_controller):
         assert api.generate([1, 2], 3).finish_reason == "length"
 
 
-def test_engine_death_fails_the_operation_promptly(spawn_reference, spawn_controller):
-    eng = spawn_reference("dead")
+def test_engine_death_fails_the_operation_promptly(spawn_engine, spawn_controller):
+    # a step engine: its request (100,000 steps of 10 ms) holds the wait drain in PREPARING
+    # until the kill on any machine; the reference model's longest request (its 1,024-token
+    # limit, a second or two) could end before a busy machine's ckptctl had started, and the
+    # drain then passed PREPARING too fast to be seen there
+    eng = spawn_engine("dead")
     ctl = spawn_controller(engines_toml((eng, "")))
-    with EngineClient(eng.api) as api:
-        api.submit([5, 5], 100_000)
-        box = {}
-        t = threading.Thread(target=lambda: box.update(out=ctl.ckptctl(
-            "prepare", "dead", "--drain", "wait", "--deadline", "300", "--json")))
-        t.start()
-        _wait_state(eng.control, "preparing")
-        killed = time.monotonic()
-        eng.proc.kill()
-        t.join(60)
+    eng.submit("forever", steps=100_000)
+    _wait_in_flight(eng.control, 1)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(out=ctl.ckptctl(
+        "prepare", "dead", "--drain", "wait", "--deadline", "300", "--json")))
+    t.start()
+    _wait_state(eng.control, "preparing")
+    killed = time.monotonic()
+    eng.proc.kill()
+    t.join(60)
     assert time.monotonic() - killed < 20  # heartbeats, not the 300 s deadline
     out = box["out"]
     assert out.returncode == 4
