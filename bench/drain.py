@@ -3,6 +3,7 @@
 - wait: K requests of different lengths decoding; ``prepare --drain wait``. The floor is the
   longest remaining request: from the prepare to the end of the last request, as its client
   saw it. Reported: the agent's drain time, that floor, and their difference (the overhead).
+  A run whose prepare found fewer than K requests in flight (one ended first) is run again.
 - abort: N requests in flight (``--max-batch`` decoding, the rest queued); ``prepare --drain
   abort``. Reported: the agent's drain time (every request ended with finish reason ABORT and
   its partial output) and when the client had seen the last of those ends.
@@ -41,7 +42,21 @@ def _until(c, done, what: str, timeout_s: float = 120.0) -> None:
         c.poll(0.01)
 
 
+#: runs of a wait case at most, until its prepare finds all its requests in flight: on a busy
+#: machine a request may end before the prepare arrives, and that run drained fewer requests
+#: than its row says (each run's ``tries`` tells how many it took)
+WAIT_TRIES = 10
+
+
 def wait_case(tmp: Path, k: int) -> dict:
+    for tries in range(1, WAIT_TRIES + 1):
+        run = _wait_once(tmp, k)
+        if run["in_flight_at_start"] == k:
+            break
+    return {**run, "tries": tries}
+
+
+def _wait_once(tmp: Path, k: int) -> dict:
     from ckpt_controller.agent import AgentClient
     from ckpt_controller.engine.client import EngineClient
 

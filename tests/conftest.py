@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -157,6 +158,27 @@ def wait_connected(pid: int, endpoint: str, before: int, timeout_s: float = 30.0
     sockets it had (``ipc_connections``): a client started meanwhile (``watch``) is there."""
     wait_until(lambda: ipc_connections(pid, endpoint) > before, timeout_s,
                f"a new connection to {endpoint}")
+
+
+class StreamedLines:
+    """The lines of a child's ``stream`` (its stdout, ``text=True``), read on a thread of
+    their own as the child prints them: a test waits for the lines it needs
+    (``wait_until``) instead of for a child that stops after a fixed time."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def join(self, timeout_s: float = 20.0) -> list[str]:
+        """Every line, once the child closed its end (it exited)."""
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the child's output never ended"
+        return self.lines
 
 
 def settled(eng, timeout_s: float = 30.0) -> bool:

@@ -144,8 +144,11 @@ def test_a_request_arriving_mid_prepare_is_rejected_at_once_in_every_mode(small,
     the requests in flight end as the mode says."""
     ctl = client_for(small)
     jobs = [f"{mode}{i}" for i in range(3)]
+    # keep: 2 s of steps at least, so all three are still in flight when the prepare comes
+    # (0.4 s could pass on a busy machine between the status that counted them and it)
+    steps = {"wait": 40, "abort": 100_000, "keep": 200}[mode]
     for i, rid in enumerate(jobs):
-        small.submit(rid, 100_000 if mode == "abort" else 40, i)
+        small.submit(rid, steps, i)
     in_flight(ctl, 3)
     reply = ctl.prepare(drain=mode, level=1, step="drain", op_id=f"mid-{mode}")
     assert reply.state == "preparing"
@@ -159,7 +162,7 @@ def test_a_request_arriving_mid_prepare_is_rejected_at_once_in_every_mode(small,
     want = {"wait": "length", "abort": "abort", "keep": "length"}[mode]
     assert all(r["reason"] == want for r in got.values())
     if mode != "abort":
-        assert all(len(r["output"]) == 40 for r in got.values())
+        assert all(len(r["output"]) == steps for r in got.values())
     small.submit("after", 5)
     assert small.collect(["after"])["after"]["reason"] == "length"
 
@@ -169,7 +172,11 @@ def test_abort_drain_ends_requests_with_partial_output(small):
     jobs = [f"a{i}" for i in range(6)]
     for i, rid in enumerate(jobs):
         small.submit(rid, 100_000, i)
-    time.sleep(0.2)
+    # a one-step request sent after them ends with the first step that takes them all: once
+    # it has, each has some output to be aborted with (instead of sleeping a while)
+    small.submit("a-first-step", 1)
+    assert small.collect(["a-first-step"])["a-first-step"]["reason"] == "length"
+    in_flight(ctl, 6)
     reply = ctl.prepare(drain="abort", level=0)
     assert (reply.drain.aborted, reply.drain.completed, reply.drain.kept) == (6, 0, 0)
     got = small.collect(jobs, timeout_s=5)
@@ -187,7 +194,7 @@ def test_keep_drain_finishes_after_restore_with_identical_output(small, level):
     generation = ctl.status().generation
     for rid, (steps, seed) in jobs.items():
         small.submit(rid, steps, seed)
-    time.sleep(0.15)
+    in_flight(ctl, 4)
     reply = ctl.prepare(drain="keep", level=level)
     assert reply.drain.kept + reply.drain.completed == 4 and reply.drain.kept >= 1
     status = ctl.status()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_controller.cli import parse_bytes
-from conftest import ipc_connections, wait_connected
+from conftest import StreamedLines, ipc_connections, wait_connected, wait_until
 
 
 def ckptctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -98,20 +99,37 @@ def test_failed_prepare_exits_1_and_deadline_exits_3(engine):
 
 
 def test_watch_prints_events(engine):
+    """Each event is printed as it happens (a line of JSON, flushed: a pipe gets it at once);
+    watch runs until interrupted (exit 130), or for ``--duration`` (exit 0)."""
     before = ipc_connections(engine.pid, engine.control)
     watch = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "agent", "watch",
-                              "--control", engine.control, "--duration", "4", "--json"],
+                              "--control", engine.control, "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_connected(engine.pid, engine.control, before)  # watch is there and subscribing
-    assert ckptctl("agent", "prepare", "--control", engine.control, "--level", "0").returncode == 0
-    assert ckptctl("agent", "rollback", "--control", engine.control, "--reason", "drill").returncode == 0
-    out, _ = watch.communicate(timeout=20)
-    events = [json.loads(line) for line in out.splitlines()]
-    dests = [e["transition"]["dest"] for e in events if e["event"] == "StateChanged"]
+    printed = StreamedLines(watch.stdout)
+
+    def changes() -> list[dict]:
+        events = [json.loads(line) for line in list(printed.lines)]
+        return [e for e in events if e["event"] == "StateChanged"]
+
+    try:
+        wait_connected(engine.pid, engine.control, before)  # watch is there and subscribing
+        assert ckptctl("agent", "prepare", "--control", engine.control, "--level", "0").returncode == 0
+        assert ckptctl("agent", "rollback", "--control", engine.control, "--reason", "drill").returncode == 0
+        # however long the two commands took, watch is still running and has printed all four
+        wait_until(lambda: len(changes()) >= 4, 20, "the four state changes printed")
+        assert watch.poll() is None
+    finally:
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=20)
+    printed.join()
+    assert watch.returncode == 130, err
+    dests = [e["transition"]["dest"] for e in changes()]
     assert dests == ["preparing", "prepared", "restoring", "running"]
-    rollback = [e for e in events if e["event"] == "StateChanged"
-                and e["transition"]["trigger"] == "rollback"]
+    rollback = [e for e in changes() if e["transition"]["trigger"] == "rollback"]
     assert rollback[0]["transition"]["reason"].endswith("drill")
+    timed = ckptctl("agent", "watch", "--control", engine.control, "--duration", "0.5",
+                    "--json")
+    assert timed.returncode == 0 and timed.stdout == "", timed.stderr
 
 
 @pytest.mark.parametrize("text,value", [("1024", 1024), ("512MiB", 512 << 20), ("2GiB", 2 << 30),

@@ -125,11 +125,18 @@ def test_cycle_under_load_loses_nothing(tiny, uncycled, clients, mode):
     load = threading.Thread(target=lambda: result.update(zip(("report", "requests"), run_load(
         eng.api, rate=40, duration_s=3.0, seed=11, settle_s=60))))
     load.start()
-    time.sleep(1.2)
-    # on a busy machine the load may still be starting: prepare only once requests are in
-    # flight, which each drain mode needs to show its own work
+    # three long requests of the test's own (1,000 tokens: a second or more) beside the
+    # load's short ones, decoding before the prepare: each drain mode always has requests in
+    # flight to show its work on, however long a busy machine keeps the prepare from
+    # arriving (the load's own, of 16 to 128 tokens, could all have ended by then)
+    own = clients(EngineClient, eng.api)
+    mine = [own.submit([7, i, 3], 1000) for i in range(3)]
     deadline = time.monotonic() + 30
-    while ctl.status().in_flight < 3 and time.monotonic() < deadline:
+    while not all(own.requests[r].first_token_at is not None for r in mine):
+        assert time.monotonic() < deadline, "the test's own requests never decoded"
+        own.poll(0.02)
+    while ctl.status().in_flight < 6:  # and the load's requests too
+        assert time.monotonic() < deadline, "the load never had 3 requests in flight"
         time.sleep(0.02)
     prep = ctl.prepare(drain=mode, level=2, drain_timeout_s=20)
     prepared_at = time.monotonic()
@@ -138,6 +145,9 @@ def test_cycle_under_load_loses_nothing(tiny, uncycled, clients, mode):
     restore_at = time.monotonic()
     ctl.restore()
     load.join(90)
+    while not all(own.requests[r].ended for r in mine):
+        assert time.monotonic() < deadline + 90, "the test's own requests never ended"
+        own.poll(0.1)
     report, requests = result["report"], result["requests"]
     assert report.sent >= 100 and report.lost == 0, report
     assert report.completed + report.aborted + report.rejected == report.sent
@@ -145,23 +155,35 @@ def test_cycle_under_load_loses_nothing(tiny, uncycled, clients, mode):
     for c in requests.values():
         assert c.ended
     assert prep.drain.escalated_to is None  # each mode did its own work, no escalation
+    assert prep.drain.in_flight_at_start >= len(mine)
+    want = {"wait": "length", "abort": "abort", "keep": "length"}[mode]
+    assert [own.requests[r].finish_reason for r in mine] == [want] * len(mine)
     if mode == "wait":
-        assert prep.drain.completed == prep.drain.in_flight_at_start > 0
+        assert prep.drain.completed == prep.drain.in_flight_at_start
         assert report.aborted == 0 and prep.drain.kept == 0
     if mode == "abort":
-        assert prep.drain.aborted == report.aborted > 0
+        assert prep.drain.aborted == report.aborted + len(mine)
+        assert all(0 < len(own.requests[r].token_ids) < 1000 for r in mine)
     if mode == "keep":
         assert report.aborted == 0
         # admitted before the engine was prepared, ended only once the restore began: exactly
         # the kept ones (a request sent while the prepare call was on its way is kept too)
         across = [rid for rid, c in requests.items() if c.rejected is None
                   and c.sent_at < prepared_at and c.ended_at > restore_at]
-        assert len(across) == prep.drain.kept > 0
+        assert len(across) + len(mine) == prep.drain.kept
     # every completed request, kept ones included, has exactly its output from an engine
     # that never went through a cycle (same seed, same model)
     completed = {rid: c.token_ids for rid, c in requests.items()
                  if c.finish_reason in ("stop", "length")}
     assert completed == replay(uncycled.api, 11, list(completed))
+    if want == "length":
+        straight = clients(EngineClient, uncycled.api)
+        ref = [straight.submit([7, i, 3], 1000) for i in range(3)]
+        while not all(straight.requests[r].ended for r in ref):
+            assert time.monotonic() < deadline + 180, "the uncycled engine never answered"
+            straight.poll(0.1)
+        assert [own.requests[r].token_ids for r in mine] == \
+            [straight.requests[r].token_ids for r in ref]
 
 
 def test_rejection_is_immediate_and_retryable(tiny, clients):
@@ -298,8 +320,15 @@ def test_two_keep_cycles_in_a_row_keep_outputs_exact(tiny, clients):
     ctl = clients(AgentClient, eng.control, timeout_s=30)
     c = clients(EngineClient, eng.api)
     prompts = [[i, 7, 9] for i in range(6)]
-    ids = [c.submit(pr, 400) for pr in prompts]
-    time.sleep(0.1)
+    # 900 tokens each (a second or more): none can end between the status that counts them
+    # and the first prepare, nor before the second one, however busy the machine
+    ids = [c.submit(pr, 900) for pr in prompts]
+    # all six admitted (not a fixed sleep: on a busy machine some could still be unread, and
+    # be rejected by the prepare instead of kept)
+    deadline = time.monotonic() + 30
+    while ctl.status().in_flight < 6:
+        assert time.monotonic() < deadline, "six requests never in flight"
+        time.sleep(0.02)
     first = ctl.prepare(drain="keep", level=2)
     ctl.restore()
     second = ctl.prepare(drain="keep", level=2)
@@ -308,8 +337,12 @@ def test_two_keep_cycles_in_a_row_keep_outputs_exact(tiny, clients):
     deadline = time.monotonic() + 60
     while not all(c.requests[i].ended for i in ids) and time.monotonic() < deadline:
         c.poll(0.2)
-    want = [c.generate(pr, 400).token_ids for pr in prompts]
+    again = [c.submit(pr, 900) for pr in prompts]  # the same six, straight through
+    while not all(c.requests[i].ended for i in again) and time.monotonic() < deadline + 60:
+        c.poll(0.2)
+    want = [c.requests[i].token_ids for i in again]
     assert [c.requests[i].token_ids for i in ids] == want
+    assert all(len(tokens) == 900 for tokens in want)
 
 
 def test_a_client_that_reads_late_still_gets_every_end(tiny, clients):
@@ -320,7 +353,11 @@ def test_a_client_that_reads_late_still_gets_every_end(tiny, clients):
     ids = [client.submit([9, i], 900) for i in range(16)]  # 14,400 outputs
     with AgentClient(eng.control) as agent:
         deadline = time.monotonic() + 120
-        time.sleep(0.5)
+        # all sixteen admitted first (a fixed 0.5 s could pass before the engine read them,
+        # and the wait below then ended at once, with nothing piled up)
+        while agent.status().in_flight < 16:
+            assert time.monotonic() < deadline, "sixteen requests never in flight"
+            time.sleep(0.05)
         while agent.status().in_flight:  # not reading the outputs meanwhile
             assert time.monotonic() < deadline
             time.sleep(0.2)

@@ -15,11 +15,12 @@ import time
 
 import pytest
 
+from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.procutil import ReadyProcess
 from ckpt_controller.security import generate
-from conftest import ROOT
+from conftest import ROOT, wait_until
 
 CTL_IP, ENG_IP = "169.254.77.1", "169.254.77.2"
 
@@ -90,17 +91,20 @@ def test_cycle_and_link_cut_across_network_namespaces(two_hosts, tmp_path, model
         assert out.returncode == 0, out.stdout + out.stderr
         assert json.loads(out.stdout)["status"] == "succeeded"
 
-        with EngineClient(api) as client:
-            ids = [client.submit([5, i], 300) for i in range(6)]  # one at a time: ~seconds
+        with EngineClient(api) as client, ControllerClient(endpoint) as watcher:
+            # one at a time: several seconds of decoding (about 5 s on a quiet machine, more
+            # on a busy one), so the prepare, a command that must start first (seconds on a
+            # busy machine), still finds them in flight; 1,800 tokens could all be done by then
+            ids = [client.submit([5, i], 900) for i in range(6)]
             client.poll(0.5)
             prep = subprocess.Popen(
                 [*py, "--controller", endpoint, "prepare", "far", "--op-id", "cut", "--drain",
                  "wait", "--drain-timeout", "8", "--on-deadline", "keep", "--json"],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-            deadline = time.monotonic() + 20
-            while _state(endpoint)["status"]["state"] != "preparing":
-                assert time.monotonic() < deadline, "never PREPARING"
-                time.sleep(0.1)
+            # asked in this process (a status command per look would take a second or more)
+            view = wait_until(lambda: (v := watcher.status().engines[0]).status is not None
+                              and v.status.state == "preparing" and v, 30, "PREPARING", 0.1)
+            assert view.status.in_flight > 0  # the drain is waiting for requests
             _ip("-n", two_hosts["ctl_ns"], "link", "set", two_hosts["ctl_if"], "down")
             cut = time.monotonic()
             stdout, _ = prep.communicate(timeout=60)

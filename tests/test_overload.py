@@ -40,6 +40,7 @@ from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.errors import UnreachableError, from_wire
 from ckpt_controller.rpcserver import RpcServer
 from ckpt_controller.zmqutil import Outbox
+from conftest import wait_until
 
 MIB = 1 << 20
 #: what the issue asks: answered "within a second"; slack for a loaded two-core machine
@@ -422,10 +423,13 @@ def test_a_deeply_nested_answer_from_vllm_is_a_typed_error():
 
 @pytest.mark.slow
 def test_callers_of_one_controller_operation_are_bounded_and_repeats_cost_no_thread(
-        spawn_reference, spawn_controller):
+        spawn_engine, spawn_controller):
     from ckpt_controller.controller.admission import MAX_WAITERS
 
-    eng = spawn_reference("w1")
+    # a step engine: its request (500 steps of 10 ms, 5 s at least on any machine) holds the
+    # wait drain while the callers arrive; a reference model's request ends by its 1,024-token
+    # limit, a second or two, which a busy machine's sending of them all could outlast
+    eng = spawn_engine("w1")
     ctl = spawn_controller(f'[[engine]]\nname = "w1"\ncontrol = "{eng.control}"\n')
     proc = psutil.Process(ctl.proc.pid)
     s = zmq.Context.instance().socket(zmq.DEALER)
@@ -447,24 +451,23 @@ def test_callers_of_one_controller_operation_are_bounded_and_repeats_cost_no_thr
         return seen
 
     try:
-        with EngineClient(eng.api) as api:
-            rid = api.submit([1, 2, 3], 1000)  # a wait drain holds the prepare meanwhile
-            s.send_multipart(operation(1))
-            deadline = time.monotonic() + 10
-            with ControllerClient(ctl.endpoint) as c:
-                while c.status(["w1"]).engines[0].holder != "held":
-                    assert time.monotonic() < deadline
-                    time.sleep(0.05)
-            callers = MAX_WAITERS + 36
-            for n in range(2, callers + 1):  # the same operation again: each waits for its end
-                s.send_multipart(operation(n))
-            shed = replies(callers - MAX_WAITERS, 5000)  # those past the bound: at once
-            assert shed == {"OverloadedError": callers - MAX_WAITERS}
-            end = time.monotonic() + 120
-            while not api.requests[rid].ended:  # the drain waits for it to finish
-                assert time.monotonic() < end
-                api.poll(1.0)
-            assert replies(MAX_WAITERS, 60_000) == {"succeeded": MAX_WAITERS}
+        eng.submit("r", steps=500)  # a wait drain holds the prepare meanwhile
+        with AgentClient(eng.control) as agent:  # admitted before the prepare goes out
+            wait_until(lambda: agent.status().in_flight == 1, 30, "the request in flight")
+        s.send_multipart(operation(1))
+        deadline = time.monotonic() + 10
+        with ControllerClient(ctl.endpoint) as c:
+            while c.status(["w1"]).engines[0].holder != "held":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        callers = MAX_WAITERS + 36
+        for n in range(2, callers + 1):  # the same operation again: each waits for its end
+            s.send_multipart(operation(n))
+        shed = replies(callers - MAX_WAITERS, 5000)  # those past the bound: at once
+        assert shed == {"OverloadedError": callers - MAX_WAITERS}
+        # the drain waits for it to finish
+        assert eng.collect(["r"], timeout_s=120)["r"]["reason"] == "length"
+        assert replies(MAX_WAITERS, 60_000) == {"succeeded": MAX_WAITERS}
         # a burst of repeats of the finished operation: the stored result, no thread each
         threads_before = proc.num_threads()
         peak = threads_before

@@ -182,7 +182,8 @@ def _watch(client, args: argparse.Namespace) -> int:
             if isinstance(ev, p.Heartbeat) and not args.heartbeats:
                 continue
             if args.json:
-                print_json({"event": type(ev).__name__, **msgspec.to_builtins(ev)})
+                print_json({"event": type(ev).__name__, **msgspec.to_builtins(ev)},
+                           flush=True)
             else:
                 print(describe_event(ev), flush=True)
         if not client.follows_heartbeats:  # else poll_events says when the agent is lost

@@ -88,8 +88,12 @@ def word_arg(words: type[enum.Enum]) -> dict[str, Any]:
     return {"type": parse, "choices": [w.value for w in words]}
 
 
-def print_json(obj) -> None:
+def print_json(obj, flush: bool = False) -> None:
+    """``obj`` as one line of JSON on stdout; ``flush`` for a stream of lines read as they
+    come (``watch --json`` into a pipe would otherwise hold them until its buffer fills)."""
     sys.stdout.write(msgspec.json.encode(obj).decode() + "\n")
+    if flush:
+        sys.stdout.flush()
 
 
 def describe(result) -> str:

@@ -318,7 +318,7 @@ def _watch(args: argparse.Namespace) -> int:
                 if not isinstance(ev, p.Journaled):
                     continue
                 if args.json:
-                    print_json(msgspec.to_builtins(ev.record))
+                    print_json(msgspec.to_builtins(ev.record), flush=True)
                 else:
                     line = describe_record(ev.record)
                     if line:
