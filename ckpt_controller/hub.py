@@ -119,10 +119,14 @@ class Hub:
         self._seq = itertools.count()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        self._wake_lock = threading.Lock()
+        self._closed = False
 
     def close(self) -> None:
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._wake_lock:
+            self._closed = True
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     # ---------------------------------------------------------------- from the greenlets
 
@@ -150,8 +154,13 @@ class Hub:
                 box.append((True, fn(*args)))
             except BaseException as exc:  # policy: raised in the greenlet that asked (below)
                 box.append((False, exc))
-            self._jobs_done.append(me)
-            os.write(self._wake_w, b"x")
+            # both under the lock ``close`` takes: the loop may see the job ended (and the
+            # hub close) before the wake-up is written, which must then not be written at
+            # all, into a closed file or a new one given the same number
+            with self._wake_lock:
+                self._jobs_done.append(me)
+                if not self._closed:
+                    os.write(self._wake_w, b"x")
 
         self._jobs += 1
         threading.Thread(target=job, name="hub-job", daemon=True).start()

@@ -144,3 +144,33 @@ def test_outside_a_hub_and_inside_one_the_plain_thing_is_done(echo):
     hub.each(outer, [0, 1], 2)
     assert sorted(inner) == [(i, j) for i in (0, 1) for j in (0, 1, 2)]
     assert hub.current() is None
+
+
+def test_a_job_that_ends_as_its_hub_closes_writes_to_no_closed_file(monkeypatch):
+    """A blocking job tells the hub it ended, then wakes it; a hub that saw the first and
+    closed before the second must not leave the job writing to a closed (or reused) file."""
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    real_append = hub.deque.append
+
+    class SlowWake(hub.deque):  # the job's thread pauses between its two steps
+        def append(self, item):
+            real_append(self, item)
+            if threading.current_thread().name == "hub-job":
+                time.sleep(0.002)
+
+    monkeypatch.setattr(hub, "deque", SlowWake)
+
+    def item(i: int, done: list) -> None:
+        if i == 0:
+            hub.blocking(lambda: None)
+            done.append(True)
+        else:  # wakes the loop often, so it finds the ended job before the wake-up; ends
+            while not done:  # right after the job's greenlet, and the hub closes
+                hub.sleep(0.0002)
+
+    for _ in range(30):
+        done: list = []
+        hub.each(lambda i: item(i, done), [0, 1], 2)
+        time.sleep(0.005)  # the job thread's wake-up comes after its hub closed
+    assert errors == []
