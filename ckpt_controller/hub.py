@@ -18,8 +18,9 @@ Outside a hub (any plain thread, and the hub's own loop) each does the plain thi
 a call, ``time.sleep``. A greenlet never moves between threads, and everything in it runs on
 the hub's thread, one at a time: a zmq socket is still used by one thread only. A hub inside a
 hub is not made: ``each`` called from a hub's greenlet runs its items one after the other.
-Neighbours: ``contact`` (the socket waits), ``controller.workers`` (fan-outs run in a hub),
-``controller.session`` (hooks through ``blocking``).
+Neighbours: ``contact`` (the socket waits), ``controller.fanout``, ``preflight``,
+``reconcile`` and ``service`` (they fan out through ``each``), ``controller.session`` (hooks
+through ``blocking``), ``controller.recovery`` (``sleep``).
 """
 
 from __future__ import annotations
