@@ -39,8 +39,8 @@ from ckpt_controller.errors import (
     VersionMismatchError,
 )
 from ckpt_controller.security import CurveClient
-from ckpt_controller.zmqutil import recv_frames
 from ckpt_controller.values import COUNT, DURATION, check, count, shown
+from ckpt_controller.zmqutil import recv_frames
 
 
 #: plain ints: zmq's flag enums cost an enum operation on every use

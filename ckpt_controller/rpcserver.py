@@ -110,8 +110,9 @@ class RpcServer:
             if self.curve is not None:  # the handler first: without one, libzmq admits anyone
                 self._zap = ZapHandler(self._ctx, self.curve, self.name)
                 self.curve.apply(self._router)
-                self._monitor = monitor_socket(
-                    self._router, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+                self._monitor = monitor_socket(self._router,
+                                               zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
             elif self.endpoint.startswith("tcp://"):
                 log.warning("%s: control endpoint %s has no CURVE keys: anyone who can reach "
                             "it can drive it", self.name, self.endpoint)
