@@ -433,3 +433,15 @@ def vllm_server(tmp_path_factory):
     server = VllmServer(model)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """One real etcd member (``make etcd``); skips with the reason when it is not installed."""
+    import etcd_cluster
+
+    if not etcd_cluster.installed():
+        pytest.skip("etcd is not installed: run `make etcd`")
+    cluster = etcd_cluster.EtcdCluster(tmp_path / "etcd", size=1)
+    yield cluster
+    cluster.close()

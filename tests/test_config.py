@@ -223,6 +223,27 @@ BAD = [
     ("[defaults]\nresidual_budget = \"lots\"\n", "defaults.residual_budget", "not a size"),
     ("[defaults]\nresidual_budget = -1\n", "defaults.residual_budget", ">= 0"),
     ("[defaults]\nresidual_budget = 1.5\n", "defaults.residual_budget", "size string"),
+    # [fleet] and engine labels (fleet.md)
+    ("[fleet]\nnode = \"n1\"\n", "fleet.etcd", "is required"),
+    ("[fleet]\netcd = \"ftp://x:1\"\n", "fleet.etcd", "http:// or https://"),
+    ("[fleet]\netcd = \"http://x\"\n", "fleet.etcd", "a host and a port"),
+    ("[fleet]\netcd = [\"http://x:1\", \"http://y:2/v3\"]\n", "fleet.etcd[1]", "nothing after"),
+    ("[fleet]\netcd = []\n", "fleet.etcd", "array of 1 to 16"),
+    ("[fleet]\netcd = \"http://x:1\"\nnode = \"a b\"\n", "fleet.node", "'a b'"),
+    ("[fleet]\netcd = \"http://x:1\"\nprefix = \"ckpt\"\n", "fleet.prefix", "key path"),
+    ("[fleet]\netcd = \"http://x:1\"\nlease_ttl_s = 1\n", "fleet.lease_ttl_s", "2..3600"),
+    ("[fleet]\netcd = \"http://x:1\"\npublish_interval_s = nan\n", "fleet.publish_interval_s",
+     "finite"),
+    ("[fleet]\netcd = \"http://x:1\"\nca_cert = \"/nonexistent/ca.pem\"\n", "fleet.ca_cert",
+     "not a readable file"),
+    ("[fleet]\netcd = \"http://x:1\"\ncert = \"/etc/hostname\"\n", "fleet.key",
+     "both cert and key"),
+    ("[fleet]\netcd = \"http://x:1\"\nca_cert = \"/etc/hostname\"\n", "fleet.etcd",
+     "need https://"),
+    ("[fleet]\netcd = \"http://x:1\"\nnodes = \"n\"\n", "fleet.nodes", "did you mean 'node'"),
+    (engines('labels = { "a b" = "x" }'), "engine[0].labels", "at most 64 labels"),
+    (engines('labels = { k = "-x" }'), "engine[0].labels", "starting and ending"),
+    (engines('labels = { k = 1 }'), "engine[0].labels", "got {'k': 1}"),
 ]
 
 
@@ -465,7 +486,7 @@ def test_every_key_says_what_it_wants():
     from ckpt_controller.controller import config_schema as schema
 
     tables = [schema.FileTable, schema.ControllerTable, schema.DeadlinesTable,
-              schema.DefaultsTable, schema.EngineTable]
+              schema.DefaultsTable, schema.EngineTable, schema.FleetTable]
     for table in tables:
         for name in typing.get_type_hints(table):
             words = schema.refused(table, name, None)

@@ -17,7 +17,15 @@ import sys
 from collections.abc import Sequence
 
 from ckpt_controller import __version__
-from ckpt_controller.cli import agent_cmds, controller_cmds, demo, drill_cmd, engine_cmds, keys_cmd
+from ckpt_controller.cli import (
+    agent_cmds,
+    controller_cmds,
+    demo,
+    drill_cmd,
+    engine_cmds,
+    fleet_cmd,
+    keys_cmd,
+)
 from ckpt_controller.cli.common import (
     EXIT_CODES,
     add_curve_client_args,
@@ -49,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the controller's endpoint (default: $CKPT_CONTROLLER, else "
                              "ipc://<runtime dir>/controller.sock)")
     add_curve_client_args(parser, "controller")
+    fleet_cmd.add_global_args(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     controller_cmds.add_parsers(sub)
     agent_cmds.add_parser(sub)
@@ -56,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     drill_cmd.add_parser(sub)
     keys_cmd.add_parser(sub)
+    fleet_cmd.add_parser(sub)
     return parser
 
 

@@ -26,17 +26,21 @@ from __future__ import annotations
 import functools
 import os
 import re
+import socket
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from msgspec import UNSET
+
 from ckpt_controller import values
 from ckpt_controller.controller.config_schema import (
     DefaultsTable,
     EngineTable,
     FileTable,
+    FleetTable,
     convert,
     error,
     refused,
@@ -106,6 +110,30 @@ class EngineConfig:
     defaults: dict[str, Any] = field(default_factory=dict, hash=False)
     #: the agent's CURVE public key file: the controller connects with CURVE when set
     curve_server_key: Path | None = None
+    #: labels the fleet registry publishes with the engine (``fleet --selector``)
+    labels: dict[str, str] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """``[fleet]``: this node's registration in etcd; ``None`` in ``ControllerConfig`` when
+    the file has no ``[fleet]`` (then nothing of the fleet layer is loaded)."""
+
+    #: the etcd members' client URLs (http:// or https://), tried in turn
+    etcd: tuple[str, ...]
+    #: the node's name in the fleet (default: the host's name)
+    node: str
+    #: where the fleet's keys live in etcd
+    prefix: str = "/ckpt"
+    #: the node's lease: a node silent this long is gone, its engines' records say so
+    lease_ttl_s: int = 5
+    #: how often the node compares its engines with what etcd holds, and writes changes
+    publish_interval_s: float = 0.5
+    #: TLS: the CA that signed etcd's certificate; with https:// URLs
+    ca_cert: Path | None = None
+    #: TLS client certificate and its key (both or neither)
+    cert: Path | None = None
+    key: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +162,8 @@ class ControllerConfig:
     engines: tuple[EngineConfig, ...] = ()
     #: a capture whose engine has no dump hook to run is an error (else it is reported)
     require_dump: bool = False
+    #: ``[fleet]``: None when the file has none (a node on its own, as before)
+    fleet: FleetConfig | None = None
     #: the file this was read from (named in errors found when the controller starts)
     source: str = "<defaults>"
 
@@ -204,6 +234,7 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
         deadlines=Deadlines(**given(table.deadlines)),
         defaults=PrepareDefaults().merged(_prepare_overrides(table.defaults, "defaults", file)),
         engines=_engines(table.engine, file, base),
+        fleet=_fleet(table.fleet, file, base) if table.fleet is not UNSET else None,
         source=file)
     engines_with_keys = [e.name for e in config.engines if e.curve_server_key]
     if engines_with_keys and config.curve_secret_key is None:
@@ -239,6 +270,55 @@ def _controller(table: FileTable, file: str, base: Path) -> dict[str, Any]:
             raise error(file, key + "curve_clients",
                         "needs curve_secret_key (the controller's own key) too")
     return out
+
+
+def _fleet(table: FleetTable, file: str, base: Path) -> FleetConfig:
+    """``[fleet]``: the URLs checked, file paths resolved and present, the node named."""
+    out = given(table)
+    urls = [out["etcd"]] if isinstance(out["etcd"], str) else list(out["etcd"])
+    for i, url in enumerate(urls):
+        _check_etcd_url(url, file, "fleet.etcd" if len(urls) == 1 and isinstance(
+            out["etcd"], str) else f"fleet.etcd[{i}]")
+    out["etcd"] = tuple(urls)
+    node = out.get("node") or socket.gethostname().split(".")[0]
+    try:
+        check_name(node)
+    except ConfigError:  # policy: the engine names' rule, said with the key
+        raise error(file, "fleet.node", "must be 1-64 letters, digits, '.', '_' or '-', "
+                    f"starting with a letter or digit; got {node!r}"
+                    + ("" if "node" in out else " (the host's name: give fleet.node)")) from None
+    out["node"] = node
+    prefix = out.get("prefix", "/ckpt")
+    if not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", prefix):
+        raise error(file, "fleet.prefix", "must be a key path such as /ckpt (segments of "
+                    f"letters, digits, '.', '_' or '-', each after a '/'); got {prefix!r}")
+    out["prefix"] = prefix
+    for name in ("ca_cert", "cert", "key"):
+        if name in out:
+            path = out[name] = _path(out[name], base)
+            if not path.is_file():
+                raise error(file, f"fleet.{name}", f"{path} is not a readable file")
+    if ("cert" in out) != ("key" in out):
+        missing = "key" if "cert" in out else "cert"
+        raise error(file, f"fleet.{missing}", "a client certificate needs both cert and key")
+    if ("ca_cert" in out or "cert" in out) and not all(u.startswith("https://") for u in urls):
+        raise error(file, "fleet.etcd", "TLS settings (ca_cert, cert, key) need https:// URLs")
+    return FleetConfig(**out)
+
+
+def _check_etcd_url(url: str, file: str, key: str) -> None:
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # policy: a malformed URL (a bad port) is a config error
+        port = None
+        parts = None
+    if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname
+            or port is None or parts.path not in ("", "/") or parts.query or parts.fragment):
+        raise error(file, key, "must be an etcd client URL: http:// or https://, a host and a "
+                    f"port, nothing after them (e.g. http://10.0.0.5:2379); got {url!r}")
 
 
 def _prepare_overrides(table: DefaultsTable, key: str, file: str) -> dict[str, Any]:

@@ -55,6 +55,20 @@ Size = Annotated[values.ByteSize | str, Meta(description=(
     "a number of bytes >= 0 and at most 2**60 (1 EiB) or a size string such as 512MiB"))]
 
 
+#: engine labels: selectors match them (``fleet --selector KEY=VALUE``); shaped as Kubernetes
+#: labels are, so that an operator on the same data can use them as they are
+LabelKey = Annotated[str, Meta(pattern=r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?$")]
+LabelValue = Annotated[str, Meta(pattern=r"^([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?$")]
+Labels = Annotated[dict[LabelKey, LabelValue], Meta(max_length=64, description=(
+    "a table of at most 64 labels, each key 1-63 letters, digits, '.', '_', '-' or '/' and "
+    "each value at most 63 letters, digits, '.', '_' or '-', both starting and ending with a "
+    "letter or digit"))]
+#: etcd endpoints: one URL or several (members of one cluster), checked by ``config``
+EtcdUrls = Annotated[str | Annotated[list[Text], Meta(min_length=1, max_length=16)], Meta(
+    description="an http:// or https:// URL with host and port, or an array of 1 to 16 such")]
+LeaseTtl = Annotated[int, Meta(ge=2, le=3600, description="an integer of seconds, 2..3600")]
+
+
 class _Table(Struct, frozen=True, forbid_unknown_fields=True):
     """A TOML table: an unknown key is an error."""
 
@@ -107,6 +121,20 @@ class EngineTable(_Table):
     kind: EngineKind | UnsetType = UNSET
     defaults: DefaultsTable = DefaultsTable()
     curve_server_key: Text | UnsetType = UNSET
+    labels: Labels | UnsetType = UNSET
+
+
+class FleetTable(_Table):
+    """``[fleet]``: the node's registration in etcd (``fleet.config``'s fields)."""
+
+    etcd: EtcdUrls
+    node: Text | UnsetType = UNSET
+    prefix: Text | UnsetType = UNSET
+    lease_ttl_s: LeaseTtl | UnsetType = UNSET
+    publish_interval_s: Seconds | UnsetType = UNSET
+    ca_cert: Text | UnsetType = UNSET
+    cert: Text | UnsetType = UNSET
+    key: Text | UnsetType = UNSET
 
 
 class FileTable(_Table):
@@ -117,6 +145,7 @@ class FileTable(_Table):
     defaults: DefaultsTable = DefaultsTable()
     engine: Annotated[list[EngineTable],
                       Meta(description="an array of tables: [[engine]]")] = []
+    fleet: FleetTable | UnsetType = UNSET
 
 
 def given(table: _Table) -> dict[str, Any]:

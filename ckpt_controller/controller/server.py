@@ -64,6 +64,7 @@ class ControllerServer(RpcServer):
         self.controller = Controller(config, metrics=self.metrics, publish=self.publish)
         self.metrics_server: MetricsServer | None = None
         self.monitor: EngineMonitor | None = None  # follows heartbeats for the engine gauges
+        self.fleet = None  # with [fleet]: the node's registration in etcd (fleet.node)
 
     def bind(self) -> None:
         """Bind the endpoint and the metrics port, serving nothing yet: ``serve`` does this
@@ -82,9 +83,18 @@ class ControllerServer(RpcServer):
         self.controller.start_reconciler()
         if self.config.metrics_port is not None:
             self.monitor = EngineMonitor(self.config, self.metrics).start()
+        if self.config.fleet is not None and self.fleet is None:
+            # the fleet layer is loaded only here, for a node with [fleet]: it reads the
+            # controller's status and history, and nothing here waits for etcd
+            from ckpt_controller.fleet.node import FleetNode
+
+            self.fleet = FleetNode(self.config, self.controller.status,
+                                   self.controller.last_op).start()
         return self
 
     def close(self) -> None:
+        if self.fleet is not None:
+            self.fleet.close()
         super().close()
         if self.metrics_server is not None:
             self.metrics_server.close()

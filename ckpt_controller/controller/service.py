@@ -294,6 +294,11 @@ class Controller:
         return p.ControllerStatusReply(controller_pid=os.getpid(),
                                        engines=[views[e] for e in engines])
 
+    def last_op(self, engine: str) -> str | None:
+        """The id of the newest operation on ``engine`` in the journal, if any."""
+        ops = self.journal.operations(engine=engine, limit=1)
+        return ops[0].op_id if ops else None
+
     def history(self, cmd: p.HistoryCommand) -> p.HistoryReply:
         """The newest ``limit`` operations (of ``engine``, or ``op_id``) and the newest
         records of those operations only (``engine``'s own, when given); as many of each as

@@ -1,0 +1,257 @@
+"""The fleet layer's node side against a real etcd (``make etcd``): registration under a lease,
+engine records current within about a second, a node that dies or stops, a name two nodes
+claim, etcd lost and back, TLS with client certificates, and a node without ``[fleet]`` that
+loads nothing of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import etcd_cluster
+from conftest import ROOT, ControllerProcess, stop_all, wait_until
+
+from ckpt_controller.agent import Agent
+
+
+def ckptctl(*args: str, env: dict | None = None, timeout: float = 60):
+    return subprocess.run([sys.executable, "-m", "ckpt_controller", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT,
+                          env=dict(os.environ, **(env or {})))
+
+
+def fleet_json(cluster, *extra: str) -> tuple[int, dict | None]:
+    args = ["--etcd", ",".join(cluster.urls)]
+    if cluster.certs is not None:
+        c = cluster.certs
+        args += ["--etcd-ca", str(c.ca), "--etcd-cert", str(c.client), "--etcd-key",
+                 str(c.client_key)]
+    r = ckptctl(*args, *extra, "fleet", "status", "--json")
+    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None)
+
+
+def engines_of(doc: dict | None) -> dict[str, dict]:
+    return {row["engine"]["engine"]: dict(row["engine"], node_up=row["node_up"])
+            for row in (doc or {}).get("engines", [])}
+
+
+def node_toml(cluster, node: str, agents, labels: dict[str, str] | None = None,
+              ttl: int = 2) -> str:
+    out = (f"[fleet]\n{cluster.toml()}node = \"{node}\"\nlease_ttl_s = {ttl}\n"
+           "publish_interval_s = 0.2\n")
+    for a in agents:
+        out += f'[[engine]]\nname = "{a.name}"\ncontrol = "{a.endpoint}"\n'
+        if labels:
+            out += "labels = { " + ", ".join(f'{k} = "{v}"' for k, v in labels.items()) + " }\n"
+    return out
+
+
+@pytest.fixture
+def agents(ipc_dir):
+    started = []
+
+    def make(*names: str):
+        new = [Agent(n, control=f"ipc://{ipc_dir}/{n}.ctl", heartbeat_interval_s=0.2).start()
+               for n in names]
+        started.extend(new)
+        return new
+
+    yield make
+    for a in started:
+        a.close()
+
+
+@pytest.fixture
+def nodes(ipc_dir):
+    started: list[ControllerProcess] = []
+
+    def spawn(name: str, text: str) -> ControllerProcess:
+        d = ipc_dir / name
+        d.mkdir(exist_ok=True)
+        ctl = ControllerProcess(d, text)
+        started.append(ctl)
+        return ctl
+
+    yield spawn
+    stop_all(started)
+
+
+def test_a_node_registers_and_its_engines_follow_their_state(etcd, agents, nodes):
+    a, b = agents("fa", "fb")
+    ctl = nodes("n1", node_toml(etcd, "n1", [a, b], labels={"model": "llama-8b", "pool": "a"}))
+    doc = wait_until(lambda: (d := fleet_json(etcd)[1]) and len(engines_of(d)) == 2 and d,
+                     what="both engines published")
+    assert [n["node"] for n in doc["nodes"]] == ["n1"]
+    assert doc["version"] == 1 and doc["nodes"][0]["controller"] == ctl.endpoint
+    for name, agent in (("fa", a), ("fb", b)):
+        rec = engines_of(doc)[name]
+        assert rec["node"] == "n1" and rec["node_up"] and rec["reachable"]
+        assert rec["state"] == "running" and rec["generation"] == 0
+        assert rec["labels"] == {"model": "llama-8b", "pool": "a"}
+        assert rec["endpoints"] == {"control": agent.endpoint}
+
+    # a change is in etcd within about a second of the operation's end
+    r = ctl.ckptctl("prepare", "fa", "--op-id", "fleet-p1", "--json")
+    assert r.returncode == 0, r.stderr
+    ended = time.monotonic()
+    got = wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("fa", {}).get("state")
+                     == "prepared", timeout_s=5, what="fa PREPARED in etcd")
+    assert got and time.monotonic() - ended < 1.5
+    rec = engines_of(fleet_json(etcd)[1])["fa"]
+    assert rec["last_op"] == "fleet-p1" and rec["holder"] is None and rec["age_s"] >= 0
+    assert rec["since_iso"].endswith("+00:00")
+    assert engines_of(fleet_json(etcd)[1])["fb"]["state"] == "running"
+
+    # the table an operator reads
+    r = ckptctl("--etcd", etcd.urls[0], "fleet", "status")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["NODE", "NAME", "STATE", "GEN", "HELD-BY", "LAST-OP", "AGE"]
+    row = next(line.split() for line in lines if " fa " in f" {line} ")
+    assert row[:4] == ["n1", "fa", "prepared", "0"] and row[5] == "fleet-p1"
+    assert "1 node(s) up" in r.stdout
+
+    assert ctl.ckptctl("restore", "fa", "--json").returncode == 0
+    wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("fa", {}).get("state")
+               == "running", timeout_s=5, what="fa RUNNING again in etcd")
+
+
+def test_a_node_killed_is_shown_down_within_its_lease_and_returns(etcd, agents, nodes):
+    (a,) = agents("ka")
+    text = node_toml(etcd, "n1", [a], ttl=2)
+    ctl = nodes("n1", text)
+    wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("ka", {}).get("node_up"),
+               what="ka published")
+    os.kill(ctl.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: fleet_json(etcd)[1]["nodes"] == [], timeout_s=10,
+               what="the node's record gone with its lease")
+    assert time.monotonic() - killed < 2 + 1.5  # the TTL, and etcd's own rounding
+    rc, doc = fleet_json(etcd)
+    rec = engines_of(doc)["ka"]
+    assert rc == 4 and not rec["node_up"] and rec["state"] == "running"  # the last known
+    r = ckptctl("--etcd", etcd.urls[0], "fleet", "status")
+    assert r.returncode == 4 and "NODE-DOWN (running)" in r.stdout and "down: n1" in r.stdout
+
+    ctl.proc.wait()
+    ctl2 = nodes("n1b", text)
+    wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("ka", {}).get("node_up"),
+               what="the node back and its engine up")
+    assert fleet_json(etcd)[1]["nodes"][0]["pid"] == ctl2.pid
+
+
+def test_a_node_stopped_cleanly_leaves_the_fleet_at_once(etcd, agents, nodes):
+    (a,) = agents("sa")
+    ctl = nodes("n1", node_toml(etcd, "n1", [a], ttl=30))
+    wait_until(lambda: fleet_json(etcd)[1]["nodes"], what="registered")
+    ctl.proc.terminate()
+    ctl.proc.wait(timeout=20)
+    # a lease of 30 s: gone at once only because the controller revoked it
+    assert fleet_json(etcd)[1]["nodes"] == []
+    assert not engines_of(fleet_json(etcd)[1])["sa"]["node_up"]
+
+
+def test_an_engine_name_two_nodes_claim_is_published_by_the_first_only(etcd, agents, nodes,
+                                                                        ipc_dir):
+    (a,) = agents("dup")
+    n1 = nodes("n1", node_toml(etcd, "n1", [a]))
+    wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("dup"), what="dup published")
+    other = Agent("dup", control=f"ipc://{ipc_dir}/dup2.ctl", heartbeat_interval_s=0.2).start()
+    try:
+        n2 = nodes("n2", node_toml(etcd, "n2", [other]))
+        wait_until(lambda: len(fleet_json(etcd)[1]["nodes"]) == 2, what="both nodes up")
+        wait_until(lambda: "registered by node n1" in n2.log_path.read_text(), timeout_s=10,
+                   what="n2 saying who owns dup")
+        # prepare on n2's own engine: etcd still shows n1's, which stays RUNNING
+        assert n2.ckptctl("prepare", "dup", "--json").returncode == 0
+        time.sleep(1.0)  # several publish intervals: n2 must not have written it
+        rec = engines_of(fleet_json(etcd)[1])["dup"]
+        assert rec["node"] == "n1" and rec["state"] == "running"
+        assert rec["endpoints"]["control"] == a.endpoint
+    finally:
+        other.close()
+
+
+def test_etcd_lost_the_node_serves_on_and_registers_again(etcd, agents, nodes):
+    (a,) = agents("la")
+    ctl = nodes("n1", node_toml(etcd, "n1", [a], ttl=2))
+    wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("la"), what="la published")
+    etcd.stop(0)
+    # fleet commands fail fast and say why; the node's own operations go on
+    t0 = time.monotonic()
+    rc, _ = fleet_json(etcd)
+    r = ckptctl("--etcd", etcd.urls[0], "fleet", "status")
+    assert rc == 4 and r.returncode == 4 and "etcd is unavailable" in r.stderr
+    assert time.monotonic() - t0 < 10
+    for _ in range(2):
+        r = ctl.ckptctl("cycle", "la", "--json")
+        assert r.returncode == 0, r.stderr
+    assert ctl.ckptctl("prepare", "la", "--json").returncode == 0
+    time.sleep(3)  # longer than the lease: it expires while etcd is away
+    etcd.start(0)
+    etcd.wait_healthy()
+    rec = wait_until(lambda: (e := engines_of(fleet_json(etcd)[1]).get("la")) and e["node_up"]
+                     and e["state"] == "prepared" and e, timeout_s=15,
+                     what="the node registered again and la's state current")
+    assert rec["generation"] == 2
+    assert "etcd unavailable" in ctl.log_path.read_text()
+
+
+@pytest.mark.skipif(not etcd_cluster.installed(), reason="etcd is not installed: run `make etcd`")
+def test_tls_with_client_certificates(tmp_path, agents, nodes):
+    cluster = etcd_cluster.EtcdCluster(tmp_path / "etcd", size=1, tls=True)
+    try:
+        (a,) = agents("ta")
+        nodes("n1", node_toml(cluster, "n1", [a]))
+        wait_until(lambda: engines_of(fleet_json(cluster)[1]).get("ta"), what="published over TLS")
+        c = cluster.certs
+        url = cluster.urls[0]
+        # without a client certificate, or trusting another CA: refused, exit 4, said why
+        r = ckptctl("--etcd", url, "--etcd-ca", str(c.ca), "fleet", "status")
+        assert r.returncode == 4 and "etcd is unavailable" in r.stderr
+        assert "TLS handshake failed" in r.stderr
+        r = ckptctl("--etcd", url, "--etcd-ca", str(c.other_ca), "--etcd-cert", str(c.client),
+                    "--etcd-key", str(c.client_key), "fleet", "status")
+        assert r.returncode == 4 and "CERTIFICATE_VERIFY_FAILED" in r.stderr, r.stderr
+        r = ckptctl("--etcd", url, "--etcd-cert", str(c.client), "fleet", "status")
+        assert r.returncode == 2 and "go together" in r.stderr
+    finally:
+        cluster.close()
+
+
+@pytest.mark.skipif(not etcd_cluster.installed(), reason="etcd is not installed: run `make etcd`")
+def test_three_members_one_stopped_the_fleet_goes_on(tmp_path, agents, nodes):
+    cluster = etcd_cluster.EtcdCluster(tmp_path / "etcd", size=3)
+    try:
+        (a,) = agents("ma")
+        ctl = nodes("n1", node_toml(cluster, "n1", [a], ttl=3))
+        wait_until(lambda: engines_of(fleet_json(cluster)[1]).get("ma"), what="published")
+        cluster.stop(0)  # the member the node talked to first
+        assert ctl.ckptctl("prepare", "ma", "--json").returncode == 0
+        wait_until(lambda: engines_of(fleet_json(cluster)[1]).get("ma", {}).get("state")
+                   == "prepared", timeout_s=10, what="published through the other members")
+        assert fleet_json(cluster)[1]["nodes"][0]["node"] == "n1"  # the lease held
+    finally:
+        cluster.close()
+
+
+def test_a_node_without_fleet_loads_nothing_of_it(ipc_dir):
+    code = f"""
+import sys
+from ckpt_controller.controller.config import parse_config
+from ckpt_controller.controller.server import ControllerServer
+s = ControllerServer(parse_config('[controller]\\nendpoint = "ipc://{ipc_dir}/c.sock"\\nstate_dir = "{ipc_dir}/st"\\n')).start()
+s.close()
+print(sorted(m for m in sys.modules if m.startswith(("ckpt_controller.fleet", "etcd3gw", "requests"))))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
