@@ -19,6 +19,25 @@ import etcd_cluster
 from conftest import ROOT, ControllerProcess, stop_all, wait_until
 
 from ckpt_controller.agent import Agent
+from ckpt_controller.agent.engine import EngineHooks
+
+
+class OutOfService(EngineHooks):
+    """Counts the engines paused at once (out of service) across every agent sharing
+    ``shared``, and the most ever; each pause takes ``seconds``."""
+
+    def __init__(self, shared: dict, seconds: float) -> None:
+        self.shared, self.seconds = shared, seconds
+
+    def pause_scheduling(self) -> None:
+        with self.shared["lock"]:
+            self.shared["now"] += 1
+            self.shared["most"] = max(self.shared["most"], self.shared["now"])
+        time.sleep(self.seconds)
+
+    def resume_scheduling(self) -> None:
+        with self.shared["lock"]:
+            self.shared["now"] -= 1
 
 
 def ckptctl(*args: str, env: dict | None = None, timeout: float = 60):
@@ -57,9 +76,9 @@ def node_toml(cluster, node: str, agents, labels: dict[str, str] | None = None,
 def agents(ipc_dir):
     started = []
 
-    def make(*names: str):
-        new = [Agent(n, control=f"ipc://{ipc_dir}/{n}.ctl", heartbeat_interval_s=0.2).start()
-               for n in names]
+    def make(*names: str, hooks=None):
+        new = [Agent(n, hooks=hooks, control=f"ipc://{ipc_dir}/{n}.ctl",
+                     heartbeat_interval_s=0.2).start() for n in names]
         started.extend(new)
         return new
 
@@ -255,3 +274,98 @@ print(sorted(m for m in sys.modules if m.startswith(("ckpt_controller.fleet", "e
                        timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def fleet(cluster, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return ckptctl("--etcd", ",".join(cluster.urls), "fleet", *args, timeout=timeout)
+
+
+def two_nodes(etcd, agents, nodes, hooks=None, per: int = 2, ttl: int = 2):
+    a = agents(*[f"a{i}" for i in range(per)], hooks=hooks)
+    b = agents(*[f"b{i}" for i in range(per)], hooks=hooks)
+    n1 = nodes("n1", node_toml(etcd, "n1", a, labels={"pool": "a"}, ttl=ttl))
+    n2 = nodes("n2", node_toml(etcd, "n2", b, labels={"pool": "b"}, ttl=ttl))
+    wait_until(lambda: len(engines_of(fleet_json(etcd)[1])) == 2 * per
+               and len(fleet_json(etcd)[1]["nodes"]) == 2, what="both nodes and engines up")
+    return a, b, n1, n2
+
+
+def test_a_fleet_cycle_rolls_across_nodes_under_max_unavailable(etcd, agents, nodes):
+    import threading
+
+    shared = {"lock": threading.Lock(), "now": 0, "most": 0}
+    two_nodes(etcd, agents, nodes, hooks=OutOfService(shared, 0.3))
+    r = fleet(etcd, "cycle", "--all", "--max-unavailable", "2", "--op-id", "roll-1", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["op"]["status"] == "succeeded" and doc["op"]["max_unavailable"] == 2
+    assert [p["status"] for p in doc["parts"]] == ["succeeded"] * 4
+    assert {p["engine"]: p["node"] for p in doc["parts"]} == {
+        "a0": "n1", "a1": "n1", "b0": "n2", "b1": "n2"}
+    assert shared["most"] == 2  # two at once across the nodes, never three
+    # back in service: nothing counted as unavailable, every engine RUNNING, one generation on
+    with etcd.client() as c:
+        from ckpt_controller.fleet import ops
+        from ckpt_controller.fleet.keys import Keys
+
+        assert ops.read_unavailable(c, Keys("/ckpt"))[0] == {}
+    recs = wait_until(lambda: (e := engines_of(fleet_json(etcd)[1])) and all(
+        x["generation"] > 0 for x in e.values()) and e, what="generations published")
+    assert {x["state"] for x in recs.values()} == {"running"}
+    gens = {n: x["generation"] for n, x in recs.items()}
+    assert len(set(gens.values())) == 1
+    # the same id again: the same result, nothing run twice
+    again = fleet(etcd, "cycle", "--all", "--op-id", "roll-1", "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["op"] == doc["op"]
+    time.sleep(0.6)  # three publish intervals
+    assert {n: x["generation"] for n, x in engines_of(fleet_json(etcd)[1]).items()} == gens
+    # the same id for something else is refused
+    other = fleet(etcd, "prepare", "a0", "--op-id", "roll-1")
+    assert other.returncode == 2 and "already used" in other.stderr
+
+
+def test_a_fleet_prepare_holds_its_places_until_restored(etcd, agents, nodes):
+    two_nodes(etcd, agents, nodes)
+    r = fleet(etcd, "prepare", "--selector", "pool=a", "--max-unavailable", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("prepared") == 2
+    # two are out: a prepare (or a cycle) that would pass the limit is refused up front
+    r = fleet(etcd, "prepare", "b0", "--max-unavailable", "2")
+    assert r.returncode == 2 and "cannot hold" in r.stderr and "a0, a1" in r.stderr
+    r = fleet(etcd, "cycle", "b0", "b1", "--max-unavailable", "2")
+    assert r.returncode == 2 and "cannot hold" in r.stderr
+    # a node-local prepare counts too: with a0 back, b0 prepared on its node fills the place
+    assert fleet(etcd, "restore", "a0").returncode == 0
+    n2_ctl = [n for n in fleet_json(etcd)[1]["nodes"] if n["node"] == "n2"][0]["controller"]
+    assert ckptctl("--controller", n2_ctl, "prepare", "b0").returncode == 0
+    r = fleet(etcd, "prepare", "b1", "--max-unavailable", "2")
+    assert r.returncode == 2 and "cannot hold" in r.stderr
+    assert fleet(etcd, "rollback", "a1", "b0").returncode == 0
+    assert fleet(etcd, "prepare", "b1", "--max-unavailable", "1").returncode == 0
+    assert fleet(etcd, "restore", "b1").returncode == 0
+
+
+def test_one_operation_per_engine_across_the_fleet(etcd, agents, nodes):
+    import threading
+
+    shared = {"lock": threading.Lock(), "now": 0, "most": 0}
+    (a,) = agents("slow", hooks=OutOfService(shared, 3.0))
+    ctl = nodes("n1", node_toml(etcd, "n1", [a]))
+    wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("slow"), what="published")
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+                             ctl.endpoint, "prepare", "slow", "--op-id", "local-1"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with etcd.client() as c:
+            from ckpt_controller.fleet.keys import Keys
+
+            wait_until(lambda: c.get(Keys("/ckpt").lock("slow")), what="the lock in etcd")
+            assert c.get(Keys("/ckpt").lock("slow")).value == b"local-1"
+        r = fleet(etcd, "cycle", "slow", "--json")
+        assert r.returncode == 1
+        part = json.loads(r.stdout)["parts"][0]
+        assert part["status"] == "failed" and "held by operation local-1" in part["error"]
+    finally:
+        assert proc.wait(timeout=30) == 0
+    with etcd.client() as c:
+        assert c.get(Keys("/ckpt").lock("slow")) is None  # freed at the end

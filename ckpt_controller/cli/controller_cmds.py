@@ -40,6 +40,36 @@ if TYPE_CHECKING:
 OPS = tuple(OperationKind)
 
 
+def prepare_opts(sp: argparse.ArgumentParser) -> None:
+    """The prepare parameters (``prepare``, ``cycle``, and their ``fleet`` twins)."""
+    sp.add_argument("--drain", **word_arg(DrainMode),
+                    help="wait | abort | keep (default: configured, else wait)")
+    sp.add_argument("--drain-timeout", type=duration, metavar="S")
+    sp.add_argument("--on-deadline", **word_arg(Escalation))
+    what = sp.add_mutually_exclusive_group()
+    what.add_argument("--level", **word_arg(ReleaseLevel))
+    what.add_argument("--tags", metavar="TAG,...")
+    sp.add_argument("--budget", type=parse_bytes, metavar="SIZE",
+                    help="largest residual memory allowed after release")
+
+
+def operation_params(args: argparse.Namespace) -> dict:
+    """An operation's parameters from its flags (``OperationCommand`` fields)."""
+    params: dict = {"deadline_s": args.deadline}
+    if args.op in (OperationKind.PREPARE, OperationKind.CYCLE):
+        tags = [t for t in args.tags.split(",") if t] if args.tags else None
+        params.update(drain=args.drain, drain_timeout_s=args.drain_timeout,
+                      on_deadline=args.on_deadline, level=args.level, tags=tags,
+                      residual_budget_bytes=args.budget)
+    if args.op == OperationKind.PREPARE and hasattr(args, "no_all_or_nothing"):
+        params["all_or_nothing"] = not args.no_all_or_nothing
+    if args.op == OperationKind.ROLLBACK:
+        params["reason"] = args.reason
+    if args.op == OperationKind.RESTORE:
+        params["image"] = args.image
+    return params
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     fmt = {"epilog": EXIT_CODES, "formatter_class": argparse.RawDescriptionHelpFormatter}
     sp = sub.add_parser("serve", help="run the controller service", **fmt)
@@ -57,17 +87,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         help="overall deadline per engine, at most a day (default: the "
                              "configured one)")
         sp.add_argument("--json", action="store_true", help="print one JSON document")
-
-    def prepare_opts(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--drain", **word_arg(DrainMode),
-                        help="wait | abort | keep (default: configured, else wait)")
-        sp.add_argument("--drain-timeout", type=duration, metavar="S")
-        sp.add_argument("--on-deadline", **word_arg(Escalation))
-        what = sp.add_mutually_exclusive_group()
-        what.add_argument("--level", **word_arg(ReleaseLevel))
-        what.add_argument("--tags", metavar="TAG,...")
-        sp.add_argument("--budget", type=parse_bytes, metavar="SIZE",
-                        help="largest residual memory allowed after release")
 
     texts = {OperationKind.PREPARE: "drain and release engines (-> PREPARED); all-or-nothing "
                                     "for groups",
@@ -173,20 +192,9 @@ def _operation(args: argparse.Namespace) -> int:
 
     if bool(args.engines) == bool(args.all):
         raise UsageError("name the engines, or give --all (not both)")
-    params: dict = {"deadline_s": args.deadline}
-    if args.op in (OperationKind.PREPARE, OperationKind.CYCLE):
-        tags = [t for t in args.tags.split(",") if t] if args.tags else None
-        params.update(drain=args.drain, drain_timeout_s=args.drain_timeout,
-                      on_deadline=args.on_deadline, level=args.level, tags=tags,
-                      residual_budget_bytes=args.budget)
-    if args.op == OperationKind.PREPARE:
-        params["all_or_nothing"] = not args.no_all_or_nothing
+    params = operation_params(args)
     if args.op == OperationKind.CYCLE:
         params["max_unavailable"] = args.max_unavailable
-    if args.op == OperationKind.ROLLBACK:
-        params["reason"] = args.reason
-    if args.op == OperationKind.RESTORE:
-        params["image"] = args.image
     progress = sys.stderr.isatty() and not args.json
     with _client(args, on_event=_print_progress if progress else None) as c:
         c.subscribe()  # heartbeats bound the wait: a dead controller is noticed, not waited out

@@ -56,6 +56,62 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--json", action="store_true",
                     help="one JSON document (docs/fleet.md gives its shape)")
     st.set_defaults(run=_status)
+    _add_operations(fsub, fmt)
+
+
+OP_TEXTS = {
+    "prepare": "drain and release engines across nodes (they stay out of service, counted by "
+               "--max-unavailable, until restored or rolled back)",
+    "capture": "run the dump hooks on PREPARED engines, each on its node",
+    "restore": "re-wake PREPARED (or FAILED) engines, each on its node",
+    "cycle": "prepare, capture and restore, rolling across the fleet under --max-unavailable",
+    "rollback": "return PREPARED engines to RUNNING, each on its node",
+}
+
+
+def _add_operations(fsub, fmt: dict) -> None:
+    from ckpt_controller.cli.common import arg_type
+    from ckpt_controller.cli.controller_cmds import prepare_opts
+    from ckpt_controller.values import DURATION, OP_ID
+
+    for kind, text in OP_TEXTS.items():
+        sp = fsub.add_parser(kind, help=text, **fmt)
+        sp.add_argument("engines", nargs="*", metavar="ENGINE", help="engine names")
+        which = sp.add_mutually_exclusive_group()
+        which.add_argument("--all", action="store_true", help="every engine in the fleet")
+        which.add_argument("--selector", metavar="KEY=VALUE", action="append",
+                           help="engines whose labels match (repeat: all must match)")
+        sp.add_argument("--max-unavailable", metavar="N|P%", type=_max_unavailable,
+                        help="at most N engines (or P percent of those named) out of service "
+                             "at once, fleet-wide, counting those out already (default: all "
+                             "named)")
+        sp.add_argument("--op-id", type=arg_type(OP_ID),
+                        help="operation id (1-128 letters, digits, '.', '_', '-'); repeating "
+                             "it follows the first operation and returns its result")
+        sp.add_argument("--deadline", type=arg_type(DURATION), metavar="S",
+                        help="overall deadline per engine (default: each node's own)")
+        sp.add_argument("--json", action="store_true", help="print one JSON document")
+        if kind in ("prepare", "cycle"):
+            prepare_opts(sp)
+        if kind == "rollback":
+            sp.add_argument("--reason", default="", help="recorded with the transition")
+        if kind == "restore":
+            sp.add_argument("--image", metavar="OP_ID", type=arg_type(OP_ID),
+                            help="restore the image this node-local operation id dumped")
+        sp.set_defaults(run=_operation, op=kind)
+
+
+def _max_unavailable(text: str) -> tuple[int, bool]:
+    """``N`` or ``P%``: (the number, whether it is a percentage)."""
+    percent = text.endswith("%")
+    body = text[:-1] if percent else text
+    try:
+        value = int(body)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not N or P%: {text!r}") from None
+    if value < 1 or (percent and value > 100) or value > 1_000_000:
+        raise argparse.ArgumentTypeError(f"must be 1..1000000, or 1%..100%: {text!r}")
+    return value, percent
 
 
 def client(args: argparse.Namespace):
@@ -134,3 +190,96 @@ def _status(args: argparse.Namespace) -> int:
     for key, why in view.unreadable.items():
         print(f"ckptctl: unreadable record {key}: {why}", file=sys.stderr)
     return 0 if healthy else 4
+
+
+def _select(args: argparse.Namespace, client, keys) -> list[str]:
+    from ckpt_controller.fleet.keys import decode_engine
+
+    chosen = bool(args.engines) + bool(args.all) + bool(args.selector)
+    if chosen != 1:
+        raise UsageError("name the engines, or give --all or --selector (one of them)")
+    if args.engines:
+        return list(dict.fromkeys(args.engines))
+    records = [decode_engine(kv.value) for kv in client.get_prefix(keys.engines)]
+    if args.all:
+        names = [r.engine for r in records]
+    else:
+        wanted = {}
+        for item in args.selector:
+            key, eq, value = item.partition("=")
+            if not eq or not key:
+                raise UsageError(f"--selector wants KEY=VALUE, got {item!r}")
+            wanted[key] = value
+        names = [r.engine for r in records
+                 if all(r.labels.get(k) == v for k, v in wanted.items())]
+    if not names:
+        raise UsageError("no engine in the fleet matches", selector=args.selector)
+    return sorted(names)
+
+
+def _operation(args: argparse.Namespace) -> int:
+    import uuid
+
+    from ckpt_controller.cli.controller_cmds import operation_params
+    from ckpt_controller.fleet import ops
+    from ckpt_controller.fleet.keys import Keys
+
+    keys = Keys(args.etcd_prefix)
+    with client(args) as c:
+        engines = _select(args, c, keys)
+        limit = None
+        if args.max_unavailable is not None:
+            value, percent = args.max_unavailable
+            limit = max(1, len(engines) * value // 100) if percent else value
+        params = {k: v for k, v in operation_params(args).items() if v is not None}
+        op_id = args.op_id or f"fleet-{args.op}-{uuid.uuid4().hex[:12]}"
+        op = ops.submit(c, keys, op_id=op_id, kind=args.op, engines=engines, params=params,
+                        max_unavailable=limit)
+        if not args.json:
+            print(f"fleet {op.kind} {op.op_id}: {len(op.engines)} engine(s), at most "
+                  f"{op.max_unavailable} out of service at once", file=sys.stderr)
+        try:
+            op, parts = follow(c, keys, op.op_id, progress=not args.json)
+        except KeyboardInterrupt:
+            print(f"ckptctl: interrupted; fleet operation {op.op_id} goes on (follow it with "
+                  f"the same --op-id, or see ckptctl fleet status)", file=sys.stderr)
+            return 130
+    if args.json:
+        import msgspec
+
+        print_json({"version": 1, "op": msgspec.to_builtins(op),
+                    "parts": [msgspec.to_builtins(p) for p in parts]})
+    else:
+        rows = [("ENGINE", "NODE", "PART", "STATE", "ERROR")]
+        rows += [(p.engine, p.node, p.status, p.state or "-", p.error or "") for p in parts]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        for r in rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(r[:4], widths)) + "  " + r[4])
+        print(f"fleet {op.kind} {op.op_id}: {op.status}")
+    if op.status == "succeeded":
+        return 0
+    return 4 if any(p.status == "lost" for p in parts) else 1
+
+
+def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2):
+    """Wait for the fleet operation ``op_id`` to end: (its record, its parts); prints each
+    part's changes on stderr with ``progress``."""
+    from ckpt_controller.fleet import ops
+
+    seen: dict[str, str] = {}
+    start = time.monotonic()
+    while True:
+        op = ops.read_op(c, keys, op_id)
+        parts = ops.read_parts(c, keys, op_id)
+        if progress:
+            for name in op.engines:
+                part = parts[name][0]
+                if seen.get(name) != part.status:
+                    seen[name] = part.status
+                    more = f" ({part.state})" if part.state else ""
+                    why = f": {part.error}" if part.error and part.status != "succeeded" else ""
+                    print(f"[{time.monotonic() - start:6.1f}s] {name} on {part.node}: "
+                          f"{part.status}{more}{why}", file=sys.stderr, flush=True)
+        if op.status != "running":
+            return op, [parts[n][0] for n in op.engines]
+        time.sleep(every_s)

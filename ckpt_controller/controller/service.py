@@ -65,6 +65,10 @@ class Controller:
         self.metrics = metrics
         self.publish = publish or (lambda body: None)
         self.admission = Admission(config, self.journal)
+        #: an outside holder of engines, asked before and told after each operation
+        #: (``hold(op_id, kind, engines)`` raising ``BusyError``, ``free(..., result)``): the
+        #: fleet layer's locks in etcd on a node with [fleet]; None otherwise
+        self.guard = None
         #: each engine's agent connection, kept open between operations
         self.links = AgentLinks(config)
         #: the threads operations run on, kept between operations
@@ -157,6 +161,8 @@ class Controller:
         # the engines are held: their links are this operation's, from the preflight on
         links: dict[str, AgentLink] = {}
         try:
+            if self.guard is not None:  # held outside this node too (the fleet's locks)
+                self.guard.hold(cmd.op_id, cmd.kind, engines)
             for e in engines:  # a link that cannot be made (its keys unreadable) refuses
                 links[e] = self.links.take(e)
             statuses = preflight.ask(self.config, cmd, engines, links)
@@ -168,6 +174,8 @@ class Controller:
         except Exception as exc:  # policy: refused before it exists: nothing is journaled
             for e, link in links.items():
                 self.links.give(e, link)
+            if self.guard is not None:
+                self.guard.free(cmd.op_id, cmd.kind, engines, None)
             self._refuse(cmd, exc if isinstance(exc, CkptError) else OperationError(
                 f"controller error before the operation began: {exc!r}", op_id=cmd.op_id))
             return
@@ -186,6 +194,8 @@ class Controller:
                 op_id=cmd.op_id, kind=cmd.kind, status=OperationStatus.FAILED, engines=[],
                 wall=wall, duration_s=time.monotonic() - start,
                 error=p.ErrorInfo(kind="OperationError", message=f"controller error: {exc!r}"))
+        if self.guard is not None:
+            self.guard.free(cmd.op_id, cmd.kind, engines, result)
         self._finish(result)
 
     def _finish(self, result: p.OperationResult) -> None:

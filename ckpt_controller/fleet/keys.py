@@ -11,6 +11,15 @@ Under the configured prefix (default ``/ckpt``):
 - ``engines/<engine>``: an ``EngineRecord``, written by its owner only (a transaction that
   checks ``owners/<engine>``). Not under the lease: when a node dies its engines stay listed,
   with their last state, and ``fleet status`` shows their node as down.
+- ``locks/<engine>``: the id of the (node-local) operation running on the engine, under its
+  node's lease: one operation per engine across the fleet.
+- ``unavailable``: the engines out of service, fleet-wide, each with the operation that took
+  it out (``{"engine": "op id"}``), changed only by transactions that check its revision:
+  what ``--max-unavailable`` counts.
+- ``ops/<op>``: a fleet operation (``FleetOp``); ``parts/<op>/<engine>``: its part on one
+  engine (``Part``); ``todo/<node>/<op>/<engine>``: a started part, in its node's inbox until
+  the node has written its result.
+- ``coordinator``: the node that drives the fleet operations, under that node's lease.
 
 The shapes are kept plain (strings, numbers, string maps), so that an operator on the same
 data (kopf, say) can read them. Neighbours: ``node`` (writes), ``registry`` (reads).
@@ -65,6 +74,39 @@ class EngineRecord(msgspec.Struct, kw_only=True):
                 self.reachable, self.pid, self.since, self.node)
 
 
+class FleetOp(msgspec.Struct, kw_only=True):
+    schema: int = SCHEMA
+    op_id: str
+    kind: str
+    engines: list[str]
+    #: the node-local operation's parameters (``OperationCommand`` fields)
+    params: dict = {}
+    max_unavailable: int
+    created: float
+    #: running, succeeded or failed
+    status: str = "running"
+    error: str | None = None
+    ended: float | None = None
+
+
+class Part(msgspec.Struct, kw_only=True):
+    """One engine's part of a fleet operation: pending, started (in its node's inbox), then
+    succeeded, failed, lost (its node died while it ran) or skipped (never started: the
+    operation stopped at a failure)."""
+
+    engine: str
+    node: str
+    status: str = "pending"
+    #: the node-local operation's id: the same on every try, so it runs at most once
+    local_op: str
+    state: str | None = None
+    error: str | None = None
+    started: float | None = None
+    ended: float | None = None
+    #: whether ``unavailable`` has been brought up to date after the part ended
+    settled: bool = False
+
+
 _node_dec = msgspec.json.Decoder(NodeRecord)
 _engine_dec = msgspec.json.Decoder(EngineRecord)
 encode = msgspec.json.encode
@@ -95,3 +137,33 @@ class Keys:
 
     def engine(self, engine: str) -> str:
         return self.engines + engine
+
+    @property
+    def unavailable(self) -> str:
+        return f"{self.prefix}/unavailable"
+
+    @property
+    def coordinator(self) -> str:
+        return f"{self.prefix}/coordinator"
+
+    def lock(self, engine: str) -> str:
+        return f"{self.prefix}/locks/{engine}"
+
+    def op(self, op_id: str) -> str:
+        return f"{self.prefix}/ops/{op_id}"
+
+    @property
+    def ops(self) -> str:
+        return f"{self.prefix}/ops/"
+
+    def parts(self, op_id: str) -> str:
+        return f"{self.prefix}/parts/{op_id}/"
+
+    def part(self, op_id: str, engine: str) -> str:
+        return f"{self.prefix}/parts/{op_id}/{engine}"
+
+    def inbox(self, node: str) -> str:
+        return f"{self.prefix}/todo/{node}/"
+
+    def todo(self, node: str, op_id: str, engine: str) -> str:
+        return f"{self.prefix}/todo/{node}/{op_id}/{engine}"

@@ -27,10 +27,13 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from ckpt_controller import __version__
 from ckpt_controller.controller.config import ControllerConfig
-from ckpt_controller.errors import CkptError
+from ckpt_controller.errors import BusyError, CkptError
 from ckpt_controller.fleet import etcd as e
+from ckpt_controller.fleet import ops as fops
 from ckpt_controller.fleet.keys import EngineRecord, Keys, NodeRecord, encode
 
 log = logging.getLogger("ckpt_controller.fleet")
@@ -41,7 +44,8 @@ TXN_ENGINES = 60
 
 class FleetNode:
     def __init__(self, config: ControllerConfig, status: Callable[[list[str]], object],
-                 last_op: Callable[[str], str | None] = lambda name: None) -> None:
+                 last_op: Callable[[str], str | None] = lambda name: None,
+                 start: Callable | None = None) -> None:
         assert config.fleet is not None
         self.config = config
         self.fleet = config.fleet
@@ -64,6 +68,13 @@ class FleetNode:
         self._thread: threading.Thread | None = None
         self.available = False  # whether the last round reached etcd
         self.rounds = 0
+        #: runs a node-local operation: ``start(OperationCommand, done)`` (the controller's)
+        self._start_local = start
+        #: parts of fleet operations running here: (op id, engine)
+        self._running: set[tuple[str, str]] = set()
+        self._running_lock = threading.Lock()
+        self.coordinator = fops.Coordinator(self.etcd, self.keys)
+        self.is_coordinator = False
 
     # ---------------------------------------------------------------- life
 
@@ -127,6 +138,8 @@ class FleetNode:
         if unclaimed:
             self.claim(unclaimed)
         self.publish([n for n in names if n in self.owned])
+        self.take_parts()
+        self.coordinate()
 
     def register(self) -> None:
         lease = self.etcd.grant(self.fleet.lease_ttl_s)
@@ -177,6 +190,19 @@ class FleetNode:
                 changed.append(rec)
         for i in range(0, len(changed), TXN_ENGINES):
             self._write(changed[i:i + TXN_ENGINES])
+        self._back_from_lost(reply.engines)
+
+    def _back_from_lost(self, views) -> None:
+        """An engine whose part was lost with this node counts as out of service until the
+        node is back and sees it RUNNING and free: then it counts no more."""
+        out, _ = fops.read_unavailable(self.etcd, self.keys)
+        back = {v.engine for v in views
+                if out.get(v.engine, "").startswith("lost:") and v.status is not None
+                and v.status.state == "running" and v.holder is None}
+        if back:
+            fops.update_unavailable(self.etcd, self.keys, lambda cur: {
+                k: v for k, v in cur.items() if not (k in back and v.startswith("lost:"))})
+            log.info("fleet: %s back in service after a lost part", ", ".join(sorted(back)))
 
     def record(self, view) -> EngineRecord:
         eng = self.config.engine(view.engine)
@@ -213,3 +239,158 @@ class FleetNode:
             else:
                 self.owned.discard(r.engine)  # claimed again next round (or a conflict)
                 self._written.pop(r.engine, None)
+
+    # ---------------------------------------------------------------- fleet operations
+
+    def coordinate(self) -> None:
+        """Be the coordinator if no node is (the key lives under this node's lease), and
+        drive the fleet operations while it is this node."""
+        key = self.keys.coordinator
+        me = self.fleet.node
+        ok, resp = self.etcd.txn([e.compare_created(key)], [e.put_op(key, me, self.lease or 0)],
+                                 [e.get_op(key)])
+        holder = me if ok else (resp[0]["kvs"][0].value.decode() if resp[0]["kvs"] else None)
+        if (holder == me) != self.is_coordinator:
+            log.info("fleet: node %s %s the coordinator", me,
+                     "is now" if holder == me else "is no longer")
+        self.is_coordinator = holder == me
+        if self.is_coordinator:
+            self.coordinator.drive()
+
+    def take_parts(self) -> None:
+        """Run the parts in this node's inbox that are not running yet."""
+        if self._start_local is None:
+            return
+        from ckpt_controller import protocol as p
+
+        inbox = self.keys.inbox(self.fleet.node)
+        for kv in self.etcd.get_prefix(inbox):
+            op_id, engine = kv.key[len(inbox):].rsplit("/", 1)
+            with self._running_lock:
+                if (op_id, engine) in self._running:
+                    continue
+            part = fops.read_parts(self.etcd, self.keys, op_id).get(engine)
+            op = fops.read_op(self.etcd, self.keys, op_id)
+            if part is None or op is None or part[0].status != "started":
+                self.etcd.delete(kv.key)  # ended meanwhile (lost, or written before)
+                continue
+            try:
+                cmd = msgspec.convert(dict(op.params, call_id=0, op_id=part[0].local_op, kind=op.kind,
+                                           engines=[engine]), p.OperationCommand)
+            except msgspec.ValidationError as err:  # policy: a part that cannot run fails
+                self._part_ended(op_id, engine, None, f"bad parameters: {err}")
+                continue
+            with self._running_lock:
+                self._running.add((op_id, engine))
+            log.info("fleet: %s of %s for fleet operation %s starts here", op.kind, engine,
+                     op_id)
+            try:
+                self._start_local(cmd, lambda r, o=op_id, n=engine: self._local_done(o, n, r))
+            except CkptError as err:  # policy: refused at once (busy, bad state): the part's end
+                self._local_done(op_id, engine, err)
+
+    def _local_done(self, op_id: str, engine: str, result) -> None:
+        try:
+            if isinstance(result, CkptError):
+                self._part_ended(op_id, engine, None, f"{result.kind}: {result.message}")
+            else:
+                outcome = next((o for o in result.engines if o.engine == engine), None)
+                state = outcome.state if outcome is not None else None
+                error = None if result.status == "succeeded" else (
+                    (outcome.error.message if outcome is not None and outcome.error else None)
+                    or (result.error.message if result.error else result.status))
+                self._part_ended(op_id, engine, state, error)
+        except CkptError as err:  # policy: etcd away: the inbox still has it; tried again
+            log.warning("fleet: could not write the end of %s's part of %s: %s", engine,
+                        op_id, err)
+        finally:
+            with self._running_lock:
+                self._running.discard((op_id, engine))
+            self.nudge()
+
+    def _part_ended(self, op_id: str, engine: str, state: str | None, error: str | None) -> None:
+        k = self.keys
+        for _ in range(20):
+            found = fops.read_parts(self.etcd, k, op_id).get(engine)
+            if found is None or found[0].status != "started":
+                self.etcd.delete(k.todo(self.fleet.node, op_id, engine))
+                return  # lost meanwhile: the coordinator ended it
+            part, rev = found
+            ended = msgspec.structs.replace(
+                part, status="succeeded" if error is None else "failed",
+                state=str(state) if state is not None else None, error=error,
+                ended=time.time())
+            ok, _ = self.etcd.txn([e.compare_modified(k.part(op_id, engine), rev)],
+                                  [e.put_op(k.part(op_id, engine), encode(ended)),
+                                   e.delete_op(k.todo(self.fleet.node, op_id, engine))])
+            if ok:
+                return
+
+
+class FleetGuard:
+    """The controller's outside holder of engines (``Controller.guard``): every node-local
+    operation takes ``locks/<engine>`` in etcd under the node's lease for its run, and keeps
+    ``unavailable`` true to it (a prepare or cycle adds its engines; an engine RUNNING at the
+    end is taken out again, one left out of service stays). With etcd out of reach, the
+    operation goes on with the node's own guarantees only, and says so in the log."""
+
+    def __init__(self, node: FleetNode) -> None:
+        self.node = node
+
+    def hold(self, op_id: str, kind: str, engines: list[str]) -> None:
+        n = self.node
+        if n.lease is None:
+            log.warning("fleet: %s %s runs without fleet locks: the node is not registered "
+                        "in etcd (local guarantees only)", kind, op_id)
+            return
+        taken = []
+        try:
+            for engine in engines:
+                key = n.keys.lock(engine)
+                ok, resp = n.etcd.txn([e.compare_created(key)],
+                                      [e.put_op(key, op_id, n.lease)], [e.get_op(key)])
+                holder = op_id if ok else (resp[0]["kvs"][0].value.decode()
+                                           if resp[0]["kvs"] else op_id)
+                if holder != op_id:
+                    raise BusyError(f"engine {engine} is held by operation {holder} (its lock "
+                                    "in etcd)", engine=engine, holder=holder)
+                taken.append(engine)
+            if kind in fops.TAKES_OUT:
+                fops.update_unavailable(n.etcd, n.keys, lambda cur: {
+                    **{x: op_id for x in engines if x not in cur}, **cur})
+        except BusyError:
+            self._unlock(op_id, taken)
+            raise
+        except CkptError as err:  # policy: etcd away: the node's own guarantees only
+            log.warning("fleet: %s %s runs without fleet locks: %s (local guarantees only)",
+                        kind, op_id, err)
+
+    def free(self, op_id: str, kind: str, engines: list[str], result) -> None:
+        n = self.node
+        if n.lease is None:
+            return
+        states = {o.engine: o.state for o in getattr(result, "engines", [])}
+
+        def change(cur: dict[str, str]) -> dict[str, str]:
+            for engine in engines:
+                if engine not in states:
+                    if cur.get(engine) == op_id:  # refused before it began
+                        cur.pop(engine)
+                elif states[engine] == "running":
+                    if kind in ("restore", "rollback") or cur.get(engine) == op_id:
+                        cur.pop(engine, None)
+                else:
+                    cur.setdefault(engine, op_id)
+            return cur
+
+        try:
+            fops.update_unavailable(n.etcd, n.keys, change)
+            self._unlock(op_id, engines)
+        except CkptError as err:  # policy: the lock goes with the lease; logged
+            log.warning("fleet: could not free %s's fleet locks: %s", op_id, err)
+
+    def _unlock(self, op_id: str, engines: list[str]) -> None:
+        n = self.node
+        for engine in engines:
+            key = n.keys.lock(engine)
+            n.etcd.txn([e.compare_value(key, op_id)], [e.delete_op(key)])

@@ -1,0 +1,274 @@
+"""Fleet operations: recorded in etcd, driven by the elected coordinator, each engine's part
+run by the engine's own node as an ordinary node-local operation.
+
+The life of one (``docs/fleet.md``):
+
+1. ``submit`` (``ckptctl fleet prepare|capture|restore|cycle|rollback``) checks the request
+   against the fleet (every engine registered, its node up; a prepare that would leave more
+   engines out of service than ``--max-unavailable`` refused up front), writes its parts
+   (``parts/<op>/<engine>``, pending) and then the operation (``ops/<op>``), which makes it
+   exist. The same id again follows the existing operation (and returns its result); the
+   same id for another operation is refused. ``follow`` waits for the end, printing progress.
+   Nothing of the operation lives in the caller: killed, it loses nothing.
+2. The coordinator (``Coordinator.drive``, on one node at a time) starts pending parts in
+   engine order: a part that takes its engine out of service (prepare, cycle) starts only if
+   ``unavailable`` has room for it under the operation's limit, and one transaction checks
+   the revisions of the part and of ``unavailable``, marks the part started, adds the engine
+   to ``unavailable`` and puts the part in its node's inbox. A coordinator that dies between
+   two steps leaves nothing half done; the next one reads the same state and goes on.
+3. The node runs the part (``node.FleetNode``) as a node-local operation with the part's
+   ``local_op`` id (its journal answers a repeated id with the first result, so a part never
+   runs twice) and writes its end into the part.
+4. The coordinator settles each ended part (the engine is in ``unavailable`` exactly when it
+   is not RUNNING after it), stops starting parts at the first failure (the rest are
+   skipped), marks parts of a node that died as lost, and ends the operation when no part
+   is left running.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from ckpt_controller.errors import BusyError, UnreachableError, UsageError
+from ckpt_controller.fleet import etcd as e
+from ckpt_controller.fleet.keys import FleetOp, Keys, Part, decode_engine, decode_node, encode
+
+log = logging.getLogger("ckpt_controller.fleet")
+
+#: kinds whose part takes its engine out of service (what ``--max-unavailable`` limits)
+TAKES_OUT = frozenset({"prepare", "cycle"})
+KINDS = ("prepare", "capture", "restore", "cycle", "rollback")
+#: parts written in one transaction at most (etcd allows 128 operations)
+PARTS_PER_TXN = 100
+
+_op_dec = msgspec.json.Decoder(FleetOp)
+_part_dec = msgspec.json.Decoder(Part)
+
+
+def local_op_id(op_id: str, engine: str) -> str:
+    """The node-local operation id of ``engine``'s part: ``<op>.<engine>``, or a digest when
+    that would pass the 128 characters an id may have."""
+    joined = f"{op_id}.{engine}"
+    if len(joined) <= 128:
+        return joined
+    return f"fleet-{hashlib.sha256(joined.encode()).hexdigest()[:40]}"
+
+
+# ---------------------------------------------------------------- unavailable
+
+def read_unavailable(client: e.Etcd, keys: Keys) -> tuple[dict[str, str], int]:
+    """The engines out of service (engine -> what took it out) and the key's revision
+    (0: absent)."""
+    kv = client.get(keys.unavailable)
+    if kv is None:
+        return {}, 0
+    return json.loads(kv.value or b"{}"), kv.mod_revision
+
+
+def unavailable_ops(keys: Keys, out: dict[str, str], revision: int) -> tuple[dict, dict]:
+    """The compare that ``unavailable`` is still at ``revision``, and the put of ``out``."""
+    compare = (e.compare_modified(keys.unavailable, revision) if revision
+               else e.compare_created(keys.unavailable))
+    return compare, e.put_op(keys.unavailable, json.dumps(out, sort_keys=True))
+
+
+def update_unavailable(client: e.Etcd, keys: Keys,
+                       change: Callable[[dict[str, str]], dict[str, str] | None],
+                       tries: int = 20) -> None:
+    """Apply ``change`` to ``unavailable`` (None: leave it) with compare-and-swap."""
+    for _ in range(tries):
+        out, rev = read_unavailable(client, keys)
+        new = change(dict(out))
+        if new is None or new == out:
+            return
+        compare, put = unavailable_ops(keys, new, rev)
+        if client.txn([compare], [put])[0]:
+            return
+    raise BusyError("unavailable changed under every try", key=keys.unavailable)
+
+
+# ---------------------------------------------------------------- submitting
+
+def read_op(client: e.Etcd, keys: Keys, op_id: str) -> FleetOp | None:
+    kv = client.get(keys.op(op_id))
+    return _op_dec.decode(kv.value) if kv is not None else None
+
+
+def read_parts(client: e.Etcd, keys: Keys, op_id: str) -> dict[str, tuple[Part, int]]:
+    """engine -> (its part, the part's revision)."""
+    return {kv.key.rsplit("/", 1)[1]: (_part_dec.decode(kv.value), kv.mod_revision)
+            for kv in client.get_prefix(keys.parts(op_id))}
+
+
+def submit(client: e.Etcd, keys: Keys, *, op_id: str, kind: str, engines: list[str],
+           params: dict, max_unavailable: int | None) -> FleetOp:
+    """Record the operation in etcd (or find the one with this id); see the module doc."""
+    if kind not in KINDS:
+        raise UsageError(f"unknown fleet operation {kind!r}", kinds=list(KINDS))
+    existing = read_op(client, keys, op_id)
+    if existing is not None:
+        return _same(existing, kind, engines)
+    if not engines:
+        raise UsageError("no engines selected")
+    registered = {kv.key[len(keys.engines):]: decode_engine(kv.value)
+                  for kv in client.get_prefix(keys.engines)}
+    up = {decode_node(kv.value).node for kv in client.get_prefix(keys.nodes)}
+    unknown = [n for n in engines if n not in registered]
+    if unknown:
+        raise UsageError(f"not registered in the fleet: {', '.join(unknown)}",
+                         unknown=unknown, known=sorted(registered))
+    down = sorted({registered[n].node for n in engines} - up)
+    if down:
+        raise UnreachableError(f"node(s) down: {', '.join(down)}; their engines cannot take "
+                               "part", nodes=down)
+    limit = max_unavailable if max_unavailable is not None else len(engines)
+    if limit < 1:
+        raise UsageError("--max-unavailable must be at least 1", max_unavailable=limit)
+    if kind in TAKES_OUT:
+        out, _ = read_unavailable(client, keys)
+        others = {n for n in out if n not in engines}
+        needed = len(others) + (len(engines) if kind == "prepare" else 1)
+        if needed > limit:
+            what = (f"{len(engines)} engine(s) prepared and held out of service"
+                    if kind == "prepare" else "one engine at a time")
+            raise UsageError(
+                f"--max-unavailable {limit} cannot hold: {len(others)} engine(s) are out of "
+                f"service already ({', '.join(sorted(others)) or '-'}) and this {kind} needs "
+                f"{what}", max_unavailable=limit, unavailable=sorted(others))
+    op = FleetOp(op_id=op_id, kind=kind, engines=list(engines), params=params,
+                 max_unavailable=limit, created=time.time())
+    parts = [Part(engine=n, node=registered[n].node, local_op=local_op_id(op_id, n))
+             for n in engines]
+    absent = e.compare_created(keys.op(op_id))
+    for i in range(0, len(parts), PARTS_PER_TXN):
+        chunk = parts[i:i + PARTS_PER_TXN]
+        client.txn([absent], [e.put_op(keys.part(op_id, p.engine), encode(p)) for p in chunk])
+    ok, resp = client.txn([absent], [e.put_op(keys.op(op_id), encode(op))],
+                          [e.get_op(keys.op(op_id))])
+    if not ok:  # another caller made it first, with this id
+        return _same(_op_dec.decode(resp[0]["kvs"][0].value), kind, engines)
+    return op
+
+
+def _same(op: FleetOp, kind: str, engines: list[str]) -> FleetOp:
+    if engines and (op.kind, op.engines) != (kind, list(engines)):
+        raise UsageError(f"operation id {op.op_id} was already used for a fleet {op.kind} of "
+                         f"{', '.join(op.engines)}; a repeated id must repeat the same "
+                         "operation", op_id=op.op_id, kind=op.kind, engines=op.engines)
+    return op
+
+
+# ---------------------------------------------------------------- the coordinator
+
+class Coordinator:
+    """Drives every running fleet operation one step further on each ``drive``."""
+
+    def __init__(self, client: e.Etcd, keys: Keys) -> None:
+        self.etcd = client
+        self.keys = keys
+
+    def drive(self) -> None:
+        for kv in self.etcd.get_prefix(self.keys.ops):
+            op = _op_dec.decode(kv.value)
+            if op.status == "running":
+                self.drive_op(op, kv.mod_revision)
+
+    def drive_op(self, op: FleetOp, op_rev: int) -> None:
+        k = self.keys
+        parts = read_parts(self.etcd, k, op.op_id)
+        up = {decode_node(kv.value).node for kv in self.etcd.get_prefix(k.nodes)}
+        for name, (part, rev) in parts.items():
+            if part.status == "started" and part.node not in up:
+                lost = msgspec.structs.replace(
+                    part, status="lost", ended=time.time(),
+                    error=f"node {part.node} was lost while the part ran")
+                # lost: out of service until its node is back and says otherwise
+                self._end_part(op, lost, rev, settle_as=f"lost:{op.op_id}")
+        parts = read_parts(self.etcd, k, op.op_id)
+        for name, (part, rev) in parts.items():
+            if part.status in ("succeeded", "failed") and not part.settled:
+                self._end_part(op, part, rev)
+        parts = read_parts(self.etcd, k, op.op_id)
+        stopped = any(p.status in ("failed", "lost") for p, _ in parts.values())
+        for name in op.engines:
+            part, rev = parts[name]
+            if part.status != "pending":
+                continue
+            if stopped:
+                self._put_part(op, msgspec.structs.replace(
+                    part, status="skipped", settled=True, ended=time.time(),
+                    error="not started: the operation stopped at a failure"), rev)
+                continue
+            if part.node not in up:
+                continue  # waits for its node (a lost one ends the operation above)
+            if not self._start(op, part, rev):
+                break  # no room now: engines start in order
+        parts = read_parts(self.etcd, k, op.op_id)
+        if all(p.status not in ("pending", "started") and p.settled for p, _ in parts.values()):
+            ok = all(p.status == "succeeded" for p, _ in parts.values())
+            failed = [f"{p.engine}: {p.status}: {p.error}" for p, _ in parts.values()
+                      if p.status != "succeeded"]
+            done = msgspec.structs.replace(op, status="succeeded" if ok else "failed",
+                                           ended=time.time(),
+                                           error=None if ok else "; ".join(failed)[:2000])
+            self.etcd.txn([e.compare_modified(k.op(op.op_id), op_rev)],
+                          [e.put_op(k.op(op.op_id), encode(done))])
+            log.info("fleet: %s %s %s", op.kind, op.op_id, done.status)
+
+    def _put_part(self, op: FleetOp, part: Part, rev: int) -> bool:
+        key = self.keys.part(op.op_id, part.engine)
+        return self.etcd.txn([e.compare_modified(key, rev)], [e.put_op(key, encode(part))])[0]
+
+    def _start(self, op: FleetOp, part: Part, rev: int) -> bool:
+        """Start ``part`` if the limit has room for it; whether it started."""
+        k = self.keys
+        out, out_rev = read_unavailable(self.etcd, k)
+        success = []
+        compare = [e.compare_modified(k.part(op.op_id, part.engine), rev)]
+        if op.kind in TAKES_OUT:
+            if part.engine not in out and len(out) + 1 > op.max_unavailable:
+                return False
+            cmp_out, put_out = unavailable_ops(k, {**out, part.engine: op.op_id}, out_rev)
+            compare.append(cmp_out)
+            success.append(put_out)
+        started = msgspec.structs.replace(part, status="started", started=time.time())
+        success += [e.put_op(k.part(op.op_id, part.engine), encode(started)),
+                    e.put_op(k.todo(part.node, op.op_id, part.engine), op.op_id)]
+        ok, _ = self.etcd.txn(compare, success)
+        return ok
+
+    def _end_part(self, op: FleetOp, part: Part, rev: int, settle_as: str | None = None) -> None:
+        """Write ``part`` settled, with ``unavailable`` brought up to date in the same
+        transaction: the engine is in it exactly when it is not RUNNING after the part."""
+        k = self.keys
+        for _ in range(20):
+            out, out_rev = read_unavailable(self.etcd, k)
+            new = dict(out)
+            if settle_as is not None:
+                new[part.engine] = settle_as
+            elif part.state == "running":
+                new.pop(part.engine, None)
+            else:
+                new.setdefault(part.engine, op.op_id)
+            cmp_out, put_out = unavailable_ops(k, new, out_rev)
+            settled = msgspec.structs.replace(part, settled=True)
+            ops = [e.put_op(k.part(op.op_id, part.engine), encode(settled))]
+            if new != out:
+                ops.append(put_out)
+            compare = [e.compare_modified(k.part(op.op_id, part.engine), rev)]
+            if new != out:
+                compare.append(cmp_out)
+            if settle_as is not None:  # a lost part leaves the dead node's inbox too
+                ops.append(e.delete_op(k.todo(part.node, op.op_id, part.engine)))
+            ok, _ = self.etcd.txn(compare, ops)
+            if ok:
+                return
+            now = read_parts(self.etcd, k, op.op_id).get(part.engine)
+            if now is None or now[1] != rev:
+                return  # the part changed meanwhile: the next round looks again
