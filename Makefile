@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-slow demo criu etcd vllm bench bench-full bench-gpu clean
+.PHONY: install test test-slow test-fleet demo criu etcd vllm bench bench-full bench-gpu clean
 
 install: $(STAMP)
 
@@ -58,6 +58,10 @@ bench-gpu: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+# the fleet suite (needs `make etcd`): node controllers in real etcd members
+test-fleet: $(STAMP)
+	$(PY) -m pytest -m 'fleet and not slow' -n 2 $(PYTEST_ARGS)
 
 # CRIU 4.2+ from Debian's unstable suite in a private prefix (.cache/criu/bin/criu)
 criu: .cache/criu/bin/criu

@@ -21,6 +21,8 @@ from conftest import ROOT, ControllerProcess, stop_all, wait_until
 from ckpt_controller.agent import Agent
 from ckpt_controller.agent.engine import EngineHooks
 
+pytestmark = pytest.mark.fleet
+
 
 class OutOfService(EngineHooks):
     """Counts the engines paused at once (out of service) across every agent sharing
@@ -369,3 +371,276 @@ def test_one_operation_per_engine_across_the_fleet(etcd, agents, nodes):
         assert proc.wait(timeout=30) == 0
     with etcd.client() as c:
         assert c.get(Keys("/ckpt").lock("slow")) is None  # freed at the end
+
+
+class Counting(OutOfService):
+    """``OutOfService`` that also counts each engine's pauses (a step run twice shows)."""
+
+    def __init__(self, shared: dict, seconds: float, name: str) -> None:
+        super().__init__(shared, seconds)
+        self.name = name
+
+    def pause_scheduling(self) -> None:
+        with self.shared["lock"]:
+            self.shared.setdefault("pauses", {}).setdefault(self.name, 0)
+            self.shared["pauses"][self.name] += 1
+        super().pause_scheduling()
+
+
+def counted_agents(ipc_dir, names, shared, seconds):
+    return [Agent(n, hooks=Counting(shared, seconds, n), control=f"ipc://{ipc_dir}/{n}.ctl",
+                  heartbeat_interval_s=0.2).start() for n in names]
+
+
+def part_status(cluster, op_id: str) -> dict[str, str]:
+    from ckpt_controller.fleet import ops
+    from ckpt_controller.fleet.keys import Keys
+
+    with cluster.client() as c:
+        return {n: p.status for n, (p, _) in ops.read_parts(c, Keys("/ckpt"), op_id).items()}
+
+
+def coordinator_of(cluster) -> str | None:
+    from ckpt_controller.fleet.keys import Keys
+
+    with cluster.client() as c:
+        kv = c.get(Keys("/ckpt").coordinator)
+        return kv.value.decode() if kv else None
+
+
+def test_the_operation_outlives_the_command_that_started_it(etcd, ipc_dir, nodes):
+    import threading
+
+    shared = {"lock": threading.Lock(), "now": 0, "most": 0}
+    a = counted_agents(ipc_dir, ["o0", "o1", "o2"], shared, 0.5)
+    try:
+        nodes("n1", node_toml(etcd, "n1", a))
+        wait_until(lambda: len(engines_of(fleet_json(etcd)[1])) == 3, what="published")
+        args = [sys.executable, "-m", "ckpt_controller", "--etcd", etcd.urls[0], "fleet",
+                "cycle", "--all", "--max-unavailable", "1", "--op-id", "outlive"]
+        first = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+        wait_until(lambda: "started" in part_status(etcd, "outlive").values(),
+                   what="a part started")
+        first.kill()  # kill -9 of the operator's ckptctl
+        first.wait()
+        second = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        said = second.stderr.readline()  # following it now (its first line)
+        assert said.startswith("fleet cycle outlive:"), said
+        second.send_signal(signal.SIGINT)  # Ctrl-C: the command ends, the operation does not
+        out, err = second.communicate(timeout=30)
+        assert second.returncode == 130 and "goes on" in err
+        r = fleet(etcd, "cycle", "--all", "--op-id", "outlive", "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert [p["status"] for p in json.loads(r.stdout)["parts"]] == ["succeeded"] * 3
+        assert shared["pauses"] == {"o0": 1, "o1": 1, "o2": 1} and shared["most"] == 1
+    finally:
+        for agent in a:
+            agent.close()
+
+
+def coordinator_toml(etcd, name: str) -> str:
+    """An engine-less node that may coordinate."""
+    return f"[fleet]\n{etcd.toml()}node = \"{name}\"\nlease_ttl_s = 2\npublish_interval_s = 0.2\n"
+
+
+def _coordinators_and_workers(etcd, ipc_dir, nodes, shared, seconds, engines=4):
+    """Two engine-less nodes that may coordinate (c0 first, so it does) and two that may not,
+    with the engines."""
+    c0 = nodes("c0", coordinator_toml(etcd, "c0"))
+    wait_until(lambda: coordinator_of(etcd) == "c0", what="c0 coordinating")
+    c1 = nodes("c1", coordinator_toml(etcd, "c1"))
+    half = engines // 2
+    a = counted_agents(ipc_dir, [f"w{i}" for i in range(half)], shared, seconds)
+    b = counted_agents(ipc_dir, [f"w{i}" for i in range(half, engines)], shared, seconds)
+    workers = [nodes(n, node_toml(etcd, n, ag).replace("[fleet]\n", "[fleet]\ncoordinator = "
+                                                                    "false\n"))
+               for n, ag in (("n1", a), ("n2", b))]
+    wait_until(lambda: len(engines_of(fleet_json(etcd)[1])) == engines
+               and len(fleet_json(etcd)[1]["nodes"]) == 4, what="four nodes and the engines")
+    return {"c0": c0, "c1": c1}, workers, a + b
+
+
+def test_the_coordinator_killed_mid_operation_another_finishes_it(etcd, ipc_dir, nodes):
+    import threading
+
+    shared = {"lock": threading.Lock(), "now": 0, "most": 0}
+    coords, _, agents_ = _coordinators_and_workers(etcd, ipc_dir, nodes, shared, 0.4)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+                                 etcd.urls[0], "fleet", "cycle", "--all", "--max-unavailable",
+                                 "1", "--op-id", "failover", "--json"], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_until(lambda: "started" in part_status(etcd, "failover").values(),
+                   what="a part started")
+        os.kill(coords["c0"].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_until(lambda: coordinator_of(etcd) == "c1", timeout_s=10, what="c1 took over")
+        assert time.monotonic() - killed < 2 + 1.5  # within the lease's TTL
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out + err
+        assert [p["status"] for p in json.loads(out)["parts"]] == ["succeeded"] * 4
+        assert shared["pauses"] == {f"w{i}": 1 for i in range(4)}  # none ran twice
+        assert shared["most"] == 1
+    finally:
+        for agent in agents_:
+            agent.close()
+
+
+def test_a_node_killed_mid_operation_its_part_is_lost_and_it_converges(etcd, ipc_dir, nodes):
+    import threading
+
+    shared = {"lock": threading.Lock(), "now": 0, "most": 0}
+    fast = counted_agents(ipc_dir, ["a0", "a1"], shared, 0.0)
+    slow = counted_agents(ipc_dir, ["b0"], shared, 3.0)
+    try:
+        nodes("n1", node_toml(etcd, "n1", fast))
+        wait_until(lambda: coordinator_of(etcd) == "n1", what="n1 coordinating")
+        text = node_toml(etcd, "n2", slow)
+        n2 = nodes("n2", text)
+        wait_until(lambda: len(engines_of(fleet_json(etcd)[1])) == 3, what="published")
+        proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+                                 etcd.urls[0], "fleet", "cycle", "b0", "a0", "a1",
+                                 "--max-unavailable", "1", "--op-id", "lose-n2", "--json"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        wait_until(lambda: shared["now"] == 1, what="b0's part running on n2")
+        os.kill(n2.pid, signal.SIGKILL)
+        n2.proc.wait()
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 4, out + err  # a part lost: the node is unreachable
+        parts = {p["engine"]: p for p in json.loads(out)["parts"]}
+        assert parts["b0"]["status"] == "lost" and "n2 was lost" in parts["b0"]["error"]
+        assert parts["a0"]["status"] == parts["a1"]["status"] == "skipped"  # none started
+        assert shared["pauses"] == {"b0": 1}
+        with etcd.client() as c:
+            from ckpt_controller.fleet import ops
+            from ckpt_controller.fleet.keys import Keys
+
+            out_of_service = ops.read_unavailable(c, Keys("/ckpt"))[0]
+            assert out_of_service == {"b0": "lost:lose-n2"}
+        # the node comes back: it reconciles b0 from its own journal, and the fleet converges
+        nodes("n2", text)
+        wait_until(lambda: (x := engines_of(fleet_json(etcd)[1]).get("b0")) and x["node_up"]
+                   and x["state"] == "running", timeout_s=30, what="b0 RUNNING, its node up")
+        with etcd.client() as c:
+            wait_until(lambda: ops.read_unavailable(c, Keys("/ckpt"))[0] == {}, timeout_s=10,
+                       what="b0 back in service")
+    finally:
+        for agent in fast + slow:
+            agent.close()
+
+
+def test_two_fleet_operations_at_once_share_the_limit(etcd, agents, nodes):
+    import threading
+
+    shared = {"lock": threading.Lock(), "now": 0, "most": 0}
+    two_nodes(etcd, agents, nodes, hooks=OutOfService(shared, 0.4), per=3)
+    procs = [subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+                               etcd.urls[0], "fleet", "cycle", "--selector", f"pool={pool}",
+                               "--max-unavailable", "2"], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for pool in ("a", "b")]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out + err
+    assert shared["most"] == 2  # two operations of limit 2: never more than two out at once
+
+
+@pytest.mark.slow
+def test_the_coordinator_killed_at_twenty_random_moments(etcd, ipc_dir, nodes):
+    """Each time the coordinator is killed (kill -9) at a random moment of a fleet cycle, the
+    other takes over within the lease's TTL and the operation ends succeeded, every engine's
+    step run exactly once; the killed node is started again for the next kill."""
+    import random
+    import threading
+
+    shared = {"lock": threading.Lock(), "now": 0, "most": 0}
+    coords, _, agents_ = _coordinators_and_workers(etcd, ipc_dir, nodes, shared, 0.3,
+                                                   engines=6)
+    rng = random.Random(1216)
+    ran: dict[str, int] = {}
+    ops_done = 0
+    try:
+        kills = 0
+        while kills < 20:
+            op_id = f"kill-{kills}"
+            proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+                                     etcd.urls[0], "fleet", "cycle", "--all",
+                                     "--max-unavailable", "2", "--op-id", op_id, "--json"],
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)
+            while proc.poll() is None and kills < 20:
+                time.sleep(rng.uniform(0.05, 1.2))
+                victim = wait_until(lambda: coordinator_of(etcd), timeout_s=10,
+                                    what="a coordinator")
+                os.kill(coords[victim].pid, signal.SIGKILL)
+                coords[victim].proc.wait()
+                killed = time.monotonic()
+                kills += 1
+                other = "c1" if victim == "c0" else "c0"
+                wait_until(lambda: coordinator_of(etcd) == other, timeout_s=10,
+                           what=f"{other} took over (kill {kills})")
+                assert time.monotonic() - killed < 2 + 2.0
+                coords[victim] = nodes(victim, coordinator_toml(etcd, victim))
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out + err
+            parts = json.loads(out)["parts"]
+            assert [p["status"] for p in parts] == ["succeeded"] * 6
+            ops_done += 1
+            for p in parts:
+                ran[p["engine"]] = ran.get(p["engine"], 0) + 1
+        assert shared["pauses"] == ran  # every step once per operation: none twice
+        assert shared["most"] <= 2
+    finally:
+        for agent in agents_:
+            agent.close()
+
+
+@pytest.mark.skipif(not etcd_cluster.installed(), reason="etcd is not installed: run `make etcd`")
+def test_quorum_lost_mid_operation_local_work_goes_on_and_the_fleet_resumes(tmp_path, ipc_dir,
+                                                                            nodes):
+    import threading
+
+    cluster = etcd_cluster.EtcdCluster(tmp_path / "etcd", size=3)
+    shared = {"lock": threading.Lock(), "now": 0, "most": 0}
+    a = counted_agents(ipc_dir, ["q0", "q1", "q2"], shared, 1.0)
+    try:
+        ctl = nodes("n1", node_toml(cluster, "n1", a))
+        wait_until(lambda: len(engines_of(fleet_json(cluster)[1])) == 3, what="published")
+        proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+                                 ",".join(cluster.urls), "fleet", "cycle", "q0", "q1",
+                                 "--max-unavailable", "1", "--op-id", "quorum", "--json"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        wait_until(lambda: shared["now"] == 1, what="q0's part running")
+        cluster.stop(1)
+        cluster.stop(2)  # one member of three left: no quorum
+        # the part under way ends on its node: q0 is not left out of service by etcd's loss
+        wait_until(lambda: a[0].lifecycle.state == "running" and shared["now"] == 0,
+                   timeout_s=20, what="q0 RUNNING again")
+        # the fleet pauses: commands fail fast, exit 4; the node's own operations go on
+        t0 = time.monotonic()
+        rc, _ = fleet_json(cluster)
+        assert rc == 4 and time.monotonic() - t0 < 3 * 1.5 + 3
+        r = ctl.ckptctl("cycle", "q2", "--json")
+        assert r.returncode == 0, r.stderr
+        assert shared["pauses"] == {"q0": 1, "q2": 1}  # q1 not started while etcd is away
+        # the command that was following it says so and ends; the operation does not
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 4 and "goes on when etcd is back" in err, out + err
+        cluster.start(1)
+        cluster.start(2)
+        cluster.wait_healthy()
+        r = ckptctl("--etcd", ",".join(cluster.urls), "fleet", "cycle", "q0", "q1",
+                    "--op-id", "quorum", "--json", timeout=90)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert [p["status"] for p in json.loads(r.stdout)["parts"]] == ["succeeded"] * 2
+        assert shared["pauses"] == {"q0": 1, "q1": 1, "q2": 1}
+        wait_until(lambda: (x := engines_of(fleet_json(cluster)[1])) and all(
+            e["state"] == "running" and e["node_up"] for e in x.values()), timeout_s=15,
+            what="registrations and records recovered")
+    finally:
+        for agent in a:
+            agent.close()
+        cluster.close()

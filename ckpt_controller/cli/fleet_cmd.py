@@ -18,7 +18,10 @@ import time
 from pathlib import Path
 
 from ckpt_controller.cli.common import EXIT_CODES, print_json
-from ckpt_controller.errors import UsageError
+from ckpt_controller.errors import UnreachableError, UsageError
+
+#: how long the command waits for one etcd member (healthy, etcd answers in milliseconds)
+CLI_TIMEOUT_S = 1.5
 
 EPILOG = """\
 The fleet's node controllers register in etcd when their TOML has a [fleet] table
@@ -130,7 +133,9 @@ def client(args: argparse.Namespace):
             files[name] = path
     if ("cert" in files) != ("key" in files):
         raise UsageError("--etcd-cert and --etcd-key go together")
-    return Etcd(urls, ca_cert=files.get("ca"), cert=files.get("cert"), key=files.get("key"))
+    # a command fails fast when etcd is away: each member gets CLI_TIMEOUT_S
+    return Etcd(urls, ca_cert=files.get("ca"), cert=files.get("cert"), key=files.get("key"),
+                timeout_s=CLI_TIMEOUT_S)
 
 
 def _iso(wall: float | None) -> str | None:
@@ -244,6 +249,11 @@ def _operation(args: argparse.Namespace) -> int:
             print(f"ckptctl: interrupted; fleet operation {op.op_id} goes on (follow it with "
                   f"the same --op-id, or see ckptctl fleet status)", file=sys.stderr)
             return 130
+        except UnreachableError as err:
+            raise UnreachableError(
+                f"{err.message}; fleet operation {op.op_id} stays recorded and goes on when "
+                f"etcd is back (follow it with the same --op-id)", op_id=op.op_id,
+                **err.details) from None
     if args.json:
         import msgspec
 

@@ -129,6 +129,8 @@ class FleetConfig:
     lease_ttl_s: int = 5
     #: how often the node compares its engines with what etcd holds, and writes changes
     publish_interval_s: float = 0.5
+    #: whether this node may be elected to drive fleet operations
+    coordinator: bool = True
     #: TLS: the CA that signed etcd's certificate; with https:// URLs
     ca_cert: Path | None = None
     #: TLS client certificate and its key (both or neither)

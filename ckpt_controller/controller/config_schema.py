@@ -132,6 +132,7 @@ class FleetTable(_Table):
     prefix: Text | UnsetType = UNSET
     lease_ttl_s: LeaseTtl | UnsetType = UNSET
     publish_interval_s: Seconds | UnsetType = UNSET
+    coordinator: Flag | UnsetType = UNSET
     ca_cert: Text | UnsetType = UNSET
     cert: Text | UnsetType = UNSET
     key: Text | UnsetType = UNSET

@@ -245,6 +245,8 @@ class FleetNode:
     def coordinate(self) -> None:
         """Be the coordinator if no node is (the key lives under this node's lease), and
         drive the fleet operations while it is this node."""
+        if not self.fleet.coordinator:
+            return
         key = self.keys.coordinator
         me = self.fleet.node
         ok, resp = self.etcd.txn([e.compare_created(key)], [e.put_op(key, me, self.lease or 0)],
@@ -339,9 +341,10 @@ class FleetGuard:
 
     def hold(self, op_id: str, kind: str, engines: list[str]) -> None:
         n = self.node
-        if n.lease is None:
-            log.warning("fleet: %s %s runs without fleet locks: the node is not registered "
-                        "in etcd (local guarantees only)", kind, op_id)
+        if n.lease is None or not n.available:
+            # not registered, or etcd did not answer the last round: not waited for
+            log.warning("fleet: %s %s runs without fleet locks: etcd is unavailable to this "
+                        "node (local guarantees only)", kind, op_id)
             return
         taken = []
         try:
@@ -367,7 +370,7 @@ class FleetGuard:
 
     def free(self, op_id: str, kind: str, engines: list[str], result) -> None:
         n = self.node
-        if n.lease is None:
+        if n.lease is None or not n.available:
             return
         states = {o.engine: o.state for o in getattr(result, "engines", [])}
 
