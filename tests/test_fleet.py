@@ -154,7 +154,7 @@ def test_a_node_killed_is_shown_down_within_its_lease_and_returns(etcd, agents, 
     killed = time.monotonic()
     wait_until(lambda: fleet_json(etcd)[1]["nodes"] == [], timeout_s=10,
                what="the node's record gone with its lease")
-    assert time.monotonic() - killed < 2 + 1.5  # the TTL, and etcd's own rounding
+    assert time.monotonic() - killed < 2 + 3.0  # the TTL, etcd's rounding, a busy machine
     rc, doc = fleet_json(etcd)
     rec = engines_of(doc)["ka"]
     assert rc == 4 and not rec["node_up"] and rec["state"] == "running"  # the last known
@@ -476,8 +476,22 @@ def test_the_coordinator_killed_mid_operation_another_finishes_it(etcd, ipc_dir,
                    what="a part started")
         os.kill(coords["c0"].pid, signal.SIGKILL)
         killed = time.monotonic()
+        # meanwhile the operation is listed as running, and can be watched by anyone
+        rc, doc = fleet_json(etcd)
+        assert [o["op_id"] for o in doc["operations"]] == ["failover"]
+        assert doc["operations"][0]["total"] == 4
+        watch = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+                                  etcd.urls[0], "fleet", "watch", "failover", "--json"],
+                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
         wait_until(lambda: coordinator_of(etcd) == "c1", timeout_s=10, what="c1 took over")
-        assert time.monotonic() - killed < 2 + 1.5  # within the lease's TTL
+        assert time.monotonic() - killed < 2 + 3.0  # within the lease's TTL (a busy machine)
+        w_out, w_err = watch.communicate(timeout=60)
+        assert watch.returncode == 0, w_out + w_err
+        lines = [json.loads(line) for line in w_out.splitlines()]
+        assert lines[-1]["op"]["status"] == "succeeded"
+        ends = {x["part"]["engine"] for x in lines[:-1] if x["part"]["status"] == "succeeded"}
+        assert ends == {"w0", "w1", "w2", "w3"}
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, out + err
         assert [p["status"] for p in json.loads(out)["parts"]] == ["succeeded"] * 4
@@ -581,7 +595,7 @@ def test_the_coordinator_killed_at_twenty_random_moments(etcd, ipc_dir, nodes):
                 other = "c1" if victim == "c0" else "c0"
                 wait_until(lambda: coordinator_of(etcd) == other, timeout_s=10,
                            what=f"{other} took over (kill {kills})")
-                assert time.monotonic() - killed < 2 + 2.0
+                assert time.monotonic() - killed < 2 + 3.0
                 coords[victim] = nodes(victim, coordinator_toml(etcd, victim))
             out, err = proc.communicate(timeout=120)
             assert proc.returncode == 0, out + err

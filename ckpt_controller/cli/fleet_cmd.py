@@ -59,6 +59,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--json", action="store_true",
                     help="one JSON document (docs/fleet.md gives its shape)")
     st.set_defaults(run=_status)
+    w = fsub.add_parser("watch", help="follow a fleet operation until it ends", **fmt)
+    w.add_argument("op_id", metavar="OP_ID", help="the fleet operation's id")
+    w.add_argument("--json", action="store_true",
+                   help="JSON lines: one per change of a part, then the result")
+    w.set_defaults(run=_watch)
     _add_operations(fsub, fmt)
 
 
@@ -138,6 +143,25 @@ def client(args: argparse.Namespace):
                 timeout_s=CLI_TIMEOUT_S)
 
 
+def _operations(c, keys) -> list:
+    """Every fleet operation still running, with its parts."""
+    from ckpt_controller.fleet import ops
+
+    out = []
+    for kv in c.get_prefix(keys.ops):
+        op = ops._op_dec.decode(kv.value)
+        if op.status == "running":
+            out.append((op, ops.read_parts(c, keys, op.op_id)))
+    return out
+
+
+def _running_ops(found: list) -> list[dict]:
+    return [{"op_id": op.op_id, "kind": op.kind, "total": len(op.engines),
+             "done": sum(p.status not in ("pending", "started") for p, _ in parts.values()),
+             "started": sum(p.status == "started" for p, _ in parts.values()),
+             "created_iso": _iso(op.created)} for op, parts in found]
+
+
 def _iso(wall: float | None) -> str | None:
     if wall is None:
         return None
@@ -163,6 +187,7 @@ def _status(args: argparse.Namespace) -> int:
 
     with client(args) as c:
         view = registry.read(c, Keys(args.etcd_prefix))
+        c_ops = _operations(c, Keys(args.etcd_prefix))
     now = time.time()
     healthy = all(r.node_up and r.engine.reachable for r in view.engines)
     if args.json:
@@ -175,6 +200,7 @@ def _status(args: argparse.Namespace) -> int:
             rec["age_s"] = None if rec["since"] is None else round(now - rec["since"], 3)
         for node in doc["nodes"]:
             node["started_iso"] = _iso(node["started"])
+        doc["operations"] = _running_ops(c_ops)
         print_json(doc)
         return 0 if healthy else 4
     rows = [("NODE", "NAME", "STATE", "GEN", "HELD-BY", "LAST-OP", "AGE")]
@@ -192,6 +218,9 @@ def _status(args: argparse.Namespace) -> int:
     down = sorted({r.engine.node for r in view.engines} - up)
     print(f"\n{len(view.nodes)} node(s) up" + (f"; down: {', '.join(down)}" if down else "")
           + f"; {len(view.engines)} engine(s)")
+    for op in _running_ops(c_ops):
+        print(f"fleet {op['kind']} {op['op_id']} running: {op['done']}/{op['total']} done, "
+              f"{op['started']} running now")
     for key, why in view.unreadable.items():
         print(f"ckptctl: unreadable record {key}: {why}", file=sys.stderr)
     return 0 if healthy else 4
@@ -271,16 +300,28 @@ def _operation(args: argparse.Namespace) -> int:
     return 4 if any(p.status == "lost" for p in parts) else 1
 
 
-def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2):
+def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: bool = False):
     """Wait for the fleet operation ``op_id`` to end: (its record, its parts); prints each
-    part's changes on stderr with ``progress``."""
+    part's changes on stderr with ``progress``, or as JSON lines on stdout with ``lines``."""
+    import msgspec
+
     from ckpt_controller.fleet import ops
 
     seen: dict[str, str] = {}
     start = time.monotonic()
     while True:
         op = ops.read_op(c, keys, op_id)
+        if op is None:
+            raise UsageError(f"no fleet operation {op_id}", op_id=op_id)
         parts = ops.read_parts(c, keys, op_id)
+        if lines:
+            for name in op.engines:
+                part = parts[name][0]
+                if seen.get(name) != part.status:
+                    seen[name] = part.status
+                    print_json({"version": 1, "op_id": op_id, "elapsed_s": round(
+                        time.monotonic() - start, 3), "part": msgspec.to_builtins(part)},
+                        flush=True)
         if progress:
             for name in op.engines:
                 part = parts[name][0]
@@ -293,3 +334,23 @@ def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2):
         if op.status != "running":
             return op, [parts[n][0] for n in op.engines]
         time.sleep(every_s)
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from ckpt_controller.fleet.keys import Keys
+
+    keys = Keys(args.etcd_prefix)
+    with client(args) as c:
+        try:
+            op, parts = follow(c, keys, args.op_id, progress=not args.json, lines=args.json)
+        except KeyboardInterrupt:
+            return 130
+    if args.json:
+        import msgspec
+
+        print_json({"version": 1, "op": msgspec.to_builtins(op)})
+    else:
+        print(f"fleet {op.kind} {op.op_id}: {op.status}" + (f": {op.error}" if op.error else ""))
+    if op.status == "succeeded":
+        return 0
+    return 4 if any(p.status == "lost" for p in parts) else 1

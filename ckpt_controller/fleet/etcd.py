@@ -113,8 +113,18 @@ class Etcd:
         self.timeout_s = timeout_s
         self._current = 0
         self._lock = threading.Lock()
+        self._streams: set = set()  # watch streams open now (closed by ``close``)
 
     def close(self) -> None:
+        with self._lock:
+            streams = list(self._streams)
+        for resp in streams:  # ends the watches' blocking reads
+            try:
+                sock = resp.raw.connection.sock
+                if sock is not None:
+                    sock.shutdown(2)
+            except Exception:  # policy: already closed, or no socket to reach: nothing to end
+                pass
         for member in self._members:
             member.session.close()
 
@@ -195,6 +205,50 @@ class Etcd:
         for r in reply.get("responses", []):
             out.append({"kvs": self._kvs(r["response_range"])} if "response_range" in r else r)
         return bool(reply.get("succeeded", False)), out
+
+    # ---------------------------------------------------------------- watches
+
+    def watch(self, key: str, range_end: str, on_event: Callable[[], None],
+              stop: threading.Event, retry_s: float = 0.5) -> None:
+        """Until ``stop`` is set: call ``on_event()`` whenever keys in ``[key, range_end)``
+        change, through a watch stream on the first member that takes one; a stream that
+        ends or fails is made again (on the next member), and ``on_event`` is called then
+        too, since changes may have been missed meanwhile. Blocks: run it on a thread."""
+        import requests
+
+        body = {"create_request": {"key": _b64(key), "range_end": _b64(range_end)}}
+        index = 0
+        while not stop.is_set():
+            member = self._members[index % len(self._members)]
+            index += 1
+            session = requests.Session()  # a stream of its own beside the calls' connections
+            session.trust_env = False
+            session.verify, session.cert = member.session.verify, member.session.cert
+            try:
+                resp = session.post(member.get_url("/watch"), json=body, stream=True,
+                                    timeout=(self.timeout_s, None))
+                with self._lock:
+                    self._streams.add(resp)
+                try:
+                    if resp.status_code != 200:
+                        raise OSError(f"watch refused: HTTP {resp.status_code}")
+                    on_event()  # (re)made: what changed while there was none is looked at
+                    for line in resp.iter_lines():
+                        if stop.is_set():
+                            return
+                        if line and b'"events"' in line:
+                            on_event()
+                finally:
+                    with self._lock:
+                        self._streams.discard(resp)
+                    resp.close()
+            except Exception as err:  # policy: a stream lost or refused: made again shortly
+                if stop.is_set():
+                    return
+                log.debug("fleet: watch of %s ended: %s", key, err)
+            finally:
+                session.close()
+            stop.wait(retry_s)
 
     # ---------------------------------------------------------------- leases
 

@@ -70,8 +70,8 @@ class FleetNode:
         self.rounds = 0
         #: runs a node-local operation: ``start(OperationCommand, done)`` (the controller's)
         self._start_local = start
-        #: parts of fleet operations running here: (op id, engine)
-        self._running: set[tuple[str, str]] = set()
+        #: parts of fleet operations running here: local op id -> (task, its inbox revision)
+        self._running: dict[str, tuple] = {}
         self._running_lock = threading.Lock()
         self.coordinator = fops.Coordinator(self.etcd, self.keys)
         self.is_coordinator = False
@@ -101,9 +101,16 @@ class FleetNode:
         self.etcd.close()
 
     def _run(self) -> None:
+        self._watches()
+        next_round = 0.0
         while not self._stop.is_set():
             try:
-                self.round()
+                if time.monotonic() >= next_round:
+                    next_round = time.monotonic() + self.fleet.publish_interval_s
+                    self.round()
+                    self.rounds += 1
+                elif self.lease is not None:
+                    self.fleet_work()  # woken by a watch: only the fleet operations' part
                 if not self.available:
                     log.info("fleet: node %s registered in etcd (%s)", self.fleet.node,
                              ", ".join(self.fleet.etcd))
@@ -112,12 +119,25 @@ class FleetNode:
                 if self.available or self.rounds == 0:
                     log.warning("fleet: etcd unavailable, the node serves on its own: %s", err)
                 self.available = False
+                self.rounds += 1
             except Exception:  # policy: a bug here must not end the fleet thread for good
                 log.exception("fleet: publishing failed")
                 self.available = False
-            self.rounds += 1
-            self._nudge.wait(self.fleet.publish_interval_s)
+            self._nudge.wait(max(0.0, next_round - time.monotonic()))
             self._nudge.clear()
+
+    def _watches(self) -> None:
+        """Threads that wake this one as soon as its inbox changes, and (a node that may
+        coordinate) the operations or their parts: the rounds alone would be
+        ``publish_interval_s`` late each time."""
+        from ckpt_controller.fleet.etcd import prefix_end
+
+        ranges = [(self.keys.inbox(self.fleet.node), prefix_end(self.keys.inbox(self.fleet.node)))]
+        if self.fleet.coordinator:  # ops/ ... parts/ (owners/ between them changes rarely)
+            ranges.append((self.keys.ops, prefix_end(f"{self.keys.prefix}/parts/")))
+        for start, end in ranges:
+            threading.Thread(target=self.etcd.watch, args=(start, end, self.nudge, self._stop),
+                             name="fleet-watch", daemon=True).start()
 
     # ---------------------------------------------------------------- one round
 
@@ -138,8 +158,14 @@ class FleetNode:
         if unclaimed:
             self.claim(unclaimed)
         self.publish([n for n in names if n in self.owned])
+        self.fleet_work()
+
+    def fleet_work(self) -> None:
+        """Run this node's new parts; coordinate (a few rounds while they move things on)."""
         self.take_parts()
-        self.coordinate()
+        for _ in range(8):
+            if not self.coordinate():
+                break
 
     def register(self) -> None:
         lease = self.etcd.grant(self.fleet.lease_ttl_s)
@@ -242,11 +268,11 @@ class FleetNode:
 
     # ---------------------------------------------------------------- fleet operations
 
-    def coordinate(self) -> None:
+    def coordinate(self) -> bool:
         """Be the coordinator if no node is (the key lives under this node's lease), and
         drive the fleet operations while it is this node."""
         if not self.fleet.coordinator:
-            return
+            return False
         key = self.keys.coordinator
         me = self.fleet.node
         ok, resp = self.etcd.txn([e.compare_created(key)], [e.put_op(key, me, self.lease or 0)],
@@ -256,77 +282,78 @@ class FleetNode:
             log.info("fleet: node %s %s the coordinator", me,
                      "is now" if holder == me else "is no longer")
         self.is_coordinator = holder == me
-        if self.is_coordinator:
-            self.coordinator.drive()
+        return self.coordinator.drive() if self.is_coordinator else False
 
     def take_parts(self) -> None:
-        """Run the parts in this node's inbox that are not running yet."""
+        """Run the parts in this node's inbox that are not running here yet."""
         if self._start_local is None:
             return
         from ckpt_controller import protocol as p
 
         inbox = self.keys.inbox(self.fleet.node)
         for kv in self.etcd.get_prefix(inbox):
-            op_id, engine = kv.key[len(inbox):].rsplit("/", 1)
+            task = fops.task_dec.decode(kv.value)
             with self._running_lock:
-                if (op_id, engine) in self._running:
+                if task.local_op in self._running:
                     continue
-            part = fops.read_parts(self.etcd, self.keys, op_id).get(engine)
-            op = fops.read_op(self.etcd, self.keys, op_id)
-            if part is None or op is None or part[0].status != "started":
-                self.etcd.delete(kv.key)  # ended meanwhile (lost, or written before)
-                continue
+                self._running[task.local_op] = (task, kv.create_revision)
             try:
-                cmd = msgspec.convert(dict(op.params, call_id=0, op_id=part[0].local_op, kind=op.kind,
-                                           engines=[engine]), p.OperationCommand)
+                cmd = msgspec.convert(dict(task.params, call_id=0, op_id=task.local_op,
+                                           kind=task.kind, engines=[task.engine]),
+                                      p.OperationCommand)
             except msgspec.ValidationError as err:  # policy: a part that cannot run fails
-                self._part_ended(op_id, engine, None, f"bad parameters: {err}")
+                self._local_done(task.local_op, CkptError(f"bad parameters: {err}"))
                 continue
-            with self._running_lock:
-                self._running.add((op_id, engine))
-            log.info("fleet: %s of %s for fleet operation %s starts here", op.kind, engine,
-                     op_id)
+            log.info("fleet: %s of %s for fleet operation %s starts here", task.kind,
+                     task.engine, task.op_id)
             try:
-                self._start_local(cmd, lambda r, o=op_id, n=engine: self._local_done(o, n, r))
+                self._start_local(cmd, lambda r, lo=task.local_op: self._local_done(lo, r))
             except CkptError as err:  # policy: refused at once (busy, bad state): the part's end
-                self._local_done(op_id, engine, err)
+                self._local_done(task.local_op, err)
 
-    def _local_done(self, op_id: str, engine: str, result) -> None:
+    def is_fleet_part(self, local_op: str) -> bool:
+        """Whether ``local_op`` is a fleet operation's part running here (the coordinator
+        took its lock and its place in ``unavailable`` for it)."""
+        with self._running_lock:
+            return local_op in self._running
+
+    def _local_done(self, local_op: str, result) -> None:
+        with self._running_lock:
+            task, todo_rev = self._running[local_op]
         try:
             if isinstance(result, CkptError):
-                self._part_ended(op_id, engine, None, f"{result.kind}: {result.message}")
+                state, error = None, f"{result.kind}: {result.message}"
             else:
-                outcome = next((o for o in result.engines if o.engine == engine), None)
+                outcome = next((o for o in result.engines if o.engine == task.engine), None)
                 state = outcome.state if outcome is not None else None
                 error = None if result.status == "succeeded" else (
                     (outcome.error.message if outcome is not None and outcome.error else None)
                     or (result.error.message if result.error else result.status))
-                self._part_ended(op_id, engine, state, error)
+            self._part_ended(task, todo_rev, state, error)
         except CkptError as err:  # policy: etcd away: the inbox still has it; tried again
-            log.warning("fleet: could not write the end of %s's part of %s: %s", engine,
-                        op_id, err)
+            log.warning("fleet: could not write the end of %s's part of %s: %s", task.engine,
+                        task.op_id, err)
         finally:
             with self._running_lock:
-                self._running.discard((op_id, engine))
+                self._running.pop(local_op, None)
             self.nudge()
 
-    def _part_ended(self, op_id: str, engine: str, state: str | None, error: str | None) -> None:
+    def _part_ended(self, task, todo_rev: int, state, error: str | None) -> None:
+        """One transaction: the part's end written, out of the inbox, the lock freed; only
+        while the inbox still holds the task (a coordinator that found this node lost took it
+        out, and the part is lost then)."""
         k = self.keys
-        for _ in range(20):
-            found = fops.read_parts(self.etcd, k, op_id).get(engine)
-            if found is None or found[0].status != "started":
-                self.etcd.delete(k.todo(self.fleet.node, op_id, engine))
-                return  # lost meanwhile: the coordinator ended it
-            part, rev = found
-            ended = msgspec.structs.replace(
-                part, status="succeeded" if error is None else "failed",
-                state=str(state) if state is not None else None, error=error,
-                ended=time.time())
-            ok, _ = self.etcd.txn([e.compare_modified(k.part(op_id, engine), rev)],
-                                  [e.put_op(k.part(op_id, engine), encode(ended)),
-                                   e.delete_op(k.todo(self.fleet.node, op_id, engine))])
-            if ok:
-                return
+        ended = fops.Part(engine=task.engine, node=task.node, local_op=task.local_op,
+                          status="succeeded" if error is None else "failed",
+                          state=str(state) if state is not None else None, error=error,
+                          started=task.started, ended=time.time())
+        todo = k.todo(task.node, task.op_id, task.engine)
+        writes = [e.put_op(k.part(task.op_id, task.engine), encode(ended)), e.delete_op(todo)]
+        ok, _ = self.etcd.txn([e.compare_created(todo, todo_rev),
+                               e.compare_value(k.lock(task.engine), task.local_op)],
+                              writes + [e.delete_op(k.lock(task.engine))])
+        if not ok:  # the lock went with an expired lease (or was never there): not ours
+            self.etcd.txn([e.compare_created(todo, todo_rev)], writes)
 
 
 class FleetGuard:
@@ -341,6 +368,8 @@ class FleetGuard:
 
     def hold(self, op_id: str, kind: str, engines: list[str]) -> None:
         n = self.node
+        if n.is_fleet_part(op_id):
+            return  # the coordinator took its lock and its place when it started the part
         if n.lease is None or not n.available:
             # not registered, or etcd did not answer the last round: not waited for
             log.warning("fleet: %s %s runs without fleet locks: etcd is unavailable to this "
@@ -370,8 +399,8 @@ class FleetGuard:
 
     def free(self, op_id: str, kind: str, engines: list[str], result) -> None:
         n = self.node
-        if n.lease is None or not n.available:
-            return
+        if n.lease is None or not n.available or n.is_fleet_part(op_id):
+            return  # a fleet part's end is written by the node, its place settled elsewhere
         states = {o.engine: o.state for o in getattr(result, "engines", [])}
 
         def change(cur: dict[str, str]) -> dict[str, str]:

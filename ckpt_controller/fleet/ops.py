@@ -131,8 +131,7 @@ def submit(client: e.Etcd, keys: Keys, *, op_id: str, kind: str, engines: list[s
     if limit < 1:
         raise UsageError("--max-unavailable must be at least 1", max_unavailable=limit)
     if kind in TAKES_OUT:
-        out, _ = read_unavailable(client, keys)
-        others = {n for n in out if n not in engines}
+        others = _held_out(client, keys, engines)
         needed = len(others) + (len(engines) if kind == "prepare" else 1)
         if needed > limit:
             what = (f"{len(engines)} engine(s) prepared and held out of service"
@@ -156,6 +155,24 @@ def submit(client: e.Etcd, keys: Keys, *, op_id: str, kind: str, engines: list[s
     return op
 
 
+def _held_out(client: e.Etcd, keys: Keys, engines: list[str]) -> set[str]:
+    """The engines (other than ``engines``) out of service that stay out until someone
+    restores them: not those an operation running now (a fleet one, or one holding the
+    engine's lock) will bring back. A limit these fill already can never be met."""
+    out, _ = read_unavailable(client, keys)
+    held = set()
+    for name, by in out.items():
+        if name in engines:
+            continue
+        op = read_op(client, keys, by) if not by.startswith("lost:") else None
+        if op is not None and op.status == "running" and op.kind == "cycle":
+            continue  # a rolling cycle brings it back
+        if client.get(keys.lock(name)) is not None and (op is None or op.status == "running"):
+            continue  # an operation runs on it now (a node-local cycle, say)
+        held.add(name)
+    return held
+
+
 def _same(op: FleetOp, kind: str, engines: list[str]) -> FleetOp:
     if engines and (op.kind, op.engines) != (kind, list(engines)):
         raise UsageError(f"operation id {op.op_id} was already used for a fleet {op.kind} of "
@@ -166,109 +183,170 @@ def _same(op: FleetOp, kind: str, engines: list[str]) -> FleetOp:
 
 # ---------------------------------------------------------------- the coordinator
 
+class Task(msgspec.Struct, kw_only=True):
+    """A started part as its node's inbox holds it: all the node needs to run it and to write
+    its end, so the node reads nothing else."""
+
+    op_id: str
+    kind: str
+    engine: str
+    node: str
+    local_op: str
+    params: dict = {}
+    started: float
+
+
+task_dec = msgspec.json.Decoder(Task)
+
+#: parts started or settled in one transaction at most (each is a compare and up to three
+#: puts or deletes; etcd allows 128 operations in one)
+BATCH = 25
+
+
 class Coordinator:
-    """Drives every running fleet operation one step further on each ``drive``."""
+    """Drives every running fleet operation further on each ``drive``: a round reads the
+    operations, the nodes, ``unavailable`` and each running operation's parts once, and
+    writes what changed in batched transactions."""
 
     def __init__(self, client: e.Etcd, keys: Keys) -> None:
         self.etcd = client
         self.keys = keys
 
-    def drive(self) -> None:
+    def drive(self) -> bool:
+        """One round; whether it wrote anything (then another round may do more)."""
+        running = []
         for kv in self.etcd.get_prefix(self.keys.ops):
             op = _op_dec.decode(kv.value)
             if op.status == "running":
-                self.drive_op(op, kv.mod_revision)
+                running.append((op, kv.mod_revision))
+        if not running:
+            return False
+        nodes = {rec.node: rec for rec in (decode_node(kv.value)
+                                           for kv in self.etcd.get_prefix(self.keys.nodes))}
+        wrote = False
+        for op, rev in running:
+            wrote |= self.drive_op(op, rev, nodes)
+        return wrote
 
-    def drive_op(self, op: FleetOp, op_rev: int) -> None:
+    def drive_op(self, op: FleetOp, op_rev: int, nodes: dict) -> bool:
         k = self.keys
         parts = read_parts(self.etcd, k, op.op_id)
-        up = {decode_node(kv.value).node for kv in self.etcd.get_prefix(k.nodes)}
-        for name, (part, rev) in parts.items():
-            if part.status == "started" and part.node not in up:
-                lost = msgspec.structs.replace(
-                    part, status="lost", ended=time.time(),
-                    error=f"node {part.node} was lost while the part ran")
-                # lost: out of service until its node is back and says otherwise
-                self._end_part(op, lost, rev, settle_as=f"lost:{op.op_id}")
-        parts = read_parts(self.etcd, k, op.op_id)
-        for name, (part, rev) in parts.items():
-            if part.status in ("succeeded", "failed") and not part.settled:
-                self._end_part(op, part, rev)
-        parts = read_parts(self.etcd, k, op.op_id)
-        stopped = any(p.status in ("failed", "lost") for p, _ in parts.values())
+        out, out_rev = read_unavailable(self.etcd, k)
+        now = time.time()
+        # parts that ended, or whose node died under them, are settled: ``unavailable`` says
+        # whether the engine is out of service after it
+        ending = []
         for name in op.engines:
             part, rev = parts[name]
-            if part.status != "pending":
-                continue
-            if stopped:
-                self._put_part(op, msgspec.structs.replace(
-                    part, status="skipped", settled=True, ended=time.time(),
-                    error="not started: the operation stopped at a failure"), rev)
-                continue
-            if part.node not in up:
-                continue  # waits for its node (a lost one ends the operation above)
-            if not self._start(op, part, rev):
-                break  # no room now: engines start in order
-        parts = read_parts(self.etcd, k, op.op_id)
+            if part.status == "started" and part.node not in nodes:
+                ending.append((msgspec.structs.replace(
+                    part, status="lost", ended=now,
+                    error=f"node {part.node} was lost while the part ran"), rev, True))
+            elif part.status in ("succeeded", "failed") and not part.settled:
+                ending.append((part, rev, False))
+        if ending:
+            return self._settle(op, ending, out, out_rev)
+        stopped = any(p.status in ("failed", "lost") for p, _ in parts.values())
+        if stopped:
+            skipped = [(msgspec.structs.replace(
+                p, status="skipped", settled=True, ended=now,
+                error="not started: the operation stopped at a failure"), rev)
+                for p, rev in (parts[n] for n in op.engines) if p.status == "pending"]
+            if skipped:
+                for i in range(0, len(skipped), BATCH):
+                    chunk = skipped[i:i + BATCH]
+                    self.etcd.txn([e.compare_modified(k.part(op.op_id, p.engine), r)
+                                   for p, r in chunk],
+                                  [e.put_op(k.part(op.op_id, p.engine), encode(p))
+                                   for p, _ in chunk])
+                return True
+        else:
+            starting = []
+            room = dict(out)
+            for name in op.engines:
+                part, rev = parts[name]
+                if part.status != "pending":
+                    continue
+                if part.node not in nodes:
+                    break  # waits for its node, and the ones after it for their turn
+                if op.kind in TAKES_OUT and name not in room:
+                    if len(room) + 1 > op.max_unavailable:
+                        break  # no room now: engines start in order
+                    room[name] = op.op_id
+                starting.append((part, rev))
+            if starting:
+                return self._start(op, starting, nodes, out, out_rev, room)
         if all(p.status not in ("pending", "started") and p.settled for p, _ in parts.values()):
             ok = all(p.status == "succeeded" for p, _ in parts.values())
             failed = [f"{p.engine}: {p.status}: {p.error}" for p, _ in parts.values()
                       if p.status != "succeeded"]
             done = msgspec.structs.replace(op, status="succeeded" if ok else "failed",
-                                           ended=time.time(),
+                                           ended=now,
                                            error=None if ok else "; ".join(failed)[:2000])
             self.etcd.txn([e.compare_modified(k.op(op.op_id), op_rev)],
                           [e.put_op(k.op(op.op_id), encode(done))])
             log.info("fleet: %s %s %s", op.kind, op.op_id, done.status)
+            return True
+        return False
 
-    def _put_part(self, op: FleetOp, part: Part, rev: int) -> bool:
-        key = self.keys.part(op.op_id, part.engine)
-        return self.etcd.txn([e.compare_modified(key, rev)], [e.put_op(key, encode(part))])[0]
-
-    def _start(self, op: FleetOp, part: Part, rev: int) -> bool:
-        """Start ``part`` if the limit has room for it; whether it started."""
+    def _start(self, op: FleetOp, starting: list, nodes: dict, out: dict, out_rev: int,
+               room: dict) -> bool:
+        """Start ``starting`` in batches; the first batch also writes ``unavailable`` (every
+        engine the parts take out), checked against the revision it was read at."""
         k = self.keys
-        out, out_rev = read_unavailable(self.etcd, k)
-        success = []
-        compare = [e.compare_modified(k.part(op.op_id, part.engine), rev)]
-        if op.kind in TAKES_OUT:
-            if part.engine not in out and len(out) + 1 > op.max_unavailable:
-                return False
-            cmp_out, put_out = unavailable_ops(k, {**out, part.engine: op.op_id}, out_rev)
-            compare.append(cmp_out)
-            success.append(put_out)
-        started = msgspec.structs.replace(part, status="started", started=time.time())
-        success += [e.put_op(k.part(op.op_id, part.engine), encode(started)),
-                    e.put_op(k.todo(part.node, op.op_id, part.engine), op.op_id)]
-        ok, _ = self.etcd.txn(compare, success)
-        return ok
+        now = time.time()
+        first = True
+        for i in range(0, len(starting), BATCH):
+            chunk = starting[i:i + BATCH]
+            compare, success = [], []
+            if first and room != out:
+                cmp_out, put_out = unavailable_ops(k, room, out_rev)
+                compare.append(cmp_out)
+                success.append(put_out)
+            first = False
+            for part, rev in chunk:
+                started = msgspec.structs.replace(part, status="started", started=now)
+                task = Task(op_id=op.op_id, kind=op.kind, engine=part.engine, node=part.node,
+                            local_op=part.local_op, params=op.params, started=now)
+                compare.append(e.compare_modified(k.part(op.op_id, part.engine), rev))
+                success += [e.put_op(k.part(op.op_id, part.engine), encode(started)),
+                            e.put_op(k.todo(part.node, op.op_id, part.engine), encode(task)),
+                            # the engine's lock, under its node's lease, for the part's run
+                            e.put_op(k.lock(part.engine), part.local_op,
+                                     nodes[part.node].lease)]
+            if not self.etcd.txn(compare, success)[0]:
+                return True  # something moved meanwhile: the next round reads again
+        return True
 
-    def _end_part(self, op: FleetOp, part: Part, rev: int, settle_as: str | None = None) -> None:
-        """Write ``part`` settled, with ``unavailable`` brought up to date in the same
-        transaction: the engine is in it exactly when it is not RUNNING after the part."""
+    def _settle(self, op: FleetOp, ending: list, out: dict, out_rev: int) -> bool:
         k = self.keys
-        for _ in range(20):
-            out, out_rev = read_unavailable(self.etcd, k)
-            new = dict(out)
-            if settle_as is not None:
-                new[part.engine] = settle_as
+        new = dict(out)
+        for part, _, lost in ending:
+            if lost:  # out of service until its node is back and says otherwise
+                new[part.engine] = f"lost:{op.op_id}"
+            elif part.state is None:  # refused before it ran: as it was before the part
+                if new.get(part.engine) == op.op_id:
+                    new.pop(part.engine)
             elif part.state == "running":
                 new.pop(part.engine, None)
             else:
                 new.setdefault(part.engine, op.op_id)
-            cmp_out, put_out = unavailable_ops(k, new, out_rev)
-            settled = msgspec.structs.replace(part, settled=True)
-            ops = [e.put_op(k.part(op.op_id, part.engine), encode(settled))]
-            if new != out:
-                ops.append(put_out)
-            compare = [e.compare_modified(k.part(op.op_id, part.engine), rev)]
-            if new != out:
+        first = True
+        for i in range(0, len(ending), BATCH):
+            chunk = ending[i:i + BATCH]
+            compare, success = [], []
+            if first and new != out:
+                cmp_out, put_out = unavailable_ops(k, new, out_rev)
                 compare.append(cmp_out)
-            if settle_as is not None:  # a lost part leaves the dead node's inbox too
-                ops.append(e.delete_op(k.todo(part.node, op.op_id, part.engine)))
-            ok, _ = self.etcd.txn(compare, ops)
-            if ok:
-                return
-            now = read_parts(self.etcd, k, op.op_id).get(part.engine)
-            if now is None or now[1] != rev:
-                return  # the part changed meanwhile: the next round looks again
+                success.append(put_out)
+            first = False
+            for part, rev, lost in chunk:
+                compare.append(e.compare_modified(k.part(op.op_id, part.engine), rev))
+                success.append(e.put_op(k.part(op.op_id, part.engine),
+                                        encode(msgspec.structs.replace(part, settled=True))))
+                if lost:  # out of the dead node's inbox, and its lock
+                    success += [e.delete_op(k.todo(part.node, op.op_id, part.engine)),
+                                e.delete_op(k.lock(part.engine))]
+            if not self.etcd.txn(compare, success)[0]:
+                return True
+        return True
