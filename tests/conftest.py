@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -335,11 +336,15 @@ def spawn_reference(ipc_dir, model_dir):
 
 
 class ControllerProcess(ReadyProcess):
-    """``ckptctl serve --config`` as a child process, with a config written for the test."""
+    """``ckptctl serve --config`` as a child process, with a config written for the test.
+    ``wrap`` goes before its command and before each ``ckptctl`` (``["ip", "netns", "exec",
+    NAME]``: the controller and the commands to it in a network namespace); it must exec the
+    command, so that the child's PID is the controller's."""
 
     def __init__(self, tmp: Path, config_text: str, endpoint: str | None = None,
-                 controller_keys: str = "") -> None:
+                 controller_keys: str = "", wrap: Sequence[str] = ()) -> None:
         self.dir = tmp
+        self.wrap = list(wrap)
         self.endpoint = endpoint or f"ipc://{tmp}/controller.sock"
         self.state_dir = tmp / "state"
         self.config = tmp / "controller.toml"
@@ -347,14 +352,15 @@ class ControllerProcess(ReadyProcess):
         self.config.write_text(f'[controller]\nendpoint = "{self.endpoint}"\n'
                                f'state_dir = "{tmp}/state"\nhooks_dir = "{tmp}/hooks"\n'
                                f'heartbeat_interval_s = 0.2\n{controller_keys}' + config_text)
-        super().__init__([sys.executable, "-m", "ckpt_controller", "serve", "--config",
-                          str(self.config)], tmp / "controller.log", "controller", cwd=ROOT)
+        super().__init__([*self.wrap, sys.executable, "-m", "ckpt_controller", "serve",
+                          "--config", str(self.config)], tmp / "controller.log", "controller",
+                         cwd=ROOT)
         self.endpoint = self.info.get("endpoint", self.endpoint)  # tcp://...:0 -> the port
 
     def ckptctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
-                               self.endpoint, *args], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT)
+        return subprocess.run([*self.wrap, sys.executable, "-m", "ckpt_controller",
+                               "--controller", self.endpoint, *args], capture_output=True,
+                              text=True, timeout=timeout, cwd=ROOT)
 
 
 @pytest.fixture

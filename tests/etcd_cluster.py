@@ -1,11 +1,13 @@
 """Real etcd members for the fleet tests: one, or a cluster of three, each a process on its own
-loopback ports with its own data folder; members can be stopped and started again.
+loopback ports with its own data folder; members can be stopped and started again. A member
+may also answer clients on other addresses of this host (``hosts``: say the root side of a
+veth pair that a network namespace reaches it through); its peers stay on loopback.
 
 The binaries come from ``make etcd`` (``.cache/etcd/bin``); ``installed()`` says whether they
 are there, and the ``etcd`` fixture (``conftest``) skips with the reason when they are not
 (CI: a failure, ``CKPT_REQUIRE_PARTS``). ``tls=True`` makes a CA, a server certificate for
 127.0.0.1 and a client certificate with ``openssl``, and has every member require client
-certificates signed by that CA.
+certificates signed by that CA (the server certificate names every address in ``hosts``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,10 +34,10 @@ def free_port() -> int:
 
 
 class Certs:
-    """A CA, a server certificate (127.0.0.1, localhost) and a client certificate, made with
-    openssl in ``d``."""
+    """A CA, a server certificate (127.0.0.1, localhost and ``ips``) and a client certificate,
+    made with openssl in ``d``."""
 
-    def __init__(self, d: Path) -> None:
+    def __init__(self, d: Path, ips: Sequence[str] = ()) -> None:
         d.mkdir(parents=True, exist_ok=True)
         self.ca, self.ca_key = d / "ca.pem", d / "ca-key.pem"
         self.server, self.server_key = d / "server.pem", d / "server-key.pem"
@@ -47,7 +50,8 @@ class Certs:
             "-keyout", str(d / "other-key.pem"), "-out", str(self.other_ca))
         for name, cert, key, ext in (
                 ("server", self.server, self.server_key,
-                 "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth"),
+                 "subjectAltName=" + ",".join(f"IP:{ip}" for ip in ("127.0.0.1", *ips))
+                 + ",DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth"),
                 ("client", self.client, self.client_key, "extendedKeyUsage=clientAuth")):
             csr, extfile = d / f"{name}.csr", d / f"{name}.ext"
             extfile.write_text(ext + "\n")
@@ -58,18 +62,22 @@ class Certs:
 
 
 class EtcdCluster:
-    """``size`` etcd members on loopback, started at once; ``urls`` are their client URLs."""
+    """``size`` etcd members on loopback, started at once; ``urls`` are their client URLs.
+    ``hosts``: the addresses every member answers clients on, each on the member's one client
+    port (``urls_on(host)``); ``urls`` are those on the first."""
 
-    def __init__(self, d: Path, size: int = 1, tls: bool = False) -> None:
+    def __init__(self, d: Path, size: int = 1, tls: bool = False,
+                 hosts: Sequence[str] = ("127.0.0.1",)) -> None:
         self.d = d
         d.mkdir(parents=True, exist_ok=True)
         self.size = size
-        self.certs = Certs(d / "certs") if tls else None
-        scheme = "https" if tls else "http"
+        self.hosts = tuple(hosts)
+        self.certs = Certs(d / "certs", ips=self.hosts) if tls else None
+        self.scheme = "https" if tls else "http"
         self.names = [f"m{i}" for i in range(size)]
         self.client_ports = [free_port() for _ in range(size)]
         self.peer_ports = [free_port() for _ in range(size)]
-        self.urls = [f"{scheme}://127.0.0.1:{p}" for p in self.client_ports]
+        self.urls = self.urls_on(self.hosts[0])
         self.procs: list[subprocess.Popen | None] = [None] * size
         self._initial = ",".join(f"{n}=http://127.0.0.1:{p}"
                                  for n, p in zip(self.names, self.peer_ports))
@@ -81,11 +89,17 @@ class EtcdCluster:
             self.close()
             raise
 
+    def urls_on(self, host: str) -> list[str]:
+        """The members' client URLs on ``host`` (one of ``hosts``)."""
+        assert host in self.hosts, host
+        return [f"{self.scheme}://{host}:{p}" for p in self.client_ports]
+
     def start(self, i: int, new: bool = False) -> None:
         """Start member ``i`` (again: it rejoins with its data folder)."""
         assert self.procs[i] is None or self.procs[i].poll() is not None
+        client_urls = ",".join(self.urls_on(host)[i] for host in self.hosts)
         args = [str(ETCD), "--name", self.names[i], "--data-dir", str(self.d / self.names[i]),
-                "--listen-client-urls", self.urls[i], "--advertise-client-urls", self.urls[i],
+                "--listen-client-urls", client_urls, "--advertise-client-urls", client_urls,
                 "--listen-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
                 "--initial-cluster", self._initial, "--initial-cluster-token", "ckpt-test",
@@ -137,9 +151,11 @@ class EtcdCluster:
                         raise RuntimeError(f"etcd did not become healthy: {logs}")
                     time.sleep(0.1)
 
-    def toml(self) -> str:
-        """The ``etcd`` and TLS keys of a ``[fleet]`` table for this cluster."""
-        out = "etcd = [" + ", ".join(f'"{u}"' for u in self.urls) + "]\n"
+    def toml(self, host: str | None = None) -> str:
+        """The ``etcd`` and TLS keys of a ``[fleet]`` table for this cluster (its URLs on
+        ``host``, default the first of ``hosts``)."""
+        urls = self.urls if host is None else self.urls_on(host)
+        out = "etcd = [" + ", ".join(f'"{u}"' for u in urls) + "]\n"
         if self.certs is not None:
             c = self.certs
             out += f'ca_cert = "{c.ca}"\ncert = "{c.client}"\nkey = "{c.client_key}"\n'

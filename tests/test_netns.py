@@ -7,8 +7,6 @@ the engine back to RUNNING, journaled; no request is lost. Needs root and ``ip n
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -21,37 +19,23 @@ from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.procutil import ReadyProcess
 from ckpt_controller.security import generate
 from conftest import ROOT, wait_until
+from netns_util import Namespaces, ip, run_tag
 
 CTL_IP, ENG_IP = "169.254.77.1", "169.254.77.2"
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
 @pytest.fixture
 def two_hosts():
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2 (ip)")
-    tag = f"{os.getpid() % 100000}"
+    tag = run_tag()
     ctl_ns, eng_ns = f"ckpt-c{tag}", f"ckpt-e{tag}"
     ctl_if, eng_if = f"vckc{tag}", f"vcke{tag}"
+    made = Namespaces.or_skip(ctl_ns)
     try:
-        _ip("netns", "add", ctl_ns)
-    except subprocess.CalledProcessError as err:
-        pytest.skip(f"cannot make a network namespace here: {err.stderr.strip()}")
-    try:
-        _ip("netns", "add", eng_ns)
-        _ip("link", "add", ctl_if, "type", "veth", "peer", "name", eng_if)
-        for ns, ifname, addr in ((ctl_ns, ctl_if, CTL_IP), (eng_ns, eng_if, ENG_IP)):
-            _ip("link", "set", ifname, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
-            _ip("-n", ns, "link", "set", ifname, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+        made.add(eng_ns)
+        made.join(ctl_ns, ctl_if, CTL_IP, eng_ns, eng_if, ENG_IP)
         yield {"ctl_ns": ctl_ns, "eng_ns": eng_ns, "ctl_if": ctl_if}
     finally:
-        for ns in (ctl_ns, eng_ns):  # deleting a namespace removes its end of the veth
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        made.remove()
 
 
 def _ckptctl(endpoint: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -105,7 +89,7 @@ def test_cycle_and_link_cut_across_network_namespaces(two_hosts, tmp_path, model
             view = wait_until(lambda: (v := watcher.status().engines[0]).status is not None
                               and v.status.state == "preparing" and v, 30, "PREPARING", 0.1)
             assert view.status.in_flight > 0  # the drain is waiting for requests
-            _ip("-n", two_hosts["ctl_ns"], "link", "set", two_hosts["ctl_if"], "down")
+            ip("-n", two_hosts["ctl_ns"], "link", "set", two_hosts["ctl_if"], "down")
             cut = time.monotonic()
             stdout, _ = prep.communicate(timeout=60)
             failed_after = time.monotonic() - cut
@@ -114,7 +98,7 @@ def test_cycle_and_link_cut_across_network_namespaces(two_hosts, tmp_path, model
             assert result["status"] == "failed" and failed_after < 15, failed_after
             view = _state(endpoint)
             assert not view["reachable"] and view["unsettled_by"] == "cut"
-            _ip("-n", two_hosts["ctl_ns"], "link", "set", two_hosts["ctl_if"], "up")
+            ip("-n", two_hosts["ctl_ns"], "link", "set", two_hosts["ctl_if"], "up")
             deadline = time.monotonic() + 60
             while True:
                 view = _state(endpoint)
