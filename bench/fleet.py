@@ -162,7 +162,10 @@ def fleet_cycle(url: str, engines: int) -> tuple[float, str]:
     took = time.perf_counter() - t0
     op = doc.get("op", {})
     if rc != 0 or op.get("status") != "succeeded" or len(op.get("engines", [])) != engines:
-        raise RuntimeError(f"fleet cycle: exit {rc}: {doc.get('error') or op.get('error')}")
+        why = str(doc.get("error") or op.get("error"))
+        raise RuntimeError(f"fleet cycle {op.get('op_id')}: exit {rc}, {op.get('status')}: "
+                           f"{why[:800]}{' ...' if len(why) > 800 else ''} (--keep DIR "
+                           "keeps the nodes' logs)")
     return took, op["op_id"]
 
 
@@ -234,8 +237,10 @@ def measure(args) -> dict:
                          "run `make etcd`")
     n, m = args.nodes, args.agents
     # ipc paths must stay short: a private dir under /tmp, not a long one from $TMPDIR
-    with tempfile.TemporaryDirectory(prefix="ckpt-fleet-", dir="/tmp") as tmp:
+    with (contextlib.nullcontext(str(args.keep)) if args.keep else
+          tempfile.TemporaryDirectory(prefix="ckpt-fleet-", dir="/tmp")) as tmp:
         d = Path(tmp)
+        d.mkdir(parents=True, exist_ok=True)
         cluster = etcd_cluster.EtcdCluster(d / "etcd", size=1)
         with contextlib.closing(cluster):
             url = cluster.urls[0]
@@ -294,6 +299,9 @@ def main() -> int:
     p.add_argument("--agents", type=int, default=10, help="no-op agents per node")
     p.add_argument("--repeat", type=int, default=5, help="rounds of direct, fleet, quiet")
     p.add_argument("--per-process", type=int, default=50, help="agents per host process")
+    p.add_argument("--keep", type=Path, metavar="DIR",
+                   help="run in DIR and leave it (the nodes' logs, etcd's); a short path: "
+                        "the agents' ipc sockets are made there")
     args = p.parse_args()
     if min(args.nodes, args.agents, args.repeat, args.per_process) < 1:
         p.error("--nodes, --agents, --repeat and --per-process must be at least 1")
