@@ -1,18 +1,20 @@
-"""The processes ``control.py`` measures, each a real process of its own: agent hosts, a
-controller host and a bare zmq echo; and the CPU clock that says what each of them spent.
+"""The processes ``control.py`` and ``fleet.py`` measure, each a real process of its own:
+agent hosts, controller hosts and a bare zmq echo; and the CPU clock that says what each of
+them spent.
 
 - ``Fleet``: ``n`` real ``Agent`` objects with nothing registered, at most ``per`` to a host
   process, each on its own ipc socket;
 - ``ControllerHost``: a real ``ControllerServer`` (its config given as TOML) alone in its
-  process, as ``ckptctl serve`` runs it;
+  process, as ``ckptctl serve`` runs it (``ControllerHost.many``: several started at once);
 - ``EchoHost`` and ``round_trips``: a ROUTER that sends every message back, and a DEALER that
   times each round trip: the transport's own cost, with none of this project's code in it;
 - ``cpu_s(pid)``: a process's CPU time (user + system, all its threads, also those that
   have ended) from its POSIX CPU clock, in nanoseconds; ``/proc/<pid>/stat`` counts in 10 ms
   ticks, too coarse for a few cycles.
 
-Each host waits on its stdin and ends when it is closed. Neighbours: ``control`` (the only
-user), ``ckpt_controller.agent`` and ``ckpt_controller.controller.server`` (what is hosted).
+Each host waits on its stdin and ends when it is closed. Neighbours: ``control`` and
+``fleet`` (the users), ``ckpt_controller.agent`` and ``ckpt_controller.controller.server``
+(what is hosted).
 """
 
 from __future__ import annotations
@@ -156,11 +158,31 @@ class Fleet:
 
 
 class ControllerHost:
-    """A ``ControllerServer`` alone in its process, configured by the TOML in ``config``."""
+    """A ``ControllerServer`` alone in its process, configured by the TOML in ``config``
+    (``proc``: one already started by ``many``, waited for here)."""
 
-    def __init__(self, config: Path) -> None:
-        self.proc, said = _spawn(CONTROLLER_HOST, str(config), log=config.with_suffix(".log"))
+    def __init__(self, config: Path, proc: subprocess.Popen | None = None) -> None:
+        log = config.with_suffix(".log")
+        if proc is None:
+            self.proc, said = _spawn(CONTROLLER_HOST, str(config), log=log)
+        else:
+            self.proc, said = proc, _ready(proc, log)
         self.endpoint: str = said["endpoint"]
+
+    @classmethod
+    def many(cls, configs: list[Path]) -> list["ControllerHost"]:
+        """A controller for each config, all started at once and then waited for."""
+        procs = [_popen(CONTROLLER_HOST, str(c), log=c.with_suffix(".log")) for c in configs]
+        try:
+            return [cls(c, proc) for c, proc in zip(configs, procs)]
+        except BaseException:  # policy: controllers half started are ended, the error goes on
+            _end(procs)
+            raise
+
+    @staticmethod
+    def close_all(hosts: list["ControllerHost"]) -> None:
+        """End several at once (each is told first, then each is waited for)."""
+        _end([h.proc for h in hosts])
 
     def cpu_s(self) -> float:
         return cpu_s(self.proc.pid)

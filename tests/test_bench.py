@@ -3,7 +3,8 @@
 Figures are never asserted (these machines are noisy); what is checked is that every table's
 inputs were really measured: each run present, the re-woken weights verified, requests drained
 or aborted as counted. The full runs are in BENCHMARKS.md. ``capture.py`` needs CRIU (``make
-criu``) and skips with the reason without it.
+criu``) and skips with the reason without it; ``fleet.py`` needs etcd (``make etcd``), skips
+likewise, and is in the ``fleet`` suite.
 """
 
 from __future__ import annotations
@@ -186,3 +187,35 @@ def test_checksum_against_torch_sum(tmp_path):
     assert res["bytes"] == 8 << 20
     for way in ("checksum", "sum"):
         assert len(res[way]["runs_s"]) == 2 and res[way]["gbps"] > 0
+
+
+@pytest.mark.fleet
+def test_fleet_cycle_against_direct_cycles_and_its_etcd_requests(tmp_path):
+    import etcd_cluster
+
+    if not etcd_cluster.installed():
+        pytest.skip("etcd is not installed: run `make etcd`")
+    res = bench(tmp_path, "fleet", "--nodes", "2", "--agents", "2", "--repeat", "1")
+    assert (res["nodes"], res["agents_per_node"], res["engines"]) == (2, 2, 4)
+    (r,) = res["rounds"]
+    assert positive(r["direct_s"]) and positive(r["fleet_s"]) and r["fleet_op"]
+    assert r["quiet_s"] >= r["fleet_s"]  # quiet as long as the fleet cycle took
+    # the fleet cycle was counted in etcd: it reads and writes its parts (the direct ones too:
+    # each node-local operation takes its engines' locks there)
+    assert r["fleet_requests"].get("KV.Txn", 0) >= 4 and r["fleet_requests"].get("KV.Range")
+    assert r["direct_requests"].get("KV.Txn", 0) >= 4
+    assert sum(r["quiet_requests"].values()) > 0  # the nodes publish even when nothing moves
+    for way in ("direct", "fleet"):
+        assert res[way]["runs_s"] == [r[f"{way}_s"]] and res[way]["median_s"] == r[f"{way}_s"]
+        rq = res["requests"][way]
+        assert rq["gross_median"] == sum(r[f"{way}_requests"].values()) / 4
+        assert rq["net_median"] <= rq["gross_median"]
+        assert set(rq["by_method"]) == set(r[f"{way}_requests"]) | set(r["quiet_requests"])
+    assert res["fleet_minus_direct_s"] == pytest.approx(r["fleet_s"] - r["direct_s"])
+    assert res["fleet_over_direct"] == pytest.approx(r["fleet_s"] / r["direct_s"])
+    goals = {g["goal"]: g for g in res["goals"]}
+    assert set(goals) == {"requests_per_engine", "fleet_minus_direct_s"}
+    assert goals["requests_per_engine"]["value"] == res["requests"]["fleet"]["net_median"]
+    assert goals["fleet_minus_direct_s"]["value"] == res["fleet_minus_direct_s"]
+    for g in goals.values():
+        assert positive(g["limit"]) and g["met"] == (g["value"] <= g["limit"])
