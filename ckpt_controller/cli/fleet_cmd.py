@@ -313,6 +313,9 @@ def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: boo
         op = ops.read_op(c, keys, op_id)
         if op is None:
             raise UsageError(f"no fleet operation {op_id}", op_id=op_id)
+        if not (lines or progress) and op.status == "running":
+            time.sleep(every_s)  # nothing to print: the parts are read once, at the end
+            continue
         parts = ops.read_parts(c, keys, op_id)
         if lines:
             for name in op.engines:

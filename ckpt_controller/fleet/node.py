@@ -40,6 +40,8 @@ log = logging.getLogger("ckpt_controller.fleet")
 
 #: engines written in one transaction at most (etcd's default limit is 128 operations)
 TXN_ENGINES = 60
+#: each part of the fleet's work is looked at this often at least, watched or not
+SAFETY_S = 2.0
 
 
 class FleetNode:
@@ -55,7 +57,7 @@ class FleetNode:
         self.etcd = e.Etcd(self.fleet.etcd, ca_cert=self.fleet.ca_cert, cert=self.fleet.cert,
                            key=self.fleet.key)
         self.lease: int | None = None
-        self._renewed = 0.0
+        self._lease_expired = False
         #: engines this node owns in etcd (claimed), and those another node owns
         self.owned: set[str] = set()
         self.conflicts: dict[str, str] = {}
@@ -75,13 +77,37 @@ class FleetNode:
         self._running_lock = threading.Lock()
         self.coordinator = fops.Coordinator(self.etcd, self.keys)
         self.is_coordinator = False
+        #: what the watches saw change since it was last looked at (the rounds look at each
+        #: anyway every ``SAFETY_S``, in case a watch missed something)
+        self._woken = {"inbox": True, "ops": True, "coordinator": True}
+        self._looked = {"inbox": 0.0, "ops": 0.0, "coordinator": 0.0}
 
     # ---------------------------------------------------------------- life
 
     def start(self) -> "FleetNode":
         self._thread = threading.Thread(target=self._run, name="fleet-node", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._keep_lease, name="fleet-lease", daemon=True).start()
         return self
+
+    def _keep_lease(self) -> None:
+        """Renew the node's lease every third of its TTL, on a thread of its own: however
+        long a round of the fleet's work takes, the lease never waits for it. An expired
+        lease (etcd away longer than the TTL) is told to the main thread, which registers
+        again."""
+        while not self._stop.is_set():
+            lease, wait = self.lease, self.fleet.lease_ttl_s / 3
+            if lease is not None:
+                try:
+                    if self.etcd.keepalive(lease) <= 0 and lease == self.lease:
+                        log.warning("fleet: the node's lease expired (etcd was out of reach "
+                                    "longer than %ds); registering again",
+                                    self.fleet.lease_ttl_s)
+                        self._lease_expired = True
+                        self.nudge()
+                except CkptError:  # policy: etcd away: tried again soon, the TTL is short
+                    wait = min(wait, 0.5)
+            self._stop.wait(wait)
 
     def nudge(self) -> None:
         """Publish now rather than at the next interval (an engine just changed)."""
@@ -132,25 +158,37 @@ class FleetNode:
         ``publish_interval_s`` late each time."""
         from ckpt_controller.fleet.etcd import prefix_end
 
-        ranges = [(self.keys.inbox(self.fleet.node), prefix_end(self.keys.inbox(self.fleet.node)))]
+        inbox = self.keys.inbox(self.fleet.node)
+        ranges = [("inbox", inbox, prefix_end(inbox))]
         if self.fleet.coordinator:  # ops/ ... parts/ (owners/ between them changes rarely)
-            ranges.append((self.keys.ops, prefix_end(f"{self.keys.prefix}/parts/")))
-        for start, end in ranges:
-            threading.Thread(target=self.etcd.watch, args=(start, end, self.nudge, self._stop),
-                             name="fleet-watch", daemon=True).start()
+            ranges.append(("ops", self.keys.ops, prefix_end(f"{self.keys.prefix}/parts/")))
+            ranges.append(("coordinator", self.keys.coordinator,
+                           self.keys.coordinator + "\x00"))
+        for what, start, end in ranges:
+            threading.Thread(target=self.etcd.watch,
+                             args=(start, end, lambda w=what: self._wake(w), self._stop),
+                             name=f"fleet-watch-{what}", daemon=True).start()
+
+    def _wake(self, what: str) -> None:
+        self._woken[what] = True
+        self.nudge()
+
+    def _due(self, what: str) -> bool:
+        """Whether to look at ``what`` now: a watch saw it change, or ``SAFETY_S`` passed."""
+        now = time.monotonic()
+        if self._woken[what] or now - self._looked[what] >= SAFETY_S:
+            self._woken[what] = False
+            self._looked[what] = now
+            return True
+        return False
 
     # ---------------------------------------------------------------- one round
 
     def round(self) -> None:
         """Register (or renew), claim what is unclaimed, write what changed."""
-        now = time.monotonic()
-        if self.lease is not None and now - self._renewed >= self.fleet.lease_ttl_s / 3:
-            if self.etcd.keepalive(self.lease) <= 0:
-                log.warning("fleet: the node's lease expired (etcd was out of reach longer "
-                            "than %ds); registering again", self.fleet.lease_ttl_s)
-                self.lease = None
-            else:
-                self._renewed = now
+        if self._lease_expired:
+            self._lease_expired = False
+            self.lease = None
         if self.lease is None:
             self.register()
         names = [eng.name for eng in self.config.engines]
@@ -161,11 +199,16 @@ class FleetNode:
         self.fleet_work()
 
     def fleet_work(self) -> None:
-        """Run this node's new parts; coordinate (a few rounds while they move things on)."""
-        self.take_parts()
-        for _ in range(8):
-            if not self.coordinate():
-                break
+        """Run this node's new parts; coordinate (a few rounds while they move things on):
+        each only when a watch saw its keys change, or ``SAFETY_S`` passed."""
+        if self._due("inbox"):
+            self.take_parts()
+        if self._due("coordinator"):
+            self.elect()
+        if self.is_coordinator and self._due("ops"):
+            for _ in range(8):
+                if not self.coordinator.drive():
+                    break
 
     def register(self) -> None:
         lease = self.etcd.grant(self.fleet.lease_ttl_s)
@@ -173,7 +216,8 @@ class FleetNode:
                          host=socket.gethostname(), started=time.time(), version=__version__,
                          lease=lease)
         self.etcd.put(self.keys.node(self.fleet.node), encode(rec), lease=lease)
-        self.lease, self._renewed = lease, time.monotonic()
+        self.lease = lease
+        self._woken = dict.fromkeys(self._woken, True)  # look at everything again
         self._written.clear()  # write every record again: etcd may have lost or missed some
         self.owned.clear()
         self.conflicts.clear()
@@ -216,7 +260,8 @@ class FleetNode:
                 changed.append(rec)
         for i in range(0, len(changed), TXN_ENGINES):
             self._write(changed[i:i + TXN_ENGINES])
-        self._back_from_lost(reply.engines)
+        if self.rounds % 8 == 0:  # rare: a part lost with this node; looked at now and then
+            self._back_from_lost(reply.engines)
 
     def _back_from_lost(self, views) -> None:
         """An engine whose part was lost with this node counts as out of service until the
@@ -268,11 +313,11 @@ class FleetNode:
 
     # ---------------------------------------------------------------- fleet operations
 
-    def coordinate(self) -> bool:
-        """Be the coordinator if no node is (the key lives under this node's lease), and
-        drive the fleet operations while it is this node."""
+    def elect(self) -> None:
+        """Be the coordinator if no node is: the key lives under this node's lease, so it
+        goes with this node (a watch on it wakes the others)."""
         if not self.fleet.coordinator:
-            return False
+            return
         key = self.keys.coordinator
         me = self.fleet.node
         ok, resp = self.etcd.txn([e.compare_created(key)], [e.put_op(key, me, self.lease or 0)],
@@ -281,8 +326,9 @@ class FleetNode:
         if (holder == me) != self.is_coordinator:
             log.info("fleet: node %s %s the coordinator", me,
                      "is now" if holder == me else "is no longer")
+        if holder == me and not self.is_coordinator:
+            self._woken["ops"] = True  # a new coordinator looks at every operation at once
         self.is_coordinator = holder == me
-        return self.coordinator.drive() if self.is_coordinator else False
 
     def take_parts(self) -> None:
         """Run the parts in this node's inbox that are not running here yet."""
