@@ -658,3 +658,44 @@ def test_quorum_lost_mid_operation_local_work_goes_on_and_the_fleet_resumes(tmp_
         for agent in a:
             agent.close()
         cluster.close()
+
+
+def test_reference_engines_under_load_cycled_by_the_fleet_lose_nothing(etcd, nodes,
+                                                                       spawn_reference):
+    """Two reference engines, each on its own node, under load: a fleet cycle (keep drain,
+    one at a time) loses no request, and every completed output is exactly what an engine
+    that never went through a cycle gives (same seed, same model)."""
+    import threading
+
+    from ckpt_controller.agent import AgentClient
+    from ckpt_controller.engine.load import replay, run_load
+
+    engines = [spawn_reference("r1"), spawn_reference("r2")]
+    straight = spawn_reference("straight")
+    for i, eng in enumerate(engines, 1):
+        nodes(f"n{i}", f"[fleet]\n{etcd.toml()}node = \"n{i}\"\nlease_ttl_s = 2\n"
+                       f"publish_interval_s = 0.2\n[defaults]\ndrain = \"keep\"\nlevel = 2\n"
+                       f"[[engine]]\nname = \"{eng.name}\"\ncontrol = \"{eng.control}\"\n")
+    wait_until(lambda: len(engines_of(fleet_json(etcd)[1])) == 2, what="both published")
+    results: dict[str, tuple] = {}
+    loads = [threading.Thread(target=lambda e=eng, s=seed: results.__setitem__(
+        e.name, run_load(e.api, rate=30, duration_s=3.0, seed=s, settle_s=60)))
+        for eng, seed in zip(engines, (21, 22))]
+    for t in loads:
+        t.start()
+    for eng in engines:  # each has requests in flight before the cycle begins
+        with AgentClient(eng.control, timeout_s=30) as a:
+            wait_until(lambda: a.status().in_flight >= 1, timeout_s=30,
+                       what=f"{eng.name} busy")
+    r = fleet(etcd, "cycle", "--all", "--max-unavailable", "1", "--json", timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [p["state"] for p in json.loads(r.stdout)["parts"]] == ["running", "running"]
+    for t in loads:
+        t.join(120)
+    for eng, seed in zip(engines, (21, 22)):
+        report, requests = results[eng.name]
+        assert report.sent >= 30 and report.lost == 0, report
+        assert report.completed + report.aborted + report.rejected == report.sent
+        completed = {rid: c.token_ids for rid, c in requests.items()
+                     if c.finish_reason in ("stop", "length")}
+        assert completed and completed == replay(straight.api, seed, list(completed))
