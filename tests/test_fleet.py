@@ -130,8 +130,8 @@ def test_a_node_registers_and_its_engines_follow_their_state(etcd, agents, nodes
     assert rec["since_iso"].endswith("+00:00")
     assert engines_of(fleet_json(etcd)[1])["fb"]["state"] == "running"
 
-    # the table an operator reads
-    r = ckptctl("--etcd", etcd.urls[0], "fleet", "status")
+    # the table an operator reads ($CKPT_ETCD for --etcd)
+    r = ckptctl("fleet", "status", env={"CKPT_ETCD": etcd.urls[0]})
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].split() == ["NODE", "NAME", "STATE", "GEN", "HELD-BY", "LAST-OP", "AGE"]
@@ -297,7 +297,8 @@ def test_a_fleet_cycle_rolls_across_nodes_under_max_unavailable(etcd, agents, no
 
     shared = {"lock": threading.Lock(), "now": 0, "most": 0}
     two_nodes(etcd, agents, nodes, hooks=OutOfService(shared, 0.3))
-    r = fleet(etcd, "cycle", "--all", "--max-unavailable", "2", "--op-id", "roll-1", "--json")
+    # 50% of the four named: two at most
+    r = fleet(etcd, "cycle", "--all", "--max-unavailable", "50%", "--op-id", "roll-1", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(r.stdout)
     assert doc["op"]["status"] == "succeeded" and doc["op"]["max_unavailable"] == 2
@@ -412,7 +413,8 @@ def test_the_operation_outlives_the_command_that_started_it(etcd, ipc_dir, nodes
     import threading
 
     shared = {"lock": threading.Lock(), "now": 0, "most": 0}
-    a = counted_agents(ipc_dir, ["o0", "o1", "o2"], shared, 0.5)
+    # each pause 1.5 s: the operation still runs when the second command is interrupted
+    a = counted_agents(ipc_dir, ["o0", "o1", "o2"], shared, 1.5)
     try:
         nodes("n1", node_toml(etcd, "n1", a))
         wait_until(lambda: len(engines_of(fleet_json(etcd)[1])) == 3, what="published")
@@ -699,3 +701,33 @@ def test_reference_engines_under_load_cycled_by_the_fleet_lose_nothing(etcd, nod
         completed = {rid: c.token_ids for rid, c in requests.items()
                      if c.finish_reason in ("stop", "length")}
         assert completed and completed == replay(straight.api, seed, list(completed))
+
+
+def test_damaged_keys_and_a_second_copy_of_a_node_leave_the_fleet_working(etcd, agents, nodes):
+    """Garbage under ops/ and in a node's inbox is said and left alone (or removed), and a
+    second controller with a node name already registered is refused its registration (it
+    says so and tries again), while the fleet goes on."""
+    from ckpt_controller.fleet.keys import Keys
+
+    k = Keys("/ckpt")
+    a, b, n1, n2 = two_nodes(etcd, agents, nodes, per=1)
+    with etcd.client() as c:
+        c.put(k.op("garbage"), b"{not json")
+        c.put(k.todo("n1", "garbage", "a0"), b"\x00\xff")
+        c.put(k.nodes + "broken", b"[]")
+    (twin_agent,) = agents("twin")
+    twin = nodes("twin", node_toml(etcd, "n1", [twin_agent]))  # a second "n1"
+    wait_until(lambda: "registered by another controller" in twin.log_path.read_text(),
+               timeout_s=15, what="the second n1 saying it is refused")
+    r = fleet(etcd, "cycle", "--all", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert {p["engine"]: p["node"] for p in json.loads(r.stdout)["parts"]} == {
+        "a0": "n1", "b0": "n2"}
+    with etcd.client() as c:
+        wait_until(lambda: c.get(k.todo("n1", "garbage", "a0")) is None,
+                   what="the garbage task removed from the inbox")
+        node = json.loads(c.get(k.node("n1")).value)
+        assert node["pid"] == n1.pid  # still the first n1's registration
+    assert "twin" not in engines_of(fleet_json(etcd)[1])
+    logs = n1.log_path.read_text() + n2.log_path.read_text()
+    assert "is no fleet operation" in logs and "is no task" in n1.log_path.read_text()

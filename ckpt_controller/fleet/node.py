@@ -58,6 +58,7 @@ class FleetNode:
                            key=self.fleet.key)
         self.lease: int | None = None
         self._lease_expired = False
+        self._said_taken = False
         #: engines this node owns in etcd (claimed), and those another node owns
         self.owned: set[str] = set()
         self.conflicts: dict[str, str] = {}
@@ -141,6 +142,9 @@ class FleetNode:
                     log.info("fleet: node %s registered in etcd (%s)", self.fleet.node,
                              ", ".join(self.fleet.etcd))
                 self.available = True
+            except NodeNameTaken:  # policy: said once by register; tried again each round
+                self.available = False
+                self.rounds += 1
             except CkptError as err:  # policy: etcd down: the node goes on; tried again
                 if self.available or self.rounds == 0:
                     log.warning("fleet: etcd unavailable, the node serves on its own: %s", err)
@@ -211,11 +215,28 @@ class FleetNode:
                     break
 
     def register(self) -> None:
+        """The node's record under a new lease, if no other controller holds the node's name
+        (a second copy of this node, or this one's previous life whose lease has not expired
+        yet): then it says so, and tries again each round."""
         lease = self.etcd.grant(self.fleet.lease_ttl_s)
         rec = NodeRecord(node=self.fleet.node, controller=self.config.endpoint, pid=os.getpid(),
                          host=socket.gethostname(), started=time.time(), version=__version__,
                          lease=lease)
-        self.etcd.put(self.keys.node(self.fleet.node), encode(rec), lease=lease)
+        key = self.keys.node(self.fleet.node)
+        ok, resp = self.etcd.txn([e.compare_created(key)], [e.put_op(key, encode(rec), lease)],
+                                 [e.get_op(key)])
+        if not ok:
+            self.etcd.revoke(lease)
+            held = resp[0]["kvs"][0].value if resp[0]["kvs"] else b"?"
+            if not self._said_taken:
+                log.error("fleet: node name %s is registered by another controller (%s); "
+                          "waiting for that registration to end (a second copy of this node "
+                          "is a configuration error; a restarted one waits out its old lease)",
+                          self.fleet.node, held.decode(errors="replace")[:300])
+                self._said_taken = True
+            raise NodeNameTaken(f"node name {self.fleet.node} is registered already",
+                                node=self.fleet.node)
+        self._said_taken = False
         self.lease = lease
         self._woken = dict.fromkeys(self._woken, True)  # look at everything again
         self._written.clear()  # write every record again: etcd may have lost or missed some
@@ -338,7 +359,13 @@ class FleetNode:
 
         inbox = self.keys.inbox(self.fleet.node)
         for kv in self.etcd.get_prefix(inbox):
-            task = fops.task_dec.decode(kv.value)
+            try:
+                task = fops.task_dec.decode(kv.value)
+            except msgspec.DecodeError as err:  # policy: not a task this node can run: said
+                log.error("fleet: %s in the inbox is no task (%s); removed", kv.key, err)
+                self.etcd.txn([e.compare_modified(kv.key, kv.mod_revision)],
+                              [e.delete_op(kv.key)])
+                continue
             with self._running_lock:
                 if task.local_op in self._running:
                     continue
@@ -400,6 +427,10 @@ class FleetNode:
                               writes + [e.delete_op(k.lock(task.engine))])
         if not ok:  # the lock went with an expired lease (or was never there): not ours
             self.etcd.txn([e.compare_created(todo, todo_rev)], writes)
+
+
+class NodeNameTaken(CkptError):
+    """Another controller holds this node's name in etcd."""
 
 
 class FleetGuard:

@@ -95,6 +95,18 @@ def update_unavailable(client: e.Etcd, keys: Keys,
 
 # ---------------------------------------------------------------- submitting
 
+def live_nodes(client: e.Etcd, keys: Keys) -> dict:
+    """node -> its record, for every node registered now (a damaged record: left out)."""
+    out = {}
+    for kv in client.get_prefix(keys.nodes):
+        try:
+            rec = decode_node(kv.value)
+        except msgspec.DecodeError:  # policy: no node can be read there: not a live one
+            continue
+        out[rec.node] = rec
+    return out
+
+
 def read_op(client: e.Etcd, keys: Keys, op_id: str) -> FleetOp | None:
     kv = client.get(keys.op(op_id))
     return _op_dec.decode(kv.value) if kv is not None else None
@@ -118,7 +130,7 @@ def submit(client: e.Etcd, keys: Keys, *, op_id: str, kind: str, engines: list[s
         raise UsageError("no engines selected")
     registered = {kv.key[len(keys.engines):]: decode_engine(kv.value)
                   for kv in client.get_prefix(keys.engines)}
-    up = {decode_node(kv.value).node for kv in client.get_prefix(keys.nodes)}
+    up = set(live_nodes(client, keys))
     unknown = [n for n in engines if n not in registered]
     if unknown:
         raise UsageError(f"not registered in the fleet: {', '.join(unknown)}",
@@ -211,21 +223,34 @@ class Coordinator:
     def __init__(self, client: e.Etcd, keys: Keys) -> None:
         self.etcd = client
         self.keys = keys
+        self._unreadable: set[str] = set()  # keys and operations said to be damaged
 
     def drive(self) -> bool:
         """One round; whether it wrote anything (then another round may do more)."""
         running = []
         for kv in self.etcd.get_prefix(self.keys.ops):
-            op = _op_dec.decode(kv.value)
+            try:
+                op = _op_dec.decode(kv.value)
+            except msgspec.DecodeError as err:  # policy: not an operation: said, left alone
+                if kv.key not in self._unreadable:
+                    log.error("fleet: %s is no fleet operation (%s); left alone", kv.key, err)
+                    self._unreadable.add(kv.key)
+                continue
             if op.status == "running":
                 running.append((op, kv.mod_revision))
         if not running:
             return False
-        nodes = {rec.node: rec for rec in (decode_node(kv.value)
-                                           for kv in self.etcd.get_prefix(self.keys.nodes))}
+        nodes = live_nodes(self.etcd, self.keys)
         wrote = False
         for op, rev in running:
-            wrote |= self.drive_op(op, rev, nodes)
+            try:
+                wrote |= self.drive_op(op, rev, nodes)
+            except (msgspec.DecodeError, KeyError) as err:  # policy: its parts are damaged:
+                # that operation stays as it is, said once; the others go on
+                if op.op_id not in self._unreadable:
+                    log.error("fleet: operation %s has unreadable or missing parts (%r); "
+                              "left alone", op.op_id, err)
+                    self._unreadable.add(op.op_id)
         return wrote
 
     def drive_op(self, op: FleetOp, op_rev: int, nodes: dict) -> bool:
