@@ -49,7 +49,7 @@ bench-full: $(STAMP)
 	$(PY) bench/drain.py
 	$(PY) bench/capture.py
 	$(PY) bench/journal.py
-	test -x .cache/etcd/bin/etcd && $(PY) bench/fleet.py || echo "bench/fleet.py needs make etcd"
+	if [ -x .cache/etcd/bin/etcd ]; then $(PY) bench/fleet.py; else echo "bench/fleet.py: needs make etcd"; fi
 
 # the GPU's own path (needs a CUDA device): level 1 offload to pinned host memory and back
 # against pinned device-to-host and host-to-device copies, and level 2 on device tensors
