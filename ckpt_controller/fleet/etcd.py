@@ -173,7 +173,8 @@ class Etcd:
     # ---------------------------------------------------------------- key-value
 
     @staticmethod
-    def _kvs(reply: dict) -> list[KeyValue]:
+    def kvs(reply: dict) -> list[KeyValue]:
+        """The key-values of a range answer."""
         return [KeyValue(key=_unb64(kv["key"]).decode(), value=_unb64(kv.get("value")),
                          mod_revision=int(kv.get("mod_revision", 0)),
                          create_revision=int(kv.get("create_revision", 0)),
@@ -181,12 +182,12 @@ class Etcd:
                 for kv in reply.get("kvs", [])]
 
     def get(self, key: str) -> KeyValue | None:
-        kvs = self._kvs(self.call("kv/range", {"key": _b64(key)}))
+        kvs = self.kvs(self.call("kv/range", {"key": _b64(key)}))
         return kvs[0] if kvs else None
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         """Every key starting with ``prefix``, in key order."""
-        return self._kvs(self.call("kv/range", {"key": _b64(prefix),
+        return self.kvs(self.call("kv/range", {"key": _b64(prefix),
                                                 "range_end": _b64(prefix_end(prefix))}))
 
     def put(self, key: str, value: str | bytes, lease: int = 0) -> None:
@@ -203,7 +204,7 @@ class Etcd:
                                      "failure": list(failure)})
         out = []
         for r in reply.get("responses", []):
-            out.append({"kvs": self._kvs(r["response_range"])} if "response_range" in r else r)
+            out.append({"kvs": self.kvs(r["response_range"])} if "response_range" in r else r)
         return bool(reply.get("succeeded", False)), out
 
     # ---------------------------------------------------------------- watches

@@ -316,34 +316,28 @@ class Coordinator:
 
     def _start(self, op: FleetOp, starting: list, nodes: dict, out: dict, out_rev: int,
                room: dict) -> bool:
-        """Start ``starting`` in batches; the first batch also writes ``unavailable`` (every
-        engine the parts take out), checked against the revision it was read at."""
+        """Start ``starting``; ``unavailable`` becomes ``room`` (every engine the parts take
+        out), checked against the revision it was read at."""
         k = self.keys
         now = time.time()
-        first = True
-        for i in range(0, len(starting), BATCH):
-            chunk = starting[i:i + BATCH]
-            compare, success = [], []
-            if first and room != out:
-                cmp_out, put_out = unavailable_ops(k, room, out_rev)
-                compare.append(cmp_out)
-                success.append(put_out)
-            first = False
-            for part, rev in chunk:
-                started = msgspec.structs.replace(part, status="started", started=now)
-                task = Task(op_id=op.op_id, kind=op.kind, engine=part.engine, node=part.node,
-                            local_op=part.local_op, params=op.params, started=now)
-                compare.append(e.compare_modified(k.part(op.op_id, part.engine), rev))
-                success += [e.put_op(k.part(op.op_id, part.engine), encode(started)),
-                            e.put_op(k.todo(part.node, op.op_id, part.engine), encode(task)),
-                            # the engine's lock, under its node's lease, for the part's run
-                            e.put_op(k.lock(part.engine), part.local_op,
-                                     nodes[part.node].lease)]
-            if not self.etcd.txn(compare, success)[0]:
-                return True  # something moved meanwhile: the next round reads again
+
+        def start(item):
+            part, rev = item
+            started = msgspec.structs.replace(part, status="started", started=now)
+            task = Task(op_id=op.op_id, kind=op.kind, engine=part.engine, node=part.node,
+                        local_op=part.local_op, params=op.params, started=now)
+            return ([e.compare_modified(k.part(op.op_id, part.engine), rev)],
+                    [e.put_op(k.part(op.op_id, part.engine), encode(started)),
+                     e.put_op(k.todo(part.node, op.op_id, part.engine), encode(task)),
+                     # the engine's lock, under its node's lease, for the part's run
+                     e.put_op(k.lock(part.engine), part.local_op, nodes[part.node].lease)])
+
+        self._in_batches(starting, start, out, out_rev, room)
         return True
 
     def _settle(self, op: FleetOp, ending: list, out: dict, out_rev: int) -> bool:
+        """Mark ``ending`` settled; ``unavailable`` says after it whether each engine is out
+        of service (lost ones: until their node is back)."""
         k = self.keys
         new = dict(out)
         for part, _, lost in ending:
@@ -356,22 +350,33 @@ class Coordinator:
                 new.pop(part.engine, None)
             else:
                 new.setdefault(part.engine, op.op_id)
-        first = True
-        for i in range(0, len(ending), BATCH):
-            chunk = ending[i:i + BATCH]
+
+        def settle(item):
+            part, rev, lost = item
+            writes = [e.put_op(k.part(op.op_id, part.engine),
+                               encode(msgspec.structs.replace(part, settled=True)))]
+            if lost:  # out of the dead node's inbox, and its lock
+                writes += [e.delete_op(k.todo(part.node, op.op_id, part.engine)),
+                           e.delete_op(k.lock(part.engine))]
+            return [e.compare_modified(k.part(op.op_id, part.engine), rev)], writes
+
+        self._in_batches(ending, settle, out, out_rev, new)
+        return True
+
+    def _in_batches(self, items: list, each, out: dict, out_rev: int, new_out: dict) -> None:
+        """``each(item) -> (compares, writes)`` for every item, ``BATCH`` items to a
+        transaction; the first also writes ``unavailable`` as ``new_out`` (when it changes),
+        checked against ``out_rev``. Stops at a transaction whose compares fail: something
+        moved meanwhile, and the next round reads again."""
+        for i in range(0, len(items), BATCH):
             compare, success = [], []
-            if first and new != out:
-                cmp_out, put_out = unavailable_ops(k, new, out_rev)
+            if i == 0 and new_out != out:
+                cmp_out, put_out = unavailable_ops(self.keys, new_out, out_rev)
                 compare.append(cmp_out)
                 success.append(put_out)
-            first = False
-            for part, rev, lost in chunk:
-                compare.append(e.compare_modified(k.part(op.op_id, part.engine), rev))
-                success.append(e.put_op(k.part(op.op_id, part.engine),
-                                        encode(msgspec.structs.replace(part, settled=True))))
-                if lost:  # out of the dead node's inbox, and its lock
-                    success += [e.delete_op(k.todo(part.node, op.op_id, part.engine)),
-                                e.delete_op(k.lock(part.engine))]
+            for item in items[i:i + BATCH]:
+                c, w = each(item)
+                compare += c
+                success += w
             if not self.etcd.txn(compare, success)[0]:
-                return True
-        return True
+                return

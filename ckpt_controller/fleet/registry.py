@@ -47,28 +47,27 @@ def read(client: Etcd, keys: Keys) -> FleetView:
                                              "range_end": _b64(prefix_end(keys.engines)),
                                              "revision": revision})
     unreadable: dict[str, str] = {}
-    nodes: dict[str, NodeRecord] = {}
-    for kv in client._kvs(nodes_reply):
-        try:
-            rec = decode_node(kv.value)
-        except msgspec.DecodeError as err:
-            unreadable[kv.key] = str(err)
-            continue
-        if rec.schema > SCHEMA:
-            unreadable[kv.key] = f"schema {rec.schema} is newer than this ckptctl's {SCHEMA}"
-            continue
-        nodes[rec.node] = rec
-    rows = []
-    for kv in client._kvs(engines_reply):
-        try:
-            rec = decode_engine(kv.value)
-        except msgspec.DecodeError as err:
-            unreadable[kv.key] = str(err)
-            continue
-        if rec.schema > SCHEMA:
-            unreadable[kv.key] = f"schema {rec.schema} is newer than this ckptctl's {SCHEMA}"
-            continue
-        rows.append(EngineRow(engine=rec, node_up=rec.node in nodes))
+    nodes = {rec.node: rec for rec in _readable(client.kvs(nodes_reply), decode_node,
+                                                unreadable)}
+    rows = [EngineRow(engine=rec, node_up=rec.node in nodes)
+            for rec in _readable(client.kvs(engines_reply), decode_engine, unreadable)]
     rows.sort(key=lambda r: (r.engine.node, r.engine.engine))
     return FleetView(revision=revision, nodes=sorted(nodes.values(), key=lambda n: n.node),
                      engines=rows, unreadable=unreadable)
+
+
+def _readable(kvs, decode, unreadable: dict[str, str]) -> list:
+    """The records of ``kvs`` that ``decode`` reads and whose schema this ckptctl knows; the
+    others go to ``unreadable`` (key -> why)."""
+    out = []
+    for kv in kvs:
+        try:
+            rec = decode(kv.value)
+        except msgspec.DecodeError as err:  # policy: damaged: listed as unreadable, shown
+            unreadable[kv.key] = str(err)
+            continue
+        if rec.schema > SCHEMA:
+            unreadable[kv.key] = f"schema {rec.schema} is newer than this ckptctl's {SCHEMA}"
+            continue
+        out.append(rec)
+    return out
