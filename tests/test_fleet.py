@@ -332,6 +332,11 @@ def test_a_fleet_prepare_holds_its_places_until_restored(etcd, agents, nodes):
     r = fleet(etcd, "prepare", "--selector", "pool=a", "--max-unavailable", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("prepared") == 2
+    # a capture of PREPARED engines runs on their node (no dump hook here: nothing dumped)
+    r = fleet(etcd, "capture", "a0", "a1", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [(p["status"], p["state"]) for p in json.loads(r.stdout)["parts"]] == [
+        ("succeeded", "prepared")] * 2
     # two are out: a prepare (or a cycle) that would pass the limit is refused up front
     r = fleet(etcd, "prepare", "b0", "--max-unavailable", "2")
     assert r.returncode == 2 and "cannot hold" in r.stderr and "a0, a1" in r.stderr
