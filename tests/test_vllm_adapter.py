@@ -239,8 +239,10 @@ def test_cycle_under_concurrent_completions(mode, vllm, sidecar, spawn_controlle
     # seconds to start, long enough for the requests to end before the drain begins
     with ControllerClient(ctl.endpoint) as client:
         counted = {"wait": "completed", "abort": "aborted", "keep": "kept"}[mode]
+        # a wait drain has two minutes to finish 6 x 4,000 tokens: the default 30 s was not
+        # always enough on a busy CI machine (every try escalated to abort)
         result, outcomes = under_load(vllm, lambda n: client.cycle(
-            ["vl"], drain=mode, level=1, op_id=f"vl-{mode}-{n}"),
+            ["vl"], drain=mode, level=1, op_id=f"vl-{mode}-{n}", drain_timeout_s=120.0),
             # a stall can hold vLLM's API server back until the requests have ended
             happened=lambda drain: getattr(drain, counted) == len(PROMPTS))
     op_id = result.op_id
@@ -539,11 +541,15 @@ def test_each_sample_config_works_as_written_for_a_vllm_engine(where, text, vllm
     "vllm"``), else its first engine with ``kind`` changed as the sample's comment offers.
     prepare and restore succeed on this CPU host. Only where things live changes (endpoints,
     folders, a free metrics port; CURVE keys are made where the sample names them): every
-    deadline and prepare default is as written."""
+    deadline and prepare default is as written. A ``[fleet]`` table stays as written too (its
+    etcd is not there: the node serves on its own), with TLS files made where it names them."""
     conf = tomllib.loads(text)
     engines = conf.get("engine", [])
     assert engines, f"{where} names no engine"
     local = _set(text, "endpoint", f'"ipc://{ipc_dir}/ctl.sock"')
+    if "controller" not in conf:  # a sample of other tables: the controller's defaults but its
+        # endpoint (the default one is shared by every controller of this user)
+        local = f'[controller]\nendpoint = "ipc://{ipc_dir}/ctl.sock"\n' + local
     for key in ("state_dir", "hooks_dir", "image_dir"):
         local = _set(local, key, f'"{ipc_dir / key}"')
     (ipc_dir / "hooks_dir").mkdir()
@@ -574,6 +580,17 @@ def test_each_sample_config_works_as_written_for_a_vllm_engine(where, text, vllm
             shutil.copy(operator, admitted)
             client = ["--curve-key", f"{operator}_secret", "--curve-server-key",
                       str(controller_key)]
+    fleet = conf.get("fleet", {})
+    if any(k in fleet for k in ("ca_cert", "cert", "key")):  # TLS for etcd: real certificates
+        from etcd_cluster import Certs
+
+        made = Certs(ipc_dir / "made-certs")
+        for key, source in (("ca_cert", made.ca), ("cert", made.client),
+                            ("key", made.client_key)):
+            if key in fleet:
+                target = ipc_dir / fleet[key]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(source, target)
     for engine in conf["engine"]:  # the config names them all, running or not
         if "curve_server_key" in engine:
             public = ipc_dir / engine["curve_server_key"]
