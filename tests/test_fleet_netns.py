@@ -167,11 +167,14 @@ def test_nodes_in_network_namespaces_cycle_and_one_cut_off_comes_back(apart, etc
 
         # the link back: n2 registers again by itself and publishes what it did meanwhile
         ip("link", "set", apart["n2"]["root_if"], "up")
+        # (its node record comes first, its engines' records in the same round after it)
         back = wait_until(lambda: (got := status(url)) and got[0] == 0
-                          and all_running(got[1], names) and got[1], timeout_s=20,
-                          what="n2 registered again, its engines RUNNING", every_s=0.2)
+                          and all_running(got[1], names)
+                          and engines_of(got[1])["b0"]["generation"] == 2 and got[1],
+                          timeout_s=20, every_s=0.2,
+                          what="n2 registered again, its engines RUNNING, b0's local cycle "
+                               "(while cut off) published")
         assert sorted(n["node"] for n in back["nodes"]) == ["n1", "n2"]
-        assert engines_of(back)["b0"]["generation"] == 2  # the local cycle while cut off
         assert engines_of(back)["b1"]["generation"] == 1
         assert "etcd unavailable" in n2.log_path.read_text()
     finally:
