@@ -74,13 +74,19 @@ class EngineRecord(msgspec.Struct, kw_only=True):
                 self.reachable, self.pid, self.since, self.node)
 
 
+#: a node-local operation's parameter as etcd holds it: a scalar, or a list of tags. Typed so
+#: that a value nested without end is refused at its second level (an untyped one was decoded
+#: to Python's recursion limit and stopped every fleet operation)
+Param = str | int | float | bool | None | list[str]
+
+
 class FleetOp(msgspec.Struct, kw_only=True):
     schema: int = SCHEMA
     op_id: str
     kind: str
     engines: list[str]
     #: the node-local operation's parameters (``OperationCommand`` fields)
-    params: dict = {}
+    params: dict[str, Param] = {}
     max_unavailable: int
     created: float
     #: running, succeeded or failed

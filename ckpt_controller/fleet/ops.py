@@ -37,7 +37,15 @@ import msgspec
 
 from ckpt_controller.errors import BusyError, UnreachableError, UsageError
 from ckpt_controller.fleet import etcd as e
-from ckpt_controller.fleet.keys import FleetOp, Keys, Part, decode_engine, decode_node, encode
+from ckpt_controller.fleet.keys import (
+    FleetOp,
+    Keys,
+    Param,
+    Part,
+    decode_engine,
+    decode_node,
+    encode,
+)
 
 log = logging.getLogger("ckpt_controller.fleet")
 
@@ -204,7 +212,7 @@ class Task(msgspec.Struct, kw_only=True):
     engine: str
     node: str
     local_op: str
-    params: dict = {}
+    params: dict[str, Param] = {}
     started: float
 
 

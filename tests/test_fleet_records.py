@@ -1,0 +1,26 @@
+"""The fleet's records as etcd holds them, decoded without etcd: what a damaged or hostile
+value does to the decoders the coordinator and the nodes use."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from ckpt_controller.fleet import ops
+from ckpt_controller.fleet.keys import FleetOp, encode
+
+
+@pytest.mark.parametrize("decoder", [ops._op_dec, ops.task_dec], ids=["op", "task"])
+def test_parameters_nested_without_end_are_a_decode_error_not_a_recursion(decoder):
+    deep = b'{"params":{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+    with pytest.raises(msgspec.DecodeError):
+        decoder.decode(deep)
+
+
+def test_every_parameter_the_cli_sends_round_trips():
+    params = {"deadline_s": 30.0, "drain": "keep", "drain_timeout_s": None, "level": 2,
+              "tags": ["kv_cache", "weights"], "all_or_nothing": True, "reason": "drill",
+              "residual_budget_bytes": 1 << 30, "image": "op-1"}
+    op = FleetOp(op_id="x", kind="prepare", engines=["a"], params=params, max_unavailable=1,
+                 created=1.0)
+    assert ops._op_dec.decode(encode(op)).params == params
