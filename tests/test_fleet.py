@@ -736,3 +736,13 @@ def test_damaged_keys_and_a_second_copy_of_a_node_leave_the_fleet_working(etcd, 
     assert "twin" not in engines_of(fleet_json(etcd)[1])
     logs = n1.log_path.read_text() + n2.log_path.read_text()
     assert "is no fleet operation" in logs and "is no task" in n1.log_path.read_text()
+    # the record the limits count on, damaged: no fleet operation starts a part, and says
+    # why; node-local work goes on; repaired, the fleet goes on
+    with etcd.client() as c:
+        c.put(k.unavailable, b"[[[")
+    r = fleet(etcd, "cycle", "--all")
+    assert r.returncode == 1 and "is damaged" in r.stderr and "etcdctl put" in r.stderr
+    assert n1.ckptctl("cycle", "a0", "--json").returncode == 0
+    with etcd.client() as c:
+        c.put(k.unavailable, b"{}")
+    assert fleet(etcd, "cycle", "--all").returncode == 0

@@ -24,3 +24,27 @@ def test_every_parameter_the_cli_sends_round_trips():
     op = FleetOp(op_id="x", kind="prepare", engines=["a"], params=params, max_unavailable=1,
                  created=1.0)
     assert ops._op_dec.decode(encode(op)).params == params
+
+
+class _OneKey:
+    """Stands in for ``fleet.etcd.Etcd``: ``get`` answers one value for every key."""
+
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+
+    def get(self, key: str):
+        from ckpt_controller.fleet.etcd import KeyValue
+
+        return KeyValue(key=key, value=self.value, mod_revision=7, create_revision=1, lease=0)
+
+
+@pytest.mark.parametrize("value", [b"{not json", b"[]", b'{"a": 1}',
+                                   b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"],
+                         ids=["garbage", "a-list", "not-a-name", "nested"])
+def test_a_damaged_unavailable_record_is_said_and_nothing_counts_on_it(value):
+    from ckpt_controller.fleet.keys import Keys
+
+    with pytest.raises(ops.DamagedRecord) as info:
+        ops.read_unavailable(_OneKey(value), Keys("/ckpt"))
+    assert "etcdctl put /ckpt/unavailable '{}'" in info.value.message
+    assert ops.read_unavailable(_OneKey(b'{"a": "op-1"}'), Keys("/ckpt")) == ({"a": "op-1"}, 7)

@@ -59,6 +59,7 @@ class FleetNode:
         self.lease: int | None = None
         self._lease_expired = False
         self._said_taken = False
+        self._said_damaged = False
         #: engines this node owns in etcd (claimed), and those another node owns
         self.owned: set[str] = set()
         self.conflicts: dict[str, str] = {}
@@ -145,6 +146,10 @@ class FleetNode:
             except NodeNameTaken:  # policy: said once by register; tried again each round
                 self.available = False
                 self.rounds += 1
+            except fops.DamagedRecord as err:  # policy: etcd answers; the record does not
+                if not self._said_damaged:
+                    log.error("fleet: %s", err)
+                    self._said_damaged = True
             except CkptError as err:  # policy: etcd down: the node goes on; tried again
                 if self.available or self.rounds == 0:
                     log.warning("fleet: etcd unavailable, the node serves on its own: %s", err)

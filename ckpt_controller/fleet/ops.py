@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from ckpt_controller.errors import BusyError, UnreachableError, UsageError
+from ckpt_controller.errors import BusyError, OperationError, UnreachableError, UsageError
 from ckpt_controller.fleet import etcd as e
 from ckpt_controller.fleet.keys import (
     FleetOp,
@@ -76,7 +76,20 @@ def read_unavailable(client: e.Etcd, keys: Keys) -> tuple[dict[str, str], int]:
     kv = client.get(keys.unavailable)
     if kv is None:
         return {}, 0
-    return json.loads(kv.value or b"{}"), kv.mod_revision
+    try:
+        return _unavailable_dec.decode(kv.value or b"{}"), kv.mod_revision
+    except msgspec.DecodeError as err:  # policy: nothing can be counted: nothing starts
+        raise DamagedRecord(
+            f"{keys.unavailable} is damaged ({err}): the fleet cannot count the engines out "
+            "of service, so no fleet operation starts a part; once none is out of service, "
+            f"repair it: etcdctl put {keys.unavailable} '{{}}'", key=keys.unavailable) from None
+
+
+class DamagedRecord(OperationError):
+    """A record the fleet's limits depend on cannot be read: nothing that needs it goes on."""
+
+
+_unavailable_dec = msgspec.json.Decoder(dict[str, str])
 
 
 def unavailable_ops(keys: Keys, out: dict[str, str], revision: int) -> tuple[dict, dict]:
