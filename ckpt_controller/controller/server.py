@@ -86,7 +86,8 @@ class ControllerServer(RpcServer):
         if self.config.fleet is not None and self.fleet is None:
             # the fleet layer is loaded only here, for a node with [fleet]: it reads the
             # controller's status and history, and nothing here waits for etcd
-            from ckpt_controller.fleet.node import FleetGuard, FleetNode
+            from ckpt_controller.fleet.guard import FleetGuard
+            from ckpt_controller.fleet.node import FleetNode
 
             self.fleet = FleetNode(self.config, self.controller.status,
                                    self.controller.last_op, self.controller.start)

@@ -31,7 +31,7 @@ import msgspec
 
 from ckpt_controller import __version__
 from ckpt_controller.controller.config import ControllerConfig
-from ckpt_controller.errors import BusyError, CkptError
+from ckpt_controller.errors import CkptError
 from ckpt_controller.fleet import etcd as e
 from ckpt_controller.fleet import ops as fops
 from ckpt_controller.fleet.keys import EngineRecord, Keys, NodeRecord, encode
@@ -436,75 +436,3 @@ class FleetNode:
 
 class NodeNameTaken(CkptError):
     """Another controller holds this node's name in etcd."""
-
-
-class FleetGuard:
-    """The controller's outside holder of engines (``Controller.guard``): every node-local
-    operation takes ``locks/<engine>`` in etcd under the node's lease for its run, and keeps
-    ``unavailable`` true to it (a prepare or cycle adds its engines; an engine RUNNING at the
-    end is taken out again, one left out of service stays). With etcd out of reach, the
-    operation goes on with the node's own guarantees only, and says so in the log."""
-
-    def __init__(self, node: FleetNode) -> None:
-        self.node = node
-
-    def hold(self, op_id: str, kind: str, engines: list[str]) -> None:
-        n = self.node
-        if n.is_fleet_part(op_id):
-            return  # the coordinator took its lock and its place when it started the part
-        if n.lease is None or not n.available:
-            # not registered, or etcd did not answer the last round: not waited for
-            log.warning("fleet: %s %s runs without fleet locks: etcd is unavailable to this "
-                        "node (local guarantees only)", kind, op_id)
-            return
-        taken = []
-        try:
-            for engine in engines:
-                key = n.keys.lock(engine)
-                ok, resp = n.etcd.txn([e.compare_created(key)],
-                                      [e.put_op(key, op_id, n.lease)], [e.get_op(key)])
-                holder = op_id if ok else (resp[0]["kvs"][0].value.decode()
-                                           if resp[0]["kvs"] else op_id)
-                if holder != op_id:
-                    raise BusyError(f"engine {engine} is held by operation {holder} (its lock "
-                                    "in etcd)", engine=engine, holder=holder)
-                taken.append(engine)
-            if kind in fops.TAKES_OUT:
-                fops.update_unavailable(n.etcd, n.keys, lambda cur: {
-                    **{x: op_id for x in engines if x not in cur}, **cur})
-        except BusyError:
-            self._unlock(op_id, taken)
-            raise
-        except CkptError as err:  # policy: etcd away: the node's own guarantees only
-            log.warning("fleet: %s %s runs without fleet locks: %s (local guarantees only)",
-                        kind, op_id, err)
-
-    def free(self, op_id: str, kind: str, engines: list[str], result) -> None:
-        n = self.node
-        if n.lease is None or not n.available or n.is_fleet_part(op_id):
-            return  # a fleet part's end is written by the node, its place settled elsewhere
-        states = {o.engine: o.state for o in getattr(result, "engines", [])}
-
-        def change(cur: dict[str, str]) -> dict[str, str]:
-            for engine in engines:
-                if engine not in states:
-                    if cur.get(engine) == op_id:  # refused before it began
-                        cur.pop(engine)
-                elif states[engine] == "running":
-                    if kind in ("restore", "rollback") or cur.get(engine) == op_id:
-                        cur.pop(engine, None)
-                else:
-                    cur.setdefault(engine, op_id)
-            return cur
-
-        try:
-            fops.update_unavailable(n.etcd, n.keys, change)
-            self._unlock(op_id, engines)
-        except CkptError as err:  # policy: the lock goes with the lease; logged
-            log.warning("fleet: could not free %s's fleet locks: %s", op_id, err)
-
-    def _unlock(self, op_id: str, engines: list[str]) -> None:
-        n = self.node
-        for engine in engines:
-            key = n.keys.lock(engine)
-            n.etcd.txn([e.compare_value(key, op_id)], [e.delete_op(key)])
