@@ -48,3 +48,51 @@ def test_a_damaged_unavailable_record_is_said_and_nothing_counts_on_it(value):
         ops.read_unavailable(_OneKey(value), Keys("/ckpt"))
     assert "etcdctl put /ckpt/unavailable '{}'" in info.value.message
     assert ops.read_unavailable(_OneKey(b'{"a": "op-1"}'), Keys("/ckpt")) == ({"a": "op-1"}, 7)
+
+
+class _StderrInterruptedOnce:
+    """stderr whose first write is where Ctrl-C lands: the moment after the submit."""
+
+    def __init__(self) -> None:
+        self.text, self.hit = "", False
+
+    def write(self, text: str) -> int:
+        if not self.hit:
+            self.hit = True
+            raise KeyboardInterrupt
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("when", ["submitting", "announcing", "following"])
+def test_ctrl_c_at_any_moment_says_what_became_of_the_operation(when, monkeypatch, capsys):
+    """Ctrl-C ends ``fleet cycle``, never the operation; the command says so whether the
+    interrupt comes during the submit or any moment after it (CI once caught the moment
+    between the submit and the first line of progress answering 130 with nothing said)."""
+    import contextlib
+
+    from ckpt_controller.cli import fleet_cmd, main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def submitted(client, keys, **kw):
+        return FleetOp(op_id=kw["op_id"], kind=kw["kind"], engines=kw["engines"],
+                       params=kw["params"], max_unavailable=1, created=1.0)
+
+    monkeypatch.setattr(fleet_cmd, "client", lambda args: contextlib.nullcontext(None))
+    monkeypatch.setattr(ops, "submit", interrupted if when == "submitting" else submitted)
+    monkeypatch.setattr(fleet_cmd, "follow", interrupted)
+    stderr = _StderrInterruptedOnce()
+    if when == "announcing":
+        monkeypatch.setattr("sys.stderr", stderr)
+    assert main(["--etcd", "http://127.0.0.1:1", "fleet", "cycle", "e0", "--op-id",
+                 "op-7"]) == 130
+    err = stderr.text if when == "announcing" else capsys.readouterr().err
+    if when == "submitting":
+        assert "may be recorded" in err and "--op-id op-7" in err
+    else:
+        assert "fleet operation op-7 goes on" in err

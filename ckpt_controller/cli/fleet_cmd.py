@@ -267,21 +267,32 @@ def _operation(args: argparse.Namespace) -> int:
             limit = max(1, len(engines) * value // 100) if percent else value
         params = {k: v for k, v in operation_params(args).items() if v is not None}
         op_id = args.op_id or f"fleet-{args.op}-{uuid.uuid4().hex[:12]}"
-        op = ops.submit(c, keys, op_id=op_id, kind=args.op, engines=engines, params=params,
-                        max_unavailable=limit)
-        if not args.json:
-            print(f"fleet {op.kind} {op.op_id}: {len(op.engines)} engine(s), at most "
-                  f"{op.max_unavailable} out of service at once", file=sys.stderr)
+        submitted = False
         try:
+            op = ops.submit(c, keys, op_id=op_id, kind=args.op, engines=engines,
+                            params=params, max_unavailable=limit)
+            submitted = True
+            if not args.json:
+                print(f"fleet {op.kind} {op.op_id}: {len(op.engines)} engine(s), at most "
+                      f"{op.max_unavailable} out of service at once", file=sys.stderr)
             op, parts = follow(c, keys, op.op_id, progress=not args.json)
         except KeyboardInterrupt:
-            print(f"ckptctl: interrupted; fleet operation {op.op_id} goes on (follow it with "
-                  f"the same --op-id, or see ckptctl fleet status)", file=sys.stderr)
+            # Ctrl-C ends the command, never the operation: say so whenever it comes, even
+            # between the submit and the first line of progress
+            if submitted:
+                print(f"ckptctl: interrupted; fleet operation {op_id} goes on (follow it with "
+                      f"the same --op-id, or see ckptctl fleet status)", file=sys.stderr)
+            else:
+                print(f"ckptctl: interrupted while submitting; fleet operation {op_id} may be "
+                      f"recorded and then goes on (run again with --op-id {op_id} to follow "
+                      f"it, or see ckptctl fleet status)", file=sys.stderr)
             return 130
         except UnreachableError as err:
+            if not submitted:
+                raise
             raise UnreachableError(
-                f"{err.message}; fleet operation {op.op_id} stays recorded and goes on when "
-                f"etcd is back (follow it with the same --op-id)", op_id=op.op_id,
+                f"{err.message}; fleet operation {op_id} stays recorded and goes on when "
+                f"etcd is back (follow it with the same --op-id)", op_id=op_id,
                 **err.details) from None
     if args.json:
         import msgspec
