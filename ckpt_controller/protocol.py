@@ -38,6 +38,7 @@ from ckpt_controller.values import (
     Count,
     Duration,
     DurationOrZero,
+    HookEnv,
     Names,
     OpId,
     StepOpId,
@@ -196,6 +197,10 @@ class OperationCommand(Command, kw_only=True):
     #: restore: the operation (id) whose image to restore, named explicitly; needed for an
     #: image older than the engine's generation (default: the image of this generation)
     image: OpId | None = None
+    #: settings for this operation's hooks, added to their environment (``values.HookEnv``:
+    #: a fleet migration's stop-and-stay dump into the target's page server, its restore
+    #: beside the stopped original)
+    hook_env: HookEnv = {}
 
 
 class HistoryCommand(Command, kw_only=True):

@@ -17,7 +17,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from msgspec import Meta
 
@@ -64,6 +64,12 @@ Tag = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LENGTH)]
 #: engines named in one request: at most this many
 Names = Annotated[list[Name], Meta(max_length=4096)]
 Tags = Annotated[list[Tag], Meta(max_length=256)]
+#: the hook settings an operation may set for its own hooks (a fleet migration's capture and
+#: restore): only these keys, each a short printable value; never options passed to criu
+#: as they are (CKPT_CRIU_EXTRA), nor a path to restore from
+HookEnvKey = Literal["CKPT_CRIU_MODE", "CKPT_PAGE_SERVER", "CKPT_CRIU_BESIDE"]
+HookEnvValue = Annotated[str, Meta(max_length=256, pattern=r"^[A-Za-z0-9_.:\[\]-]*$")]
+HookEnv = Annotated[dict[HookEnvKey, HookEnvValue], Meta(max_length=8)]
 
 
 # ------------------------------------------------------------- rules for people and clients

@@ -244,6 +244,16 @@ BAD = [
     (engines('labels = { "a b" = "x" }'), "engine[0].labels", "at most 64 labels"),
     (engines('labels = { k = "-x" }'), "engine[0].labels", "starting and ending"),
     (engines('labels = { k = 1 }'), "engine[0].labels", "got {'k': 1}"),
+    # [migration] (fleet.md, Migration)
+    ("[migration]\nimage_transport = \"rsync\"\n", "migration.image_transport",
+     '"page-server" or "shared", got \'rsync\''),
+    ("[migration]\nimage_transport = \"shared\"\n", "migration.shared_dir",
+     "needs the folder both nodes see"),
+    ("[migration]\nshared_dir = \"/nonexistent/images\"\n", "migration.shared_dir",
+     "is not a directory"),
+    ("[migration]\npage_server_port = 65536\n", "migration.page_server_port", "0..65535"),
+    ("[migration]\npage_server = 7000\n", "migration.page_server",
+     "did you mean 'page_server_port'"),
 ]
 
 

@@ -114,6 +114,33 @@ def test_the_environment_contract(tmp_path):
     assert (c.image_dir.stat().st_mode & 0o777) == 0o700
 
 
+def test_an_operations_own_hook_settings_reach_its_hooks_and_only_known_ones_pass(tmp_path):
+    """``OperationCommand.hook_env`` (a migration's stop-and-stay dump) is added to the hooks'
+    environment; a key outside ``values.HookEnvKey`` or a value with a shell's characters is
+    refused before anything runs."""
+    import dataclasses
+
+    import msgspec
+
+    from ckpt_controller import protocol as p
+
+    out = tmp_path / "env.txt"
+    path = hook(tmp_path / "hooks" / "dump", "10-env", f"env > {out}")
+    cmd = msgspec.convert({"call_id": 1, "op_id": "m1", "kind": "capture", "hook_env": {
+        "CKPT_CRIU_MODE": "leave-stopped", "CKPT_PAGE_SERVER": "169.254.77.2:7000"}},
+        p.OperationCommand)
+    c = dataclasses.replace(ctx(tmp_path), extra_env=tuple(sorted(cmd.hook_env.items())))
+    assert run_hook(path, "dump", c, timeout_s=10).exit_code == 0
+    env = dict(line.split("=", 1) for line in out.read_text().splitlines() if "=" in line)
+    assert env["CKPT_CRIU_MODE"] == "leave-stopped"
+    assert env["CKPT_PAGE_SERVER"] == "169.254.77.2:7000" and env["CKPT_ACTION"] == "dump"
+    for bad in ({"CKPT_CRIU_EXTRA": "--x"}, {"CKPT_CRIU_MODE": "stop; rm -rf /"},
+                {"CKPT_RESTORE_FROM": "/tmp/x"}, {"CKPT_CRIU_MODE": "x" * 300}):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert({"call_id": 1, "op_id": "m1", "kind": "capture", "hook_env": bad},
+                            p.OperationCommand)
+
+
 def test_output_tails_keep_the_last_bytes(tmp_path):
     path = hook(tmp_path / "hooks" / "post-dump", "10-loud",
                 "i=0; while [ $i -lt 2000 ]; do echo line-$i; i=$((i+1)); done\necho oops >&2")

@@ -139,6 +139,20 @@ class FleetConfig:
 
 
 @dataclass(frozen=True)
+class MigrationConfig:
+    """``[migration]``: how an engine's image reaches the node it moves to (``fleet
+    migrate``; docs/fleet.md). The target node's setting decides."""
+
+    #: ``page-server``: the memory pages stream straight into a ``criu page-server`` the
+    #: target runs, the small rest goes through etcd; ``shared``: the source dumps into
+    #: ``shared_dir``, which both nodes see at the same path
+    image_transport: str = "page-server"
+    shared_dir: Path | None = None
+    #: the target's page server listens here (0: a free port, chosen per migration)
+    page_server_port: int = 0
+
+
+@dataclass(frozen=True)
 class ControllerConfig:
     """Everything the controller service needs; see the module docstring for the file format."""
 
@@ -166,6 +180,8 @@ class ControllerConfig:
     require_dump: bool = False
     #: ``[fleet]``: None when the file has none (a node on its own, as before)
     fleet: FleetConfig | None = None
+    #: ``[migration]`` (its defaults when the file has none)
+    migration: MigrationConfig = MigrationConfig()
     #: the file this was read from (named in errors found when the controller starts)
     source: str = "<defaults>"
 
@@ -237,6 +253,7 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
         defaults=PrepareDefaults().merged(_prepare_overrides(table.defaults, "defaults", file)),
         engines=_engines(table.engine, file, base),
         fleet=_fleet(table.fleet, file, base) if table.fleet is not UNSET else None,
+        migration=_migration(table.migration, file, base),
         source=file)
     engines_with_keys = [e.name for e in config.engines if e.curve_server_key]
     if engines_with_keys and config.curve_secret_key is None:
@@ -306,6 +323,19 @@ def _fleet(table: FleetTable, file: str, base: Path) -> FleetConfig:
     if ("ca_cert" in out or "cert" in out) and not all(u.startswith("https://") for u in urls):
         raise error(file, "fleet.etcd", "TLS settings (ca_cert, cert, key) need https:// URLs")
     return FleetConfig(**out)
+
+
+def _migration(table, file: str, base: Path) -> MigrationConfig:
+    """``[migration]``: a shared transport needs its folder, and the folder must exist."""
+    out = given(table)
+    if "shared_dir" in out:
+        shared = out["shared_dir"] = _path(out["shared_dir"], base)
+        if not shared.is_dir():
+            raise error(file, "migration.shared_dir", f"{shared} is not a directory")
+    if out.get("image_transport") == "shared" and "shared_dir" not in out:
+        raise error(file, "migration.shared_dir", "image_transport = \"shared\" needs the "
+                    "folder both nodes see (shared_dir)")
+    return MigrationConfig(**out)
 
 
 def _check_etcd_url(url: str, file: str, key: str) -> None:

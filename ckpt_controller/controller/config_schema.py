@@ -23,7 +23,7 @@ import re
 import reprlib
 import types
 import typing
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Union, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -138,6 +138,15 @@ class FleetTable(_Table):
     key: Text | UnsetType = UNSET
 
 
+class MigrationTable(_Table):
+    """``[migration]``: how engines move to and from this node (``fleet migrate``)."""
+
+    image_transport: Annotated[Literal["page-server", "shared"], Meta(
+        description='"page-server" or "shared"')] | UnsetType = UNSET
+    shared_dir: Text | UnsetType = UNSET
+    page_server_port: Port | UnsetType = UNSET
+
+
 class FileTable(_Table):
     """The whole file."""
 
@@ -147,6 +156,7 @@ class FileTable(_Table):
     engine: Annotated[list[EngineTable],
                       Meta(description="an array of tables: [[engine]]")] = []
     fleet: FleetTable | UnsetType = UNSET
+    migration: MigrationTable = MigrationTable()
 
 
 def given(table: _Table) -> dict[str, Any]:

@@ -56,6 +56,9 @@ class HookContext:
     deadline_wall: float
     #: pre-restore run after a failed capture, to give back what the dump hooks took
     undo_capture: bool = False
+    #: the operation's own hook settings (``OperationCommand.hook_env``), over the
+    #: controller's environment
+    extra_env: tuple[tuple[str, str], ...] = ()
 
 
 def find_hooks(hooks_dir: Path | None, point: str) -> list[Path]:
@@ -97,6 +100,7 @@ def hook_env(point: str, ctx: HookContext) -> dict[str, str]:
     })
     if ctx.undo_capture:
         env["CKPT_UNDO_CAPTURE"] = "1"
+    env.update(ctx.extra_env)
     return env
 
 

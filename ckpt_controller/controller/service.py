@@ -66,8 +66,10 @@ class Controller:
         self.publish = publish or (lambda body: None)
         self.admission = Admission(config, self.journal)
         #: an outside holder of engines, asked before and told after each operation
-        #: (``hold(op_id, kind, engines)`` raising ``BusyError``, ``free(..., result)``): the
-        #: fleet layer's locks in etcd on a node with [fleet]; None otherwise
+        #: (``hold(op_id, kind, engines)`` raising ``BusyError``, ``free(..., result)``,
+        #: ``before_resume(op_id, engine)``: None, or what a restore calls after re-wake and
+        #: before re-admission): the fleet layer's locks in etcd on a node with [fleet]; None
+        #: otherwise
         self.guard = None
         #: each engine's agent connection, kept open between operations
         self.links = AgentLinks(config)
@@ -227,11 +229,15 @@ class Controller:
         if "tags" in overrides:
             overrides["tags"] = tuple(overrides["tags"])
         params = self.config.prepare_defaults(engine).merged(overrides)
-        return EngineSession(self.config, engine, cmd.op_id, params,
-                             cmd.deadline_s or self.config.deadlines.operation,
-                             self.record, self.metrics, drain_timeout_s=cmd.drain_timeout_s,
-                             links=self.links, link=link, status=status,
-                             sync=self.journal.sync)
+        session = EngineSession(self.config, engine, cmd.op_id, params,
+                                cmd.deadline_s or self.config.deadlines.operation,
+                                self.record, self.metrics, drain_timeout_s=cmd.drain_timeout_s,
+                                links=self.links, link=link, status=status,
+                                sync=self.journal.sync)
+        session.hook_env = dict(cmd.hook_env)
+        if self.guard is not None:  # e.g. a migration's target takes the engine over
+            session.before_resume = self.guard.before_resume(cmd.op_id, engine)
+        return session
 
     def _execute(self, cmd: p.OperationCommand, engines: list[str],
                  images: dict[str, str | None], links: dict[str, AgentLink],

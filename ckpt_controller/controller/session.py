@@ -83,6 +83,11 @@ class EngineSession:
         #: hooks; None: no image (the service chooses it, ``use_image`` hands it over)
         self.image: str | None = None
         self._image_dir: Path | None = None
+        #: the operation's own hook settings (``OperationCommand.hook_env``)
+        self.hook_env: dict[str, str] = {}
+        #: asked after re-wake, before the engine is admitted again; raising fails the
+        #: restore (a migration's target takes the engine over here: ``Controller.guard``)
+        self.before_resume: Callable[[], None] | None = None
         #: (trigger, monotonic) of each transition journaled, from events or replies
         self._journaled: set[tuple[str, float]] = set()
         self._latest = float("-inf")
@@ -205,7 +210,8 @@ class EngineSession:
         ctx = HookContext(engine=self.engine.name, pid=self.pid, state=self.outcome.state or "",
                           generation=self.generation, op_id=self.op_id,
                           image_dir=self.image_dir(), deadline_wall=self.deadline_wall,
-                          undo_capture=undo_capture)
+                          undo_capture=undo_capture,
+                          extra_env=tuple(sorted(self.hook_env.items())))
         runs: list[p.HookRun] = []
         try:
             # on a thread of its own under a hub: the other engines' steps go on meanwhile
@@ -334,7 +340,7 @@ class EngineSession:
             if ran:
                 self.reconnect()  # a hook may have restored the process from an image
         base = f"{self.op_id}/{self.engine.name}"
-        if not self.has_hooks(HookPoint.POST_RESTORE):
+        if not self.has_hooks(HookPoint.POST_RESTORE) and self.before_resume is None:
             with self.phase(OperationKind.RESTORE):
                 reply = self.client.restore(op_id=f"{base}/restore",
                                             deadline_s=self.remaining(d.restore))
@@ -348,6 +354,13 @@ class EngineSession:
             except CkptError as err:  # policy: the table's (FAILED), for any failure to run
                 return hook_failed(self, HookPoint.POST_RESTORE, err,
                                    reason=f"post-restore hook failed: {err.message}")
+            if self.before_resume is not None:
+                try:
+                    self.before_resume()
+                except CkptError as err:  # policy: not to be admitted here: FAILED, as a
+                    # failed post-restore check is (the engine is not RUNNING anywhere twice)
+                    self.mark_failed(f"not resumed: {err.message}")
+                    return StepOutcome.failed(err, CheckpointState.FAILED)
             with self.phase(RestoreStep.RESUME):
                 reply = self.client.restore(op_id=f"{base}/resume", step=RestoreStep.RESUME,
                                             deadline_s=self.remaining(d.restore))

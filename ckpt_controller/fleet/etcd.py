@@ -76,8 +76,12 @@ def put_op(key: str, value: str | bytes, lease: int = 0) -> dict:
     return {"request_put": req}
 
 
-def delete_op(key: str) -> dict:
-    return {"request_delete_range": {"key": _b64(key)}}
+def delete_op(key: str, range_end: str | None = None) -> dict:
+    """Delete ``key``, or every key from it up to ``range_end`` (``prefix_end``)."""
+    req = {"key": _b64(key)}
+    if range_end is not None:
+        req["range_end"] = _b64(range_end)
+    return {"request_delete_range": req}
 
 
 def get_op(key: str) -> dict:
