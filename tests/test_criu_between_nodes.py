@@ -260,3 +260,30 @@ def test_an_engine_moves_to_another_node_and_back_when_the_move_fails(two_nodes,
                   f"{pages_b / 2**20:.1f} MiB + non-page {small_b / 2**10:.0f} KiB "
                   f"({packed / 2**10:.0f} KiB packed); dump {dump_s:.2f} s, ship "
                   f"{ship_s:.2f} s, restore {restore_s:.2f} s (hooks, through nsenter)")
+
+
+def test_a_page_server_on_a_taken_port_says_so_and_a_chosen_port_is_tried_again(
+        ipc_dir, monkeypatch):
+    """A port asked for and taken: ``OperationError`` with criu's reason from its log. A port
+    chosen (``port=0``) that turns out taken: another is chosen, and the server listens."""
+    import socket
+
+    from ckpt_controller import criu_images
+    from ckpt_controller.errors import OperationError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OperationError) as info:
+            PageServer(CRIU, _image_folder(ipc_dir / "one"), "127.0.0.1", port)
+        assert f"did not start on 127.0.0.1:{port}" in info.value.message
+        assert "Can't bind" in info.value.details["log_tail"]
+        chosen = iter([port, free_port()])
+        monkeypatch.setattr(criu_images, "_free_port", lambda address: next(chosen))
+        with PageServer(CRIU, _image_folder(ipc_dir / "two"), "127.0.0.1") as server:
+            assert server.port != port and server.proc.poll() is None
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5):
+                pass  # it listens
+            server.stop()
+            assert server.proc.poll() is not None
