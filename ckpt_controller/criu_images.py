@@ -229,6 +229,8 @@ def unpack_small(data: bytes, folder: Path | str) -> list[str]:
     absolute path, no ``..``, no pages file, within the bounds; a file already there with
     other bytes is refused (the same bytes again are fine: a repeated adopt)."""
     folder = Path(folder)
+    if len(data) > MAX_SMALL_BYTES:
+        raise ImageError(f"an archive of {len(data)} bytes; at most {MAX_SMALL_BYTES}")
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
             members = tar.getmembers()
@@ -304,12 +306,16 @@ class PageServer:
         (self.folder / self.LOG).unlink(missing_ok=True)
         ready_r, ready_w = os.pipe()
         try:
-            self.proc = subprocess.Popen(
-                [*wrap, criu, "page-server", "-D", str(self.folder), "--address",
-                 self.address, "--port", str(self.port), "-o", self.LOG, "-v2",
-                 "--status-fd", str(ready_w)],
-                pass_fds=(ready_w,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True)
+            try:
+                self.proc = subprocess.Popen(
+                    [*wrap, criu, "page-server", "-D", str(self.folder), "--address",
+                     self.address, "--port", str(self.port), "-o", self.LOG, "-v2",
+                     "--status-fd", str(ready_w)],
+                    pass_fds=(ready_w,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL, start_new_session=True)
+            except OSError as exc:  # policy: no criu (or no wrapper) to run: say which, typed
+                raise OperationError(f"cannot start criu page-server: {exc}",
+                                     command=[*wrap, criu]) from None
             os.close(ready_w)
             ready_w = -1
             deadline = time.monotonic() + timeout_s

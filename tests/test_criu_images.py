@@ -150,14 +150,27 @@ def test_unpacking_refuses_members_an_image_has_not(tmp_path, name, kind):
 
 
 def test_the_archive_is_bounded_and_garbage_is_refused(tmp_path, monkeypatch):
-    (tmp_path / "core-1.img").write_bytes(b"x" * 100)
-    monkeypatch.setattr(criu_images, "MAX_SMALL_BYTES", 99)
-    with pytest.raises(ImageError, match="1 non-page files of 100 bytes; at most"):
+    (tmp_path / "core-1.img").write_bytes(b"x" * 2000)
+    monkeypatch.setattr(criu_images, "MAX_SMALL_BYTES", 1999)
+    with pytest.raises(ImageError, match="1 non-page files of 2000 bytes; at most"):
         pack_small(tmp_path)
-    monkeypatch.setattr(criu_images, "MAX_SMALL_BYTES", 100)
+    monkeypatch.setattr(criu_images, "MAX_SMALL_BYTES", 2000)
     data = pack_small(tmp_path)
-    monkeypatch.setattr(criu_images, "MAX_SMALL_BYTES", 99)
-    with pytest.raises(ImageError, match="an archive of 1 files, 100 bytes"):
+    assert len(data) < 1999  # compressed
+    monkeypatch.setattr(criu_images, "MAX_SMALL_BYTES", 1999)
+    with pytest.raises(ImageError, match="an archive of 1 files, 2000 bytes"):
         unpack_small(data, tmp_path / "b")
+    monkeypatch.setattr(criu_images, "MAX_SMALL_BYTES", len(data) - 1)
+    with pytest.raises(ImageError, match=f"an archive of {len(data)} bytes"):
+        unpack_small(data, tmp_path / "b")
+    monkeypatch.undo()
     with pytest.raises(ImageError, match="do not unpack"):
         unpack_small(b"not a tar", tmp_path / "b")
+
+
+def test_a_page_server_without_criu_is_a_typed_error(tmp_path):
+    from ckpt_controller.criu_images import PageServer
+    from ckpt_controller.errors import OperationError
+
+    with pytest.raises(OperationError, match="cannot start criu page-server"):
+        PageServer(tmp_path / "no-criu", tmp_path, "127.0.0.1", 4711)
