@@ -9,6 +9,7 @@ back into the same class on the other side. Neighbours: ``protocol`` carries err
     +-- UsageError             exit 2  the caller asked for something malformed or impossible
     |   +-- ConfigError                a bad configuration value
     |   +-- InvalidTransitionError     a trigger not allowed in the current state
+    |   +-- ImageError                 a CRIU image is damaged or not what was promised
     +-- ProtocolError          exit 2  a frame broke the wire contract
     |   +-- VersionMismatchError       the peer speaks another protocol version
     +-- RejectedError          exit 1  admission closed: retry after ``retry_after_s`` (temporary)
@@ -80,6 +81,11 @@ class BusyError(CkptError):
     once it ended (or use the holder's id to wait for its result)."""
 
     retryable = True
+
+
+class ImageError(UsageError):
+    """Raised when a CRIU image (or its shipped small files) is damaged or not what its dump
+    promised; ``details`` names the file. Do not restore it: dump again."""
 
 
 class ProtocolError(CkptError):

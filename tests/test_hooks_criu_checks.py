@@ -145,7 +145,13 @@ def test_a_process_that_does_not_lead_its_session_is_dumped_as_a_shell_job(recor
 
 
 @pytest.mark.parametrize("bad", [{"CKPT_CRIU_TCP": "maybe"}, {"CKPT_CRIU_MODE": "pause"},
-                                 {"CKPT_CRIU_LINK_REMAP": "yes"}])
+                                 {"CKPT_CRIU_LINK_REMAP": "yes"},
+                                 {"CKPT_PAGE_SERVER": "10.0.0.1"},
+                                 {"CKPT_PAGE_SERVER": "10.0.0.1:0"},
+                                 {"CKPT_PAGE_SERVER": "10.0.0.1:70000"},
+                                 {"CKPT_PAGE_SERVER": "10.0.0.1:p"},
+                                 {"CKPT_PAGE_SERVER": "[not-v6]:80"},
+                                 {"CKPT_PAGE_SERVER": "a;b:80"}])
 def test_a_bad_setting_is_refused_before_criu_runs(recorded_dump, bad):
     rc, args, err, _ = recorded_dump(**bad)
     assert rc == 2 and args == [] and next(iter(bad)) in err
@@ -192,3 +198,51 @@ def test_restore_refuses_an_image_folder_others_may_change(recorded_dump, mode):
     out = _restore(image)
     assert out.returncode == 2 and f"the image folder {image} may be changed by others" \
         in out.stderr, out.stderr
+
+
+def test_a_migration_dump_leaves_the_tree_stopped_and_sends_its_pages_away(recorded_dump):
+    rc, args, err, image = recorded_dump(CKPT_CRIU_MODE="leave-stopped",
+                                         CKPT_PAGE_SERVER="169.254.77.2:4711")
+    assert rc == 0, err
+    assert "--leave-stopped" in args and "--leave-running" not in args
+    assert args[args.index("--page-server") + 1:args.index("--page-server") + 5] == [
+        "--address", "169.254.77.2", "--port", "4711"]
+    assert (image / "criu-pages-remote").read_text() == "169.254.77.2:4711\n"
+    assert "./criu-pages-remote" in (image / "criu-manifest").read_text()
+    rc, args, err, _ = recorded_dump(CKPT_PAGE_SERVER="[fe80::1]:4712")
+    assert rc == 0, err
+    assert args[args.index("--address") + 1] == "fe80::1" and "--leave-running" in args
+
+
+def test_restore_checks_pages_from_a_page_server_against_their_pagemaps(recorded_dump,
+                                                                       tmp_path):
+    """The pages and pagemaps a page server wrote are not in the manifest: they are held to
+    the sizes the pagemaps promise instead; the restored root's PID is criu's pidfile's."""
+    from test_criu_images import _image
+
+    rc, _, err, image = recorded_dump(CKPT_PAGE_SERVER="169.254.77.2:4711")
+    assert rc == 0, err
+    _image(image)  # mm-1.img (as if shipped), pagemap-1.img and pages-7.img (page server)
+    (image / "mm-1.img").unlink()  # not in this manifest: the pagemap check alone here
+    standin = tmp_path / "criu-restore-standin"  # writes the pidfile it is given, as criu does
+    standin.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = --pidfile ] && '
+                       'printf 4242 > "$2"; shift; done\n')
+    standin.chmod(0o755)
+    env = {"PATH": os.environ["PATH"], "CKPT_ENGINE_PID": "999999999",
+           "CKPT_IMAGE_DIR": str(image), "CKPT_CRIU": str(standin), "CKPT_RESTORE_WAIT_S": "0"}
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run([str(ROOT / "hooks" / "criu-restore")], capture_output=True,
+                              text=True, timeout=60, env=env)
+
+    out = run()
+    assert out.returncode == 0, out.stderr
+    assert f"restored the engine from {image} (pid 4242)" in out.stdout
+    assert (image / "criu-restored-pid").read_text() == "4242"
+    os.truncate(image / "pages-7.img", 4096)
+    out = run()
+    assert out.returncode == 2 and f"the image in {image} is damaged: ./pages-7.img: 4096 " \
+        "bytes, its pagemap promises" in out.stderr and "169.254.77.2:4711" in out.stderr
+    (image / "pages-7.img").unlink()
+    out = run()
+    assert out.returncode == 2 and "./pages-7.img: missing" in out.stderr, out.stderr
