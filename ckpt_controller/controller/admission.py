@@ -45,9 +45,10 @@ class Admission:
 
     def select(self, names: list[str]) -> list[str]:
         roster = self.config.roster  # one snapshot: engines may be adopted or given away
-        if not roster.engines:
-            raise UsageError("no engines are configured")
         if not names:
+            if not roster.engines:
+                raise UsageError("no engines are configured" + (
+                    f" (given away: {', '.join(roster.moved)})" if roster.moved else ""))
             return [e.name for e in roster.engines]
         for name in names:
             roster.engine(name)  # UsageError naming the known engines (or where one moved)
