@@ -392,6 +392,10 @@ class EngineView(msgspec.Struct, kw_only=True):
     error: ErrorInfo | None = None
     #: the operation that lost contact with this engine, until the reconciler settles it
     unsettled_by: str | None = None
+    #: an engine the controller gave away: the node it lives on now, and the operation that
+    #: moved it there (the controller no longer drives it: it is not probed)
+    moved_to: str | None = None
+    moved_by: str | None = None
 
 
 class ControllerStatusReply(msgspec.Struct, kw_only=True, tag=True):

@@ -185,3 +185,11 @@ class RecoverUncaptured(enum.StrEnum):
 
     RESUME = "resume"  # restore it to RUNNING
     LEAVE = "leave"  # leave it FAILED for a person to look at
+
+
+class RosterChange(enum.StrEnum):
+    """How an engine joined or left a controller outside its TOML (the journal's ``roster``
+    table; a migration between nodes makes both)."""
+
+    ADOPTED = "adopted"  # the controller drives it from now on (it came from another node)
+    GIVEN_AWAY = "given_away"  # the controller no longer drives it: it lives on another node

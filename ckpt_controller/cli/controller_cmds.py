@@ -283,6 +283,10 @@ def _status(args: argparse.Namespace) -> int:
         print_json(reply)
         return 0
     for v in reply.engines:
+        if v.moved_to is not None:
+            print(f"{v.engine}: MOVED to node {v.moved_to} by operation {v.moved_by} "
+                  "(not driven here)")
+            continue
         unsettled = (f"; unsettled since operation {v.unsettled_by} lost contact"
                      if v.unsettled_by else "")
         if v.status is None:
@@ -293,7 +297,7 @@ def _status(args: argparse.Namespace) -> int:
         held = (f", held by {v.holder}" if v.holder else "") + unsettled
         print(f"{v.engine}: {s.state}, generation {s.generation}, in flight {s.in_flight}, "
               f"kept {s.kept}{held}")
-    return 0 if all(v.reachable for v in reply.engines) else 4
+    return 0 if all(v.reachable or v.moved_to for v in reply.engines) else 4
 
 
 def _history(args: argparse.Namespace) -> int:

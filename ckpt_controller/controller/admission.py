@@ -44,12 +44,14 @@ class Admission:
         self.running: dict[str, Running] = {}
 
     def select(self, names: list[str]) -> list[str]:
-        if not self.config.engines:
-            raise UsageError("no engines are configured")
+        roster = self.config.roster  # one snapshot: engines may be adopted or given away
         if not names:
-            return [e.name for e in self.config.engines]
+            if not roster.engines:
+                raise UsageError("no engines are configured" + (
+                    f" (given away: {', '.join(roster.moved)})" if roster.moved else ""))
+            return [e.name for e in roster.engines]
         for name in names:
-            self.config.engine(name)  # UsageError naming the known engines
+            roster.engine(name)  # UsageError naming the known engines (or where one moved)
         return list(dict.fromkeys(names))
 
     def accept(self, cmd: p.OperationCommand, done: Done) -> list[str] | None:
@@ -91,6 +93,9 @@ class Admission:
         if journaled:
             raise BusyError("operation id belongs to an interrupted operation being "
                             "recovered", op_id=cmd.op_id)
+        for e in engines:  # given away since ``select``: refused as ``select`` would now
+            if not self.config.knows(e):
+                self.config.engine(e)
         busy = {e: self.holders[e] for e in engines if e in self.holders}
         if busy:
             engine, holder = next(iter(busy.items()))

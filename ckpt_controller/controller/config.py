@@ -23,7 +23,6 @@ operations and ``ckptctl serve`` above.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import socket
@@ -185,22 +184,31 @@ class ControllerConfig:
     #: the file this was read from (named in errors found when the controller starts)
     source: str = "<defaults>"
 
-    @functools.cached_property
-    def _by_name(self) -> dict[str, EngineConfig]:
-        """Engines by name: an operation looks its engines up several times each."""
-        return {e.name: e for e in self.engines}
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_roster", Roster.of(self.engines))
+
+    @property
+    def roster(self) -> Roster:
+        """The engines driven now and those given away, as one snapshot (``set_roster``
+        replaces it whole: a reader that keeps it sees one consistent set)."""
+        return self._roster  # type: ignore[attr-defined]
+
+    def set_roster(self, roster: Roster) -> None:
+        """Replace the driven engines (``engines``) and the given-away ones at once. The
+        caller serialises changes (the controller, under its admission lock); readers never
+        see a list mutated under them: ``engines`` is a new tuple, ``roster`` a new
+        snapshot (the snapshot first: a name in ``engines`` is always known to it)."""
+        object.__setattr__(self, "_roster", roster)
+        object.__setattr__(self, "engines", roster.engines)
 
     def knows(self, name: str) -> bool:
-        return name in self._by_name
+        """Whether the controller drives ``name`` (given-away engines: False)."""
+        return name in self.roster.by_name
 
     def engine(self, name: str) -> EngineConfig:
-        """The engine called ``name``; ``UsageError`` naming the known engines otherwise."""
-        engine = self._by_name.get(name)
-        if engine is not None:
-            return engine
-        known = [e.name for e in self.engines]
-        raise UsageError(f"unknown engine {name!r}; known engines: {', '.join(known) or 'none'}",
-                         engine=name, known=known)
+        """The engine called ``name``; ``UsageError`` saying where a given-away one lives
+        now, or naming the known engines otherwise."""
+        return self.roster.engine(name)
 
     def agent_curve(self, name: str) -> CurveClient | None:
         """The CURVE keys to reach engine ``name``'s agent with, when it has a server key."""
@@ -211,15 +219,54 @@ class ControllerConfig:
 
     def prepare_defaults(self, name: str) -> PrepareDefaults:
         """The global prepare defaults overridden by engine ``name``'s own."""
-        merged = self._merged.get(name)
+        roster = self.roster
+        merged = roster.merged.get(name)
         if merged is None:
-            merged = self._merged[name] = self.defaults.merged(self.engine(name).defaults)
+            merged = roster.merged[name] = self.defaults.merged(roster.engine(name).defaults)
         return merged
 
-    @functools.cached_property
-    def _merged(self) -> dict[str, PrepareDefaults]:
-        """Each engine's prepare defaults, merged once (frozen, so shared safely)."""
-        return {}
+
+@dataclass(frozen=True)
+class Moved:
+    """An engine the controller gave away: where it lives now and which operation moved it
+    (a TOML entry for it is shown, not driven)."""
+
+    engine: EngineConfig
+    to: str
+    op_id: str
+    wall: float
+
+
+@dataclass(frozen=True)
+class Roster:
+    """One snapshot of a controller's engines: those it drives (the TOML's, less those given
+    away, plus those adopted) and those it gave away. Never changed: replaced whole."""
+
+    engines: tuple[EngineConfig, ...]
+    moved: Mapping[str, Moved] = field(default_factory=dict)
+    #: engines by name: an operation looks its engines up several times each
+    by_name: Mapping[str, EngineConfig] = field(default_factory=dict)
+    #: each engine's prepare defaults, merged once (frozen, so shared safely)
+    merged: dict[str, PrepareDefaults] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, engines: Iterable[EngineConfig], moved: Mapping[str, Moved] | None = None
+           ) -> Roster:
+        engines = tuple(engines)
+        return cls(engines, dict(moved or {}), {e.name: e for e in engines})
+
+    def engine(self, name: str) -> EngineConfig:
+        engine = self.by_name.get(name)
+        if engine is not None:
+            return engine
+        moved = self.moved.get(name)
+        if moved is not None:
+            raise UsageError(f"engine {name!r} was given away to node {moved.to} by operation "
+                             f"{moved.op_id}; it lives there now: ask that node's controller",
+                             engine=name, node=moved.to, op_id=moved.op_id)
+        known = [e.name for e in self.engines]
+        raise UsageError(f"unknown engine {name!r}; known engines: {', '.join(known) or 'none'}",
+                         engine=name, known=known)
 
 
 def load_config(path: str | os.PathLike[str]) -> ControllerConfig:

@@ -1,9 +1,12 @@
 """The controller's journal: every operation and everything that happened during it, in
 SQLite (WAL) under the state directory.
 
-Tables: ``operations`` (one row per operation id: kind, engines, parameters, status, result)
-and ``records`` (an append-only sequence: transitions, phases, drain and memory reports, hook
-runs, notes; each with wall and monotonic time). Writes go through one writer thread that
+Tables: ``operations`` (one row per operation id: kind, engines, parameters, status, result),
+``records`` (an append-only sequence: transitions, phases, drain and memory reports, hook
+runs, notes; each with wall and monotonic time) and ``roster`` (append-only: each engine the
+controller adopted or gave away, by which operation, from or to which node, and an adopted
+engine's whole configuration; an engine's newest row says where it is, ``controller.roster``
+reads them). Writes go through one writer thread that
 commits whatever has queued in one transaction (group commit, ``journal_writer``), in the
 order they were made, so the file is always a prefix of what was journaled and a controller
 killed at any instant leaves a journal that opens clean: an operation whose row still says
@@ -72,6 +75,15 @@ CREATE TABLE IF NOT EXISTS records (
 );
 CREATE INDEX IF NOT EXISTS records_engine ON records(engine, seq);
 CREATE INDEX IF NOT EXISTS records_op ON records(op_id, seq);
+CREATE TABLE IF NOT EXISTS roster (
+    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+    engine     TEXT NOT NULL,
+    change     TEXT NOT NULL,           -- vocab.RosterChange
+    op_id      TEXT NOT NULL,           -- the operation (a migration's) that made the change
+    peer       TEXT NOT NULL,           -- the node it came from (adopted) or went to
+    wall       REAL NOT NULL,
+    config     BLOB                     -- msgpack roster.AdoptedEngine (adopted only)
+);
 CREATE TABLE IF NOT EXISTS sync_mark (
     id         INTEGER PRIMARY KEY CHECK (id = 1),
     wall       REAL NOT NULL            -- rewritten by a barrier so its commit has a page to fsync
@@ -281,6 +293,25 @@ class Journal:
         rows = self._read("SELECT op_id, data FROM records WHERE engine = ? AND type = "
                           "'capture' ORDER BY seq DESC", (engine,))
         return [(op, json.loads(data)) for op, data in rows]
+
+    # ---------------------------------------------------------------- adopted, given away
+
+    def roster_change(self, engine: str, change: str, op_id: str, peer: str,
+                      config: bytes | None = None) -> None:
+        """Journal that ``engine`` was adopted (``config``: its encoded configuration) or
+        given away; returns once it is durable (a restarted controller must see it)."""
+        self._writer.wait(self._writer.submit(
+            "INSERT INTO roster (engine, change, op_id, peer, wall, config) "
+            "VALUES (?, ?, ?, ?, ?, ?)", (engine, change, op_id, peer, time.time(), config),
+            barrier=True))
+
+    def roster(self) -> list[tuple[int, str, str, str, str, float, bytes | None]]:
+        """``(seq, engine, change, op_id, peer, wall, config)`` of each engine's newest
+        roster row, oldest first."""
+        self._writer.wait_written()
+        return self._read("SELECT seq, engine, change, op_id, peer, wall, config FROM roster "
+                          "WHERE seq IN (SELECT MAX(seq) FROM roster GROUP BY engine) "
+                          "ORDER BY seq")
 
     def unsettled(self) -> dict[str, str]:
         """Engine -> op id of every engine whose last ``contact_lost`` record has no

@@ -164,6 +164,14 @@ class AgentLinks:
         if old is not None:
             old.close()
 
+    def drop(self, engine: str) -> None:
+        """Close ``engine``'s parked link, if any: it was given away, or adopted (a link of
+        an earlier stay here leads to its old endpoint)."""
+        with self._lock:
+            link = self._parked.pop(engine, None)
+        if link is not None:
+            link.close()
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -99,6 +99,8 @@ class Metrics:
         #: engine -> its state as last seen, and how many engines are in each state
         self._current: dict[str, str] = {}
         self._per_state: dict[str, int] = dict.fromkeys(STATES, 0)
+        #: engines given away: their gauges are gone and stay gone until adopted again
+        self._forgotten: set[str] = set()
         for state in STATES:
             self._engines.labels(state).set(0)
         for outcome in DRAIN_OUTCOMES:
@@ -177,6 +179,8 @@ class Metrics:
     def engines_known(self, names: Iterable[str]) -> None:
         """Declare the configured engines: each is ``unknown`` and down until it is seen."""
         for name in names:
+            with self._lock:
+                self._forgotten.discard(name)
             self._up.labels(name).set(0)
             self.engine_seen(name, UNKNOWN)
 
@@ -187,6 +191,8 @@ class Metrics:
         if state not in STATES:
             raise ValueError(f"unknown engine state {state!r}; states: {', '.join(STATES)}")
         with self._lock:  # one engine's gauges and the per-state counts change together
+            if engine in self._forgotten:
+                return
             before = self._current.get(engine)
             changed = before != state
             self._current[engine] = state
@@ -205,9 +211,31 @@ class Metrics:
             elif changed:
                 self._since.labels(engine).set(time.time())
 
+    def engine_forgotten(self, engine: str) -> None:
+        """``engine`` was given away: its gauges go, it leaves the per-state counts, and
+        what its monitor thread still reports (until it stops) is ignored."""
+        with self._lock:
+            self._forgotten.add(engine)
+            before = self._current.pop(engine, None)
+            if before is not None:
+                self._per_state[before] -= 1
+                self._engines.labels(before).set(self._per_state[before])
+            for metric, labels in ((self._up, [(engine,)]), (self._since, [(engine,)]),
+                                   (self._last_cycle, [(engine,)]), (self._image, [(engine,)]),
+                                   (self._state, [(engine, s) for s in STATES])):
+                for values in labels:
+                    try:
+                        metric.remove(*values)
+                    except KeyError:  # policy: a series never set: nothing to remove
+                        pass
+                    self._children.pop((id(metric), *values), None)
+
     def engine_up(self, engine: str, up: bool) -> None:
         """Whether ``engine``'s heartbeats arrive; one that goes down is in state ``unknown``."""
-        self._up.labels(engine).set(1 if up else 0)
+        with self._lock:
+            if engine in self._forgotten:
+                return
+            self._up.labels(engine).set(1 if up else 0)
         if not up:
             self.engine_seen(engine, UNKNOWN)
 

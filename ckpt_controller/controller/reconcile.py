@@ -65,6 +65,11 @@ class Reconciler:
     def unsettled_by(self, engine: str) -> str | None:
         return self._unsettled.get(engine)
 
+    def forget(self, engine: str) -> None:
+        """``engine`` was given away: no longer this controller's to settle (its journal
+        keeps the records). Called under the admission lock."""
+        self._unsettled.pop(engine, None)
+
     def note_contact(self, op_id: str, o: p.EngineOutcome) -> None:
         """After operation ``op_id``: note an engine it lost contact with, or settle one an
         earlier operation lost and this one found settled."""

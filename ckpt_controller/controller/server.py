@@ -59,9 +59,11 @@ class ControllerServer(RpcServer):
                          curve=CurveServer(config.curve_secret_key, config.curve_clients)
                          if config.curve_clients is not None else None)
         self.config = config
-        raise_open_files(FILES_PER_ENGINE * len(config.engines) + FILES_BASE)
         self.metrics = Metrics()
         self.controller = Controller(config, metrics=self.metrics, publish=self.publish)
+        # after the controller: its journal's adopted engines count too
+        raise_open_files(FILES_PER_ENGINE * len(config.engines) + FILES_BASE)
+        self.controller.on_roster.append(self._roster_changed)
         self.metrics_server: MetricsServer | None = None
         self.monitor: EngineMonitor | None = None  # follows heartbeats for the engine gauges
         self.fleet = None  # with [fleet]: the node's registration in etcd (fleet.node)
@@ -105,6 +107,18 @@ class ControllerServer(RpcServer):
             self.monitor.close()
         self.controller.close()
 
+    def _roster_changed(self, name: str, engine) -> None:
+        """An engine adopted (``engine`` its config) or given away (None): the monitor
+        follows it or stops, and the open-files limit grows with the engines."""
+        if engine is not None:
+            raise_open_files(FILES_PER_ENGINE * len(self.config.engines) + FILES_BASE)
+        monitor = self.monitor
+        if monitor is not None:
+            if engine is not None:
+                monitor.watch(engine)
+            else:
+                monitor.unwatch(name)
+
     def heartbeat_body(self, seq: int) -> p.Heartbeat:
         return p.Heartbeat(engine="controller", state="serving", seq=seq,
                            monotonic=self.clock.monotonic(), incarnation=0)
@@ -123,7 +137,7 @@ class ControllerServer(RpcServer):
                                   if isinstance(r, p.OperationResult)
                                   else self.reply_error(identity, call_id, r))
         else:
-            self.controller.select(cmd.engines)  # unknown names: an immediate UsageError
+            self.controller.status_names(cmd.engines)  # unknown names: a UsageError now
             self.offload(identity, call_id, "STATUS",
                          lambda: self.controller.status(cmd.engines))
 

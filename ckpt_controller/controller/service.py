@@ -8,8 +8,11 @@ engine's ``steps`` run in an ``EngineSession``, ``fanout`` runs them across engi
 for a ``cycle``), a failed all-or-nothing prepare rolls the prepared ones back. Everything is
 journaled; an engine an operation lost contact with goes to the ``reconcile``r, and
 ``recover`` (``recovery``) settles the operations a crashed controller left running.
+``adopt`` and ``give_away`` change which engines it drives (a migration between nodes):
+journaled first (``roster``), then the config's roster is replaced whole, and what is kept
+per engine (its link, its gauges, the server's monitor through ``on_roster``) follows.
 Neighbours: ``admission``, ``preflight``, ``steps``, ``fanout``, ``reconcile``, ``recovery``,
-``session``, ``journal``, ``config``, ``statedir`` (the state directory's lock, taken first);
+``session``, ``journal``, ``config``, ``roster``, ``statedir`` (the state directory's lock, taken first);
 ``server`` is the socket in front of it; ``exit_codes`` maps a result to ``ckptctl``'s exit.
 """
 
@@ -27,9 +30,9 @@ import msgspec
 
 from ckpt_controller import hub
 from ckpt_controller import protocol as p
-from ckpt_controller.controller import preflight, recovery, steps
+from ckpt_controller.controller import preflight, recovery, roster, steps
 from ckpt_controller.controller.admission import Admission, Done
-from ckpt_controller.controller.config import ControllerConfig
+from ckpt_controller.controller.config import ControllerConfig, EngineConfig, Roster
 from ckpt_controller.controller.fanout import fan_out, rolling, summarize
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.links import AgentLink, AgentLinks
@@ -38,8 +41,8 @@ from ckpt_controller.controller.reconcile import Reconciler
 from ckpt_controller.controller.session import EngineSession
 from ckpt_controller.controller.statedir import claim
 from ckpt_controller.controller.workers import Workers
-from ckpt_controller.errors import CkptError, OperationError
-from ckpt_controller.vocab import OperationKind, OperationStatus, OutcomeStatus
+from ckpt_controller.errors import BusyError, CkptError, OperationError, UsageError
+from ckpt_controller.vocab import OperationKind, OperationStatus, OutcomeStatus, RosterChange
 
 log = logging.getLogger("ckpt_controller.controller")
 
@@ -62,6 +65,22 @@ class Controller:
         except BaseException:  # policy: a controller that did not start holds nothing
             self._claim.release()
             raise
+        try:
+            rows = self.journal.roster()
+            # the engines it adopted and gave away, before anything reads the engines
+            config.set_roster(roster.replay(config, rows, str(self.journal.path)))
+        except BaseException:  # policy: a malformed roster row refuses the start, cleanly
+            self.journal.close()
+            self._claim.release()
+            raise
+        #: engine -> (change, op id) of its newest roster row: a repeated adopt or
+        #: give_away of the same operation is answered as done
+        self._changes: dict[str, tuple[str, str]] = {r[1]: (r[2], r[3]) for r in rows}
+        #: serialises adopt and give_away (the roster is replaced whole, one change at once)
+        self._roster_lock = threading.Lock()
+        #: told ``(engine, its config)`` after an adopt and ``(engine, None)`` after a
+        #: give_away: the server's monitor and open-files limit follow the engines
+        self.on_roster: list[Callable[[str, EngineConfig | None], None]] = []
         self.metrics = metrics
         self.publish = publish or (lambda body: None)
         self.admission = Admission(config, self.journal)
@@ -84,24 +103,27 @@ class Controller:
         """What the gauges said before a restart and the journal knows: each engine's last
         successful cycle (among its ``CARRY_OVER_OPERATIONS`` newest operations) and the size
         of its last capture's image; otherwise an alert on them would go blind."""
-        for engine in (e.name for e in self.config.engines):
-            for op in self.journal.operations(engine=engine, limit=CARRY_OVER_OPERATIONS):
-                if op.kind != OperationKind.CYCLE or op.duration_s is None:
-                    continue
-                try:
-                    result = self.journal.result(op.op_id)
-                except msgspec.MsgspecError as err:  # policy: costs this gauge, not the start
-                    log.warning("journal: the result of %s cannot be read: %s", op.op_id, err)
-                    continue
-                if result is not None and any(o.engine == engine
-                                              and o.status == OutcomeStatus.SUCCEEDED
-                                              for o in result.engines):
-                    self.metrics.last_cycle(engine, op.wall + op.duration_s)
-                    break
-            captures = self.journal.captures(engine)
-            if captures:
-                image_dir = captures[0][1].get("image_dir")
-                self.metrics.image_written(engine, Path(image_dir) if image_dir else None)
+        for engine in self.config.engines:
+            self._carry_over_engine(engine.name)
+
+    def _carry_over_engine(self, engine: str) -> None:
+        for op in self.journal.operations(engine=engine, limit=CARRY_OVER_OPERATIONS):
+            if op.kind != OperationKind.CYCLE or op.duration_s is None:
+                continue
+            try:
+                result = self.journal.result(op.op_id)
+            except msgspec.MsgspecError as err:  # policy: costs this gauge, not the start
+                log.warning("journal: the result of %s cannot be read: %s", op.op_id, err)
+                continue
+            if result is not None and any(o.engine == engine
+                                          and o.status == OutcomeStatus.SUCCEEDED
+                                          for o in result.engines):
+                self.metrics.last_cycle(engine, op.wall + op.duration_s)
+                break
+        captures = self.journal.captures(engine)
+        if captures:
+            image_dir = captures[0][1].get("image_dir")
+            self.metrics.image_written(engine, Path(image_dir) if image_dir else None)
 
     def close(self) -> None:
         self._operations.close()
@@ -289,13 +311,111 @@ class Controller:
     def reconcile_unsettled(self) -> list[str]:
         return self.reconciler.reconcile_unsettled()
 
+    # ---------------------------------------------------------------- adopted, given away
+
+    def adopt(self, engine: EngineConfig, *, op_id: str, origin: str) -> None:
+        """Drive ``engine`` from now on (it came from node ``origin`` by operation
+        ``op_id``), also after a restart: journaled (durable) first. Its process need not run
+        yet (a restore may bring it). ``UsageError`` for a configuration the TOML would
+        refuse, naming the value, and for a name this controller drives already; one it gave
+        away before may come back. Repeated with the same ``op_id`` and configuration: done
+        already, nothing changes."""
+        data = roster.encode(engine, self.config)  # checked: UsageError naming the value
+        # what a restart will read back (tags a tuple, the enums members): one form
+        engine = roster.decode(data, self.config, {"file": str(self.journal.path), "seq": 0,
+                                                   "engine": engine.name})
+        name = engine.name
+        with self._roster_lock:
+            current = self.config.roster
+            if name in current.by_name:
+                if (self._changes.get(name) == (RosterChange.ADOPTED, op_id)
+                        and current.by_name[name] == engine):
+                    return  # the same adoption again: done
+                raise UsageError(f"engine {name!r} is driven by this controller already; "
+                                 "only an engine it does not drive (or gave away) can be "
+                                 "adopted", engine=name, op_id=op_id, origin=origin)
+            self.journal.roster_change(name, RosterChange.ADOPTED, op_id, origin, data)
+            self._changes[name] = (RosterChange.ADOPTED, op_id)
+            with self.admission.lock:
+                self.config.set_roster(roster.adopted(self.config.roster, engine))
+            self.links.drop(name)  # a link of an earlier stay here is not this engine's
+            log.info("adopted engine %s from %s (operation %s)", name, origin, op_id)
+            if self.metrics is not None:
+                self.metrics.engines_known([name])
+                self._carry_over_engine(name)
+            for listener in self.on_roster:
+                listener(name, engine)
+
+    def give_away(self, name: str, *, op_id: str, to: str) -> None:
+        """Stop driving engine ``name``: it lives on node ``to`` now (moved there by
+        operation ``op_id``), also after a restart: journaled (durable) first. Its link and
+        everything kept for it are dropped; a TOML entry for it is shown as moved, and
+        operations on it are refused saying where it lives. ``BusyError`` while an
+        operation holds it; ``UsageError`` for an engine this controller does not drive.
+        Repeated with the same ``op_id``: done already, nothing changes."""
+        adm = self.admission
+        holder = f"give-away:{op_id}"
+        with self._roster_lock:
+            current = self.config.roster
+            if name not in current.by_name:
+                moved = current.moved.get(name)
+                if moved is not None and (moved.op_id, moved.to) == (op_id, to):
+                    return  # the same give-away again: done
+                current.engine(name)  # UsageError: where it lives, or the known engines
+            with adm.lock:  # held meanwhile: no operation may start on it
+                busy = adm.holders.get(name)
+                if busy is not None:
+                    raise BusyError(f"engine {name} is held by operation {busy}; it can be "
+                                    "given away once that ends", engine=name, holder=busy)
+                adm.holders[name] = holder
+            try:
+                engine = current.by_name[name]
+                self.journal.roster_change(name, RosterChange.GIVEN_AWAY, op_id, to,
+                                           roster.encode(engine, self.config))
+                self._changes[name] = (RosterChange.GIVEN_AWAY, op_id)
+                with adm.lock:
+                    self.config.set_roster(roster.given_away(
+                        self.config.roster, name, to, op_id, time.time()))
+                    self.reconciler.forget(name)
+            finally:
+                with adm.lock:
+                    if adm.holders.get(name) == holder:
+                        del adm.holders[name]
+            self.links.drop(name)
+            log.info("gave engine %s away to %s (operation %s)", name, to, op_id)
+            if self.metrics is not None:
+                self.metrics.engine_forgotten(name)
+            for listener in self.on_roster:
+                listener(name, None)
+
     # ---------------------------------------------------------------- status, history
 
+    def status_names(self, names: list[str], current: Roster | None = None) -> list[str]:
+        """The engines a status of ``names`` shows (none named: every one driven, then every
+        one given away); ``UsageError`` for a name it neither drives nor gave away."""
+        current = current or self.config.roster
+        if not names:
+            shown = [e.name for e in current.engines] + [
+                n for n in current.moved if n not in current.by_name]
+            if not shown:
+                raise UsageError("no engines are configured")
+            return shown
+        for name in names:
+            if name not in current.moved:
+                current.engine(name)  # UsageError naming the known engines
+        return list(dict.fromkeys(names))
+
     def status(self, names: list[str]) -> p.ControllerStatusReply:
-        engines = self.select(names)
+        current = self.config.roster  # one snapshot: an adopt or give_away may run meanwhile
+        engines = self.status_names(names, current)
 
         def view(name: str) -> p.EngineView:
-            eng = self.config.engine(name)
+            eng = current.by_name.get(name)
+            if eng is None:
+                moved = current.moved[name]
+                return p.EngineView(engine=name, kind=moved.engine.kind,
+                                    control=moved.engine.control, reachable=False,
+                                    moved_to=moved.to, moved_by=moved.op_id)
             v = p.EngineView(engine=name, kind=eng.kind, control=eng.control, reachable=False,
                              holder=self.admission.holders.get(name),
                              unsettled_by=self.reconciler.unsettled_by(name))

@@ -280,8 +280,11 @@ class FleetNode:
             return
         reply = self._status(names)
         changed: list[EngineRecord] = []
+        driven = self.config.roster.by_name  # one snapshot: engines may be given away
         for view in reply.engines:
-            rec = self.record(view)
+            if view.engine not in driven:
+                continue  # given away since ``names`` was read: no longer this node's
+            rec = self.record(view, driven[view.engine])
             if self._written.get(rec.engine) != rec.content():
                 changed.append(rec)
         for i in range(0, len(changed), TXN_ENGINES):
@@ -301,8 +304,8 @@ class FleetNode:
                 k: v for k, v in cur.items() if not (k in back and v.startswith("lost:"))})
             log.info("fleet: %s back in service after a lost part", ", ".join(sorted(back)))
 
-    def record(self, view) -> EngineRecord:
-        eng = self.config.engine(view.engine)
+    def record(self, view, eng=None) -> EngineRecord:
+        eng = eng or self.config.engine(view.engine)
         s = view.status
         last = s.last_transition if s is not None else None
         if view.holder:
