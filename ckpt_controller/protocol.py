@@ -275,6 +275,7 @@ class HandshakeReply(msgspec.Struct, kw_only=True, tag=True):
 
 class StatusReply(msgspec.Struct, kw_only=True, tag=True):
     engine: str
+    #: the engine's PID as the host sees it (also when it runs in a PID namespace of its own)
     pid: int
     state: CheckpointState
     is_restored: bool
@@ -288,6 +289,10 @@ class StatusReply(msgspec.Struct, kw_only=True, tag=True):
     restored_from_image: bool
     current_op: str | None = None
     last_transition: TransitionRecord | None = None
+    #: where the engine is reached, as it bound them: ``control`` (its agent), ``api`` (the
+    #: reference engine's requests), ``http`` (a vLLM server); a wildcard host (0.0.0.0, *,
+    #: ::) is left as it is: a fleet node publishes its own address in its place
+    endpoints: dict[str, str] = {}
 
 
 class PrepareReply(msgspec.Struct, kw_only=True, tag=True):

@@ -3,6 +3,7 @@ time, repeated operation ids, heartbeats, restore detection, the gate."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -290,6 +291,69 @@ def test_restore_detection_from_fingerprint(ipc_dir):
         assert st.restored_from_image and st.incarnation == 1
         assert c.handshake().incarnation == 1
         c.close()
+
+
+def test_status_reports_the_endpoints_and_the_host_pid_again_after_a_restore(
+        ipc_dir, monkeypatch):
+    """``status`` names the agent's control endpoint and the engine's others; ``pid`` is read
+    again when the process finds itself restored from an image (a restore gives another PID)."""
+    import ckpt_controller.agent.server as agent_server
+
+    prints = iter([Fingerprint("boot", 10, 100)] * 3 + [Fingerprint("boot", 10, 999)] * 100)
+    tracker = IncarnationTracker(lambda: next(prints))
+    with Agent("eps", control=f"ipc://{ipc_dir}/eps.ctl", heartbeat_interval_s=0.02,
+               incarnation=tracker, endpoints={"api": "tcp://0.0.0.0:5999"}) as a:
+        c = AgentClient(a.endpoint)
+        st = c.status()
+        assert st.endpoints == {"api": "tcp://0.0.0.0:5999", "control": a.endpoint}
+        assert st.pid == os.getpid()  # no PID namespace of its own here: the same
+        monkeypatch.setattr(agent_server, "host_pid", lambda: 4242)  # what a restore gives
+        deadline = time.monotonic() + 5
+        while not c.status().restored_from_image and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.status().pid == 4242 and c.handshake().pid == 4242
+        c.close()
+
+
+def test_the_status_of_an_old_agent_without_endpoints_still_decodes():
+    """The wire stays compatible: a ``StatusReply`` from an agent before ``endpoints``."""
+    old = {"type": "StatusReply", "engine": "e", "pid": 7, "state": "running",
+           "is_restored": True, "generation": 0, "in_flight": 0, "kept": 0,
+           "released_tags": [], "registered_bytes": {}, "incarnation": 0,
+           "restored_from_image": False}
+    frames = [p.ReplyType.REPLY.value, msgspec.msgpack.encode({"call_id": 1, "result": old})]
+    reply = p.decode_reply(frames)
+    assert reply.result.pid == 7 and reply.result.endpoints == {}
+
+
+def test_host_pid_in_a_pid_namespace_of_its_own(tmp_path):
+    """Under ``unshare --pid --fork`` a process is PID 1 to itself; ``host_pid`` gives the PID
+    the host knows it by (``NSpid``'s first field, /proc being the host's)."""
+    import shutil
+    import subprocess
+    import sys
+
+    import psutil
+
+    from ckpt_controller.agent.incarnation import host_pid, parse_nspid
+
+    assert parse_nspid(b"Name:\tx\nNSpid:\t812\t1\n") == 812
+    assert parse_nspid(b"Name:\tx\n") is None
+    assert host_pid() == os.getpid()
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a PID namespace needs root and unshare")
+    marker = str(tmp_path / "nspid-marker")
+    code = ("import os, sys; from ckpt_controller.agent.incarnation import host_pid; "
+            "print(os.getpid(), host_pid(), flush=True); sys.stdin.read()")
+    with subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-c", code, marker],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            inside, host = map(int, proc.stdout.readline().split())
+            assert inside == 1
+            assert marker in " ".join(psutil.Process(host).cmdline())
+        finally:
+            proc.stdin.close()
+            proc.wait(timeout=10)
 
 
 def test_real_fingerprint_is_stable_in_one_process():

@@ -241,6 +241,15 @@ BAD = [
     ("[fleet]\netcd = \"http://x:1\"\nca_cert = \"/etc/hostname\"\n", "fleet.etcd",
      "need https://"),
     ("[fleet]\netcd = \"http://x:1\"\nnodes = \"n\"\n", "fleet.nodes", "did you mean 'node'"),
+    ("[fleet]\netcd = \"http://x:1\"\naddress = \"0.0.0.0\"\n", "fleet.address", "wildcard"),
+    ("[fleet]\netcd = \"http://x:1\"\naddress = \"::\"\n", "fleet.address", "wildcard"),
+    ("[fleet]\netcd = \"http://x:1\"\naddress = \"tcp://10.0.0.1\"\n", "fleet.address",
+     "IP address or a host name"),
+    ("[fleet]\netcd = \"http://x:1\"\naddress = \"a_b.example\"\n", "fleet.address",
+     "'a_b.example'"),
+    ("[fleet]\netcd = \"http://x:1\"\naddress = \"-x\"\n", "fleet.address", "'-x'"),
+    ("[fleet]\netcd = \"http://x:1\"\naddress = \"\"\n", "fleet.address", "non-empty"),
+    ("[fleet]\netcd = \"http://x:1\"\naddress = 1\n", "fleet.address", "non-empty string"),
     (engines('labels = { "a b" = "x" }'), "engine[0].labels", "at most 64 labels"),
     (engines('labels = { k = "-x" }'), "engine[0].labels", "starting and ending"),
     (engines('labels = { k = 1 }'), "engine[0].labels", "got {'k': 1}"),
@@ -268,6 +277,15 @@ def test_every_problem_names_the_key(tmp_path, text, key, problem):
     assert problem in err.details["problem"]
     assert key in err.message and problem in str(err)
     assert err.exit_code == 2
+
+
+@pytest.mark.parametrize("given", ["169.254.77.2", "fd00::2", "gpu-node-17.example.org", None])
+def test_the_fleet_address_is_an_ip_address_or_a_host_name(tmp_path, given):
+    import socket
+
+    line = "" if given is None else f'address = "{given}"\n'
+    cfg = load_config(write(tmp_path, f'[fleet]\netcd = "http://x:1"\n{line}'))
+    assert cfg.fleet.address == (given or socket.gethostname())
 
 
 def test_invalid_toml_says_where(tmp_path):

@@ -37,6 +37,28 @@ def parse_start_ticks(stat: bytes) -> int:
     return int(stat.rsplit(b")", 1)[1].split()[19])
 
 
+def parse_nspid(status: bytes) -> int | None:
+    """The first PID of ``/proc/<pid>/status``'s ``NSpid`` line: the PID in the namespace of
+    the procfs mount, the host's for a process started with ``unshare --pid --fork`` without
+    a /proc of its own (``os.getpid()`` is 1 there). ``None`` without the line (old kernels)."""
+    for line in status.splitlines():
+        if line.startswith(b"NSpid:"):
+            fields = line.split()[1:]
+            return int(fields[0]) if fields else None
+    return None
+
+
+def host_pid() -> int:
+    """This process's PID as the host sees it (see ``parse_nspid``); ``os.getpid()`` when
+    procfs does not say. Read it again after a restore from an image: the PID changes then."""
+    try:
+        # /proc/self/status is over 1 KiB and under 4 KiB: one read holds it
+        pid = parse_nspid(read_small("/proc/self/status"))
+    except (OSError, ValueError):  # policy: no procfs (or a strange one) -> our own view
+        pid = None
+    return pid if pid is not None else os.getpid()
+
+
 def current_fingerprint() -> Fingerprint:
     try:
         boot_id = read_small("/proc/sys/kernel/random/boot_id").decode().strip()

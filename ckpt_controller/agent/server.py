@@ -24,7 +24,6 @@ as it comes (see ``rpcserver``); the callers of one running operation are bounde
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections import OrderedDict
@@ -38,7 +37,7 @@ from ckpt_controller.agent.engine import EngineHooks, ExternalDrain, MemoryManag
 from ckpt_controller.agent.failpoints import Failpoints
 from ckpt_controller.security import CurveServer
 from ckpt_controller.agent.gate import AdmissionGate
-from ckpt_controller.agent.incarnation import IncarnationTracker
+from ckpt_controller.agent.incarnation import IncarnationTracker, host_pid
 from ckpt_controller.agent.operations import Operations
 from ckpt_controller.clock import Clock
 from ckpt_controller.errors import BusyError, CkptError, OperationError, OverloadedError
@@ -106,6 +105,7 @@ class Agent(RpcServer):
         failpoints: Failpoints | None = None,
         curve: CurveServer | None = None,
         generation: int = 0,
+        endpoints: dict[str, str] | None = None,
     ) -> None:
         """``drain``, ``engine_pid``, ``engine_alive`` and ``request_counts`` are for an agent
         that runs beside an engine it does not own (a sidecar): the engine drains itself, its
@@ -113,7 +113,9 @@ class Agent(RpcServer):
         ``engine_alive()`` is false so a controller sees the engine as gone, and
         ``request_counts()`` gives (in flight, kept) for ``status`` instead of the gate's.
         ``generation`` is where the count of completed cycles starts (a sidecar restarted
-        beside its engine carries on its predecessor's)."""
+        beside its engine carries on its predecessor's). ``endpoints`` are the engine's
+        other endpoints (``api``, ``http``) that ``status`` reports beside ``control``; the
+        engine may add to ``agent.endpoints`` until it starts the agent."""
         check_name(name)
         super().__init__(check_endpoint(control) if control else default_endpoint(name),
                          name=name, heartbeat_interval_s=heartbeat_interval_s, clock=clock,
@@ -134,7 +136,10 @@ class Agent(RpcServer):
             hooks=hooks or EngineHooks(), emit=self._emit, clock=self.clock, drain=drain,
             failpoints=self.failpoints,
         )
-        self.engine_pid = engine_pid or os.getpid()
+        #: our own PID (not a sidecar's engine): the host's, read again after a restore
+        self._own_pid = engine_pid is None
+        self.engine_pid = engine_pid or host_pid()
+        self.endpoints: dict[str, str] = dict(endpoints or {})
         self.engine_alive = engine_alive
         self.request_counts = request_counts
         self.incarnation = incarnation or IncarnationTracker()
@@ -191,6 +196,8 @@ class Agent(RpcServer):
 
     def on_tick(self) -> None:
         if self.incarnation.check():
+            if self._own_pid:  # restored from an image: the host gave us another PID
+                self.engine_pid = host_pid()
             log.warning("agent %s: process was restored from a checkpoint image "
                         "(incarnation %d)", self.name, self.incarnation.incarnation)
 
@@ -229,6 +236,7 @@ class Agent(RpcServer):
             restored_from_image=self.incarnation.restored_from_image,
             current_op=current.op_id if current else None,
             last_transition=_record(history[-1]) if history else None,
+            endpoints={**self.endpoints, "control": self.endpoint},
         )
 
     # ------------------------------------------------------------------ operations

@@ -1,7 +1,10 @@
 """``ckptctl engine serve``, ``ckptctl generate``, ``ckptctl load``: the reference engine.
 
+``generate`` and ``load`` reach an engine by its request endpoint (``--api``) or by its name
+in the fleet's registry (``--engine NAME`` with ``--etcd URL``, the global etcd flags, also
+accepted after the command): the client follows the engine when it moves to another node.
 Neighbours: ``engine.server``, ``engine.client`` and ``engine.load`` (imported when a command
-runs), ``cli.common``."""
+runs), ``cli.common``, ``cli.fleet_cmd`` (the etcd flags and client)."""
 
 from __future__ import annotations
 
@@ -72,8 +75,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     sp = sub.add_parser("generate", help="send one request to an engine, print its tokens", **fmt)
     sp.set_defaults(run=_generate)
-    sp.add_argument("--api", required=True, metavar="ENDPOINT",
-                    help="the engine's request API endpoint")
+    _add_target_args(sp)
     sp.add_argument("--prompt-ids", required=True, type=_ids, metavar="ID,ID,...",
                     help="the prompt as token ids")
     sp.add_argument("--max-tokens", required=True, type=count, metavar="N",
@@ -87,8 +89,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     sp = sub.add_parser("load", help="send requests at a rate; report how each ended", **fmt)
     sp.set_defaults(run=_load)
-    sp.add_argument("--api", required=True, metavar="ENDPOINT",
-                    help="the engine's request API endpoint")
+    _add_target_args(sp)
     sp.add_argument("--rate", required=True, type=rate,
                     help=f"requests per second (at most {values.MAX_RATE:.0f})")
     sp.add_argument("--duration", required=True, type=duration, metavar="S",
@@ -102,6 +103,33 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     help="how long to wait for the last requests to end (default 60)")
     sp.add_argument("--json", action="store_true",
                     help="one JSON document: counts, lost ids, a digest of the outputs")
+
+
+def _add_target_args(sp: argparse.ArgumentParser) -> None:
+    """``--api ENDPOINT`` or ``--engine NAME`` (through etcd); the global etcd flags again,
+    so that they may follow the command too (``SUPPRESS``: given before it, they stay)."""
+    target = sp.add_mutually_exclusive_group(required=True)
+    target.add_argument("--api", metavar="ENDPOINT", help="the engine's request API endpoint")
+    target.add_argument("--engine", metavar="NAME",
+                        help="the engine's name in the fleet's registry (needs --etcd): its "
+                             "published api endpoint, followed when the engine moves")
+    for flag, metavar in (("--etcd", "URL[,URL...]"), ("--etcd-ca", "FILE"),
+                          ("--etcd-cert", "FILE"), ("--etcd-key", "FILE"),
+                          ("--etcd-prefix", "PREFIX")):
+        sp.add_argument(flag, metavar=metavar, default=argparse.SUPPRESS,
+                        help=f"as `ckptctl {flag}` (given here or before the command)")
+
+
+def _connect(args: argparse.Namespace):
+    """The client ``--api`` or ``--engine`` names: ``UsageError`` (exit 2) for an engine not
+    in the registry or with no api endpoint, ``UnreachableError`` (exit 4) without etcd."""
+    from ckpt_controller.engine.client import EngineClient
+
+    if args.api is not None:
+        return EngineClient(args.api)
+    from ckpt_controller.cli.fleet_cmd import client
+
+    return EngineClient.for_engine(args.engine, etcd=client(args), prefix=args.etcd_prefix)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -122,9 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ckpt_controller.engine.client import EngineClient
-
-    with EngineClient(args.api) as client:
+    with _connect(args) as client:
         c = client.generate(args.prompt_ids, args.max_tokens, stop_token_id=args.stop_id,
                             timeout_s=args.timeout)
     if args.json:
@@ -145,7 +171,7 @@ def _load(args: argparse.Namespace) -> int:
               f"rejected {r.rejected}", file=sys.stderr)
 
     progress = show if sys.stderr.isatty() and not args.json else None
-    report, _ = run_load(args.api, rate=args.rate, duration_s=args.duration, seed=args.seed,
+    report, _ = run_load(lambda: _connect(args), rate=args.rate, duration_s=args.duration, seed=args.seed,
                          vocab_size=args.vocab_size, settle_s=args.settle, on_progress=progress)
     lost = None
     if report.lost:  # a request that never ended is the one failure load exists to catch

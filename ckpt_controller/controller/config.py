@@ -122,6 +122,9 @@ class FleetConfig:
     etcd: tuple[str, ...]
     #: the node's name in the fleet (default: the host's name)
     node: str
+    #: the address clients reach this node's engines at (an IP address or a host name;
+    #: default: the host's name): published in place of an endpoint's wildcard host
+    address: str = ""
     #: where the fleet's keys live in etcd
     prefix: str = "/ckpt"
     #: the node's lease: a node silent this long is gone, its engines' records say so
@@ -354,6 +357,7 @@ def _fleet(table: FleetTable, file: str, base: Path) -> FleetConfig:
                     f"starting with a letter or digit; got {node!r}"
                     + ("" if "node" in out else " (the host's name: give fleet.node)")) from None
     out["node"] = node
+    out["address"] = _address(out.get("address"), file)
     prefix = out.get("prefix", "/ckpt")
     if not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", prefix):
         raise error(file, "fleet.prefix", "must be a key path such as /ckpt (segments of "
@@ -383,6 +387,31 @@ def _migration(table, file: str, base: Path) -> MigrationConfig:
         raise error(file, "migration.shared_dir", "image_transport = \"shared\" needs the "
                     "folder both nodes see (shared_dir)")
     return MigrationConfig(**out)
+
+
+#: a host name: dot-separated labels of letters, digits and inner hyphens, 253 characters at most
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def _address(given: str | None, file: str) -> str:
+    """``fleet.address``: an IP address (not a wildcard) or a host name; default the host's
+    name (``socket.gethostname()``, whole: clients resolve it)."""
+    import ipaddress
+
+    address = given if given is not None else socket.gethostname()
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:  # policy: not an IP address: it must be a host name
+        ip = None
+    if ip is not None and ip.is_unspecified:
+        raise error(file, "fleet.address", f"{address!r} is a wildcard, not an address clients "
+                    "can reach: give this node's IP address or host name")
+    if ip is None and not _HOST_NAME.fullmatch(address):
+        raise error(file, "fleet.address", "must be an IP address or a host name (labels of "
+                    f"letters, digits and '-', joined by dots); got {address!r}"
+                    + ("" if given is not None else " (the host's name: give fleet.address)"))
+    return address
 
 
 def _check_etcd_url(url: str, file: str, key: str) -> None:

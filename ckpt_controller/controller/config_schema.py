@@ -129,6 +129,7 @@ class FleetTable(_Table):
 
     etcd: EtcdUrls
     node: Text | UnsetType = UNSET
+    address: Text | UnsetType = UNSET
     prefix: Text | UnsetType = UNSET
     lease_ttl_s: LeaseTtl | UnsetType = UNSET
     publish_interval_s: Seconds | UnsetType = UNSET

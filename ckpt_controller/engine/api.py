@@ -70,7 +70,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     step: int = 0
     #: on the final output: every output token of the request. Deltas sent just before a
     #: checkpoint can be lost with the connection (CRIU's --tcp-close); the end never is
-    #: (it is sent after restore), so a client ends with the whole output either way.
+    #: (it is sent after restore), so a client ends with the whole output either way. Also
+    #: on the answer to a resend of a request still running (not finished): every output
+    #: token so far, which replaces what the client has; the deltas follow it.
     token_ids: list[int] | None = None
 
 

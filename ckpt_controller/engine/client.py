@@ -2,34 +2,50 @@
 
 ``EngineClient`` submits requests and collects their streamed outputs over one DEALER;
 ``generate`` is the blocking one-request form (raises the engine's typed rejection). Every
-wait has a deadline. Until the engine is first heard from, ``contact.FirstContact`` watches
-the connection, so a missing socket file or a refused port is an ``UnreachableError`` within
-about a second; token ids, counts and timeouts are checked (``values``) before anything is
+wait has a deadline. ``move_to`` follows an engine to another endpoint (same ZMQ identity;
+every request without an end is sent again, and the engine answers each with its whole output
+so far or its end); ``for_engine`` finds an engine by name in the fleet's registry (etcd) and
+moves when the registry names another endpoint. Until the engine is first heard from,
+``contact.FirstContact`` watches the connection, so a missing socket file or a refused port
+is an ``UnreachableError`` within about a second; token ids, counts and timeouts are checked (``values``) before anything is
 sent. Neighbours: ``api`` (messages), ``load`` (many requests at a rate), ``contact``,
-``values`` (the limits), ``endpoints`` (endpoint checks).
+``values`` (the limits), ``endpoints`` (endpoint checks), ``fleet.registry`` (the engine's
+published endpoint; imported by ``for_engine`` only).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
 from ckpt_controller.contact import FirstContact
 from ckpt_controller.endpoints import check_endpoint
 from ckpt_controller.engine import api
-from ckpt_controller.errors import ConfigError, DeadlineError, OperationError
+from ckpt_controller.errors import (CkptError, ConfigError, DeadlineError, OperationError,
+                                    UnreachableError)
 from ckpt_controller.values import COUNT, DURATION, TOKEN_ID, check, check_optional
 from ckpt_controller.vocab import FinishReason
+
+if TYPE_CHECKING:
+    from ckpt_controller.fleet.etcd import Etcd
 
 
 #: outputs queued in this client before the engine's own queue takes over
 RCV_HWM = 1_000_000
 #: what to check when the engine cannot be reached at all
 UNREACHABLE_HINT = "is the engine running? check its request API endpoint (--api)"
+#: a followed engine (``for_engine``) silent this long while requests wait is looked up again
+FOLLOW_AFTER_S = 1.0
+
+log = logging.getLogger("ckpt_controller.engine")
 
 
 @dataclass
@@ -61,21 +77,27 @@ class Completion:
 class EngineClient:
     """``resend_after_s``: a request that got no answer at all (not even ``queued``) in that
     time is sent again with the same id, up to ``max_attempts`` times. A message in flight when
-    the engine was checkpointed and stopped is gone with the old connection; the engine ignores
-    a repeated id that it already has, so a resend never runs a request twice."""
+    the engine was checkpointed and stopped is gone with the old connection; the engine
+    answers a repeated id that it already has with the request's whole output so far (or its
+    end, when it ended recently), so a resend never runs a request twice.
+
+    ``locate``: where the engine is now (``for_engine`` gives one that reads the registry).
+    With it, when no output came for ``follow_after_s`` while requests wait, ``poll`` asks
+    again and ``move_to`` the endpoint it names when that is another one."""
 
     def __init__(self, endpoint: str, *, context: zmq.Context | None = None,
-                 resend_after_s: float = 2.0, max_attempts: int = 5) -> None:
+                 resend_after_s: float = 2.0, max_attempts: int = 5,
+                 locate: Callable[[], str] | None = None,
+                 follow_after_s: float = FOLLOW_AFTER_S) -> None:
         self.resend_after_s = resend_after_s
         self.max_attempts = max_attempts
+        self.follow_after_s = check(DURATION, follow_after_s, "follow_after_s")
         self.endpoint = check_endpoint(endpoint)
         self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, RCV_HWM)  # outputs wait here while we do not read
-        # a stable identity: when the engine comes back from a checkpoint image and we
-        # reconnect, the outputs of our kept requests still reach us
-        self._sock.setsockopt(zmq.ROUTING_ID, f"client-{uuid.uuid4().hex[:12]}".encode())
+        # a stable identity: when the engine comes back from a checkpoint image (or on
+        # another node) and we reconnect, the outputs of our requests still reach us
+        self.identity = f"client-{uuid.uuid4().hex[:12]}".encode()
+        self._sock = self._socket()
         self._contact = FirstContact(self._sock, self.endpoint, hint=UNREACHABLE_HINT)
         try:
             self._sock.connect(endpoint)
@@ -85,10 +107,123 @@ class EngineClient:
             raise ConfigError(f"cannot connect to {endpoint}: {exc}", endpoint=endpoint) from None
         self.requests: dict[str, Completion] = {}
         self._ids = itertools.count()
+        self._locate = locate
+        #: when anything last came from the engine, and when it was last looked up
+        self._heard_at = self._located_at = time.monotonic()
+        #: endpoints this client moved to, in order (``move_to``)
+        self.moves: list[str] = []
+        self._on_close: list[Callable[[], None]] = []
+        #: the engine's name when followed through the registry (``for_engine``)
+        self.engine: str | None = None
+        self._lookup_failed: str | None = None  # said once until it changes
+
+    @classmethod
+    def for_engine(cls, name: str, *, etcd: "str | Sequence[str] | Etcd", prefix: str = "/ckpt",
+                   ca_cert: Path | None = None, cert: Path | None = None,
+                   key: Path | None = None, timeout_s: float | None = None,
+                   **kwargs) -> "EngineClient":
+        """A client of the engine ``name`` wherever the fleet's registry says it is: the
+        ``api`` endpoint that ``<prefix>/engines/<name>`` publishes, looked up again when the
+        engine is silent while requests wait (``follow_after_s``), and followed when it names
+        another. ``etcd``: client URLs (a comma-separated string or a list), or an
+        ``fleet.etcd.Etcd`` (this client closes it); ``ca_cert``, ``cert``, ``key``: TLS;
+        ``timeout_s``: per etcd member and request. Raises
+        ``UsageError`` (not in the registry, no api endpoint published), ``ProtocolError``
+        (an unreadable record), ``UnreachableError`` (etcd unavailable: exit 4)."""
+        from ckpt_controller.endpoints import check_name
+        from ckpt_controller.fleet import registry  # the fleet layer: on this path only
+        from ckpt_controller.fleet.etcd import Etcd
+        from ckpt_controller.fleet.keys import Keys
+
+        check_name(name)
+        if isinstance(etcd, Etcd):
+            store = etcd
+        else:
+            urls = [u.strip() for u in etcd.split(",")] if isinstance(etcd, str) else list(etcd)
+            extra = {} if timeout_s is None else {"timeout_s": timeout_s}
+            store = Etcd([u for u in urls if u], ca_cert=ca_cert, cert=cert, key=key, **extra)
+        keys = Keys(prefix)
+        try:
+            client = cls(registry.engine_endpoint(store, keys, name, "api"),
+                         locate=lambda: registry.engine_endpoint(store, keys, name, "api"),
+                         **kwargs)
+        except BaseException:  # policy: nothing half made is left open; the error goes on
+            store.close()
+            raise
+        client.engine = name
+        client._on_close.append(store.close)
+        return client
+
+    def _socket(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)  # outputs wait here while we do not read
+        sock.setsockopt(zmq.ROUTING_ID, self.identity)
+        return sock
 
     def close(self) -> None:
         self._contact.detach()
         self._sock.close(linger=0)
+        for fn in self._on_close:
+            fn()
+        self._on_close.clear()
+
+    def move_to(self, endpoint: str) -> list[str]:
+        """Reconnect to ``endpoint`` (the engine moved there) with the same identity, and send
+        every request that has not ended again (same ids). Each one's tokens start again
+        from nothing: the engine answers a request it holds with its whole output so far (or
+        its end), and one it does not hold (a fresh engine) runs from the start. Returns the
+        ids sent again. An endpoint nobody serves is an ``UnreachableError`` from ``poll``
+        within about a second, as at the start."""
+        endpoint = check_endpoint(endpoint)
+        sock = self._socket()
+        contact = FirstContact(sock, endpoint, hint=UNREACHABLE_HINT)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:  # policy: a malformed endpoint is the caller's error
+            contact.detach()
+            sock.close(linger=0)
+            raise ConfigError(f"cannot connect to {endpoint}: {exc}", endpoint=endpoint) from None
+        self._contact.detach()
+        self._sock.close(linger=0)  # what the old engine still had queued for us is dropped
+        self._sock, self._contact, self.endpoint = sock, contact, endpoint
+        self.moves.append(endpoint)
+        now = time.monotonic()
+        self._heard_at = now
+        resent = []
+        for c in self.requests.values():
+            if c.ended or c.request is None:
+                continue
+            c.token_ids, c.steps, c.heard, c.sent_at = [], [], False, now
+            self._sock.send_multipart(api.encode(api.EngineRequestType.ADD.value, c.request))
+            resent.append(c.request_id)
+        return resent
+
+    def _follow(self, *, force: bool = False) -> bool:
+        """Look the engine up again when it has been silent for ``follow_after_s`` while
+        requests wait (or at once: ``force``), and move when it is elsewhere. True when this
+        client moved."""
+        if self._locate is None:
+            return False
+        now = time.monotonic()
+        if not force and (now - max(self._heard_at, self._located_at) < self.follow_after_s
+                          or all(c.ended for c in self.requests.values())):
+            return False
+        self._located_at = now
+        try:
+            endpoint = self._locate()
+        except CkptError as err:  # policy: the registry is away or says nothing new: stay
+            if str(err) != self._lookup_failed:
+                self._lookup_failed = str(err)
+                log.warning("engine client: looking engine %s up again failed (%s); staying "
+                            "on %s", self.engine or "?", err, self.endpoint)
+            return False
+        self._lookup_failed = None
+        if endpoint == self.endpoint:
+            return False
+        log.info("engine client: the engine moved from %s to %s", self.endpoint, endpoint)
+        self.move_to(endpoint)
+        return True
 
     def engine_lost(self, reason: str) -> list[str]:
         """The engine process died: every request without an end ends now with finish reason
@@ -102,10 +237,8 @@ class EngineClient:
                 ended.append(c.request_id)
         old = self._sock
         self._contact.detach()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, RCV_HWM)
-        self._sock.setsockopt(zmq.ROUTING_ID, f"client-{uuid.uuid4().hex[:12]}".encode())
+        self.identity = f"client-{uuid.uuid4().hex[:12]}".encode()
+        self._sock = self._socket()
         self._contact.attach(self._sock)
         self._sock.connect(self.endpoint)
         old.close(linger=0)
@@ -152,6 +285,7 @@ class EngineClient:
         def take_all() -> None:
             while self._sock.poll(0, zmq.POLLIN):
                 frames = self._sock.recv_multipart()
+                self._heard_at = time.monotonic()
                 if not self._contact.settled:
                     self._contact.heard()
                 c = self._take(api.decode_reply(frames))
@@ -159,8 +293,15 @@ class EngineClient:
                     ended.append(c)
 
         take_all()  # what already arrived first: a request is unheard only if nothing came
+        self._follow()
         self._resend_unheard()
-        if self._contact.poll(timeout_s):  # UnreachableError when nobody serves the endpoint
+        try:
+            ready = self._contact.poll(timeout_s)  # UnreachableError: nobody serves it
+        except UnreachableError:
+            if not self._follow(force=True):  # policy: a followed engine may have moved
+                raise
+            ready = self._contact.poll(timeout_s)
+        if ready:
             take_all()
         return ended
 
@@ -173,18 +314,21 @@ class EngineClient:
         if isinstance(msg, api.RequestRejected):
             c.rejected, c.ended_at = msg, now
             return c
-        if msg.new_token_ids and c.first_token_at is None:
+        if (msg.new_token_ids or msg.token_ids) and c.first_token_at is None:
             c.first_token_at = now
-        c.token_ids.extend(msg.new_token_ids)
+        if msg.token_ids is not None:
+            # the whole output so far (an end, or the answer to a resend): it replaces what
+            # we have, so deltas lost with a connection are repaired
+            if msg.finished:
+                c.repaired = c.token_ids + list(msg.new_token_ids) != msg.token_ids
+            c.token_ids = list(msg.token_ids)
+        else:
+            c.token_ids.extend(msg.new_token_ids)
         if msg.new_token_ids:
             c.steps.append(msg.step)
         c.events.extend(msg.events)
         if msg.finished:
             c.finish_reason, c.error, c.ended_at = msg.finish_reason, msg.error, now
-            if msg.token_ids is not None:
-                # the end carries the whole output: deltas lost with a connection are repaired
-                c.repaired = c.token_ids != msg.token_ids
-                c.token_ids = list(msg.token_ids)
         return c
 
     def generate(self, prompt: list[int], max_tokens: int, *, stop_token_id: int | None = None,

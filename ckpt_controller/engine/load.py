@@ -77,7 +77,7 @@ def prompt_for(seed: int, index: int, vocab_size: int) -> tuple[list[int], int]:
 
 
 def run_load(
-    endpoint: str,
+    endpoint: str | Callable[[], EngineClient],
     *,
     rate: float,
     duration_s: float,
@@ -93,7 +93,8 @@ def run_load(
     vocab_size = check(COUNT, vocab_size, "vocab_size")
     report = LoadReport()
     control = control or LoadControl()
-    with EngineClient(endpoint) as client:
+    # an endpoint, or what makes the client (``EngineClient.for_engine``: follow an engine)
+    with (EngineClient(endpoint) if isinstance(endpoint, str) else endpoint()) as client:
         start = time.monotonic()
         # exactly rate x duration requests, the i-th at start + i / rate: two runs send the
         # same ones (an accumulated float interval could squeeze one more in before the end)

@@ -16,7 +16,10 @@ engine's ``EngineHooks`` map the agent's drain and pause/resume calls onto the s
 cache-free path (``TinyLM.forced_tokens``: the weights) and through blocks of the re-woken
 KV pool (``TinyLM.paged_forced``: the path requests take), each on the prompt and its greedy
 continuation taken at start, so one pass checks every token (teacher forcing). After a flood was shed, the heap
-gives back what it left free (``trim_heap``).
+gives back what it left free (``trim_heap``). A request sent again with an id the engine holds
+(a client that reconnected, e.g. after the engine moved to another node) keeps its one run and
+is answered with its whole output so far; one that ended recently (``RecentEnds``) with its
+end again.
 Neighbours: ``scheduler``, ``model``, ``kv``, ``api``; ``agent`` (embedded), ``memory`` (the
 ``MemoryRegistry`` holding ``weights`` and ``kv_cache``), ``zmqutil`` (``Outbox``, ``guarded``).
 """
@@ -29,6 +32,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +82,54 @@ READ_BUDGET = 256
 #: once requests were shed and then none was for this long (the flood is over), the C heap
 #: gives back what the flood left free (``trim_heap``)
 TRIM_AFTER_QUIET_S = 1.0
+#: the ends of at most this many recently ended requests are kept for resends (encoded: a few
+#: bytes per token, so at most a few tens of MiB with the largest models' outputs)
+RECENT_ENDS = 4096
+#: ... each for this long at most
+RECENT_END_AGE_S = 600.0
+
+
+def signature(prompt: list[int], max_tokens: int, stop_token_id: int | None,
+              arrival_time: float) -> int:
+    """What tells a resend (the same request, sent again: a client resends the message it
+    sent, ``arrival_time`` included) from another request under an id used before (``ckptctl
+    load`` names its requests after its seed). ``hash`` of ints, floats and None is the same
+    in every process, so it holds across a restore from an image."""
+    return hash((tuple(prompt), max_tokens, stop_token_id, arrival_time))
+
+
+class RecentEnds:
+    """The final outputs of recently ended requests, as encoded frames, by request id: a
+    client that reconnects (to this engine restored on another node, say) and sends the same
+    request again (its ``signature``) gets its end again. Bounded: at most ``max_count``,
+    none older than ``max_age_s``. Written by the scheduler thread, read by the API thread
+    too (hence the lock)."""
+
+    def __init__(self, max_count: int = RECENT_ENDS, max_age_s: float = RECENT_END_AGE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_count, self.max_age_s, self._clock = max_count, max_age_s, clock
+        self._ends: OrderedDict[str, tuple[float, int, list[bytes]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, request_id: str, sig: int, frames: list[bytes]) -> None:
+        now = self._clock()
+        with self._lock:
+            self._ends.pop(request_id, None)
+            self._ends[request_id] = (now, sig, frames)
+            while self._ends and (len(self._ends) > self.max_count
+                                  or now - next(iter(self._ends.values()))[0] > self.max_age_s):
+                self._ends.popitem(last=False)
+
+    def get(self, request_id: str, sig: int) -> list[bytes] | None:
+        """The end of this request (id and signature), if it ended recently."""
+        with self._lock:
+            found = self._ends.get(request_id)
+        if found is None or found[1] != sig or self._clock() - found[0] > self.max_age_s:
+            return None
+        return found[2]
+
+    def __len__(self) -> int:
+        return len(self._ends)
 
 
 def _malloc_trim():
@@ -125,6 +177,11 @@ class ReferenceEngine(EngineHooks):
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._api_sock: zmq.Socket | None = None
+        self.api_endpoint = opts.api
+        #: ends of recently ended requests, for a client's resend (``RecentEnds``)
+        self.ends = RecentEnds()
+        #: the ``signature`` of every request held, until its end is kept (scheduler thread)
+        self._signatures: dict[str, int] = {}
         #: requests shed since the heap was last trimmed (API thread)
         self._shed = 0
 
@@ -145,6 +202,9 @@ class ReferenceEngine(EngineHooks):
         # what is over the limit is dropped by zmq while it arrives, never buffered whole
         self._api_sock.setsockopt(zmq.MAXMSGSIZE, api.MAX_MESSAGE_BYTES)
         self._api_sock.bind(self.opts.api)
+        # as bound (a port 0 resolved), wildcard hosts kept: the agent reports it in status
+        self.api_endpoint = self._api_sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.agent.endpoints["api"] = self.api_endpoint
         self.agent.start()
         for target, name in ((self._schedule_loop, "sched"), (self._api_loop, "api")):
             t = threading.Thread(target=guarded(target, f"engine-{name}",
@@ -157,7 +217,7 @@ class ReferenceEngine(EngineHooks):
     def info(self) -> dict:
         cfg = self.model.cfg
         return {"event": "ready", "name": self.opts.name, "pid": os.getpid(),
-                "api": self.opts.api, "control": self.agent.endpoint,
+                "api": self.api_endpoint, "control": self.agent.endpoint,
                 "weights": str(self.weights_path), "weight_bytes": cfg.weight_bytes(),
                 "kv_bytes": self.pool.kv.nbytes, "vocab_size": cfg.vocab_size,
                 "max_seq_len": cfg.max_seq_len, "dtype": cfg.dtype,
@@ -236,6 +296,10 @@ class ReferenceEngine(EngineHooks):
             return
         try:
             self._validate(msg)
+            end = self.ends.get(msg.request_id, _signature_of(msg))
+            if end is not None:  # a resend of a request that ended: its end again, no run
+                self._outbox.send([client, *end])
+                return
             self.scheduler.submit_add(msg.request_id, lambda: self._admit(client, msg))
         except OverloadedError as err:  # policy: shed at once, typed; nothing of it ran
             # a resend of a request we already have (a membership test of the scheduler's
@@ -249,8 +313,25 @@ class ReferenceEngine(EngineHooks):
 
     def _admit(self, client: bytes, msg: api.EngineRequest) -> None:
         """On the scheduler thread: admitted and queued as one step, so a drain sees both."""
-        if self.scheduler.find(msg.request_id) is not None:
-            return  # a client's resend of a request we already have: it keeps its one run
+        req = self.scheduler.find(msg.request_id)
+        sig = _signature_of(msg)
+        if req is not None:
+            if self._signatures.get(req.request_id) != sig:
+                self._reject(client, msg.request_id, UsageError(
+                    "the request id is in use by another request", request_id=msg.request_id))
+                return
+            # a client's resend of a request we already have (it reconnected): it keeps its
+            # one run; its outputs go to the sender from now on, first the whole output so far
+            # (``token_ids``), in order with the deltas (both leave from this thread)
+            req.client = client
+            self._emit(client, api.RequestOutput(request_id=req.request_id,
+                                                 token_ids=list(req.output),
+                                                 step=self.scheduler.steps))
+            return
+        end = self.ends.get(msg.request_id, sig)
+        if end is not None:  # it ended since the API thread looked
+            self._outbox.send([client, *end])
+            return
         try:
             self.agent.gate.admit(msg.request_id)
         except CkptError as err:  # policy: not RUNNING (or a duplicate id): typed answer
@@ -262,6 +343,7 @@ class ReferenceEngine(EngineHooks):
                 f"engine {self.opts.name} failed to admit the request: {exc!r}",
                 request_id=msg.request_id))
             return
+        self._signatures[msg.request_id] = sig
         self.scheduler.add(Request(msg.request_id, list(msg.prompt_token_ids), msg.max_tokens,
                                    msg.stop_token_id, msg.arrival_time, client))
 
@@ -284,7 +366,12 @@ class ReferenceEngine(EngineHooks):
                              tokens=len(msg.prompt_token_ids), max_seq_len=cfg.max_seq_len)
 
     def _emit(self, client: bytes, out: api.RequestOutput) -> None:
-        self._outbox.send([client, *api.encode(api.EngineReplyType.OUTPUT.value, out)])
+        frames = api.encode(api.EngineReplyType.OUTPUT.value, out)
+        if out.finished:  # kept for a resend (scheduler thread: before the client can see it)
+            sig = self._signatures.pop(out.request_id, None)
+            if sig is not None:
+                self.ends.put(out.request_id, sig, frames)
+        self._outbox.send([client, *frames])
 
     def _reject(self, client: bytes, request_id: str, err: CkptError) -> None:
         rej = api.RequestRejected(request_id=request_id, kind=err.kind, message=err.message,
@@ -341,6 +428,10 @@ class ReferenceEngine(EngineHooks):
             raise VerificationError("golden prompt through the KV cache gives other tokens "
                                     "after re-wake", engine=self.opts.name, path="kv_cache",
                                     expected=self.golden_paged, got=paged)
+
+
+def _signature_of(msg: api.EngineRequest) -> int:
+    return signature(msg.prompt_token_ids, msg.max_tokens, msg.stop_token_id, msg.arrival_time)
 
 
 def serve(opts: EngineOptions, ready: Callable[[dict], None] | None = None) -> None:

@@ -44,6 +44,31 @@ TXN_ENGINES = 60
 SAFETY_S = 2.0
 
 
+#: hosts an endpoint binds to for every address: clients cannot reach the engine there
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", "[::]"})
+
+
+def published_endpoints(endpoints: dict[str, str], control: str, address: str) -> dict[str, str]:
+    """What an engine record publishes: the agent's endpoints (``StatusReply.endpoints``),
+    each tcp:// one bound to a wildcard host given this node's ``[fleet] address`` instead;
+    ``control`` (the configured one) when the agent names none (an older agent, or none
+    reached)."""
+    out = {kind: reachable_at(endpoint, address) for kind, endpoint in endpoints.items()}
+    out.setdefault("control", control)
+    return out
+
+
+def reachable_at(endpoint: str, address: str) -> str:
+    """``endpoint`` with a wildcard host (0.0.0.0, *, ::) replaced by ``address`` (an IPv6
+    address in brackets); any other endpoint as it is."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or host not in WILDCARD_HOSTS:
+        return endpoint
+    return f"tcp://{f'[{address}]' if ':' in address else address}:{port}"
+
+
 class FleetNode:
     def __init__(self, config: ControllerConfig, status: Callable[[list[str]], object],
                  last_op: Callable[[str], str | None] = lambda name: None,
@@ -318,7 +343,9 @@ class FleetNode:
             engine=view.engine, node=self.fleet.node, state=s.state if s else None,
             generation=s.generation if s else None, holder=view.holder,
             last_op=self._last_ops.get(view.engine), labels=dict(eng.labels),
-            endpoints={"control": eng.control}, reachable=view.reachable,
+            endpoints=published_endpoints(s.endpoints if s else {}, eng.control,
+                                          self.fleet.address),
+            reachable=view.reachable,
             pid=s.pid if s else None, since=last.wall if last is not None else None,
             updated=time.time())
 

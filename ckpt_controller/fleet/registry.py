@@ -2,14 +2,17 @@
 
 ``read`` takes one consistent snapshot (two ranges, nodes and engines, at one revision) and
 joins them: an engine whose node has no live record (its lease expired, or it stopped) is
-shown with ``node_up`` false and its last known state. Neighbours: ``keys`` (the records),
-``etcd`` (the client), ``cli.fleet_cmd`` (the tables and JSON).
+shown with ``node_up`` false and its last known state. ``engine_endpoint`` reads one engine's
+published endpoint (``EngineClient.for_engine`` follows an engine by name with it).
+Neighbours: ``keys`` (the records), ``etcd`` (the client), ``cli.fleet_cmd`` (the tables and
+JSON), ``engine.client`` (follows an engine).
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from ckpt_controller.errors import ProtocolError, UsageError
 from ckpt_controller.fleet.etcd import Etcd, prefix_end, _b64
 from ckpt_controller.fleet.keys import (
     SCHEMA,
@@ -71,3 +74,32 @@ def _readable(kvs, decode, unreadable: dict[str, str]) -> list:
             continue
         out.append(rec)
     return out
+
+
+def engine_endpoint(client: Etcd, keys: Keys, engine: str, kind: str = "api") -> str:
+    """The endpoint of ``kind`` (``api``, ``control``) that ``engines/<engine>`` publishes:
+    where the engine is reached now (its owner writes it, the node's ``[fleet] address`` in
+    place of a wildcard host). ``UsageError`` when the engine is not in the registry or
+    publishes no such endpoint, ``ProtocolError`` for a record this ckptctl cannot read,
+    ``UnreachableError`` (exit 4) when etcd is unavailable."""
+    key = keys.engine(engine)
+    kv = client.get(key)
+    if kv is None:
+        raise UsageError(f"engine {engine} is not in the fleet's registry ({key} is absent)",
+                         engine=engine, key=key)
+    try:
+        rec = decode_engine(kv.value)
+    except msgspec.DecodeError as err:  # policy: damaged: said, with the key to look at
+        raise ProtocolError(f"engine {engine}'s record in etcd cannot be read: {err}",
+                            engine=engine, key=key) from None
+    if rec.schema > SCHEMA:
+        raise ProtocolError(f"engine {engine}'s record has schema {rec.schema}, newer than "
+                            f"this ckptctl's {SCHEMA}", engine=engine, key=key)
+    endpoint = rec.endpoints.get(kind)
+    if not endpoint:
+        raise UsageError(f"engine {engine} publishes no {kind} endpoint (it publishes: "
+                         f"{', '.join(sorted(rec.endpoints)) or 'none'}; its node "
+                         f"{rec.node} may run an older ckpt-controller, or the engine has "
+                         f"no {kind})", engine=engine, node=rec.node, kind=kind,
+                         published=sorted(rec.endpoints))
+    return endpoint

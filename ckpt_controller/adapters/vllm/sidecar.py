@@ -569,7 +569,7 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
                   request_counts=engine.request_counts,
                   heartbeat_interval_s=heartbeat_interval_s, curve=curve,
                   incarnation=IncarnationTracker(EngineFingerprint(pid)),
-                  generation=state.state.generation)
+                  generation=state.state.generation, endpoints={"http": http.url})
     agent.lifecycle.subscribe(lambda t: _keep_generation(state, t.generation))
     # never claim RUNNING for an engine that is not serving: FAILED says why, and a restore
     # (recovery) resumes and wakes it
