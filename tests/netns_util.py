@@ -93,6 +93,53 @@ class Namespaces:
         ip("-n", ns, "link", "set", ns_if, "up")
         return root_addr, ns_addr
 
+    def segment(self, switch: str, members: dict[str, str], root_if: str | None = None,
+                prefix: int = 28) -> dict[str, str]:
+        """One link-local segment joining ``members`` (namespace -> its end's interface
+        name) and, with ``root_if``, the root namespace: a bridge in namespace ``switch``
+        (made here) with a veth pair to each, all on one free /``prefix`` of ``BLOCK``, so
+        every member reaches every other one (a node's page server, its engines) and the
+        root namespace reaches them all. Returns each member's address (the root's under
+        ``"root"``)."""
+        self.add(switch)
+        ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", switch, "link", "set", "br0", "up")
+        with open(_ROOT_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            taken = {ipaddress.ip_interface(word).ip for line in
+                     ip("-4", "-o", "addr", "show").splitlines()
+                     for word in line.split()[3:4]}
+            subnets = list(BLOCK.subnets(new_prefix=prefix))
+            start = os.getpid() % len(subnets)
+            free = next((net for net in subnets[start:] + subnets[:start]
+                         if not any(addr in net for addr in taken)), None)
+            assert free is not None, f"every /{prefix} of {BLOCK} is in use"
+            hosts = iter(str(h) for h in free.hosts())
+            addresses = {}
+            ends = list(members.items()) + ([("root", root_if)] if root_if else [])
+            for i, (ns, ifname) in enumerate(ends):
+                peer = f"{ifname[:12]}s{i}"
+                ip("link", "add", ifname, "type", "veth", "peer", "name", peer)
+                ip("link", "set", peer, "netns", switch)
+                ip("-n", switch, "link", "set", peer, "master", "br0")
+                ip("-n", switch, "link", "set", peer, "up")
+                addr = addresses[ns] = next(hosts)
+                if ns == "root":
+                    self.root_links.append(ifname)
+                    ip("addr", "add", f"{addr}/{prefix}", "dev", ifname)
+                    ip("link", "set", ifname, "up")
+                else:
+                    ip("link", "set", ifname, "netns", ns)
+                    ip("-n", ns, "addr", "add", f"{addr}/{prefix}", "dev", ifname)
+                    ip("-n", ns, "link", "set", ifname, "up")
+        return addresses
+
+    def enter(self, ns: str) -> list[str]:
+        """The command prefix that runs a command in ``ns``'s network namespace only (the
+        host's mount namespace stays: CRIU, run by a process there, needs it; ``ip netns
+        exec`` makes a mount namespace of its own)."""
+        return ["nsenter", f"--net=/run/netns/{ns}"]
+
     def exec_in(self, ns: str) -> list[str]:
         """The command prefix that runs a command in ``ns`` (``ip netns exec`` execs it: the
         child's PID is the command's own)."""

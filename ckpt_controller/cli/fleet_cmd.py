@@ -107,6 +107,98 @@ def _add_operations(fsub, fmt: dict) -> None:
             sp.add_argument("--image", metavar="OP_ID", type=arg_type(OP_ID),
                             help="restore the image this node-local operation id dumped")
         sp.set_defaults(run=_operation, op=kind)
+    m = fsub.add_parser("migrate", help="move a RUNNING engine to another node with CRIU "
+                        "(docs/fleet.md, Migration)", **fmt)
+    m.add_argument("engine", metavar="ENGINE", help="the engine's name")
+    m.add_argument("--to", required=True, metavar="NODE", help="the node it moves to")
+    m.add_argument("--drain", choices=["keep", "wait", "abort"],
+                   help="in-flight requests: kept and finished on the target (keep), finished "
+                        "first (wait) or ended now (abort); default: the source node's")
+    m.add_argument("--drain-timeout", type=arg_type(DURATION), metavar="S",
+                   help="how long a wait drain may take (default: the source node's)")
+    m.add_argument("--deadline", type=arg_type(DURATION), metavar="S",
+                   help="overall deadline of each node-local step (default: each node's own)")
+    m.add_argument("--op-id", type=arg_type(OP_ID),
+                   help="operation id; repeating it follows the first migration")
+    m.add_argument("--json", action="store_true", help="print one JSON document")
+    m.set_defaults(run=_migrate)
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    import uuid
+
+    import msgspec
+
+    from ckpt_controller.fleet import migration
+    from ckpt_controller.fleet.keys import Keys
+
+    keys = Keys(args.etcd_prefix)
+    params = {k: v for k, v in (("drain", args.drain), ("drain_timeout_s", args.drain_timeout),
+                                ("deadline_s", args.deadline)) if v is not None}
+    op_id = args.op_id or f"fleet-migrate-{uuid.uuid4().hex[:12]}"
+    with client(args) as c:
+        submitted = False
+        try:
+            migration.submit(c, keys, op_id=op_id, engine=args.engine, to=args.to,
+                             params=params)
+            submitted = True
+            if not args.json:
+                print(f"fleet migrate {op_id}: {args.engine} to {args.to}", file=sys.stderr)
+            op, mig = _follow_migration(c, keys, op_id, progress=not args.json)
+        except KeyboardInterrupt:
+            print(f"ckptctl: interrupted; migration {op_id} "
+                  + ("goes on" if submitted else "may be recorded and then goes on")
+                  + f" (follow it with --op-id {op_id}, or see ckptctl fleet status)",
+                  file=sys.stderr)
+            return 130
+        except UnreachableError as err:
+            if not submitted:
+                raise
+            raise UnreachableError(
+                f"{err.message}; migration {op_id} stays recorded and goes on when etcd is "
+                f"back (follow it with the same --op-id)", op_id=op_id, **err.details) from None
+    if args.json:
+        print_json({"version": 1, "op": msgspec.to_builtins(op),
+                    "migration": msgspec.to_builtins(mig)})
+    else:
+        where = {"moved": f"RUNNING on {mig.target}", "stayed": f"RUNNING on {mig.source}",
+                 "lost": "lost (the engine died)", "failed": "not RUNNING"}.get(mig.outcome, "")
+        print(f"fleet migrate {op.op_id}: {op.status}: {mig.engine} {mig.outcome}, {where}"
+              + (f" ({mig.error})" if mig.error else ""))
+    if mig.outcome == "moved":
+        return 0
+    return 4 if mig.outcome == "lost" else 1
+
+
+def _follow_migration(c, keys, op_id: str, progress: bool, every_s: float = 0.2):
+    """Wait for migration ``op_id`` to end: (its operation, its record); prints each step's
+    start and end on stderr with ``progress``."""
+    from ckpt_controller.fleet import migration, ops
+
+    start = time.monotonic()
+    said: set[tuple] = set()
+    while True:
+        op = ops.read_op(c, keys, op_id)
+        mig, _ = migration.read(c, keys, op_id)
+        if op is None or mig is None:
+            raise UsageError(f"no migration {op_id}", op_id=op_id)
+        if progress:
+            for end in mig.done:
+                key = (end.step, end.status, end.ended)
+                if key not in said:
+                    said.add(key)
+                    took = f" in {end.ended - end.started:.2f}s" if end.started else ""
+                    why = f": {end.error}" if end.error else ""
+                    print(f"[{time.monotonic() - start:6.1f}s] {end.step} on {end.node}: "
+                          f"{end.status}{took}{why}", file=sys.stderr, flush=True)
+            if mig.started and ("start", mig.step, mig.step_started) not in said:
+                said.add(("start", mig.step, mig.step_started))
+                node = mig.source if migration.RUNS_ON[mig.step] == "source" else mig.target
+                print(f"[{time.monotonic() - start:6.1f}s] {mig.step} on {node} ...",
+                      file=sys.stderr, flush=True)
+        if op.status != "running":
+            return op, mig
+        time.sleep(every_s)
 
 
 def _max_unavailable(text: str) -> tuple[int, bool]:

@@ -92,7 +92,8 @@ class ControllerServer(RpcServer):
             from ckpt_controller.fleet.node import FleetNode
 
             self.fleet = FleetNode(self.config, self.controller.status,
-                                   self.controller.last_op, self.controller.start)
+                                   self.controller.last_op, self.controller.start,
+                                   controller=self.controller)
             self.controller.guard = FleetGuard(self.fleet)
             self.fleet.start()
         return self

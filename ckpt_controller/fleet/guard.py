@@ -63,6 +63,13 @@ class FleetGuard:
             log.warning("fleet: %s %s runs without fleet locks: %s (local guarantees only)",
                         kind, op_id, err)
 
+    def before_resume(self, op_id: str, engine: str):
+        """What a restore calls between re-wake and re-admission: a migration's restore on
+        its target takes the engine over there (``migration``); others: None."""
+        if self.node.migration is None:
+            return None
+        return self.node.migration.before_resume(op_id, engine)
+
     def free(self, op_id: str, kind: str, engines: list[str], result) -> None:
         n = self.node
         if n.lease is None or not n.available or n.is_fleet_part(op_id):

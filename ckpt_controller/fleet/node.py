@@ -72,7 +72,7 @@ def reachable_at(endpoint: str, address: str) -> str:
 class FleetNode:
     def __init__(self, config: ControllerConfig, status: Callable[[list[str]], object],
                  last_op: Callable[[str], str | None] = lambda name: None,
-                 start: Callable | None = None) -> None:
+                 start: Callable | None = None, controller=None) -> None:
         assert config.fleet is not None
         self.config = config
         self.fleet = config.fleet
@@ -88,10 +88,12 @@ class FleetNode:
         #: engines this node owns in etcd (claimed), and those another node owns
         self.owned: set[str] = set()
         self.conflicts: dict[str, str] = {}
+        self._said_conflict: dict[str, str] = {}  # each conflict is logged once
         #: what etcd holds of each owned engine, as this node last wrote it
         self._written: dict[str, tuple] = {}
         self._last_ops: dict[str, str | None] = {}
         self._moved: dict[str, tuple] = {}  # engine -> its last transition seen (wall, gen)
+        self._endpoints: dict[str, dict] = {}  # engine -> the endpoints its agent last said
         self._stop = threading.Event()
         self._nudge = threading.Event()
         self._thread: threading.Thread | None = None
@@ -104,6 +106,13 @@ class FleetNode:
         self._running_lock = threading.Lock()
         self.coordinator = fops.Coordinator(self.etcd, self.keys)
         self.is_coordinator = False
+        #: runs the migration steps this node's inbox holds (``migration``): with the
+        #: controller, which it asks to adopt and give away engines
+        self.migration = None
+        if controller is not None:
+            from ckpt_controller.fleet.migration import NodeMigration
+
+            self.migration = NodeMigration(self, controller)
         #: what the watches saw change since it was last looked at (the rounds look at each
         #: anyway every ``SAFETY_S``, in case a watch missed something)
         self._woken = {"inbox": True, "ops": True, "coordinator": True}
@@ -226,10 +235,23 @@ class FleetNode:
         if self.lease is None:
             self.register()
         names = [eng.name for eng in self.config.engines]
-        unclaimed = [n for n in names if n not in self.owned and n not in self.conflicts]
+        for name in (self.owned | set(self.conflicts)) - set(names):  # given away
+            self.owned.discard(name)
+            self.conflicts.pop(name, None)
+            self._written.pop(name, None)
+            self._endpoints.pop(name, None)
+        # an engine migrating to or from here is claimed by the migration's own transactions
+        moving = (self.migration.arriving | self.migration.leaving
+                  if self.migration is not None else set())
+        if self.rounds % 8 == 0:  # another node's engine now and then: it may have gone
+            self.conflicts.clear()
+        unclaimed = [n for n in names if n not in self.owned and n not in self.conflicts
+                     and n not in moving]
         if unclaimed:
             self.claim(unclaimed)
         self.publish([n for n in names if n in self.owned])
+        if self.migration is not None and self.rounds % 8 == 0:
+            self.migration.settle()  # migrations that ended while this node was away
         self.fleet_work()
 
     def fleet_work(self) -> None:
@@ -293,12 +315,15 @@ class FleetNode:
                                      [e.get_op(key)])
             owner = me if ok else (resp[0]["kvs"][0].value.decode() if resp[0]["kvs"] else None)
             if owner == me:
+                self._said_conflict.pop(name, None)
                 self.owned.add(name)
                 self._last_ops.setdefault(name, self._last_op_of(name))
             elif owner is not None:
+                if self._said_conflict.get(name) != owner:
+                    log.error("fleet: engine %s is registered by node %s; this node does not "
+                              "publish it (engine names are unique in the fleet)", name, owner)
+                self._said_conflict[name] = owner
                 self.conflicts[name] = owner
-                log.error("fleet: engine %s is registered by node %s; this node does not "
-                          "publish it (engine names are unique in the fleet)", name, owner)
 
     def publish(self, names: list[str]) -> None:
         if not names:
@@ -339,12 +364,17 @@ class FleetNode:
             # the engine moved since the last look: the journal names what moved it
             self._moved[view.engine] = (last.wall, last.generation)
             self._last_ops[view.engine] = self._last_op_of(view.engine)
+        if s is not None and s.endpoints:
+            self._endpoints[view.engine] = dict(s.endpoints)
+        # an agent out of reach (stopped for a dump, say) keeps the endpoints it last had:
+        # clients following the engine still know where to ask
+        said = s.endpoints if s is not None and s.endpoints else self._endpoints.get(
+            view.engine, {})
         return EngineRecord(
             engine=view.engine, node=self.fleet.node, state=s.state if s else None,
             generation=s.generation if s else None, holder=view.holder,
             last_op=self._last_ops.get(view.engine), labels=dict(eng.labels),
-            endpoints=published_endpoints(s.endpoints if s else {}, eng.control,
-                                          self.fleet.address),
+            endpoints=published_endpoints(said, eng.control, self.fleet.address),
             reachable=view.reachable,
             pid=s.pid if s else None, since=last.wall if last is not None else None,
             updated=time.time())
@@ -405,6 +435,15 @@ class FleetNode:
                 if task.local_op in self._running:
                     continue
                 self._running[task.local_op] = (task, kv.create_revision)
+            if task.kind.startswith("migrate-"):
+                if self.migration is None:
+                    log.error("fleet: %s needs a node controller that runs migrations",
+                              task.kind)
+                    continue
+                log.info("fleet: migration %s of %s: %s starts here", task.op_id,
+                         task.engine, task.kind.removeprefix("migrate-"))
+                self.migration.run(task, kv.create_revision, self._migration_step_done)
+                continue
             try:
                 cmd = msgspec.convert(dict(task.params, call_id=0, op_id=task.local_op,
                                            kind=task.kind, engines=[task.engine]),
@@ -420,10 +459,21 @@ class FleetNode:
                 self._local_done(task.local_op, err)
 
     def is_fleet_part(self, local_op: str) -> bool:
-        """Whether ``local_op`` is a fleet operation's part running here (the coordinator
-        took its lock and its place in ``unavailable`` for it)."""
+        """Whether ``local_op`` is a fleet operation's part running here, or one of the
+        node-local operations of a migration step running here (the coordinator took its
+        lock and its place in ``unavailable`` for it)."""
+        from ckpt_controller.fleet.migration import local_ids
+
         with self._running_lock:
-            return local_op in self._running
+            if local_op in self._running:
+                return True
+            return any(local_op in local_ids(t.op_id, t.engine).values()
+                       for t, _ in self._running.values() if t.kind.startswith("migrate-"))
+
+    def _migration_step_done(self, local_op: str) -> None:
+        with self._running_lock:
+            self._running.pop(local_op, None)
+        self.nudge()
 
     def _local_done(self, local_op: str, result) -> None:
         with self._running_lock:

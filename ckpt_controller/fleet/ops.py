@@ -242,9 +242,13 @@ class Coordinator:
     writes what changed in batched transactions."""
 
     def __init__(self, client: e.Etcd, keys: Keys) -> None:
+        from ckpt_controller.fleet.migration import Driver
+
         self.etcd = client
         self.keys = keys
         self._unreadable: set[str] = set()  # keys and operations said to be damaged
+        #: drives migrations (kind ``migrate``): steps on two nodes, not parts
+        self.migrations = Driver(client, keys)
 
     def drive(self) -> bool:
         """One round; whether it wrote anything (then another round may do more)."""
@@ -275,6 +279,8 @@ class Coordinator:
         return wrote
 
     def drive_op(self, op: FleetOp, op_rev: int, nodes: dict) -> bool:
+        if op.kind == "migrate":
+            return self.migrations.drive(op, op_rev, nodes)
         k = self.keys
         parts = read_parts(self.etcd, k, op.op_id)
         out, out_rev = read_unavailable(self.etcd, k)

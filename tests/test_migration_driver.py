@@ -1,0 +1,272 @@
+"""The migration's coordinator side against a real etcd (``make etcd``), with the nodes played
+by the test: each step the driver starts lands in its node's inbox, and the test writes its
+end as a node would (``NodeMigration.write_end``) or lets its node's lease run out. What is
+checked is what decides where the engine ends: the next step after every end, the single
+transaction on ``moving/<engine>`` that lets either the target take the engine over or the
+source resume it (never both), and what the operation, its part, the engine's lock and
+``unavailable`` say at the end. The real thing, with CRIU between two network namespaces, is
+``test_migration.py``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ckpt_controller.errors import BusyError, UsageError
+from ckpt_controller.fleet import etcd as e
+from ckpt_controller.fleet import migration as m
+from ckpt_controller.fleet import ops
+from ckpt_controller.fleet.keys import EngineRecord, Keys, NodeRecord, encode
+
+pytestmark = pytest.mark.fleet
+
+K = Keys("/ckpt")
+
+
+class Fleet:
+    """Two nodes registered under leases of their own, engine ``m0`` on ``n1``."""
+
+    def __init__(self, client) -> None:
+        self.c = client
+        self.leases = {}
+        for node in ("n1", "n2"):
+            self.up(node)
+        self.c.put(K.owner("m0"), "n1")
+        self.c.put(K.engine("m0"), encode(EngineRecord(engine="m0", node="n1",
+                                                       state="running", generation=0)))
+        self.coordinator = ops.Coordinator(client, K)
+
+    def up(self, node: str) -> None:
+        lease = self.c.grant(60)
+        self.leases[node] = lease
+        rec = NodeRecord(node=node, controller="ipc:///x", pid=1, host="h", started=0.0,
+                         version="0", lease=lease)
+        self.c.put(K.node(node), encode(rec), lease)
+
+    def down(self, node: str) -> None:
+        self.c.revoke(self.leases.pop(node))
+
+    def drive(self, rounds: int = 4) -> None:
+        for _ in range(rounds):
+            if not self.coordinator.drive():
+                return
+
+    def task(self, node: str):
+        """The one task in ``node``'s inbox, with its revision."""
+        (kv,) = self.c.get_prefix(K.inbox(node))
+        return ops.task_dec.decode(kv.value), kv.create_revision
+
+    def end(self, node: str, status: str = "succeeded", **detail) -> str:
+        """``node`` ends the step in its inbox; returns the step's name."""
+        task, rev = self.task(node)
+        step = task.kind.removeprefix("migrate-")
+        node_side = m.NodeMigration.__new__(m.NodeMigration)
+        node_side.node = type("N", (), {"keys": K, "etcd": self.c})()
+        assert node_side.write_end(task, rev, m.StepEnd(
+            step=step, node=node, status=status, ended=time.time(), detail=detail,
+            error=None if status == "succeeded" else f"{step} failed"))
+        return step
+
+    def mig(self) -> m.Migration:
+        return m.read(self.c, K, "mv")[0]
+
+    def op(self):
+        return ops.read_op(self.c, K, "mv")
+
+
+@pytest.fixture
+def fleet(etcd):
+    with etcd.client() as c:
+        yield Fleet(c)
+
+
+def submit(f: Fleet, **params):
+    return m.submit(f.c, K, op_id="mv", engine="m0", to="n2", params=params)
+
+
+def test_a_migration_that_goes_well_moves_the_engine_and_frees_it(fleet):
+    f = fleet
+    submit(f, drain="keep")
+    f.drive()
+    assert f.c.get(K.lock("m0")).value == b"mv"  # one operation on it, fleet-wide
+    assert ops.read_unavailable(f.c, K)[0] == {"m0": "mv"}
+    task, _ = f.task("n2")
+    assert task.kind == "migrate-receive" and task.params["drain"] == "keep"
+    assert f.end("n2", transport="page-server", page_server="169.254.77.2:7000") == "receive"
+    f.drive()
+    assert f.end("n1", pid=4242, control="tcp://0.0.0.0:7701") == "send"
+    f.drive()
+    assert f.c.get(m.moving_key(K, "m0")).value == b"mv"  # the target may take it now
+    # the target takes it over between re-wake and re-admission (NodeMigration._take_over)
+    ok, _ = f.c.txn([e.compare_value(m.moving_key(K, "m0"), "mv")],
+                    [e.put_op(K.owner("m0"), "n2"), e.delete_op(m.moving_key(K, "m0"))])
+    assert ok
+    assert f.end("n2", state="running") == "adopt"
+    f.drive()
+    assert f.end("n1", killed=True) == "finish"
+    f.drive()
+    mig = f.mig()
+    assert mig.outcome == "moved" and [d.step for d in mig.done] == [
+        "receive", "send", "adopt", "finish"]
+    assert f.op().status == "succeeded"
+    (part, _), = ops.read_parts(f.c, K, "mv").values()
+    assert (part.node, part.status, part.state) == ("n2", "succeeded", "running")
+    assert f.c.get(K.lock("m0")) is None and f.c.get(m.moving_key(K, "m0")) is None
+    assert ops.read_unavailable(f.c, K)[0] == {}
+    assert f.c.get(K.owner("m0")).value == b"n2"
+    assert f.c.get_prefix(K.inbox("n1")) == [] and f.c.get_prefix(K.inbox("n2")) == []
+
+
+def test_a_failed_restore_on_the_target_resumes_the_source(fleet):
+    f = fleet
+    submit(f)
+    f.drive()
+    f.end("n2")
+    f.drive()
+    f.end("n1", pid=4242)
+    f.drive()
+    assert f.end("n2", status="failed") == "adopt"  # before it took the engine over
+    f.drive()
+    assert f.c.get(m.moving_key(K, "m0")) is None  # the target can no longer take it
+    task, _ = f.task("n1")
+    assert task.kind == "migrate-resume"
+    f.end("n1", state="running")
+    f.drive()
+    mig = f.mig()
+    assert mig.outcome == "stayed" and "the target did not take it" in mig.error
+    assert f.op().status == "failed" and f.c.get(K.owner("m0")).value == b"n1"
+    assert ops.read_unavailable(f.c, K)[0] == {}
+
+
+def test_the_target_lost_after_it_took_the_engine_over_finishes_not_resumes(fleet):
+    f = fleet
+    submit(f)
+    f.drive()
+    f.end("n2")
+    f.drive()
+    f.end("n1", pid=4242)
+    f.drive()
+    ok, _ = f.c.txn([e.compare_value(m.moving_key(K, "m0"), "mv")],
+                    [e.put_op(K.owner("m0"), "n2"), e.delete_op(m.moving_key(K, "m0"))])
+    assert ok
+    f.down("n2")  # died before it wrote the adopt's end
+    f.drive()
+    assert f.mig().done[-1].status == "lost"
+    task, _ = f.task("n1")
+    assert task.kind == "migrate-finish"  # it is the target's: the source's copy is ended
+    f.end("n1")
+    f.drive()
+    assert f.mig().outcome == "moved" and f.op().status == "succeeded"
+
+
+def test_the_target_lost_before_it_took_the_engine_over_resumes_the_source(fleet):
+    f = fleet
+    submit(f)
+    f.drive()
+    f.end("n2")
+    f.drive()
+    f.end("n1", pid=4242)
+    f.drive()
+    f.down("n2")
+    f.drive()
+    # from now on the target's own take-over transaction fails: moving/m0 is gone
+    assert f.c.get(m.moving_key(K, "m0")) is None
+    assert f.task("n1")[0].kind == "migrate-resume"
+    ok, _ = f.c.txn([e.compare_value(m.moving_key(K, "m0"), "mv")],
+                    [e.put_op(K.owner("m0"), "n2")])
+    assert not ok and f.c.get(K.owner("m0")).value == b"n1"
+
+
+def test_a_failed_send_abandons_the_target_and_the_engine_stays(fleet):
+    f = fleet
+    submit(f)
+    f.drive()
+    f.end("n2", transport="page-server")
+    f.drive()
+    f.end("n1", status="failed", state="running")  # the source's own rules rolled it back
+    f.drive()
+    assert f.task("n2")[0].kind == "migrate-abandon"
+    f.end("n2")
+    f.drive()
+    mig = f.mig()
+    assert mig.outcome == "stayed" and "could not send it" in mig.error
+    assert f.op().status == "failed" and f.c.get(K.lock("m0")) is None
+
+
+def test_an_engine_that_died_in_the_dump_is_reported_lost(fleet):
+    f = fleet
+    submit(f)
+    f.drive()
+    f.end("n2")
+    f.drive()
+    f.end("n1", status="failed", state=None, engine_died=True)  # its process is gone
+    f.drive()
+    f.end("n2")
+    f.drive()
+    assert f.mig().outcome == "lost"
+    (part, _), = ops.read_parts(f.c, K, "mv").values()
+    assert part.status == "lost" and f.op().status == "failed"
+    assert ops.read_unavailable(f.c, K)[0] == {"m0": "lost:mv"}  # out until it is back
+
+
+def test_a_coordinator_killed_between_any_two_writes_leaves_a_state_the_next_goes_on_from(
+        fleet):
+    """Each round is written with a check of the record's revision: a second coordinator
+    working from a stale read writes nothing, and the same end is never applied twice."""
+    f = fleet
+    submit(f)
+    f.drive()
+    f.end("n2")
+    stale = m.read(f.c, K, "mv")
+    f.drive(rounds=1)  # the receive's end applied: send is next
+    other = m.Driver(f.c, K)
+    op = f.op()
+    other._after(op, stale[0], stale[1], m.StepEnd(step="receive", node="n2",
+                                                    status="succeeded", ended=time.time()))
+    assert [d.step for d in f.mig().done] == ["receive"]  # not twice
+
+
+def test_bad_migrations_are_refused_up_front(fleet):
+    f = fleet
+    with pytest.raises(UsageError, match="on n1 already"):
+        m.submit(f.c, K, op_id="x1", engine="m0", to="n1", params={})
+    with pytest.raises(UsageError, match="not registered"):
+        m.submit(f.c, K, op_id="x2", engine="nope", to="n2", params={})
+    f.down("n2")
+    with pytest.raises(e.UnreachableError, match="the target n2 is down"):
+        m.submit(f.c, K, op_id="x3", engine="m0", to="n2", params={})
+    f.up("n2")
+    f.c.put(K.lock("m0"), "other-op")
+    with pytest.raises(BusyError, match="held by operation other-op"):
+        m.submit(f.c, K, op_id="x4", engine="m0", to="n2", params={})
+    f.c.delete(K.lock("m0"))
+    first = submit(f)
+    assert submit(f) == first  # the same id again follows the same migration
+    with pytest.raises(UsageError, match="already used"):
+        ops.submit(f.c, K, op_id="mv", kind="cycle", engines=["m0"], params={},
+                   max_unavailable=None)
+
+
+@pytest.mark.parametrize("handed_back", [True, False])
+def test_a_target_that_failed_after_its_take_over_resumes_the_source_only_if_it_handed_back(
+        fleet, handed_back):
+    """The target took the engine over, then its restore failed before re-admission: it
+    ends its copy and hands ``owners`` back (then the source resumes), or, when it could
+    not, keeps the engine (the migration finishes with the engine there, said)."""
+    f = fleet
+    submit(f)
+    f.drive()
+    f.end("n2")
+    f.drive()
+    f.end("n1", pid=4242)
+    f.drive()
+    ok, _ = f.c.txn([e.compare_value(m.moving_key(K, "m0"), "mv")],
+                    [e.put_op(K.owner("m0"), "n2"), e.delete_op(m.moving_key(K, "m0"))])
+    assert ok
+    if handed_back:
+        f.c.put(K.owner("m0"), "n1")
+    f.end("n2", status="failed", handed_back=handed_back)
+    f.drive()
+    task, _ = f.task("n1")
+    assert task.kind == ("migrate-resume" if handed_back else "migrate-finish")
