@@ -280,9 +280,13 @@ def timeline(op: dict, migration: dict, command_s: float) -> dict:
             "command_s": command_s - recorded}
 
 
+def engine_args(args) -> list[str]:
+    return ["--model", args.model, "--kv-blocks", str(args.kv_blocks)]
+
+
 def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bool) -> dict:
     d = Path(tempfile.mkdtemp(prefix=f"{transport[:2]}-", dir=base))
-    nodes = Nodes(d, model_dir, transport, args.engine_args, args.level)
+    nodes = Nodes(d, model_dir, transport, engine_args(args), args.level)
     try:
         if not count_cold:  # the run's first: it writes the weight file
             cold_start(nodes)
@@ -337,7 +341,7 @@ def measure(args) -> dict:
                 print(f"{transport} {i + 1}: downtime {r['downtime_s']:.2f} s, cold start "
                       f"{r['cold_s']:.2f} s, migration {r['migrate_s']:.2f} s, image "
                       f"{r['image_bytes'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
-    return {"model_args": args.engine_args, "level": args.level, "kept": args.kept,
+    return {"model_args": engine_args(args), "level": args.level, "kept": args.kept,
             "follow_after_s": args.follow_after, "repeat": args.repeat,
             "transports": summarize(runs)}
 
@@ -395,7 +399,6 @@ def main() -> int:
             or args.follow_after <= 0:
         p.error("--repeat, --kept, --max-tokens and --kv-blocks must be at least 1, "
                 "--follow-after more than 0")
-    args.engine_args = ["--model", args.model, "--kv-blocks", str(args.kv_blocks)]
     results = measure(args)
     print_tables(results)
     write(args.out, "migrate", args, results)
