@@ -4,7 +4,7 @@ Figures are never asserted (these machines are noisy); what is checked is that e
 inputs were really measured: each run present, the re-woken weights verified, requests drained
 or aborted as counted. The full runs are in BENCHMARKS.md. ``capture.py`` needs CRIU (``make
 criu``) and skips with the reason without it; ``fleet.py`` needs etcd (``make etcd``), skips
-likewise, and is in the ``fleet`` suite.
+likewise, and is in the ``fleet`` suite, as is ``migrate.py`` (root, CRIU and etcd).
 """
 
 from __future__ import annotations
@@ -219,3 +219,41 @@ def test_fleet_cycle_against_direct_cycles_and_its_etcd_requests(tmp_path):
     assert goals["fleet_minus_direct_s"]["value"] == res["fleet_minus_direct_s"]
     for g in goals.values():
         assert positive(g["limit"]) and g["met"] == (g["value"] <= g["limit"])
+
+
+@pytest.mark.fleet
+def test_migration_downtime_against_a_cold_start_and_the_image_it_moved(tmp_path):
+    from test_migration import _reason
+
+    if _reason is not None:
+        pytest.skip(_reason)
+    res = bench(tmp_path, "migrate", "--quick")
+    assert res["repeat"] == 1 and res["model_args"][:2] == ["--model", "tiny"]
+    assert set(res["transports"]) == {"page-server", "shared"}
+    for transport, t in res["transports"].items():
+        (run,) = t["runs"]
+        assert run["transport"] == transport
+        assert run["kept_across"] >= 1  # requests were under way when the engine moved
+        # the ratio against a cold start measured in the same run
+        assert positive(run["downtime_over_cold"]) and positive(run["downtime_s"])
+        assert run["downtime_over_cold"] == pytest.approx(run["downtime_s"] / run["cold_s"])
+        assert run["cold_s"] >= run["cold_ready_s"] > 0  # ready, then the first token
+        # the image, read where it landed: pages, and the rest (tens of KiB, not pages)
+        assert run["pages_bytes"] > 0 and 0 < run["rest_bytes"] < run["pages_bytes"]
+        assert run["image_bytes"] == run["pages_bytes"] + run["rest_bytes"]
+        assert run["pages_written_bytes"] == run["pages_bytes"]  # CRIU's own count agrees
+        assert positive(run["frozen_s"]) and positive(run["restore_s"])
+        # each step timed from the migration record: one after the other, inside the
+        # operation's life, inside the command's
+        assert set(run["steps_s"]) == {"receive", "send", "adopt", "finish"}
+        assert all(v >= 0 for v in run["steps_s"].values())
+        assert min(run[k] for k in ("before_first_s", "between_steps_s", "after_last_s",
+                                    "command_s")) >= 0
+        assert t["median"]["downtime_over_cold"] == run["downtime_over_cold"]
+    ps = res["transports"]["page-server"]["runs"][0]
+    # streamed pages plus the small files packed through etcd (smaller than unpacked)
+    assert 0 < ps["small_packed_bytes"] < ps["rest_bytes"]
+    assert ps["moved_bytes"] == ps["pages_bytes"] + ps["small_packed_bytes"]
+    assert positive(ps["moved_over_image"])
+    shared = res["transports"]["shared"]["runs"][0]
+    assert shared["moved_bytes"] == 0 and shared["moved_over_image"] == 0  # nothing copied

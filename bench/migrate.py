@@ -1,0 +1,409 @@
+"""Migration between nodes (issue 17): what a client waits while its engine moves, against a
+cold start of the same engine on the target node, and what moving the image costs; both
+image transports (``page-server``, ``shared``) in one run.
+
+Each repeat is two fresh nodes (``Pair`` of ``tests/test_migration.py``: two node controllers
+in network namespaces of their own on one link-local segment made by ``tests/netns_util.py``'s
+``Namespaces.segment``, etcd in the root namespace, the criu-dump/criu-restore hooks), with
+the node's ``[defaults] level`` set to ``--level`` (0 by default: the weights stay in the
+process and go with the image). In each:
+
+- cold start: the engine's own command (``unshare --pid --fork setsid ckptctl engine serve``,
+  the same model, on other ports) started in n2's namespace; from the process's start to the
+  first token of one request sent as soon as it says it is ready. Then it is killed.
+- migration: the engine started on n1, RUNNING in the registry; a client that follows it
+  (``EngineClient.for_engine``, polling all along) sends ``--kept`` long requests and, once
+  each has tokens, ``ckptctl fleet migrate m0 --to n2 --drain keep --json`` runs. Downtime is
+  the time from the last output with new tokens the client got from n1 to the first it got
+  after it moved to n2 (the kept requests, recomputed there).
+- the image, read in the target's folder after the move: pages (``pages-*.img``) and the rest
+  (every other file but logs: what ``criu_images.pack_small`` ships); what was moved:
+  page server, the pages streamed during the dump plus the packed small files through etcd
+  (the send step's ``small_bytes``); shared, nothing. CRIU's own ``stats-dump`` gives the
+  time the engine was frozen and the time the pages took to write (through the page server,
+  or into the shared folder); ``stats-restore`` the restore's.
+- the steps: each ``done`` entry of the migration record (receive, send, adopt, finish),
+  its end minus its start; "between steps" is the migration's wall time less their sum (the
+  coordinator's rounds, the inbox watches).
+
+The first cold start of a run is not counted (it writes the model's weight file, and warms
+the page cache the later ones then find warm too, as a target that migrated would).
+Compare the ratios (downtime / cold start, moved / image), not the absolute times: these
+machines are shared and noisy. Needs root, ``ip``, ``nsenter``, ``unshare``, ``make criu``
+and ``make etcd``; says why and exits 2 without them.
+Neighbours: ``tests/test_migration.py`` (``Pair``, ``_why_not``), ``tests/netns_util.py``,
+``ckpt_controller/fleet/migration.py`` (the record read here), ``_common`` (tables, JSON).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import ROOT, median, parser, table, write
+
+sys.path.insert(0, str(ROOT / "tests"))
+import test_migration as tm  # noqa: E402  (the two nodes the migration tests use)
+from conftest import kill_naming, wait_until  # noqa: E402
+
+from ckpt_controller.criu_images import PAGE_SIZE, _fields, _varint  # noqa: E402
+from ckpt_controller.procutil import ReadyProcess  # noqa: E402
+
+TRANSPORTS = ("page-server", "shared")
+COLD_API, COLD_CONTROL = tm.API_PORT + 20, tm.CONTROL_PORT + 20
+STEPS = ("receive", "send", "adopt", "finish")
+#: one migration from its start to the first token on the target, at most
+MOVE_TIMEOUT_S = 240.0
+#: CRIU's service images start with this magic, then the image's own (criu/include/magic.h)
+IMG_SERVICE_MAGIC, STATS_MAGIC = 0x55105940, 0x57093306
+
+
+class Nodes(tm.Pair):
+    """The migration tests' two nodes, with the benchmark's engine (model options) and the
+    level the source prepares it at."""
+
+    def __init__(self, d: Path, model_dir: Path, transport: str, engine_args: list[str],
+                 level: int) -> None:
+        self.engine_args, self.level = engine_args, level
+        super().__init__(d, model_dir, transport)
+
+    def toml(self, node: str, transport: str) -> str:
+        text = super().toml(node, transport)
+        if "\nlevel = 2\n" not in text:
+            raise RuntimeError("tests/test_migration.py's Pair no longer sets level = 2; "
+                               "bench/migrate.py sets --level in its place")
+        return text.replace("\nlevel = 2\n", f"\nlevel = {self.level}\n", 1)
+
+    def start_engine(self, name: str = "m0", node: str = "n1", api: int = tm.API_PORT,
+                     control: int = tm.CONTROL_PORT) -> ReadyProcess:
+        """The engine as ``Pair`` starts it (its own PID namespace and session, wildcard
+        endpoints), with the benchmark's model options and ports."""
+        eng = ReadyProcess([*self.made.enter(self.ns[node]), "unshare", "--pid", "--fork",
+                            "setsid", sys.executable, "-m", "ckpt_controller", "engine",
+                            "serve", "--name", name, "--api", f"tcp://0.0.0.0:{api}",
+                            "--control", f"tcp://0.0.0.0:{control}", "--model-dir",
+                            str(self.model_dir), "--heartbeat", "0.2", *self.engine_args],
+                           self.d / f"{name}.log", f"engine {name}", cwd=ROOT,
+                           timeout_s=300)
+        self.started.append(eng)
+        return eng
+
+
+def cold_start(nodes: Nodes) -> dict:
+    """The engine started on n2 (other ports): seconds from its start to its ready line and
+    to the first token of a request sent then."""
+    from ckpt_controller.engine.client import EngineClient
+
+    t0 = time.monotonic()
+    eng = nodes.start_engine("cold", "n2", COLD_API, COLD_CONTROL)
+    ready = time.monotonic()
+    try:
+        with EngineClient(f"tcp://{nodes.addr['n2']}:{COLD_API}") as client:
+            rid = client.submit([1, 7, 3], 4)
+            deadline = ready + 60
+            while client.requests[rid].first_token_at is None:
+                c = client.requests[rid]
+                if c.rejected is not None or c.finish_reason is not None:
+                    raise RuntimeError(f"the cold engine ended its first request: "
+                                       f"{c.rejected or c.error}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("no token from the cold engine within 60 s")
+                client.poll(0.01)
+            first = client.requests[rid].first_token_at
+    finally:
+        kill_naming(str(nodes.model_dir))  # a PID namespace's init ignores SIGTERM
+        eng.stop()
+        nodes.started.remove(eng)
+    return {"ready_s": ready - t0, "first_token_s": first - t0}
+
+
+class Stream:
+    """``kept`` long requests kept under way on a followed engine: one that ends on the
+    source is replaced (so some are always there to be kept, however fast the model), until
+    the engine refuses one (it drains) or the client moved. Notes when new tokens came: the
+    last from the source, the first after the client moved."""
+
+    def __init__(self, client, kept: int, max_tokens: int) -> None:
+        self.client, self.kept, self.max_tokens = client, kept, max_tokens
+        self.ids = [self._submit() for _ in range(kept)]
+        self.refill = True
+        self.seen = 0
+        self.last_source: float | None = None
+        self.first_target: float | None = None
+        #: the requests without an end when the client moved: the ones kept across
+        self.kept_across: int | None = None
+
+    def _submit(self) -> str:
+        return self.client.submit([len(getattr(self, "ids", ())) % 50 + 1, 7, 3],
+                                  self.max_tokens)
+
+    def under_way(self) -> bool:
+        return all(self.client.requests[i].steps for i in self.ids)
+
+    def ended(self) -> bool:
+        return all(self.client.requests[i].ended for i in self.ids)
+
+    def poll(self) -> None:
+        c = self.client
+        c.poll(0.01)
+        now = time.monotonic()
+        if c.moves and self.kept_across is None:
+            self.kept_across = sum(not c.requests[i].ended for i in self.ids)
+        # tokens, not outputs: after the move the first answer may be a resend's whole
+        # output so far (the target ran the kept requests on before the client came back)
+        n = sum(len(c.requests[i].token_ids) for i in self.ids)
+        if n > self.seen:
+            self.seen = n
+            if not c.moves:
+                self.last_source = now
+            elif self.first_target is None:
+                self.first_target = now
+        if self.refill:
+            if c.moves or any(c.requests[i].rejected is not None for i in self.ids):
+                self.refill = False
+            else:
+                live = sum(not c.requests[i].ended for i in self.ids)
+                self.ids += [self._submit() for _ in range(self.kept - live)]
+
+
+def migrate(nodes: Nodes, kept: int, max_tokens: int, follow_after_s: float) -> dict:
+    """The engine moved n1 to n2 under a following client: downtime, the migration's wall
+    time and record."""
+    from ckpt_controller.engine.client import EngineClient
+
+    nodes.start_engine()
+    wait_until(lambda: nodes.running_on("n1"), timeout_s=60, every_s=0.2,
+               what="m0 RUNNING on n1 in the registry")
+    with EngineClient.for_engine("m0", etcd=nodes.url, follow_after_s=follow_after_s) as client:
+        stream = Stream(client, kept, max_tokens)
+        wait_until(lambda: client.poll(0.02) is not None and stream.under_way(),
+                   timeout_s=60, what="every kept request under way")
+        t0, mig_s = time.monotonic(), None
+        mig = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd", nodes.url,
+                                "fleet", "migrate", "m0", "--to", "n2", "--drain", "keep",
+                                "--op-id", "mv", "--json"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            while stream.first_target is None or mig_s is None:
+                if mig_s is None and mig.poll() is not None:
+                    mig_s = time.monotonic() - t0
+                if mig_s is not None and (mig.returncode != 0 or stream.ended()):
+                    break
+                if time.monotonic() - t0 > MOVE_TIMEOUT_S:
+                    raise RuntimeError(f"the migration and the first token on n2 took more "
+                                       f"than {MOVE_TIMEOUT_S:.0f} s")
+                stream.poll()
+            out, err = mig.communicate(timeout=30)
+        finally:
+            if mig.poll() is None:
+                mig.kill()
+                mig.communicate()
+        if mig.returncode != 0:
+            raise RuntimeError(f"fleet migrate: exit {mig.returncode}: {out[-2000:]}"
+                               f"{err[-2000:]}")
+        if stream.first_target is None or stream.last_source is None:
+            raise RuntimeError(f"no request was kept across the move (kept across: "
+                               f"{stream.kept_across}, moves: {client.moves})")
+        client.abort([i for i in stream.ids if not client.requests[i].ended])
+    doc = json.loads(out)
+    if doc["migration"]["outcome"] != "moved":
+        raise RuntimeError(f"the migration did not move the engine: {doc['migration']}")
+    return {"downtime_s": stream.first_target - stream.last_source, "migrate_s": mig_s,
+            "kept_across": stream.kept_across, "requests": len(stream.ids),
+            "moves": client.moves, "op": doc["op"], "migration": doc["migration"]}
+
+
+def stats(path: Path) -> dict[str, int]:
+    """CRIU's ``stats-dump`` or ``stats-restore``: one ``stats_entry`` whose field 1 (dump)
+    or 2 (restore) is a message of varints (CRIU's images/stats.proto); {} when absent."""
+    if not path.exists():
+        return {}
+    data = path.read_bytes()
+    magic, kind, size = struct.unpack_from("<III", data)
+    if (magic, kind) != (IMG_SERVICE_MAGIC, STATS_MAGIC):
+        raise RuntimeError(f"{path.name}: not a CRIU stats image")
+    msg, at = data[12:12 + size], 0
+    while at < len(msg):
+        key, at = _varint(msg, at, path.name)
+        if key & 7 != 2:
+            raise RuntimeError(f"{path.name}: unexpected field {key >> 3}")
+        length, at = _varint(msg, at, path.name)
+        names = DUMP_FIELDS if key >> 3 == 1 else RESTORE_FIELDS
+        return {names[k]: v for k, v in _fields(msg[at:at + length], path.name).items()
+                if k in names}
+    return {}
+
+
+DUMP_FIELDS = {1: "freezing_us", 2: "frozen_us", 3: "memdump_us", 4: "memwrite_us",
+               5: "pages_scanned", 7: "pages_written"}
+RESTORE_FIELDS = {3: "forking_us", 4: "restore_us", 5: "pages_restored"}
+
+
+def image(migration: dict) -> dict:
+    """The image in the target's folder: its pages and the rest; what moving it took."""
+    done = {d["step"]: d for d in migration["done"]}
+    received = done["receive"]["detail"]
+    folder = Path(str(received["folder"]))
+    files = [p for p in folder.rglob("*") if p.is_file() and not p.name.endswith(".log")
+             and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
+    pages = sum(p.stat().st_size for p in files if p.parent == folder
+                and p.name.startswith("pages-") and p.name.endswith(".img"))
+    rest = sum(p.stat().st_size for p in files) - pages
+    small = int(done["send"]["detail"].get("small_bytes") or 0)
+    dump, restore = stats(folder / "stats-dump"), stats(folder / "stats-restore")
+    return {"transport": received["transport"], "pages_bytes": pages, "rest_bytes": rest,
+            "image_bytes": pages + rest, "small_packed_bytes": small,
+            "moved_bytes": pages + small if received["transport"] == "page-server" else 0,
+            "frozen_s": dump.get("frozen_us", 0) / 1e6,
+            "pages_write_s": dump.get("memwrite_us", 0) / 1e6,
+            "pages_written_bytes": dump.get("pages_written", 0) * PAGE_SIZE,
+            "restore_s": restore.get("restore_us", 0) / 1e6}
+
+
+def timeline(op: dict, migration: dict, command_s: float) -> dict:
+    """Each step's time (its end less its start, on its node), and the rest of the
+    command's time: the coordinator's waits before the first step, between steps and after
+    the last (watches, rounds), and the command's own (its start, its polling)."""
+    done = [d for d in migration["done"] if d["step"] in STEPS]
+    steps = {d["step"]: d["ended"] - d["started"] for d in done}
+    recorded = op["ended"] - op["created"]
+    return {"steps_s": steps, "before_first_s": done[0]["started"] - op["created"],
+            "between_steps_s": sum(b["started"] - a["ended"] for a, b in zip(done, done[1:])),
+            "after_last_s": op["ended"] - done[-1]["ended"],
+            "command_s": command_s - recorded}
+
+
+def engine_args(args) -> list[str]:
+    return ["--model", args.model, "--kv-blocks", str(args.kv_blocks)]
+
+
+def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bool) -> dict:
+    d = Path(tempfile.mkdtemp(prefix=f"{transport[:2]}-", dir=base))
+    nodes = Nodes(d, model_dir, transport, engine_args(args), args.level)
+    try:
+        if not count_cold:  # the run's first: it writes the weight file
+            cold_start(nodes)
+        cold = cold_start(nodes)
+        moved = migrate(nodes, args.kept, args.max_tokens, args.follow_after)
+        img = image(moved["migration"])
+        times = timeline(moved["op"], moved["migration"], moved["migrate_s"])
+        if img["transport"] != transport:
+            raise RuntimeError(f"the target received the image by {img['transport']}, not "
+                               f"{transport}")
+    finally:
+        nodes.close()
+        if args.keep is None:  # the images are hundreds of MiB each
+            shutil.rmtree(d, ignore_errors=True)
+    run = {"cold_ready_s": cold["ready_s"], "cold_s": cold["first_token_s"],
+           "downtime_s": moved["downtime_s"], "migrate_s": moved["migrate_s"],
+           "kept_across": moved["kept_across"], "requests": moved["requests"], **img,
+           **times}
+    run["downtime_over_cold"] = run["downtime_s"] / run["cold_s"]
+    run["moved_over_image"] = run["moved_bytes"] / run["image_bytes"]
+    return run
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    out = {}
+    for transport, rows in runs.items():
+        med = {k: median([r[k] for r in rows]) for k, v in rows[0].items()
+               if isinstance(v, (int, float))}
+        med["steps_s"] = {s: median([r["steps_s"][s] for r in rows]) for s in STEPS}
+        out[transport] = {"median": med, "runs": rows}
+    return out
+
+
+def measure(args) -> dict:
+    why = tm._why_not()
+    if why is not None:
+        raise SystemExit(f"bench/migrate.py: {why}")
+    # ipc and interface names stay short: a private folder under /tmp
+    with (contextlib.nullcontext(str(args.keep)) if args.keep else
+          tempfile.TemporaryDirectory(prefix="ckpt-mig-", dir="/tmp")) as tmp:
+        base = Path(tmp)
+        base.mkdir(parents=True, exist_ok=True)
+        model_dir = base / "model"
+        model_dir.mkdir(exist_ok=True)
+        runs: dict[str, list[dict]] = {t: [] for t in TRANSPORTS}
+        first = True
+        for i in range(args.repeat):
+            for transport in TRANSPORTS:
+                r = one_repeat(base, model_dir, transport, args, count_cold=not first)
+                first = False
+                runs[transport].append(r)
+                print(f"{transport} {i + 1}: downtime {r['downtime_s']:.2f} s, cold start "
+                      f"{r['cold_s']:.2f} s, migration {r['migrate_s']:.2f} s, image "
+                      f"{r['image_bytes'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+    return {"model_args": engine_args(args), "level": args.level, "kept": args.kept,
+            "follow_after_s": args.follow_after, "repeat": args.repeat,
+            "transports": summarize(runs)}
+
+
+def print_tables(res: dict) -> None:
+    tr = res["transports"]
+    mib = 2**20
+    n = res["repeat"]
+    table(f"downtime of a kept request against a cold start on the target (median of {n}; "
+          f"{' '.join(res['model_args'])}, level {res['level']})",
+          ["transport", "downtime s", "cold start s", "downtime / cold", "cold: ready s",
+           "migration s"],
+          [[t, m["downtime_s"], m["cold_s"], m["downtime_over_cold"], m["cold_ready_s"],
+            m["migrate_s"]] for t, m in ((t, tr[t]["median"]) for t in tr)])
+    table("the image and moving it (median)",
+          ["transport", "pages MiB", "rest KiB", "packed KiB", "moved MiB", "moved / image",
+           "frozen s", "pages written s", "restore s"],
+          [[t, m["pages_bytes"] / mib, m["rest_bytes"] / 1024, m["small_packed_bytes"] / 1024,
+            m["moved_bytes"] / mib, m["moved_over_image"], m["frozen_s"], m["pages_write_s"],
+            m["restore_s"]] for t, m in ((t, tr[t]["median"]) for t in tr)])
+    table("the migration's steps and waits, seconds (median; waits: the coordinator's "
+          "before the first step, between steps, after the last; the command's own)",
+          ["transport", *STEPS, "before", "between", "after", "command", "whole"],
+          [[t, *(m["steps_s"][s] for s in STEPS), m["before_first_s"], m["between_steps_s"],
+            m["after_last_s"], m["command_s"], m["migrate_s"]]
+           for t, m in ((t, tr[t]["median"]) for t in tr)])
+
+
+def main() -> int:
+    p = parser("migrate", __doc__)
+    p.add_argument("--repeat", type=int, default=3, help="migrations per transport")
+    p.add_argument("--model", default="small",
+                   help="the reference engine's --model (tiny, small, a size like 512MiB)")
+    p.add_argument("--kv-blocks", type=int, default=128,
+                   help="the engine's --kv-blocks (KV pool, in the image at level 0; the "
+                        "kept requests must fit: about max-tokens / 16 blocks each)")
+    p.add_argument("--level", type=int, choices=[0, 2], default=0,
+                   help="the level the source prepares the engine at (0: weights in the "
+                        "image; 2: reloaded from the file on the target)")
+    p.add_argument("--kept", type=int, default=2, help="requests kept across the move")
+    p.add_argument("--max-tokens", type=int, default=1000,
+                   help="each kept request's max_tokens (one that ends on the source is "
+                        "replaced until the drain)")
+    p.add_argument("--follow-after", type=float, default=0.2,
+                   help="the client's follow_after_s: silence before it looks the engine up")
+    p.add_argument("--keep", type=Path, metavar="DIR",
+                   help="run in DIR and leave it (the nodes' logs and images, etcd's); a "
+                        "short path")
+    p.add_argument("--quick", action="store_true",
+                   help="the test suite's size: --model tiny, one repeat")
+    args = p.parse_args()
+    if args.quick:
+        args.model, args.repeat = "tiny", 1
+    if min(args.repeat, args.kept, args.max_tokens, args.kv_blocks) < 1 \
+            or args.follow_after <= 0:
+        p.error("--repeat, --kept, --max-tokens and --kv-blocks must be at least 1, "
+                "--follow-after more than 0")
+    results = measure(args)
+    print_tables(results)
+    write(args.out, "migrate", args, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
