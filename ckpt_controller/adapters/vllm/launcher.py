@@ -17,8 +17,9 @@ where the copy runs under another host PID. Then it prints one JSON ready line a
   passed on to every process of its PID namespace;
 - any other process that ends in the namespace is reaped, as an init must.
 
-The signals are blocked and taken with ``sigtimedwait`` (no handlers); the children start with
-them unblocked. Neighbours: ``sidecar`` (the agent it starts), ``cli.agent_cmds`` (the command),
+The signal handlers only set flags; the loop polls them and reaps every 0.2 s. (Not
+``sigtimedwait``: after a CRIU restore, and after a stopped dump's SIGCONT, it was seen to
+return a SIGINT nobody sent, ``si_pid`` garbage, and the launcher ended the engine.) Neighbours: ``sidecar`` (the agent it starts), ``cli.agent_cmds`` (the command),
 ``docs/vllm.md`` ("Migrating vLLM").
 """
 
@@ -39,15 +40,10 @@ from ckpt_controller.errors import OperationError
 
 log = logging.getLogger("ckpt_controller.vllm")
 
-#: the signals the launcher takes itself
-_TAKEN = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGCONT}
 #: how long a child has after SIGTERM before SIGKILL
 GRACE_S = 20.0
-
-
-def _unblock() -> None:
-    """In the child between fork and exec: the launcher's blocked signals unblocked."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _TAKEN)
+#: how often the loop looks at its flags and reaps
+TICK_S = 0.2
 
 
 class Launcher:
@@ -63,13 +59,11 @@ class Launcher:
     def _spawn(self, args: list[str], log_name: str, stdout=None) -> subprocess.Popen:
         with open(self.log_dir / log_name, "ab") as out:
             return subprocess.Popen(args, stdin=subprocess.DEVNULL,
-                                    stdout=out if stdout is None else stdout, stderr=out,
-                                    preexec_fn=_unblock)
+                                    stdout=out if stdout is None else stdout, stderr=out)
 
     def start(self) -> dict:
         """vLLM serving, then the sidecar ready: its ready line (``OperationError`` when
         either did not come up; whatever started is ended)."""
-        signal.pthread_sigmask(signal.SIG_BLOCK, _TAKEN)
         try:
             self.vllm = self._spawn(self.vllm_cmd, "vllm.log")
             http = VllmHttp(self.url, timeout_s=5.0)
@@ -108,20 +102,26 @@ class Launcher:
         """Reap until a stop signal or a child's end; the exit status: 0 after a stop
         signal, else the status of the child that ended first."""
         children = {self.vllm.pid: "vLLM", self.sidecar.pid: "sidecar"}
+        flags: dict[int, bool] = {}
+
+        def flag(signum: int, frame: object) -> None:
+            flags[signum] = True  # a signal handler only sets a flag
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCONT):
+            signal.signal(sig, flag)
         while True:
-            info = signal.sigtimedwait(_TAKEN, 1.0)
-            if info is None:
-                continue
-            if info.si_signo in (signal.SIGTERM, signal.SIGINT):
-                log.info("launcher: %s: ending vLLM and its sidecar",
-                         signal.Signals(info.si_signo).name)
+            time.sleep(TICK_S)
+            stop = [s for s in (signal.SIGTERM, signal.SIGINT) if flags.pop(s, False)]
+            if stop:
+                log.warning("launcher: %s: ending vLLM and its sidecar",
+                            signal.Signals(stop[0]).name)
                 self.stop()
                 return 0
-            if info.si_signo == signal.SIGCONT:
-                if os.getpid() == 1:  # from a PID namespace's init, -1 is all of its own
-                    os.kill(-1, signal.SIGCONT)
-                continue
+            if flags.pop(signal.SIGCONT, False) and os.getpid() == 1:
+                os.kill(-1, signal.SIGCONT)  # from a PID namespace's init: all of its own
             ended = self._reap()
+            if ended:
+                log.info("launcher: reaped %s", ended)
             for pid, status in ended:
                 if pid in children:
                     log.warning("launcher: %s (pid %d) ended (%s): ending the engine",
@@ -183,4 +183,6 @@ def launch(vllm_cmd: list[str], *, url: str, sidecar_args: list[str], log_dir: P
         os.dup2(to, fd)
     os.close(own)
     os.close(null)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    log.info("launcher: serving (pid %d here)", os.getpid())
     return launcher.run()
