@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -95,6 +96,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--pid", type=int, metavar="PID",
                     help="the vLLM server's PID, for hooks and memory reports (default: the "
                          "local process listening on the URL's port)")
+    sp.add_argument("--engine-is-parent", action="store_true",
+                    help="the engine is this sidecar's parent (ckptctl agent vllm-launch): its "
+                         "host PID is reported, and read again after a restore")
     sp.add_argument("--golden-prompt", default=None, metavar="TEXT",
                     help="prompt of the golden completion compared after restore")
     sp.add_argument("--golden-tokens", type=int, default=None, metavar="N",
@@ -106,6 +110,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--heartbeat", type=duration, default=0.5, metavar="S",
                     help="heartbeat interval in seconds (default 0.5)")
     add_curve_server_args(sp)
+
+    sp = asub.add_parser(
+        "vllm-launch", help="start a vLLM server and its sidecar under this process (the "
+                            "init of their PID namespace), so that CRIU moves them together",
+        description="Start VLLM_COMMAND, wait until URL/health answers, then start\n"
+                    "`ckptctl agent vllm --engine-is-parent` beside it, print one JSON ready\n"
+                    "line and reap until SIGTERM, SIGINT or either child's end. Run it as\n"
+                    "`unshare --pid --fork setsid ckptctl agent vllm-launch ... -- CMD...`\n"
+                    "for an engine that can migrate (docs/vllm.md, Migrating vLLM).",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("--url", required=True, metavar="URL",
+                    help="where VLLM_COMMAND serves, e.g. http://0.0.0.0:8000 (a wildcard "
+                         "host is published with the node's address)")
+    sp.add_argument("--log-dir", required=True, type=Path, metavar="DIR",
+                    help="vllm.log, sidecar.log and launcher.log go there")
+    sp.add_argument("--start-timeout", type=duration, default=600.0, metavar="S",
+                    help="seconds vLLM has to answer /health (default 600)")
+    sp.add_argument("--control", required=True, metavar="ENDPOINT",
+                    help="the sidecar's control endpoint; tcp://0.0.0.0:PORT for an engine "
+                         "that migrates (ipc:// cannot move between nodes)")
+    sp.add_argument("--name", default="vllm", help="engine name (default vllm)")
+    sp.add_argument("--heartbeat", type=duration, default=0.5, metavar="S",
+                    help="the sidecar's heartbeat interval in seconds (default 0.5)")
+    sp.add_argument("vllm_command", nargs=argparse.REMAINDER, metavar="-- VLLM_COMMAND",
+                    help="the vLLM server's command line, after --")
 
     sp = asub.add_parser("watch", help="print the agent's events as they happen")
     common(sp)
@@ -120,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.agent_command == "vllm":
         return _vllm(args)
+    if args.agent_command == "vllm-launch":
+        return _vllm_launch(args)
 
     progress = sys.stderr.isatty() and not args.json
     shown: set[tuple[str, float]] = set()  # transitions printed from events
@@ -204,5 +235,21 @@ def _vllm(args: argparse.Namespace) -> int:
                   golden_prompt=args.golden_prompt or sidecar.GOLDEN_PROMPT,
                   golden_tokens=args.golden_tokens or sidecar.GOLDEN_TOKENS,
                   verify_weights=not args.no_verify_weights, timeout_s=args.http_timeout,
-                  heartbeat_interval_s=args.heartbeat, curve=curve_server(args))
+                  heartbeat_interval_s=args.heartbeat, curve=curve_server(args),
+                  engine_is_parent=args.engine_is_parent)
     return 0
+
+
+def _vllm_launch(args: argparse.Namespace) -> int:
+    from ckpt_controller.adapters.vllm import launcher
+    from ckpt_controller.endpoints import check_endpoint, check_name
+
+    command = args.vllm_command[1:] if args.vllm_command[:1] == ["--"] else args.vllm_command
+    if not command:
+        raise UsageError("give the vLLM server's command after --", value=args.vllm_command)
+    check_name(args.name)
+    check_endpoint(args.control)
+    sidecar = ["--control", args.control, "--name", args.name, "--heartbeat",
+               str(args.heartbeat)]
+    return launcher.launch(command, url=args.url, sidecar_args=sidecar,
+                           log_dir=args.log_dir.resolve(), start_timeout_s=args.start_timeout)

@@ -5,7 +5,7 @@ take ``--gen-s`` seconds and answer a text derived from the prompt. Standard lib
 process, so CRIU can capture and restore it where a real vLLM cannot run. Prints one JSON ready
 line (``url``, ``pid``), then serves until killed.
 
-Usage: python standin_server.py [--gen-s S]
+Usage: python standin_server.py [--gen-s S] [--host HOST] [--port PORT]
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class State:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gen-s", type=float, default=0.3)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
     args = ap.parse_args()
     st = State()
 
@@ -115,7 +117,7 @@ def main() -> None:
                 st.lock.notify_all()
             self._json({"choices": [{"text": text, "finish_reason": "length"}]})
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
     print(json.dumps({"event": "ready", "url": f"http://127.0.0.1:{server.server_address[1]}",
                       "pid": os.getpid()}), flush=True)

@@ -35,6 +35,9 @@ engine's ``generation`` are kept on disk (``state``): a sidecar restarted beside
 sleeping vLLM (after a kill -9, say) comes up FAILED, and a restore (which the controller's
 reconciler sends by itself, ``recover_uncaptured``) undoes, verifies and resumes exactly what
 its predecessor did.
+Started by ``launcher`` (``--engine-is-parent``), the sidecar is part of the engine: its status
+names the launcher's host PID (the tree a dump takes, vLLM and the sidecar in one image), read
+again after a restore moved it (``parent_host_pid``), and a migration moves both.
 Neighbours: ``http`` (vLLM's HTTP API) and ``state`` (the state file) below; ``agent`` runs it
 (``Agent`` with ``VllmEngine`` as its hooks and memory); ``cli.agent_cmds`` starts it.
 """
@@ -111,16 +114,18 @@ class VllmEngine(EngineHooks):
     """The engine side of a vLLM sidecar: ``ExternalDrain``, ``MemoryManager`` and
     ``EngineHooks`` in one, over ``VllmHttp``. One operation at a time (the agent's)."""
 
-    def __init__(self, http: VllmHttp, *, pid: int | None = None,
+    def __init__(self, http: VllmHttp, *, pid: "int | None | Callable[[], int | None]" = None,
                  golden_prompt: str = GOLDEN_PROMPT, golden_tokens: int = GOLDEN_TOKENS,
                  verify_weights: bool = True, step_timeout_s: float = 600.0,
                  poll_s: float = 0.5, dead_after_s: float = DEAD_AFTER_S,
                  tick_s: float = 0.25, state: StateFile | None = None) -> None:
         """``state``: where what a prepare did to vLLM is kept, for a successor sidecar
-        (``state`` module); nothing is kept without it."""
+        (``state`` module); nothing is kept without it. ``pid``: the engine's host PID, or
+        a function that reads it each time (``parent_host_pid``: launched, it changes with
+        a restore)."""
         self.http = http
         self.state = state
-        self.pid = pid
+        self._pid_of = pid if callable(pid) else (lambda: pid)
         self.golden_prompt, self.golden_tokens = golden_prompt, golden_tokens
         self.verify_weights = verify_weights
         self.step_timeout_s = step_timeout_s
@@ -137,6 +142,10 @@ class VllmEngine(EngineHooks):
         self._poll_s, self._dead_after_s = poll_s, dead_after_s
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="vllm-poll", daemon=True)
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid_of()
 
     # ------------------------------------------------------------------ liveness
 
@@ -158,9 +167,10 @@ class VllmEngine(EngineHooks):
                 pass
 
     def alive(self) -> bool:
-        if self.pid is not None:
+        pid = self.pid
+        if pid is not None:
             try:
-                if psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
                     return False
             except psutil.NoSuchProcess:
                 return False
@@ -413,10 +423,11 @@ class VllmEngine(EngineHooks):
         processes' PSS (a page they share, such as torch's libraries mapped by all three of
         vLLM's, counts once, not once per process as with RSS) and, where nvidia-smi can
         tell, GPU memory of those processes."""
-        if self.pid is None:
+        pid = self.pid
+        if pid is None:
             return {}
         try:
-            root = psutil.Process(self.pid)
+            root = psutil.Process(pid)
             procs = [root, *root.children(recursive=True)]
         except psutil.Error:
             return {}
@@ -514,25 +525,50 @@ class EngineFingerprint:
     the agent's ``IncarnationTracker``: a CRIU restore of vLLM recreates its process, so its
     start time changes, while the sidecar's own process never left. While the process is
     gone (dumped, not yet restored) the last one seen stands; without a PID (a remote vLLM)
-    it never changes."""
+    it never changes. ``pid`` may be a function read at each call (``parent_host_pid``):
+    ``on_new_pid`` then hears of each PID it gives that differs from the last."""
 
-    def __init__(self, pid: int | None) -> None:
-        self.pid = pid
-        self._last = Fingerprint("", pid or 0, 0)
+    def __init__(self, pid: "int | None | Callable[[], int | None]",
+                 on_new_pid: Callable[[int], None] | None = None) -> None:
+        self._pid_of = pid if callable(pid) else (lambda: pid)
+        self.on_new_pid = on_new_pid
+        first = self._pid_of()
+        self._last = Fingerprint("", first or 0, 0)
         self()
 
+    @property
+    def pid(self) -> int | None:
+        return self._pid_of()
+
     def __call__(self) -> Fingerprint:
-        if self.pid is None:
+        pid = self.pid
+        if pid is None:
             return self._last
         try:
             boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
+            stat = Path(f"/proc/{pid}/stat").read_text()
             # field 2 (comm) may hold spaces and parentheses: split after the last ')'
             start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
         except (OSError, IndexError, ValueError):  # policy: gone for now: nothing new seen
             return self._last
-        self._last = Fingerprint(boot_id, self.pid, start_ticks)
+        if pid != self._last.pid and self.on_new_pid is not None:
+            self.on_new_pid(pid)
+        self._last = Fingerprint(boot_id, pid, start_ticks)
         return self._last
+
+
+def parent_host_pid() -> int | None:
+    """The host PID of this process's parent (``PPid`` of ``/proc/self/status``, which
+    procfs gives in its own mount's PID namespace: the host's, for a process started under
+    ``unshare --pid --fork`` without a /proc of its own). Read each time: the parent of a
+    restored sidecar is the restored launcher, under another host PID."""
+    try:
+        for line in Path("/proc/self/status").read_bytes().splitlines():
+            if line.startswith(b"PPid:"):
+                return int(line.split()[1]) or None
+    except (OSError, ValueError, IndexError):  # policy: no procfs: not known
+        return None
+    return None
 
 
 def find_server_pid(port: int) -> int | None:
@@ -550,26 +586,35 @@ def find_server_pid(port: int) -> int | None:
 def serve(url: str, *, name: str, control: str | None, pid: int | None,
           golden_prompt: str, golden_tokens: int, verify_weights: bool, timeout_s: float,
           heartbeat_interval_s: float = 0.5, ready: Callable[[dict], None] | None = None,
-          curve=None) -> None:
-    """Run the sidecar until SIGTERM/SIGINT; prints one JSON ready line once bound."""
+          curve=None, engine_is_parent: bool = False) -> None:
+    """Run the sidecar until SIGTERM/SIGINT; prints one JSON ready line once bound.
+    ``engine_is_parent``: started by the launcher (``launcher``), whose host PID is the
+    engine's (the tree CRIU dumps), read again when a restore changed it."""
     from ckpt_controller.agent.server import Agent
     from ckpt_controller.procutil import StopSignals
 
     http = VllmHttp(url, timeout_s=timeout_s)
     if not http.healthy(timeout_s=5.0):
         raise UnreachableError(f"no vLLM server answers at {http.url}/health", url=http.url)
-    if pid is None and http.host in ("127.0.0.1", "localhost", "::1"):
-        pid = find_server_pid(http.port)
+    pid_of: "int | None | Callable[[], int | None]" = pid
+    if engine_is_parent:
+        pid_of = parent_host_pid
+        pid = parent_host_pid()
+    elif pid is None and http.host in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
+        pid = pid_of = find_server_pid(http.port)
     state = StateFile(state_path(control, name))
-    engine = VllmEngine(http, pid=pid, golden_prompt=golden_prompt,
+    engine = VllmEngine(http, pid=pid_of, golden_prompt=golden_prompt,
                         golden_tokens=golden_tokens, verify_weights=verify_weights,
                         step_timeout_s=max(timeout_s, 60.0), state=state).start()
+    fingerprint = EngineFingerprint(pid_of)
     agent = Agent(name, hooks=engine, memory=engine, drain=engine, control=control,
                   engine_pid=pid, engine_alive=engine.alive,
                   request_counts=engine.request_counts,
                   heartbeat_interval_s=heartbeat_interval_s, curve=curve,
-                  incarnation=IncarnationTracker(EngineFingerprint(pid)),
+                  incarnation=IncarnationTracker(fingerprint),
                   generation=state.state.generation, endpoints={"http": http.url})
+    # restored elsewhere, the engine (the launcher) has another host PID: status says it
+    fingerprint.on_new_pid = lambda new: setattr(agent, "engine_pid", new)
     agent.lifecycle.subscribe(lambda t: _keep_generation(state, t.generation))
     # never claim RUNNING for an engine that is not serving: FAILED says why, and a restore
     # (recovery) resumes and wakes it

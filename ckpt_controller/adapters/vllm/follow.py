@@ -1,0 +1,107 @@
+"""A vLLM client that follows its engine across a migration, through the fleet's registry.
+
+A migrated vLLM answers at its new node's address; the HTTP connections open at the dump do
+not move (CRIU restores TCP connections only at the same IP: ``--tcp-established`` fails on
+another node), so a client with a request on such a connection sees it closed when the
+source's stopped copy is ended: no answer, ``EngineError(unreachable=True)`` from ``http``.
+``FollowingVllm`` then looks the engine's ``http`` endpoint up again in the registry and sends
+the request again there (vLLM has no resend by id: the request runs again from its prompt; a
+greedy one gives the same text). A wildcard host in the published endpoint (an older node that
+rewrites only tcp:// endpoints) is read as the host of the engine's published ``control``
+endpoint, which names the node's ``[fleet] address``.
+Neighbours: ``http`` (each call), ``fleet.registry`` (``engine_endpoint``), ``fleet.etcd``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any
+
+from ckpt_controller.adapters.vllm.http import Completion, VllmHttp
+from ckpt_controller.errors import CkptError, EngineError
+
+log = logging.getLogger("ckpt_controller.vllm")
+
+_WILDCARDS = ("0.0.0.0", "::", "*")
+
+
+def published_http(store, keys, engine: str) -> str:
+    """The engine's ``http`` endpoint from the registry, a wildcard host replaced by the host
+    its ``control`` endpoint is published with."""
+    from ckpt_controller.fleet import registry
+
+    url = registry.engine_endpoint(store, keys, engine, "http")
+    parts = urllib.parse.urlsplit(url)
+    if parts.hostname not in _WILDCARDS:
+        return url
+    control = registry.engine_endpoint(store, keys, engine, "control")
+    host = control.removeprefix("tcp://").rpartition(":")[0]
+    if not host or host.strip("[]") in _WILDCARDS:
+        return url
+    return f"{parts.scheme}://{host}:{parts.port}"
+
+
+class FollowingVllm:
+    """Completions from the vLLM engine ``engine`` wherever the registry says it is."""
+
+    def __init__(self, engine: str, *, etcd: "str | Sequence[str]", prefix: str = "/ckpt",
+                 timeout_s: float = 120.0, follow_for_s: float = 180.0) -> None:
+        """``follow_for_s``: how long a request keeps being sent again while the engine is
+        out of reach (moving) before its last error is raised."""
+        from ckpt_controller.fleet.etcd import Etcd
+        from ckpt_controller.fleet.keys import Keys
+
+        urls = etcd.split(",") if isinstance(etcd, str) else list(etcd)
+        self.store = Etcd([u for u in urls if u])
+        self.keys, self.engine = Keys(prefix), engine
+        self.timeout_s, self.follow_for_s = timeout_s, follow_for_s
+        try:
+            self.http = VllmHttp(published_http(self.store, self.keys, engine),
+                                 timeout_s=timeout_s)
+        except BaseException:  # policy: nothing half made is left open; raised on
+            self.store.close()
+            raise
+        #: the URLs this client moved to, in order
+        self.moves: list[str] = []
+        #: what each broken attempt said (``EngineError`` messages), in order
+        self.broken: list[str] = []
+
+    def complete(self, prompt: str, max_tokens: int, **sampling: Any) -> Completion:
+        """A greedy completion; sent again, at the URL the registry names then, while the
+        engine does not answer (``follow_for_s``)."""
+        end = time.monotonic() + self.follow_for_s
+        while True:
+            try:
+                return self.http.complete(prompt, max_tokens, retry_for_s=30.0, **sampling)
+            except EngineError as err:
+                if not err.details.get("unreachable") or time.monotonic() >= end:
+                    raise
+                self.broken.append(str(err))
+                self._follow()
+                time.sleep(0.5)
+
+    def _follow(self) -> None:
+        try:
+            url = published_http(self.store, self.keys, self.engine)
+        except CkptError as err:  # policy: the registry out of reach for now: the old URL
+            log.warning("cannot look %s up in the registry: %s", self.engine, err)
+            return
+        if url != self.http.url:
+            log.info("vLLM engine %s moved: %s -> %s", self.engine, self.http.url, url)
+            model = getattr(self.http, "_model", None)
+            self.http = VllmHttp(url, timeout_s=self.timeout_s)
+            if model is not None:  # the same engine: its model's name stays
+                self.http._model = model
+            self.moves.append(url)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> "FollowingVllm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

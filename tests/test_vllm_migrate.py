@@ -1,0 +1,249 @@
+"""A real vLLM server migrated between two nodes (network namespaces, ``tests/test_migration``'s
+``Pair``) with ``ckptctl fleet migrate`` under a few concurrent completions.
+
+vLLM and its sidecar run under one PID-namespace init (``ckptctl agent vllm-launch``), so one
+CRIU image holds both and the sidecar's endpoints move with vLLM. The clients
+(``FollowingVllm``) see their open HTTP connections closed (CRIU cannot restore them at
+another address) and send their requests again at the address the registry then names; the
+answers equal those of the engine before it moved. Marked ``vllm`` and ``fleet``; needs what
+``test_migration`` needs, the vLLM venv (``make vllm``) and a writable
+``kernel.io_uring_disabled``. A launcher test with the stand-in server (no vLLM) runs by
+default where root and ``unshare`` are."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import AMX_PERMISSION, ROOT, VLLM_PY, pids_naming, wait_until
+from test_migration import Pair, _reason as migration_missing, net_of
+
+URING = Path("/proc/sys/kernel/io_uring_disabled")
+HTTP_PORT, CONTROL_PORT = 7721, 7722
+PROMPTS = ["the engine moved to", "a second node answers", "checkpoints carry", "four"]
+TOKENS = 3000
+
+
+class VllmPair(Pair):
+    """``Pair`` whose n1 names a vLLM engine ``v0`` (kind vllm, level 1, drain keep)."""
+
+    def toml(self, node: str, transport: str) -> str:
+        out = (f'[defaults]\ndrain = "keep"\nlevel = 1\n\n[fleet]\n{self.etcd.toml()}'
+               f'node = "{node}"\naddress = "{self.addr[node]}"\nlease_ttl_s = 2\n'
+               f'publish_interval_s = 0.2\n\n[migration]\nimage_transport = "{transport}"\n'
+               f'shared_dir = "{self.shared}"\n')
+        if node == "n1":
+            out += (f'\n[[engine]]\nname = "v0"\ncontrol = "tcp://127.0.0.1:{CONTROL_PORT}"\n'
+                    f'kind = "vllm"\n')
+        return out
+
+    def start_vllm(self, node: str = "n1"):
+        """vLLM and its sidecar under ``vllm-launch``, in ``node``'s network namespace and a
+        PID namespace of their own, listening on wildcard addresses; io_uring off while
+        vLLM starts (CRIU cannot dump it)."""
+        from ckpt_controller.procutil import ReadyProcess
+
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
+                   HF_HUB_OFFLINE="1")
+        if AMX_PERMISSION.exists():
+            env["LD_PRELOAD"] = str(AMX_PERMISSION)
+        old = URING.read_text().strip()
+        URING.write_text("2")
+        try:
+            eng = ReadyProcess(
+                [*self.made.enter(self.ns[node]), "unshare", "--pid", "--fork", "setsid",
+                 sys.executable, "-m", "ckpt_controller", "agent", "vllm-launch", "--url",
+                 f"http://0.0.0.0:{HTTP_PORT}", "--control", f"tcp://0.0.0.0:{CONTROL_PORT}",
+                 "--name", "v0", "--heartbeat", "1.0", "--log-dir", str(self.d / "v0-logs"),
+                 "--", str(VLLM_PY), "-m", "vllm.entrypoints.launchers.api_server.entry",
+                 "--model", str(self.model_dir), "--enforce-eager", "--host", "0.0.0.0",
+                 "--port", str(HTTP_PORT)],
+                self.d / "v0.log", "vLLM launcher v0", cwd=ROOT, env=env, timeout_s=420)
+        finally:
+            URING.write_text(old)
+        self.started.append(eng)
+        return eng
+
+    def live_tree(self) -> list[psutil.Process]:
+        """The vLLM engines' launchers that run (not stopped, not zombies)."""
+        out = []
+        for pid in pids_naming("agent vllm-launch"):
+            try:
+                proc = psutil.Process(pid)
+                if str(self.model_dir) in " ".join(proc.cmdline()) \
+                        and proc.cmdline()[0] not in ("unshare", "nsenter") \
+                        and "vllm-launch" in proc.cmdline() \
+                        and proc.status() not in ("zombie", "stopped", "dead"):
+                    out.append(proc)
+            except psutil.NoSuchProcess:  # policy: ended meanwhile: not live
+                continue
+        return out
+
+
+def _why_not_vllm() -> str | None:
+    if migration_missing is not None:
+        return migration_missing
+    if not VLLM_PY.exists():
+        return "no vLLM venv: run `make vllm`"
+    if not os.access(URING, os.W_OK):
+        return f"cannot turn io_uring off while vLLM starts ({URING} is not writable)"
+    return None
+
+
+_vllm_reason = _why_not_vllm()
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    d = tmp_path / "tinyllama"
+    subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "vllm" / "make_tiny_llama.py"), str(d)],
+                   check=True, capture_output=True, timeout=300)
+    return d
+
+
+class Sender(threading.Thread):
+    """One client that follows the engine, sending one completion."""
+
+    def __init__(self, url: str, prompt: str, tokens: int = TOKENS) -> None:
+        super().__init__(daemon=True)
+        from ckpt_controller.adapters.vllm.follow import FollowingVllm
+
+        self.client = FollowingVllm("v0", etcd=url, follow_for_s=240)
+        self.prompt, self.tokens = prompt, tokens
+        self.text: str | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.text = self.client.complete(self.prompt, self.tokens, ignore_eos=True).text
+        except BaseException as err:  # policy: kept for the test to show
+            self.error = err
+        finally:
+            self.client.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+@pytest.mark.fleet
+@pytest.mark.skipif(_vllm_reason is not None, reason=_vllm_reason or "")
+def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama):
+    from ckpt_controller.adapters.vllm.follow import published_http
+    from ckpt_controller.adapters.vllm.http import VllmHttp
+    from ckpt_controller.fleet.keys import Keys
+
+    pair = VllmPair(tmp_path, tiny_llama, "shared")
+    try:
+        eng = pair.start_vllm()
+        rec = wait_until(lambda: pair.running_on("n1", "v0"), timeout_s=60, every_s=0.2,
+                         what="v0 RUNNING on n1 in the registry")
+        assert rec["pid"] == eng.info["pid"]  # the launcher's host PID: the whole tree
+        print(f"\nregistry before: {rec['endpoints']}")
+        with pair.etcd.client() as c:
+            n1_url = published_http(c, Keys("/ckpt"), "v0")
+        assert n1_url == f"http://{pair.addr['n1']}:{HTTP_PORT}"
+        n1 = VllmHttp(n1_url, timeout_s=300)
+        # the answers of an engine that never moved, the four sent together as below
+        first = [Sender(pair.url, p) for p in PROMPTS]
+        for s in first:
+            s.join(300)
+        assert all(s.error is None for s in first), [s.error for s in first]
+        want = {s.prompt: s.text for s in first}
+
+        senders = [Sender(pair.url, p) for p in PROMPTS]
+        wait_until(lambda: n1.metrics(timeout_s=30).running == len(PROMPTS), timeout_s=60,
+                   every_s=0.2, what="the four completions under way on n1")
+        mig = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd", pair.url,
+                                "fleet", "migrate", "v0", "--to", "n2", "--drain", "keep",
+                                "--op-id", "mvv", "--json"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        out, err = mig.communicate(timeout=400)
+        print(f"migrate: rc {mig.returncode}\n{out}\n{err}")
+        assert mig.returncode == 0, out + err
+        doc = json.loads(out)
+        assert doc["migration"]["outcome"] == "moved", doc
+        for s in senders:
+            s.join(300)
+        n2_url = f"http://{pair.addr['n2']}:{HTTP_PORT}"
+        for s in senders:
+            print(f"client {s.prompt!r}: broken {s.client.broken}; moves {s.client.moves}")
+        assert all(s.error is None for s in senders), [s.error for s in senders]
+        # each client's open connection was closed under it, and it followed the registry
+        assert all(s.client.broken and s.client.moves == [n2_url] for s in senders)
+        assert {s.prompt: s.text for s in senders} == want
+        # a client that starts now finds the engine at n2 and gets the same answer
+        late = Sender(pair.url, PROMPTS[0], TOKENS)
+        late.join(300)
+        assert late.error is None and late.text == want[PROMPTS[0]]
+        assert late.client.http.url == n2_url and not late.client.broken
+
+        rec = wait_until(lambda: pair.running_on("n2", "v0"), timeout_s=30, every_s=0.2,
+                         what="v0 RUNNING on n2 in the registry")
+        print(f"registry after: {rec['endpoints']}")
+        with pair.etcd.client() as c:
+            assert published_http(c, Keys("/ckpt"), "v0") == n2_url
+        # exactly one launcher runs, in n2's network namespace; the status names its host PID
+        live = wait_until(lambda: len(got := pair.live_tree()) == 1 and got, timeout_s=30,
+                          what="exactly one vLLM launcher running")
+        assert net_of(live[0].pid) == os.stat(f"/run/netns/{pair.ns['n2']}").st_ino
+        assert live[0].pid != eng.info["pid"]
+        assert rec["pid"] == live[0].pid
+        kids = live[0].children()
+        assert len(kids) == 2 and all(net_of(k.pid) == net_of(live[0].pid) for k in kids)
+        st = json.loads(pair.controllers["n2"].ckptctl("status", "--json").stdout)
+        (row,) = st["engines"]
+        assert row["status"]["restored_from_image"] and row["status"]["pid"] == live[0].pid
+    finally:
+        for line in (tmp_path / "v0-logs" / "launcher.log",):
+            if line.exists():
+                print(line.read_text()[-2000:])
+        pair.close()
+
+
+# ---------------------------------------------------------------- the launcher alone
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="unshare --pid needs root")
+def test_the_launcher_is_its_engines_init(tmp_path):
+    """With the stand-in server (no vLLM): the sidecar reports the launcher's host PID; a
+    SIGCONT to the launcher continues the whole stopped tree; SIGTERM ends all of it."""
+    from ckpt_controller.agent import AgentClient
+    from ckpt_controller.endpoints import free_port
+    from ckpt_controller.procutil import ReadyProcess
+
+    port, control = free_port(), free_port()
+    eng = ReadyProcess(["unshare", "--pid", "--fork", "setsid", sys.executable, "-m",
+                        "ckpt_controller", "agent", "vllm-launch", "--url",
+                        f"http://0.0.0.0:{port}", "--control", f"tcp://127.0.0.1:{control}",
+                        "--name", "st", "--log-dir", str(tmp_path / "logs"), "--",
+                        sys.executable, str(ROOT / "tests" / "vllm" / "standin_server.py"),
+                        "--host", "0.0.0.0", "--port", str(port)],
+                       tmp_path / "st.log", "launcher st", cwd=ROOT)
+    try:
+        launcher = psutil.Process(eng.info["pid"])
+        assert "vllm-launch" in launcher.cmdline()
+        tree = [launcher, *launcher.children()]
+        assert len(tree) == 3
+        with AgentClient(eng.info["control"], timeout_s=10) as agent:
+            st = agent.status()
+        assert st.pid == launcher.pid and st.endpoints["http"] == f"http://0.0.0.0:{port}"
+        for proc in tree:
+            proc.send_signal(signal.SIGSTOP)
+        wait_until(lambda: all(p.status() == "stopped" for p in tree), what="all stopped")
+        launcher.send_signal(signal.SIGCONT)
+        wait_until(lambda: all(p.status() != "stopped" for p in tree), timeout_s=10,
+                   what="the whole tree continued")
+        launcher.send_signal(signal.SIGTERM)
+        wait_until(lambda: not any(p.is_running() and p.status() != "zombie" for p in tree),
+                   timeout_s=30, what="the tree ended")
+        assert eng.proc.wait(10) == 0
+    finally:
+        eng.stop()
