@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -53,8 +52,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import test_migration as tm  # noqa: E402  (the two nodes the migration tests use)
 from conftest import kill_naming, wait_until  # noqa: E402
 
-from ckpt_controller.criu_images import PAGE_SIZE, _fields, _varint  # noqa: E402
-from ckpt_controller.procutil import ReadyProcess  # noqa: E402
+from ckpt_controller.criu_images import PAGE_SIZE, read_stats  # noqa: E402
 
 TRANSPORTS = ("page-server", "shared")
 COLD_API, COLD_CONTROL = tm.API_PORT + 20, tm.CONTROL_PORT + 20
@@ -62,7 +60,6 @@ STEPS = ("receive", "send", "adopt", "finish")
 #: one migration from its start to the first token on the target, at most
 MOVE_TIMEOUT_S = 240.0
 #: CRIU's service images start with this magic, then the image's own (criu/include/magic.h)
-IMG_SERVICE_MAGIC, STATS_MAGIC = 0x55105940, 0x57093306
 
 
 class Nodes(tm.Pair):
@@ -71,29 +68,7 @@ class Nodes(tm.Pair):
 
     def __init__(self, d: Path, model_dir: Path, transport: str, engine_args: list[str],
                  level: int) -> None:
-        self.engine_args, self.level = engine_args, level
-        super().__init__(d, model_dir, transport)
-
-    def toml(self, node: str, transport: str) -> str:
-        text = super().toml(node, transport)
-        if "\nlevel = 2\n" not in text:
-            raise RuntimeError("tests/test_migration.py's Pair no longer sets level = 2; "
-                               "bench/migrate.py sets --level in its place")
-        return text.replace("\nlevel = 2\n", f"\nlevel = {self.level}\n", 1)
-
-    def start_engine(self, name: str = "m0", node: str = "n1", api: int = tm.API_PORT,
-                     control: int = tm.CONTROL_PORT) -> ReadyProcess:
-        """The engine as ``Pair`` starts it (its own PID namespace and session, wildcard
-        endpoints), with the benchmark's model options and ports."""
-        eng = ReadyProcess([*self.made.enter(self.ns[node]), "unshare", "--pid", "--fork",
-                            "setsid", sys.executable, "-m", "ckpt_controller", "engine",
-                            "serve", "--name", name, "--api", f"tcp://0.0.0.0:{api}",
-                            "--control", f"tcp://0.0.0.0:{control}", "--model-dir",
-                            str(self.model_dir), "--heartbeat", "0.2", *self.engine_args],
-                           self.d / f"{name}.log", f"engine {name}", cwd=ROOT,
-                           timeout_s=300)
-        self.started.append(eng)
-        return eng
+        super().__init__(d, model_dir, transport, level=level, engine_args=tuple(engine_args))
 
 
 def cold_start(nodes: Nodes) -> dict:
@@ -220,32 +195,6 @@ def migrate(nodes: Nodes, kept: int, max_tokens: int, follow_after_s: float) -> 
             "moves": client.moves, "op": doc["op"], "migration": doc["migration"]}
 
 
-def stats(path: Path) -> dict[str, int]:
-    """CRIU's ``stats-dump`` or ``stats-restore``: one ``stats_entry`` whose field 1 (dump)
-    or 2 (restore) is a message of varints (CRIU's images/stats.proto); {} when absent."""
-    if not path.exists():
-        return {}
-    data = path.read_bytes()
-    magic, kind, size = struct.unpack_from("<III", data)
-    if (magic, kind) != (IMG_SERVICE_MAGIC, STATS_MAGIC):
-        raise RuntimeError(f"{path.name}: not a CRIU stats image")
-    msg, at = data[12:12 + size], 0
-    while at < len(msg):
-        key, at = _varint(msg, at, path.name)
-        if key & 7 != 2:
-            raise RuntimeError(f"{path.name}: unexpected field {key >> 3}")
-        length, at = _varint(msg, at, path.name)
-        names = DUMP_FIELDS if key >> 3 == 1 else RESTORE_FIELDS
-        return {names[k]: v for k, v in _fields(msg[at:at + length], path.name).items()
-                if k in names}
-    return {}
-
-
-DUMP_FIELDS = {1: "freezing_us", 2: "frozen_us", 3: "memdump_us", 4: "memwrite_us",
-               5: "pages_scanned", 7: "pages_written"}
-RESTORE_FIELDS = {3: "forking_us", 4: "restore_us", 5: "pages_restored"}
-
-
 def image(migration: dict) -> dict:
     """The image in the target's folder: its pages and the rest; what moving it took."""
     done = {d["step"]: d for d in migration["done"]}
@@ -257,7 +206,7 @@ def image(migration: dict) -> dict:
                 and p.name.startswith("pages-") and p.name.endswith(".img"))
     rest = sum(p.stat().st_size for p in files) - pages
     small = int(done["send"]["detail"].get("small_bytes") or 0)
-    dump, restore = stats(folder / "stats-dump"), stats(folder / "stats-restore")
+    dump, restore = read_stats(folder / "stats-dump"), read_stats(folder / "stats-restore")
     return {"transport": received["transport"], "pages_bytes": pages, "rest_bytes": rest,
             "image_bytes": pages + rest, "small_packed_bytes": small,
             "moved_bytes": pages + small if received["transport"] == "page-server" else 0,

@@ -387,3 +387,35 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+# ---------------------------------------------------------------- statistics
+
+#: CRIU's stats images (stats-dump, stats-restore) start with these two magics
+_IMG_SERVICE_MAGIC, _STATS_MAGIC = 0x55105940, 0x57093306
+
+
+def read_stats(path: Path) -> dict[str, int]:
+    """CRIU's ``stats-dump`` or ``stats-restore``: one ``stats_entry`` whose field 1 (dump)
+    or 2 (restore) is a message of varints (CRIU's images/stats.proto); {} when absent."""
+    if not path.exists():
+        return {}
+    data = path.read_bytes()
+    magic, kind, size = struct.unpack_from("<III", data)
+    if (magic, kind) != (_IMG_SERVICE_MAGIC, _STATS_MAGIC):
+        raise ImageError(f"{path.name}: not a CRIU stats image")
+    msg, at = data[12:12 + size], 0
+    while at < len(msg):
+        key, at = _varint(msg, at, path.name)
+        if key & 7 != 2:
+            raise ImageError(f"{path.name}: unexpected field {key >> 3}")
+        length, at = _varint(msg, at, path.name)
+        names = DUMP_FIELDS if key >> 3 == 1 else RESTORE_FIELDS
+        return {names[k]: v for k, v in _fields(msg[at:at + length], path.name).items()
+                if k in names}
+    return {}
+
+
+DUMP_FIELDS = {1: "freezing_us", 2: "frozen_us", 3: "memdump_us", 4: "memwrite_us",
+               5: "pages_scanned", 7: "pages_written"}
+RESTORE_FIELDS = {3: "forking_us", 4: "restore_us", 5: "pages_restored"}

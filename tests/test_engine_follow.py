@@ -216,6 +216,10 @@ def test_wildcard_hosts_are_published_at_the_node_address():
     assert reachable_at("tcp://[::]:5557", "fd00::2") == "tcp://[fd00::2]:5557"
     assert reachable_at("tcp://10.0.0.3:5557", "x") == "tcp://10.0.0.3:5557"
     assert reachable_at("ipc:///run/ckpt/a.api", "x") == "ipc:///run/ckpt/a.api"
+    # a vLLM sidecar's http endpoint too, its path kept
+    assert reachable_at("http://0.0.0.0:8000", "169.254.77.2") == "http://169.254.77.2:8000"
+    assert reachable_at("https://[::]:8443/v1", "fd00::2") == "https://[fd00::2]:8443/v1"
+    assert reachable_at("http://10.0.0.3:8000", "x") == "http://10.0.0.3:8000"
     assert published_endpoints({"api": "tcp://0.0.0.0:1"}, "ipc:///c", "n1") == {
         "api": "tcp://n1:1", "control": "ipc:///c"}
     assert published_endpoints({"control": "tcp://*:2"}, "ipc:///c", "n1") == {

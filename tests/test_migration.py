@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -52,9 +51,14 @@ if _reason is not None and os.environ.get("CKPT_REQUIRE_CRIU") == "1":
 class Pair:
     """Two nodes (n1, n2) and etcd, made for one test; ``close`` takes everything away."""
 
-    def __init__(self, d: Path, model_dir: Path, transport: str) -> None:
+    def __init__(self, d: Path, model_dir: Path, transport: str,
+                 coordinator: bool = False, level: int = 2,
+                 engine_args: tuple[str, ...] = ()) -> None:
+        """``level``: the nodes' default release level; ``engine_args``: more options for
+        every engine started (``--model small``, say)."""
         tag = run_tag()
         self.d, self.model_dir = d, model_dir
+        self.level, self.engine_args = level, tuple(engine_args)
         self.ns = {"n1": f"ckpt-m1-{tag}", "n2": f"ckpt-m2-{tag}"}
         self.made = Namespaces.or_skip(self.ns["n1"])
         self.started: list[ReadyProcess] = []
@@ -70,6 +74,14 @@ class Pair:
             self.url = self.etcd.urls[0]
             self.shared = d / "shared"
             self.shared.mkdir(mode=0o700)
+            if coordinator:  # an engine-less node in the root namespace, elected first
+                (d / "c0").mkdir()
+                self.controllers["c0"] = ControllerProcess(
+                    d / "c0", f'[fleet]\n{self.etcd.toml()}node = "c0"\n'
+                    f'lease_ttl_s = {TTL_S}\npublish_interval_s = 0.2\n')
+                self.started.append(self.controllers["c0"])
+                wait_until(lambda: self.coordinator() == "c0", timeout_s=20,
+                           what="c0 coordinating")
             for node in ("n1", "n2"):
                 self.start_controller(node, transport)
         except BaseException:
@@ -77,7 +89,7 @@ class Pair:
             raise
 
     def toml(self, node: str, transport: str) -> str:
-        out = (f'[defaults]\ndrain = "keep"\nlevel = 2\n\n[fleet]\n{self.etcd.toml()}'
+        out = (f'[defaults]\ndrain = "keep"\nlevel = {self.level}\n\n[fleet]\n{self.etcd.toml()}'
                f'node = "{node}"\naddress = "{self.addr[node]}"\nlease_ttl_s = {TTL_S}\n'
                f'publish_interval_s = 0.2\n\n[migration]\nimage_transport = "{transport}"\n'
                f'shared_dir = "{self.shared}"\n')
@@ -100,6 +112,13 @@ class Pair:
         self.controllers[node] = ctl
         self.started.append(ctl)
         return ctl
+
+    def coordinator(self) -> str | None:
+        from ckpt_controller.fleet.keys import Keys
+
+        with self.etcd.client() as c:
+            kv = c.get(Keys("/ckpt").coordinator)
+            return kv.value.decode() if kv else None
 
     def pause(self, node: str, point: str) -> None:
         """A hook at ``point`` on ``node`` that runs before the real ones: it says it is
@@ -146,16 +165,17 @@ class Pair:
         return next((n for n, ns in self.ns.items()
                      if os.stat(f"/run/netns/{ns}").st_ino == ino), None)
 
-    def start_engine(self, name: str = "m0", node: str = "n1") -> ReadyProcess:
+    def start_engine(self, name: str = "m0", node: str = "n1", api: int = API_PORT,
+                     control: int = CONTROL_PORT) -> ReadyProcess:
         """The reference engine in ``node``'s network namespace and a PID namespace of its
         own (so a copy restored beside its stopped original gets its PIDs), in a session of
         its own, listening on wildcard addresses."""
         eng = ReadyProcess([*self.made.enter(self.ns[node]), "unshare", "--pid", "--fork",
                             "setsid", sys.executable, "-m", "ckpt_controller", "engine",
-                            "serve", "--name", name, "--api", f"tcp://0.0.0.0:{API_PORT}",
-                            "--control", f"tcp://0.0.0.0:{CONTROL_PORT}", "--model-dir",
-                            str(self.model_dir), "--heartbeat", "0.2"],
-                           self.d / f"{name}.log", f"engine {name}", cwd=ROOT)
+                            "serve", "--name", name, "--api", f"tcp://0.0.0.0:{api}",
+                            "--control", f"tcp://0.0.0.0:{control}", "--model-dir",
+                            str(self.model_dir), "--heartbeat", "0.2", *self.engine_args],
+                           self.d / f"{name}.log", f"engine {name}", cwd=ROOT, timeout_s=300)
         self.started.append(eng)
         return eng
 
@@ -236,6 +256,12 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
                 client.requests[i].token_ids for i in kept), timeout_s=30,
                 what="every kept request under way")
             assert not any(client.requests[i].ended for i in kept)
+            # and `ckptctl load`, following the engine by name, all through the move
+            load_cli = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "load",
+                                         "--engine", "m0", "--etcd", pair.url, "--rate", "10",
+                                         "--duration", "20", "--json"],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, cwd=ROOT)
             mig = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
                                     pair.url, "fleet", "migrate", "m0", "--to", "n2",
                                     "--drain", "keep", "--op-id", "mv1", "--json"],
@@ -269,6 +295,10 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
             assert done and all(c.finish_reason == "length" for c in done)
             refused = [client.requests[i].rejected for i in load
                        if client.requests[i].rejected is not None]
+            out, err = load_cli.communicate(timeout=120)
+            report = json.loads(out)
+            assert report["lost"] == 0 and report["errored"] == 0, out + err
+            assert report["completed"] > 0 and report["sent"] == 200, report
             assert all(r.kind in ("rejected", "overloaded") and "retry_after_s" in r.details
                        for r in refused), refused
         # the registry names n2 and its endpoints; n1 shows the engine as moved
@@ -285,6 +315,14 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
         assert len(live) == 1, (before, after)
         assert net_of(live[0]) == os.stat(f"/run/netns/{pair.ns['n2']}").st_ino
         assert not (before & set(live))
+        if transport == "page-server":  # adopted for good: the target, restarted, keeps it
+            n2 = pair.controllers["n2"]
+            n2.stop()
+            pair.started.remove(n2)
+            pair.start_controller("n2", transport)
+            wait_until(lambda: pair.running_on("n2"), timeout_s=30, every_s=0.2,
+                       what="m0 RUNNING on n2 after n2's controller restarted")
+            assert pair.live_engines() == live
     finally:
         pair.close()
 
@@ -491,5 +529,55 @@ def test_the_source_controller_killed_after_the_send_the_engine_moves(pair):
         m.runs_on("n2")
         wait_until(lambda: "MOVED to node n2" in ctl.ckptctl("status").stdout, timeout_s=20,
                    what="n1 shows m0 as moved")
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("node,point", [("n1", "dump"), ("n2", "pre-restore")],
+                         ids=["mid-send", "mid-adopt"])
+def test_the_coordinator_killed_another_takes_over_and_no_step_runs_twice(tmp_path,
+                                                                           model_dir_private,
+                                                                           node, point):
+    if _reason is not None:
+        pytest.skip(_reason)
+    pair = Pair(tmp_path, model_dir_private, "page-server", coordinator=True)
+    try:
+        pair.pause(node, point)
+        m = Moving(pair)
+        try:
+            m.start()
+            pair.paused(node, point)
+            pair.controllers["c0"].kill9()
+            wait_until(lambda: pair.coordinator() in ("n1", "n2"), timeout_s=TTL_S + 5,
+                       what="n1 or n2 coordinating within the lease's TTL")
+            pair.go(node, point)
+            doc = m.ended(0, "moved")
+            assert [d["step"] for d in doc["migration"]["done"]] == [
+                "receive", "send", "adopt", "finish"]
+            m.runs_on("n2")
+            for n in ("n1", "n2"):  # each step's local operations ran once
+                log = (tmp_path / n / "controller.log").read_text()
+                for step in ("receive", "send", "adopt", "finish"):
+                    assert log.count(f"migration mv of m0: {step} starts here") <= 1, (n, step)
+        finally:
+            m.close()
+    finally:
+        pair.close()
+
+
+def test_the_source_controller_killed_mid_send_the_engine_stays_and_resumes(pair):
+    pair.pause("n1", "dump")
+    m = Moving(pair)
+    try:
+        m.start()
+        pair.paused("n1", "dump")
+        pair.controllers["n1"].kill9()
+        doc = m.ended(1, "failed")
+        assert doc["migration"]["done"][1]["status"] == "lost"
+        pair.go("n1", "dump")
+        # n1, back, finds the engine it was sending still its own, and resumes it
+        pair.started.remove(pair.controllers["n1"])
+        pair.start_controller("n1", "page-server")
+        m.runs_on("n1")
     finally:
         m.close()

@@ -270,3 +270,45 @@ def test_a_target_that_failed_after_its_take_over_resumes_the_source_only_if_it_
     f.drive()
     task, _ = f.task("n1")
     assert task.kind == ("migrate-resume" if handed_back else "migrate-finish")
+
+
+def test_a_target_down_before_the_adopt_starts_resumes_the_source(fleet):
+    """The target went away after its receive: the adopt never starts (so never takes the
+    engine over), and the source, holding it stopped, resumes it."""
+    f = fleet
+    submit(f)
+    f.drive()
+    f.end("n2")
+    f.drive()
+    f.down("n2")
+    f.end("n1", pid=4242)
+    f.drive()
+    assert f.task("n1")[0].kind == "migrate-resume"
+    f.end("n1", state="running")
+    f.drive()
+    assert f.mig().outcome == "stayed" and f.c.get(K.owner("m0")).value == b"n1"
+
+
+def test_a_source_down_before_the_send_starts_the_target_abandons(fleet):
+    f = fleet
+    submit(f)
+    f.drive()
+    f.down("n1")
+    f.end("n2", transport="page-server")
+    f.drive()
+    assert f.task("n2")[0].kind == "migrate-abandon"  # its page server stopped
+    f.end("n2")
+    f.drive()
+    mig = f.mig()
+    assert mig.outcome == "failed" and "was down before it could send it" in mig.error
+    assert f.op().status == "failed"
+
+
+def test_a_target_down_at_the_start_nothing_moves(fleet):
+    f = fleet
+    submit(f)
+    f.down("n2")
+    f.drive()
+    mig = f.mig()
+    assert mig.outcome == "stayed" and "the target n2 is down" in mig.error
+    assert f.c.get_prefix(K.inbox("n1")) == [] and f.c.get(K.lock("m0")) is None

@@ -170,9 +170,13 @@ def _migrate(args: argparse.Namespace) -> int:
     return 4 if mig.outcome == "lost" else 1
 
 
-def _follow_migration(c, keys, op_id: str, progress: bool, every_s: float = 0.2):
+def _follow_migration(c, keys, op_id: str, progress: bool, every_s: float = 0.2,
+                      lines: bool = False):
     """Wait for migration ``op_id`` to end: (its operation, its record); prints each step's
-    start and end on stderr with ``progress``."""
+    start and end on stderr with ``progress``, or each ended step as a JSON line on stdout
+    with ``lines``."""
+    import msgspec
+
     from ckpt_controller.fleet import migration, ops
 
     start = time.monotonic()
@@ -182,6 +186,14 @@ def _follow_migration(c, keys, op_id: str, progress: bool, every_s: float = 0.2)
         mig, _ = migration.read(c, keys, op_id)
         if op is None or mig is None:
             raise UsageError(f"no migration {op_id}", op_id=op_id)
+        if lines:
+            for end in mig.done:
+                key = ("line", end.step, end.ended)
+                if key not in said:
+                    said.add(key)
+                    print_json({"version": 1, "op_id": op_id, "elapsed_s": round(
+                        time.monotonic() - start, 3), "step": msgspec.to_builtins(end)},
+                        flush=True)
         if progress:
             for end in mig.done:
                 key = (end.step, end.status, end.ended)
@@ -445,8 +457,26 @@ def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: boo
 def _watch(args: argparse.Namespace) -> int:
     from ckpt_controller.fleet.keys import Keys
 
+    from ckpt_controller.fleet import ops
+
     keys = Keys(args.etcd_prefix)
     with client(args) as c:
+        first = ops.read_op(c, keys, args.op_id)
+        if first is not None and first.kind == "migrate":  # steps on two nodes, not parts
+            try:
+                op, mig = _follow_migration(c, keys, args.op_id, progress=not args.json,
+                                            lines=args.json)
+            except KeyboardInterrupt:
+                return 130
+            if args.json:
+                import msgspec
+
+                print_json({"version": 1, "op": msgspec.to_builtins(op),
+                            "migration": msgspec.to_builtins(mig)})
+            else:
+                print(f"fleet migrate {op.op_id}: {op.status}: {mig.engine} {mig.outcome}"
+                      + (f" ({mig.error})" if mig.error else ""))
+            return 0 if mig.outcome == "moved" else 4 if mig.outcome == "lost" else 1
         try:
             op, parts = follow(c, keys, args.op_id, progress=not args.json, lines=args.json)
         except KeyboardInterrupt:

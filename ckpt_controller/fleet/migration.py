@@ -302,24 +302,7 @@ class Driver:
         node = self._node(mig, step)
         mkeys = keys_of(k, op.op_id)
         if node not in nodes:
-            outcome, error = {
-                "receive": ("stayed", f"node {node} is down"),
-                "send": ("failed", f"node {node} is down"),
-                "adopt": ("stayed", f"node {node} is down"),
-                "abandon": (self._after_failed_send(mig), mig.error),
-                "finish": ("moved", f"RUNNING on {mig.target}; {mig.source} is down and "
-                           "ends its stopped copy when it is back"),
-                "resume": ("failed", f"{mig.error}; {mig.source} is down and resumes the "
-                           "engine when it is back"),
-            }[step]
-            if step == "adopt":  # the source still holds it, stopped: it resumes it
-                return self._after(op, mig, rev, StepEnd(
-                    step=step, node=node, status="lost", ended=time.time(),
-                    error=f"node {node} is down"))
-            done = msgspec.structs.replace(mig, step=None, outcome=outcome, error=error)
-            self.etcd.txn([e.compare_modified(mkeys["record"], rev)],
-                          [e.put_op(mkeys["record"], encode(done))])
-            return True
+            return self._node_down(mig, rev, step, node, mkeys)
         if step == "receive":  # out of service from now on, fleet-wide
             fops.update_unavailable(self.etcd, k, lambda cur: {mig.engine: op.op_id, **cur})
         now = time.time()
@@ -336,6 +319,35 @@ class Driver:
         if step == "adopt":  # the target may take it over from now on, until resumed
             writes.append(e.put_op(moving_key(k, mig.engine), op.op_id))
         self.etcd.txn([e.compare_modified(mkeys["record"], rev)], writes)
+        return True
+
+    def _node_down(self, mig: Migration, rev: int, step: str, node: str, mkeys) -> bool:
+        """The node of the step to start is down. A send or an adopt never starts: the
+        target stops its page server (abandon), or the source, holding the engine stopped,
+        resumes it. Otherwise the migration ends here, saying what the node does when it is
+        back (``NodeMigration.settle``)."""
+        instead = {"adopt": ("resume", f"the target {node} was down before it could adopt "
+                             "it"),
+                   "send": ("abandon", f"the source {node} was down before it could send "
+                            "it")}.get(step)
+        if instead is not None:
+            updated = msgspec.structs.replace(
+                mig, step=instead[0], started=False, step_started=None, error=instead[1],
+                done=[*mig.done, StepEnd(step=step, node=node, status="lost",
+                                         ended=time.time(), error=f"node {node} is down")])
+        else:
+            outcome, error = {
+                "receive": ("stayed", f"the target {node} is down"),
+                "abandon": (self._after_failed_send(mig), mig.error),
+                "finish": ("moved", f"RUNNING on {mig.target}; {mig.source} is down and "
+                           "ends its stopped copy when it is back"),
+                "resume": ("failed", f"{mig.error}; {mig.source} is down and resumes the "
+                           "engine when it is back"),
+            }[step]
+            updated = msgspec.structs.replace(mig, step=None, started=False, outcome=outcome,
+                                              error=error)
+        self.etcd.txn([e.compare_modified(mkeys["record"], rev)],
+                      [e.put_op(mkeys["record"], encode(updated))])
         return True
 
     def _end(self, op, op_rev: int, mig: Migration) -> bool:
@@ -441,8 +453,7 @@ class NodeMigration:
             log.info("fleet: %s moved to %s while this node was away (migration %s); its "
                      "stopped copy here is ended", mig.engine, mig.target, mig.op_id)
             return
-        if pid is not None and _stopped(pid):
-            os.kill(pid, signal.SIGCONT)
+        _continue(folder, pid)
         view = self.controller.status([mig.engine]).engines[0]
         if view.status is not None and str(view.status.state) == "prepared":
             self._local(local_ids(mig.op_id, mig.engine)["resume"], "restore", mig.engine, {})
@@ -564,7 +575,8 @@ class NodeMigration:
         captured = self._local(ids["capture"], "capture", task.engine, {}, hook_env=hook_env)
         if captured.status != "succeeded":
             err = _failed("capture", captured, task.engine)
-            err.step_detail = self._after_failed_capture(task.engine, pid)
+            err.step_detail = self._after_failed_capture(task.engine, pid,
+                                                         task.params["capture_op"])
             raise err
         if pid is None:
             pid = _dumped_pid(folder)
@@ -608,14 +620,12 @@ class NodeMigration:
             detail.update(chunks=len(chunks), small_bytes=len(data))
         return detail
 
-    def _after_failed_capture(self, engine: str, pid) -> dict:
+    def _after_failed_capture(self, engine: str, pid, capture_op: str) -> dict:
         """Where the engine is after a failed capture: a dump that stopped it is undone
         (SIGCONT), then its state asked; a process that is gone is the engine dead."""
-        if isinstance(pid, int) and pid > 0:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:  # policy: gone: said below
-                return {"state": None, "engine_died": True}
+        if isinstance(pid, int) and pid > 0 and not _alive(pid):
+            return {"state": None, "engine_died": True}
+        _continue(self.config.image_dir / engine / capture_op, pid)
         view = self.controller.status([engine]).engines[0]
         state = str(view.status.state) if view.status is not None else None
         died = state is None and isinstance(pid, int) and not _alive(pid)
@@ -744,11 +754,7 @@ class NodeMigration:
         if pid is None:
             mig, _ = read(self.node.etcd, self.node.keys, task.op_id)
             pid = mig.detail("send").get("pid")
-        if isinstance(pid, int) and pid > 0:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:  # policy: the engine died: the restore says so
-                pass
+        _continue(self._folder(task), pid)  # a dead engine: the restore says so
         ids = local_ids(task.op_id, task.engine)
         self.leaving.discard(task.engine)
         self.node.conflicts.pop(task.engine, None)  # it is this node's again
@@ -869,6 +875,24 @@ def _dumped_pid(folder: Path, name: str = "criu-pid") -> int | None:
         return int((folder / name).read_text().split()[0])
     except (OSError, ValueError, IndexError):  # policy: no dump there
         return None
+
+
+def _continue(folder: Path, pid) -> None:
+    """SIGCONT to every process of the tree a dump with leave-stopped left stopped: the ones
+    the criu-dump hook listed (``criu-pids``), and ``pid``."""
+    pids = set()
+    try:
+        pids.update(int(word) for word in (folder / "criu-pids").read_text().split())
+    except (OSError, ValueError):  # policy: no list (no dump got that far): the root only
+        pass
+    if isinstance(pid, int) and pid > 0:
+        pids.add(pid)
+    for each in sorted(pids):
+        if _stopped(each):
+            try:
+                os.kill(each, signal.SIGCONT)
+            except ProcessLookupError:  # policy: ended meanwhile
+                continue
 
 
 def _stopped(pid: int) -> bool:

@@ -59,14 +59,17 @@ def published_endpoints(endpoints: dict[str, str], control: str, address: str) -
 
 
 def reachable_at(endpoint: str, address: str) -> str:
-    """``endpoint`` with a wildcard host (0.0.0.0, *, ::) replaced by ``address`` (an IPv6
-    address in brackets); any other endpoint as it is."""
-    if not endpoint.startswith("tcp://"):
+    """``endpoint`` (``tcp://``, ``http://`` or ``https://``) with a wildcard host (0.0.0.0,
+    *, ::) replaced by ``address`` (an IPv6 address in brackets); any other endpoint as it
+    is. An http URL keeps its path."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "http", "https"):
         return endpoint
-    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    authority, slash, path = rest.partition("/")
+    host, sep, port = authority.rpartition(":")
     if not sep or host not in WILDCARD_HOSTS:
         return endpoint
-    return f"tcp://{f'[{address}]' if ':' in address else address}:{port}"
+    return f"{scheme}://{f'[{address}]' if ':' in address else address}:{port}{slash}{path}"
 
 
 class FleetNode:
@@ -205,6 +208,9 @@ class FleetNode:
         ranges = [("inbox", inbox, prefix_end(inbox))]
         if self.fleet.coordinator:  # ops/ ... parts/ (owners/ between them changes rarely)
             ranges.append(("ops", self.keys.ops, prefix_end(f"{self.keys.prefix}/parts/")))
+            # and the migrations: their records and the ends of their steps
+            migrations = f"{self.keys.prefix}/migration"
+            ranges.append(("ops", migrations, prefix_end(migrations)))
             ranges.append(("coordinator", self.keys.coordinator,
                            self.keys.coordinator + "\x00"))
         for what, start, end in ranges:

@@ -6,9 +6,7 @@ another node), so a client with a request on such a connection sees it closed wh
 source's stopped copy is ended: no answer, ``EngineError(unreachable=True)`` from ``http``.
 ``FollowingVllm`` then looks the engine's ``http`` endpoint up again in the registry and sends
 the request again there (vLLM has no resend by id: the request runs again from its prompt; a
-greedy one gives the same text). A wildcard host in the published endpoint (an older node that
-rewrites only tcp:// endpoints) is read as the host of the engine's published ``control``
-endpoint, which names the node's ``[fleet] address``.
+greedy one gives the same text).
 Neighbours: ``http`` (each call), ``fleet.registry`` (``engine_endpoint``), ``fleet.etcd``.
 """
 
@@ -16,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,23 +22,12 @@ from ckpt_controller.errors import CkptError, EngineError
 
 log = logging.getLogger("ckpt_controller.vllm")
 
-_WILDCARDS = ("0.0.0.0", "::", "*")
-
-
 def published_http(store, keys, engine: str) -> str:
-    """The engine's ``http`` endpoint from the registry, a wildcard host replaced by the host
-    its ``control`` endpoint is published with."""
+    """The engine's ``http`` endpoint from the registry (a wildcard host already replaced by
+    its node's ``[fleet] address``)."""
     from ckpt_controller.fleet import registry
 
-    url = registry.engine_endpoint(store, keys, engine, "http")
-    parts = urllib.parse.urlsplit(url)
-    if parts.hostname not in _WILDCARDS:
-        return url
-    control = registry.engine_endpoint(store, keys, engine, "control")
-    host = control.removeprefix("tcp://").rpartition(":")[0]
-    if not host or host.strip("[]") in _WILDCARDS:
-        return url
-    return f"{parts.scheme}://{host}:{parts.port}"
+    return registry.engine_endpoint(store, keys, engine, "http")
 
 
 class FollowingVllm:
