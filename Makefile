@@ -62,7 +62,7 @@ test-slow: $(STAMP)
 
 # the fleet suite (needs `make etcd`): node controllers in real etcd members
 test-fleet: $(STAMP)
-	$(PY) -m pytest -m 'fleet and not slow' -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -m 'fleet and not slow and not vllm' -n 2 $(PYTEST_ARGS)
 
 # CRIU 4.2+ from Debian's unstable suite in a private prefix (.cache/criu/bin/criu)
 criu: .cache/criu/bin/criu
