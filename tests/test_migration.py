@@ -505,10 +505,14 @@ def test_the_target_controller_killed_mid_adopt_the_source_resumes(pair):
         doc = m.ended(1, "stayed")
         assert doc["migration"]["done"][-2]["status"] == "lost"  # the adopt, with its node
         pair.go("n2", "post-restore")
-        # the copy restored on n2 is no longer n2's to run: n2, back, ends it
+        # the copy restored on n2 is no longer n2's to run: n2, back, does not resume it
+        # (its recovery asks etcd who owns it: n1), and ends it
         pair.started.remove(pair.controllers["n2"])
-        pair.start_controller("n2", "page-server")
+        n2 = pair.start_controller("n2", "page-server")
         m.runs_on("n1")
+        log = n2.log_path.read_text()
+        assert "recovered interrupted operation mv.m0.restore (restore): m0 failed" in log, \
+            log[-3000:]
     finally:
         m.close()
 

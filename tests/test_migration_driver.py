@@ -234,7 +234,7 @@ def test_bad_migrations_are_refused_up_front(fleet):
     with pytest.raises(UsageError, match="not registered"):
         m.submit(f.c, K, op_id="x2", engine="nope", to="n2", params={})
     f.down("n2")
-    with pytest.raises(e.UnreachableError, match="the target n2 is down"):
+    with pytest.raises(e.UnreachableError, match="the target n2 is not registered"):
         m.submit(f.c, K, op_id="x3", engine="m0", to="n2", params={})
     f.up("n2")
     f.c.put(K.lock("m0"), "other-op")
@@ -312,3 +312,20 @@ def test_a_target_down_at_the_start_nothing_moves(fleet):
     mig = f.mig()
     assert mig.outcome == "stayed" and "the target n2 is down" in mig.error
     assert f.c.get_prefix(K.inbox("n1")) == [] and f.c.get(K.lock("m0")) is None
+
+
+def test_a_coordinator_that_died_after_taking_moving_back_decides_the_same_again(fleet):
+    """The adopt failed before the take-over; a coordinator deleted ``moving`` and died
+    before writing its decision: the next one, finding ``moving`` gone, still resumes the
+    source (``owners`` names it), never ends the source's copy."""
+    f = fleet
+    submit(f)
+    f.drive()
+    f.end("n2")
+    f.drive()
+    f.end("n1", pid=4242)
+    f.drive()
+    f.end("n2", status="failed")
+    f.c.delete(m.moving_key(K, "m0"))  # what the dead coordinator did before it died
+    f.drive()
+    assert f.task("n1")[0].kind == "migrate-resume"

@@ -159,13 +159,18 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
         assert all(s.error is None for s in first), [s.error for s in first]
         want = {s.prompt: s.text for s in first}
 
-        senders = [Sender(pair.url, p) for p in PROMPTS]
-        wait_until(lambda: n1.metrics(timeout_s=30).running == len(PROMPTS), timeout_s=60,
-                   every_s=0.2, what="the four completions under way on n1")
+        # the migration held at n1's pre-prepare hook while the four completions start: they
+        # are under way when the drain begins, however fast this machine generates
+        pair.pause("n1", "pre-prepare")
         mig = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd", pair.url,
                                 "fleet", "migrate", "v0", "--to", "n2", "--drain", "keep",
                                 "--op-id", "mvv", "--json"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        pair.paused("n1", "pre-prepare")
+        senders = [Sender(pair.url, p) for p in PROMPTS]
+        wait_until(lambda: n1.metrics(timeout_s=30).running == len(PROMPTS), timeout_s=60,
+                   every_s=0.1, what="the four completions under way on n1")
+        pair.go("n1", "pre-prepare")
         out, err = mig.communicate(timeout=400)
         print(f"migrate: rc {mig.returncode}\n{out}\n{err}")
         assert mig.returncode == 0, out + err

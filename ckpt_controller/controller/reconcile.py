@@ -215,7 +215,17 @@ def resume_uncaptured(s: EngineSession, op_id: str) -> str:
 def settle_state(s: EngineSession, found: str, reason: str, step: str) -> str:
     """Bring an engine an operation left behind to a settled state; returns the state now.
     PREPARED (or PREPARING between two steps) is rolled back; RESTORING between re-wake and
-    resume (re-woken and verified) is resumed; RUNNING and FAILED stay."""
+    resume (re-woken and verified) is resumed; RUNNING and FAILED stay. Either way the engine
+    would serve again: the session's ``before_resume`` (``Controller.guard``: an engine a
+    migration brought here that etcd no longer names this node's) may refuse it, and then
+    it is FAILED, with the reason."""
+    if found in (CheckpointState.PREPARED, CheckpointState.PREPARING,
+                 CheckpointState.RESTORING) and s.before_resume is not None:
+        try:
+            s.before_resume()
+        except CkptError as err:  # policy: not to serve here: FAILED, said why
+            s.mark_failed(f"not resumed: {err.message}")
+            return s.refresh_state() or CheckpointState.FAILED
     if found in (CheckpointState.PREPARED, CheckpointState.PREPARING):
         s.rollback(reason, step=step)
     elif found == CheckpointState.RESTORING:

@@ -85,18 +85,24 @@ class ControllerServer(RpcServer):
         self.controller.start_reconciler()
         if self.config.metrics_port is not None:
             self.monitor = EngineMonitor(self.config, self.metrics).start()
-        if self.config.fleet is not None and self.fleet is None:
-            # the fleet layer is loaded only here, for a node with [fleet]: it reads the
-            # controller's status and history, and nothing here waits for etcd
-            from ckpt_controller.fleet.guard import FleetGuard
-            from ckpt_controller.fleet.node import FleetNode
-
-            self.fleet = FleetNode(self.config, self.controller.status,
-                                   self.controller.last_op, self.controller.start,
-                                   controller=self.controller)
-            self.controller.guard = FleetGuard(self.fleet)
+        self.attach_fleet()
+        if self.fleet is not None:
             self.fleet.start()
         return self
+
+    def attach_fleet(self) -> None:
+        """For a node with [fleet]: its ``FleetNode`` and the controller's guard, made (not
+        started: nothing here waits for etcd) before recovery runs, so that a restore that
+        recovery finishes asks the guard too (an engine adopted by a migration is resumed
+        only while etcd names this node its owner). The fleet layer is loaded only here."""
+        if self.config.fleet is None or self.fleet is not None:
+            return
+        from ckpt_controller.fleet.guard import FleetGuard
+        from ckpt_controller.fleet.node import FleetNode
+
+        self.fleet = FleetNode(self.config, self.controller.status, self.controller.last_op,
+                               self.controller.start, controller=self.controller)
+        self.controller.guard = FleetGuard(self.fleet)
 
     def close(self) -> None:
         if self.fleet is not None:
@@ -152,6 +158,7 @@ def serve(config: ControllerConfig, ready=None) -> None:
         # touched; served only after recovery: no new operation may touch an engine being
         # reconciled (requests wait in the socket meanwhile)
         server.bind()
+        server.attach_fleet()
         recovered = server.controller.recover()
         server.start()
         for result in recovered:

@@ -313,6 +313,12 @@ class Controller:
 
     # ---------------------------------------------------------------- adopted, given away
 
+    def adopted_by(self, name: str) -> str | None:
+        """The operation that adopted ``name`` here, when that is its newest roster change
+        (None: a TOML engine, or one given away)."""
+        change = self._changes.get(name)
+        return change[1] if change is not None and change[0] == RosterChange.ADOPTED else None
+
     def adopt(self, engine: EngineConfig, *, op_id: str, origin: str) -> None:
         """Drive ``engine`` from now on (it came from node ``origin`` by operation
         ``op_id``), also after a restart: journaled (durable) first. Its process need not run

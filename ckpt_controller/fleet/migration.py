@@ -168,11 +168,12 @@ def submit(client: e.Etcd, keys: Keys, *, op_id: str, engine: str, to: str,
         raise UsageError(f"{engine} is on {to} already", engine=engine, node=to)
     for node, what in ((source, "its node"), (to, "the target")):
         if node not in up:
-            raise UnreachableError(f"{what} {node} is down", node=node)
+            raise UnreachableError(f"{what} {node} is not registered in the fleet (down, or "
+                                   "no such node)", node=node)
     held = client.get(keys.lock(engine))
     if held is not None:
         raise BusyError(f"{engine} is held by operation {held.value.decode()}",
-                             engine=engine, holder=held.value.decode())
+                        engine=engine, holder=held.value.decode())
     if record.state != "running":
         raise UsageError(f"{engine} is {record.state} on {source}; only a RUNNING engine "
                          "migrates", engine=engine, state=record.state)
@@ -232,11 +233,12 @@ class Driver:
         ok = end.status == "succeeded"
         nxt, outcome, error = None, "running", mig.error
         step = end.step
+        transport = mig.transport
         if step == "receive":
             if not ok:
                 outcome, error = "stayed", f"the target could not receive it: {end.error}"
             else:
-                nxt = "send"
+                nxt, transport = "send", end.detail.get("transport")
         elif step == "send":
             if ok:
                 nxt = "adopt"
@@ -246,14 +248,17 @@ class Driver:
             if ok:
                 nxt = "finish"
             else:
-                # the target may have taken it over before it failed or died: the
-                # transaction that takes ``moving`` away from it decides, once
-                gone, _ = self.etcd.txn([e.compare_value(moving_key(k, mig.engine), op.op_id)],
-                                        [e.delete_op(moving_key(k, mig.engine))])
-                if gone:
-                    nxt, error = "resume", f"the target did not take it: {end.error}"
-                elif end.detail.get("handed_back"):  # its copy ended, the owner the source
-                    nxt, error = "resume", f"the target gave it back: {end.error}"
+                # the target may have taken it over before it failed or died. First
+                # ``moving`` goes (if the target has not taken it), so that from now on it
+                # cannot; then ``owners`` is final and says where the engine is. Both steps
+                # give the same answer however often a coordinator repeats them
+                self.etcd.txn([e.compare_value(moving_key(k, mig.engine), op.op_id)],
+                              [e.delete_op(moving_key(k, mig.engine))])
+                owner = self.etcd.get(k.owner(mig.engine))
+                if owner is None or owner.value.decode() != mig.target:
+                    why = ("gave it back" if end.detail.get("handed_back")
+                           else "did not take it")
+                    nxt, error = "resume", f"the target {why}: {end.error}"
                 else:  # the target holds it (lost after its take-over: it finishes there)
                     nxt, error = "finish", (f"the target took it over and then "
                                             f"{'was lost' if end.status == 'lost' else 'failed'}"
@@ -271,7 +276,7 @@ class Driver:
             outcome = self._after_failed_send(mig)
         updated = msgspec.structs.replace(mig, step=nxt, step_started=None,
                                           done=[*mig.done, end], outcome=outcome, error=error,
-                                          started=False)
+                                          started=False, transport=transport)
         mkeys = keys_of(k, op.op_id)
         todo = k.todo(end.node, op.op_id, mig.engine)
         self.etcd.txn([e.compare_modified(mkeys["record"], rev)],
@@ -713,11 +718,25 @@ class NodeMigration:
 
     def before_resume(self, op_id: str, engine: str):
         """For a migration's restore on its target: take the engine over (``owners``) in
-        one transaction that needs ``moving/<engine>`` to still name the migration."""
+        one transaction that needs ``moving/<engine>`` to still name the migration. The same
+        restore finished by recovery after this controller restarted (no adopt step runs
+        now): resumed only if etcd names this node the engine's owner, since the source may
+        have resumed it meanwhile."""
         for task_op, ids in self._restoring():
             if ids == op_id and task_op is not None:
                 return lambda: self._take_over(task_op, engine)
+        adopted = self.controller.adopted_by(engine)
+        if adopted is not None and op_id == local_ids(adopted, engine)["restore"]:
+            return lambda: self._confirm_owner(adopted, engine)
         return None
+
+    def _confirm_owner(self, op_id: str, engine: str) -> None:
+        me = self.node.fleet.node
+        owner = self._owner(engine)  # etcd away: UnreachableError, and it is not resumed
+        if owner != me:
+            raise OperationError(f"{engine} came here by migration {op_id}, but etcd names "
+                                 f"{owner} its owner: not resumed here", engine=engine,
+                                 owner=owner)
 
     def _restoring(self):
         with self.node._running_lock:

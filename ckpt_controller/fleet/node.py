@@ -325,7 +325,9 @@ class FleetNode:
                 self.owned.add(name)
                 self._last_ops.setdefault(name, self._last_op_of(name))
             elif owner is not None:
-                if self._said_conflict.get(name) != owner:
+                migrated = (self.migration is not None
+                            and self.migration.controller.adopted_by(name) is not None)
+                if self._said_conflict.get(name) != owner and not migrated:
                     log.error("fleet: engine %s is registered by node %s; this node does not "
                               "publish it (engine names are unique in the fleet)", name, owner)
                 self._said_conflict[name] = owner
