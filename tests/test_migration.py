@@ -94,8 +94,12 @@ class Pair:
                f'publish_interval_s = 0.2\n\n[migration]\nimage_transport = "{transport}"\n'
                f'shared_dir = "{self.shared}"\n')
         if node == "n1":
-            out += f'\n[[engine]]\nname = "m0"\ncontrol = "tcp://127.0.0.1:{CONTROL_PORT}"\n'
+            out += self.engine_table()
         return out
+
+    def engine_table(self) -> str:
+        """n1's engine in its TOML."""
+        return f'\n[[engine]]\nname = "m0"\ncontrol = "tcp://127.0.0.1:{CONTROL_PORT}"\n'
 
     def start_controller(self, node: str, transport: str) -> ControllerProcess:
         d = self.d / node

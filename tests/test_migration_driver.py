@@ -68,6 +68,15 @@ class Fleet:
             error=None if status == "succeeded" else f"{step} failed"))
         return step
 
+    def at_adopt(self) -> None:
+        """A migration of m0 to n2 submitted, received and sent: the adopt in n2's inbox."""
+        submit(self)
+        self.drive()
+        self.end("n2")
+        self.drive()
+        self.end("n1", pid=4242)
+        self.drive()
+
     def mig(self) -> m.Migration:
         return m.read(self.c, K, "mv")[0]
 
@@ -120,12 +129,7 @@ def test_a_migration_that_goes_well_moves_the_engine_and_frees_it(fleet):
 
 def test_a_failed_restore_on_the_target_resumes_the_source(fleet):
     f = fleet
-    submit(f)
-    f.drive()
-    f.end("n2")
-    f.drive()
-    f.end("n1", pid=4242)
-    f.drive()
+    f.at_adopt()
     assert f.end("n2", status="failed") == "adopt"  # before it took the engine over
     f.drive()
     assert f.c.get(m.moving_key(K, "m0")) is None  # the target can no longer take it
@@ -141,12 +145,7 @@ def test_a_failed_restore_on_the_target_resumes_the_source(fleet):
 
 def test_the_target_lost_after_it_took_the_engine_over_finishes_not_resumes(fleet):
     f = fleet
-    submit(f)
-    f.drive()
-    f.end("n2")
-    f.drive()
-    f.end("n1", pid=4242)
-    f.drive()
+    f.at_adopt()
     ok, _ = f.c.txn([e.compare_value(m.moving_key(K, "m0"), "mv")],
                     [e.put_op(K.owner("m0"), "n2"), e.delete_op(m.moving_key(K, "m0"))])
     assert ok
@@ -162,12 +161,7 @@ def test_the_target_lost_after_it_took_the_engine_over_finishes_not_resumes(flee
 
 def test_the_target_lost_before_it_took_the_engine_over_resumes_the_source(fleet):
     f = fleet
-    submit(f)
-    f.drive()
-    f.end("n2")
-    f.drive()
-    f.end("n1", pid=4242)
-    f.drive()
+    f.at_adopt()
     f.down("n2")
     f.drive()
     # from now on the target's own take-over transaction fails: moving/m0 is gone
@@ -255,12 +249,7 @@ def test_a_target_that_failed_after_its_take_over_resumes_the_source_only_if_it_
     ends its copy and hands ``owners`` back (then the source resumes), or, when it could
     not, keeps the engine (the migration finishes with the engine there, said)."""
     f = fleet
-    submit(f)
-    f.drive()
-    f.end("n2")
-    f.drive()
-    f.end("n1", pid=4242)
-    f.drive()
+    f.at_adopt()
     ok, _ = f.c.txn([e.compare_value(m.moving_key(K, "m0"), "mv")],
                     [e.put_op(K.owner("m0"), "n2"), e.delete_op(m.moving_key(K, "m0"))])
     assert ok
@@ -319,12 +308,7 @@ def test_a_coordinator_that_died_after_taking_moving_back_decides_the_same_again
     before writing its decision: the next one, finding ``moving`` gone, still resumes the
     source (``owners`` names it), never ends the source's copy."""
     f = fleet
-    submit(f)
-    f.drive()
-    f.end("n2")
-    f.drive()
-    f.end("n1", pid=4242)
-    f.drive()
+    f.at_adopt()
     f.end("n2", status="failed")
     f.c.delete(m.moving_key(K, "m0"))  # what the dead coordinator did before it died
     f.drive()

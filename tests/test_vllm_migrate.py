@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import psutil
@@ -36,15 +35,12 @@ TOKENS = 3000
 class VllmPair(Pair):
     """``Pair`` whose n1 names a vLLM engine ``v0`` (kind vllm, level 1, drain keep)."""
 
-    def toml(self, node: str, transport: str) -> str:
-        out = (f'[defaults]\ndrain = "keep"\nlevel = 1\n\n[fleet]\n{self.etcd.toml()}'
-               f'node = "{node}"\naddress = "{self.addr[node]}"\nlease_ttl_s = 2\n'
-               f'publish_interval_s = 0.2\n\n[migration]\nimage_transport = "{transport}"\n'
-               f'shared_dir = "{self.shared}"\n')
-        if node == "n1":
-            out += (f'\n[[engine]]\nname = "v0"\ncontrol = "tcp://127.0.0.1:{CONTROL_PORT}"\n'
-                    f'kind = "vllm"\n')
-        return out
+    def __init__(self, d: Path, model_dir: Path, transport: str) -> None:
+        super().__init__(d, model_dir, transport, level=1)
+
+    def engine_table(self) -> str:
+        return (f'\n[[engine]]\nname = "v0"\ncontrol = "tcp://127.0.0.1:{CONTROL_PORT}"\n'
+                f'kind = "vllm"\n')
 
     def start_vllm(self, node: str = "n1"):
         """vLLM and its sidecar under ``vllm-launch``, in ``node``'s network namespace and a
