@@ -313,3 +313,26 @@ def test_a_coordinator_that_died_after_taking_moving_back_decides_the_same_again
     f.c.delete(m.moving_key(K, "m0"))  # what the dead coordinator did before it died
     f.drive()
     assert f.task("n1")[0].kind == "migrate-resume"
+
+
+@pytest.mark.parametrize("when", ["before", "while"])
+def test_a_source_down_at_the_finish_the_engine_has_moved_either_way(fleet, when):
+    """The source died after the send: whether its lease ran out before the finish was put
+    in its inbox or while it sat there, the migration has moved the engine and says the
+    source ends its stopped copy when it is back."""
+    f = fleet
+    f.at_adopt()
+    ok, _ = f.c.txn([e.compare_value(m.moving_key(K, "m0"), "mv")],
+                    [e.put_op(K.owner("m0"), "n2"), e.delete_op(m.moving_key(K, "m0"))])
+    assert ok
+    if when == "before":
+        f.down("n1")
+    f.end("n2", state="running")
+    f.drive()
+    if when == "while":
+        assert f.task("n1")[0].kind == "migrate-finish"
+        f.down("n1")
+        f.drive()
+    mig = f.mig()
+    assert mig.outcome == "moved"
+    assert mig.error == "RUNNING on n2; n1 is down and ends its stopped copy when it is back"

@@ -265,12 +265,16 @@ class Driver:
                                             f": {end.error}")
         elif step == "finish":
             outcome = "moved"
-            if not ok:
+            if end.status == "lost":  # as when the source is down before the step starts
+                error = _SOURCE_ENDS_IT.format(mig=mig)
+            elif not ok:
                 error = (f"RUNNING on {mig.target}; {mig.source} could not end its stopped "
                          f"copy: {end.error}")
         elif step == "resume":
             outcome = "stayed" if ok else "failed"
-            if not ok:
+            if end.status == "lost":
+                error = _SOURCE_RESUMES_IT.format(mig=mig)
+            elif not ok:
                 error = f"{mig.error}; resuming it on {mig.source} failed: {end.error}"
         elif step == "abandon":
             outcome = self._after_failed_send(mig)
@@ -344,10 +348,8 @@ class Driver:
             outcome, error = {
                 "receive": ("stayed", f"the target {node} is down"),
                 "abandon": (self._after_failed_send(mig), mig.error),
-                "finish": ("moved", f"RUNNING on {mig.target}; {mig.source} is down and "
-                           "ends its stopped copy when it is back"),
-                "resume": ("failed", f"{mig.error}; {mig.source} is down and resumes the "
-                           "engine when it is back"),
+                "finish": ("moved", _SOURCE_ENDS_IT.format(mig=mig)),
+                "resume": ("failed", _SOURCE_RESUMES_IT.format(mig=mig)),
             }[step]
             updated = msgspec.structs.replace(mig, step=None, started=False, outcome=outcome,
                                               error=error)
@@ -386,6 +388,13 @@ class Driver:
         log.info("fleet: migration %s of %s from %s to %s: %s", op.op_id, mig.engine,
                  mig.source, mig.target, mig.outcome)
         return True
+
+
+#: what a migration says when its source is down for the last step (``NodeMigration.settle``
+#: does it when the source is back), whether before that step started or while it ran
+_SOURCE_ENDS_IT = ("RUNNING on {mig.target}; {mig.source} is down and ends its stopped copy "
+                   "when it is back")
+_SOURCE_RESUMES_IT = "{mig.error}; {mig.source} is down and resumes the engine when it is back"
 
 
 def _settled(cur: dict[str, str], mig: Migration, op_id: str) -> dict[str, str]:
