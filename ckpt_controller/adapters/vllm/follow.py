@@ -30,18 +30,25 @@ def published_http(store, keys, engine: str) -> str:
     return registry.engine_endpoint(store, keys, engine, "http")
 
 
+#: each etcd member's time to answer one registry read: a client waits for an answer rather
+#: than failing fast as ``ckptctl fleet`` does (a busy etcd host took over 1.5 s in CI)
+ETCD_TIMEOUT_S = 5.0
+
+
 class FollowingVllm:
     """Completions from the vLLM engine ``engine`` wherever the registry says it is."""
 
     def __init__(self, engine: str, *, etcd: "str | Sequence[str]", prefix: str = "/ckpt",
-                 timeout_s: float = 120.0, follow_for_s: float = 180.0) -> None:
+                 timeout_s: float = 120.0, follow_for_s: float = 180.0,
+                 etcd_timeout_s: float = ETCD_TIMEOUT_S) -> None:
         """``follow_for_s``: how long a request keeps being sent again while the engine is
-        out of reach (moving) before its last error is raised."""
+        out of reach (moving) before its last error is raised; ``etcd_timeout_s``: each etcd
+        member's time to answer a registry read."""
         from ckpt_controller.fleet.etcd import Etcd
         from ckpt_controller.fleet.keys import Keys
 
         urls = etcd.split(",") if isinstance(etcd, str) else list(etcd)
-        self.store = Etcd([u for u in urls if u])
+        self.store = Etcd([u for u in urls if u], timeout_s=etcd_timeout_s)
         self.keys, self.engine = Keys(prefix), engine
         self.timeout_s, self.follow_for_s = timeout_s, follow_for_s
         try:
