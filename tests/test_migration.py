@@ -53,9 +53,10 @@ class Pair:
 
     def __init__(self, d: Path, model_dir: Path, transport: str,
                  coordinator: bool = False, level: int = 2,
-                 engine_args: tuple[str, ...] = ()) -> None:
+                 engine_args: tuple[str, ...] = (), ttl: int = TTL_S) -> None:
         """``level``: the nodes' default release level; ``engine_args``: more options for
-        every engine started (``--model small``, say)."""
+        every engine started (``--model small``, say); ``ttl``: the nodes' lease TTL."""
+        self.ttl = ttl
         tag = run_tag()
         self.d, self.model_dir = d, model_dir
         self.level, self.engine_args = level, tuple(engine_args)
@@ -90,7 +91,7 @@ class Pair:
 
     def toml(self, node: str, transport: str) -> str:
         out = (f'[defaults]\ndrain = "keep"\nlevel = {self.level}\n\n[fleet]\n{self.etcd.toml()}'
-               f'node = "{node}"\naddress = "{self.addr[node]}"\nlease_ttl_s = {TTL_S}\n'
+               f'node = "{node}"\naddress = "{self.addr[node]}"\nlease_ttl_s = {self.ttl}\n'
                f'publish_interval_s = 0.2\n\n[migration]\nimage_transport = "{transport}"\n'
                f'shared_dir = "{self.shared}"\n')
         if node == "n1":
