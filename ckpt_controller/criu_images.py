@@ -389,6 +389,13 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
+def criu_path() -> str:
+    """The criu to run: ``$CKPT_CRIU``, else the one ``make criu`` installed next to this
+    project (the shipped hooks look in the same places)."""
+    root = Path(__file__).resolve().parents[1]
+    return os.environ.get("CKPT_CRIU") or str(root / ".cache" / "criu" / "bin" / "criu")
+
+
 # ---------------------------------------------------------------- statistics
 
 #: CRIU's stats images (stats-dump, stats-restore) start with these two magics

@@ -287,7 +287,9 @@ def install_criu_dump_hook(hooks_dir: Path) -> str:
     """Link the shipped criu-dump hook when CRIU is installed; else say why not."""
     root = Path(__file__).resolve().parents[2]
     hook = root / "hooks" / "criu-dump"
-    criu = os.environ.get("CKPT_CRIU") or str(root / ".cache" / "criu" / "bin" / "criu")
+    from ckpt_controller.criu_images import criu_path
+
+    criu = criu_path()
     if not hook.exists():
         return "the criu-dump hook is not next to this installation"
     if not os.path.exists(criu):

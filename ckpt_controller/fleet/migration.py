@@ -63,7 +63,6 @@ from ckpt_controller.fleet.keys import SCHEMA, Keys, Param, encode
 
 log = logging.getLogger("ckpt_controller.fleet")
 
-STEPS = ("receive", "send", "adopt", "finish", "resume", "abandon")
 #: which node runs each step
 RUNS_ON = {"receive": "target", "send": "source", "adopt": "target", "finish": "source",
            "resume": "source", "abandon": "target"}
@@ -554,7 +553,7 @@ class NodeMigration:
             server = self._page_servers.get(task.op_id)
             if server is None:
                 folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-                server = criu_images.PageServer(_criu(), folder, address,
+                server = criu_images.PageServer(criu_images.criu_path(), folder, address,
                                                 port=mig.page_server_port)
                 self._page_servers[task.op_id] = server
         return {"transport": "page-server", "page_server": f"{address}:{server.port}",
@@ -939,8 +938,3 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:  # policy: no such process
         return False
-
-
-def _criu() -> str:
-    root = Path(__file__).resolve().parents[2]
-    return os.environ.get("CKPT_CRIU") or str(root / ".cache" / "criu" / "bin" / "criu")
