@@ -336,3 +336,17 @@ def test_a_source_down_at_the_finish_the_engine_has_moved_either_way(fleet, when
     mig = f.mig()
     assert mig.outcome == "moved"
     assert mig.error == "RUNNING on n2; n1 is down and ends its stopped copy when it is back"
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"step":"receive","node":"n2","status":"x",'
+                                 b'"ended":1,"detail":{"a":' + b"[" * 100_000 + b"]" * 100_000
+                                 + b"}}"], ids=["garbage", "nested"])
+def test_a_damaged_step_end_counts_as_lost_and_the_migration_goes_on(fleet, raw):
+    f = fleet
+    submit(f)
+    f.drive()
+    f.c.put(m.keys_of(K, "mv")["steps"] + "receive", raw)
+    f.drive()
+    mig = f.mig()
+    assert mig.done[-1].status == "lost" and "damaged" in mig.done[-1].error
+    assert mig.outcome == "stayed" and f.op().status == "failed"

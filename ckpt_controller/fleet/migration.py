@@ -214,7 +214,15 @@ class Driver:
         node = self._node(mig, mig.step)
         kv = self.etcd.get(mkeys["steps"] + mig.step)
         if kv is not None:
-            end = _end_dec.decode(kv.value)
+            try:
+                end = _end_dec.decode(kv.value)
+            except msgspec.DecodeError as err:  # policy: an end no one can read counts as
+                # lost: the same safe rules then say where the engine goes
+                log.error("fleet: migration %s: the end of its %s is damaged (%s); counted "
+                          "as lost", op.op_id, mig.step, err)
+                end = StepEnd(step=mig.step, node=node, status="lost",
+                              started=mig.step_started, ended=time.time(),
+                              error=f"the end {node} wrote is damaged")
         elif node not in nodes:
             end = StepEnd(step=mig.step, node=node, status="lost", started=mig.step_started,
                           ended=time.time(), error=f"node {node} was lost while the step ran")
