@@ -22,6 +22,12 @@ from ckpt_controller.errors import UnreachableError, UsageError
 
 #: how long the command waits for one etcd member (healthy, etcd answers in milliseconds)
 CLI_TIMEOUT_S = 1.5
+#: while following an operation that goes on without the command, how long etcd may leave
+#: every read unanswered before the command gives up (a busy member can miss CLI_TIMEOUT_S
+#: now and then; a first read, before anything is submitted, still fails fast)
+FOLLOW_PATIENCE_S = 10.0
+#: the pause between two tries of a read etcd did not answer
+FOLLOW_RETRY_S = 0.5
 
 EPILOG = """\
 The fleet's node controllers register in etcd when their TOML has a [fleet] table
@@ -181,9 +187,10 @@ def _follow_migration(c, keys, op_id: str, progress: bool, every_s: float = 0.2,
 
     start = time.monotonic()
     said: set[tuple] = set()
+    patient = Patient(op_id)
     while True:
-        op = ops.read_op(c, keys, op_id)
-        mig, _ = migration.read(c, keys, op_id)
+        op = patient.read(lambda: ops.read_op(c, keys, op_id))
+        mig, _ = patient.read(lambda: migration.read(c, keys, op_id))
         if op is None or mig is None:
             raise UsageError(f"no migration {op_id}", op_id=op_id)
         if lines:
@@ -211,6 +218,38 @@ def _follow_migration(c, keys, op_id: str, progress: bool, every_s: float = 0.2,
         if op.status != "running":
             return op, mig
         time.sleep(every_s)
+
+
+class Patient:
+    """Reads of an operation being followed: one that etcd leaves unanswered is tried again,
+    for up to ``FOLLOW_PATIENCE_S`` of silence, said once on stderr (and that etcd answers
+    again); past that the last ``UnreachableError`` goes to the caller (exit 4: the operation
+    goes on, ``fleet watch`` follows it again)."""
+
+    def __init__(self, op_id: str, patience_s: float | None = None) -> None:
+        self.op_id = op_id
+        self.patience_s = FOLLOW_PATIENCE_S if patience_s is None else patience_s
+        self._silent_since: float | None = None
+
+    def read(self, fn):
+        while True:
+            try:
+                value = fn()
+            except UnreachableError as err:  # policy: wait for etcd, then give up typed
+                now = time.monotonic()
+                if self._silent_since is None:
+                    self._silent_since = now
+                    print(f"etcd did not answer ({err.message}); still following {self.op_id}, "
+                          f"for up to {self.patience_s:.0f}s", file=sys.stderr, flush=True)
+                elif now - self._silent_since >= self.patience_s:
+                    raise
+                time.sleep(FOLLOW_RETRY_S)
+                continue
+            if self._silent_since is not None:
+                print(f"etcd answers again after {time.monotonic() - self._silent_since:.1f}s",
+                      file=sys.stderr, flush=True)
+                self._silent_since = None
+            return value
 
 
 def _max_unavailable(text: str) -> tuple[int, bool]:
@@ -424,14 +463,15 @@ def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: boo
 
     seen: dict[str, str] = {}
     start = time.monotonic()
+    patient = Patient(op_id)
     while True:
-        op = ops.read_op(c, keys, op_id)
+        op = patient.read(lambda: ops.read_op(c, keys, op_id))
         if op is None:
             raise UsageError(f"no fleet operation {op_id}", op_id=op_id)
         if not (lines or progress) and op.status == "running":
             time.sleep(every_s)  # nothing to print: the parts are read once, at the end
             continue
-        parts = ops.read_parts(c, keys, op_id)
+        parts = patient.read(lambda: ops.read_parts(c, keys, op_id))
         if lines:
             for name in op.engines:
                 part = parts[name][0]
