@@ -60,7 +60,7 @@ from ckpt_controller.vocab import (
     Trigger,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: A frame larger than this is refused with a ``ProtocolError`` reply.
 MAX_PAYLOAD_BYTES = 1 << 20
 #: zmq drops (and disconnects) anything larger than this before we see it.
@@ -494,7 +494,15 @@ class Journaled(msgspec.Struct, kw_only=True, tag=True):
     record: JournalRecord
 
 
-EventBody = StateChanged | DrainProgress | MemoryReported | Heartbeat | Journaled
+class JournaledMany(msgspec.Struct, kw_only=True, tag=True):
+    """Controller: records written one after another, in their order, in one message (a
+    fan-out's round of records costs one message per subscriber, not one per record).
+    ``RpcClient`` hands them on as ``Journaled`` events, one each."""
+
+    records: list[JournalRecord]
+
+
+EventBody = StateChanged | DrainProgress | MemoryReported | Heartbeat | Journaled | JournaledMany
 
 
 class Event(msgspec.Struct, kw_only=True):

@@ -297,6 +297,10 @@ class RpcClient:
             raise
 
     def _on_event(self, body: p.EventBody) -> None:
+        if isinstance(body, p.JournaledMany):  # handed on one record at a time, in order
+            for rec in body.records:
+                self._on_event(p.Journaled(record=rec))
+            return
         self.events.append(body)
         if self.on_event is not None:
             self.on_event(body)

@@ -27,6 +27,7 @@ subclasses ``agent.server.Agent`` and ``controller.server.ControllerServer``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -54,6 +55,9 @@ log = logging.getLogger("ckpt_controller.rpc")
 READ_BUDGET = 256
 #: messages queued towards one peer before what follows for it is dropped
 PEER_SNDHWM = 100_000
+#: a gathered event (``publish_gathered``) is split into events of at most about this size
+#: (clients take messages up to ``protocol.HARD_MAX_MESSAGE_BYTES``)
+GATHERED_BYTES = 4 << 20
 #: threads that run offloaded (slow) requests, and the jobs that may wait for one
 WORKER_THREADS = 4
 WORKER_QUEUE = 64
@@ -180,6 +184,38 @@ class RpcServer:
         frames = p.event_frames(body)
         for identity in targets:
             self.send(identity, frames)
+
+    def publish_gathered(self, item: object,
+                         body_of: Callable[[list], p.EventBody]) -> None:
+        """``publish(body_of([item]))``, except that items published one after another from
+        another thread, with nothing else sent in between, go out together: ``body_of``
+        makes one event of them (encoded once, one message per subscriber). Those subscribed
+        when the control thread sends it get it; nothing is made when there are none."""
+        if not self._subscribers:  # a look without the lock: at worst one more item gathered
+            return
+        outbox = self._outbox
+        if outbox is not None:
+            outbox.gather(body_of, item, functools.partial(self._gathered, body_of))
+
+    def _gathered(self, body_of: Callable[[list], p.EventBody],
+                  items: list) -> list[list[bytes]]:
+        """The messages for ``items``: one event per run that fits ``GATHERED_BYTES``
+        (halved until it does: one item alone goes as it is), to every subscriber."""
+        with self._subscribers_lock:
+            targets = list(self._subscribers)
+        if not targets:
+            return []
+        out: list[list[bytes]] = []
+        runs = [items]
+        while runs:
+            run = runs.pop(0)
+            frames = p.event_frames(body_of(run))
+            if len(run) > 1 and len(frames[1]) > GATHERED_BYTES:
+                half = len(run) // 2
+                runs[:0] = [run[:half], run[half:]]
+                continue
+            out.extend([identity, *frames] for identity in targets)
+        return out
 
     def send(self, identity: bytes, frames: list[bytes]) -> None:
         outbox = self._outbox

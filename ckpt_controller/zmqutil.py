@@ -60,11 +60,26 @@ _RCVMORE = int(zmq.RCVMORE)
 DeathHook = Callable[[str, BaseException], None]
 
 
+#: items one gathered entry holds at most (``Outbox.gather``): a longer run starts another
+GATHER_MAX = 1024
+
+
+class _Gathered:
+    """Items queued together (``Outbox.gather``), made into messages by the owner."""
+
+    __slots__ = ("key", "items", "make")
+
+    def __init__(self, key: object, item: object,
+                 make: Callable[[list], list[list[bytes]]]) -> None:
+        self.key, self.items, self.make = key, [item], make
+
+
 class Outbox:
     """Thread-safe sending towards a socket owned by another thread.
 
     The owner calls ``own(sock)`` on its own thread, polls ``inbox`` and calls ``forward()``;
-    ``send(frames)`` from any thread (from the owner: straight to ``sock``).
+    ``send(frames)`` from any thread (from the owner: straight to ``sock``); ``gather`` for
+    items that may go out together, in one message per peer, when they come in a burst.
     """
 
     def __init__(self, ctx: zmq.Context, name: str, *, hwm: int = OUTBOX_HWM,
@@ -77,7 +92,7 @@ class Outbox:
         self._wake = ctx.socket(zmq.PUSH)  # used under the lock only
         self._wake.connect(addr)
         self._hwm = hwm
-        self._queue: deque[list[bytes]] = deque()
+        self._queue: deque[list[bytes] | _Gathered] = deque()
         self._woken = False  # a wake-up is on its way and the owner has not taken the queue
         self._send_timeout_s = send_timeout_s
         self._lock = threading.Lock()
@@ -127,6 +142,24 @@ class Outbox:
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.05)
 
+    def gather(self, key: object, item: object,
+               make: Callable[[list], list[list[bytes]]]) -> bool:
+        """Queue ``item``; the owner sends ``make(items)`` (whole messages) for it and for the
+        items gathered under the same ``key`` right before it, with nothing else queued in
+        between (at most ``GATHER_MAX``). Order is kept: what was queued before goes first,
+        what comes after goes after. From the owner itself, ``make([item])`` goes at once.
+        False when dropped (closed, or the queue stayed full: as ``send``)."""
+        if self._owner == threading.get_ident():
+            return all([self._deliver(frames) for frames in make([item])])
+        with self._lock:
+            if self._closed:
+                return False
+            tail = self._queue[-1] if self._queue else None
+            if type(tail) is _Gathered and tail.key == key and len(tail.items) < GATHER_MAX:
+                tail.items.append(item)  # the owner has not taken it: it is still queued
+                return True
+        return self.send(_Gathered(key, item, make))  # type: ignore[arg-type]
+
     def forward(self, limit: int = FORWARD_BUDGET) -> int:
         """On the owner thread: send up to ``limit`` queued messages; returns how many went
         (or were dropped as undeliverable). With more queued, it wakes itself for the next
@@ -146,8 +179,18 @@ class Outbox:
                 self._wake.send(b"", zmq.NOBLOCK)
             else:
                 self._woken = False
-        for frames in batch:
-            self._deliver(frames)
+        for entry in batch:
+            if type(entry) is _Gathered:
+                try:
+                    messages = entry.make(entry.items)
+                except Exception:  # policy: a gathered run that cannot be made is lost, logged
+                    log.exception("%s: %d gathered items could not be sent", self.name,
+                                  len(entry.items))
+                    continue
+                for frames in messages:
+                    self._deliver(frames)
+            else:
+                self._deliver(entry)
         return len(batch)
 
     def _deliver(self, frames: list[bytes]) -> bool:

@@ -60,7 +60,9 @@ class ControllerServer(RpcServer):
                          if config.curve_clients is not None else None)
         self.config = config
         self.metrics = Metrics()
-        self.controller = Controller(config, metrics=self.metrics, publish=self.publish)
+        self.controller = Controller(
+            config, metrics=self.metrics, publish=self.publish,
+            publish_record=lambda rec: self.publish_gathered(rec, _journaled))
         # after the controller: its journal's adopted engines count too
         raise_open_files(FILES_PER_ENGINE * len(config.engines) + FILES_BASE)
         self.controller.on_roster.append(self._roster_changed)
@@ -171,3 +173,9 @@ def serve(config: ControllerConfig, ready=None) -> None:
         stop.wait()
     finally:
         server.close()
+
+
+def _journaled(records: list[p.JournalRecord]) -> p.EventBody:
+    """The event for records gathered in a burst (``RpcServer.publish_gathered``)."""
+    return p.Journaled(record=records[0]) if len(records) == 1 else p.JournaledMany(
+        records=records)
