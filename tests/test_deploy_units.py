@@ -85,3 +85,15 @@ def test_a_notify_service_with_a_watchdog_and_real_flags(path):
     # the agents' sockets and the sidecar's state survive a restart of either service
     assert service["RuntimeDirectory"] == "ckpt-controller"
     assert service["RuntimeDirectoryPreserve"] == "yes"
+
+
+def test_the_example_config_loads_and_meets_the_agent_unit():
+    """deploy/systemd/controller.toml (the unit's --config) passes the config checks, and its
+    engine is reached where ckpt-agent-vllm@NAME serves."""
+    from ckpt_controller.controller.config import load_config
+
+    config = load_config(ROOT / "deploy" / "systemd" / "controller.toml")
+    assert config.endpoint.startswith("ipc:///run/ckpt-controller/")
+    assert str(config.state_dir) == "/var/lib/ckpt-controller"  # the unit's StateDirectory
+    (engine,) = config.engines
+    assert engine.control == f"ipc:///run/ckpt-controller/{engine.name}.sock"
