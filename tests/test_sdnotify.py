@@ -2,8 +2,8 @@
 as systemd would: the real ``ckptctl serve`` and ``ckptctl agent vllm`` (beside the vLLM
 stand-in, ``tests/vllm/standin_server.py``) say READY=1 only once their endpoint answers,
 ping the watchdog while they run, stop pinging while stopped (SIGSTOP) or while their control
-thread hangs, and say STOPPING=1 at SIGTERM. Without ``$NOTIFY_SOCKET`` nothing is sent, and a
-socket that is gone is logged once, never fatal."""
+thread hangs, and say STOPPING=1 at SIGTERM (``engine serve`` too, in the slow suite). Without
+``$NOTIFY_SOCKET`` nothing is sent, and a socket that is gone is logged once, never fatal."""
 
 from __future__ import annotations
 
@@ -280,3 +280,32 @@ def test_no_ready_while_vllm_does_not_answer(notify, ipc_dir):
                          env=_env(ipc_dir / "notify.sock"))
     assert out.returncode == 4, out.stderr
     assert not any("READY" in m for m in notify.read(0.2))
+
+
+@pytest.mark.slow  # about 10 s here (torch and the model); the notify code is the same as above
+def test_ckptctl_engine_serve_notifies_systemd(notify, ipc_dir, model_dir):
+    control = f"ipc://{ipc_dir}/eng.ctl"
+    log = (ipc_dir / "engine.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "engine", "serve",
+                             "--name", "eng", "--api", f"ipc://{ipc_dir}/eng.api", "--control",
+                             control, "--model-dir", str(model_dir), "--heartbeat", "0.2"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
+                            env=_env(ipc_dir / "notify.sock"), start_new_session=True)
+    try:
+        from ckpt_controller.agent.client import AgentClient
+
+        def answer() -> None:
+            with AgentClient(control, timeout_s=5) as agent:
+                assert agent.status().state == "running"
+
+        _ready_then_answer(proc, notify, answer)
+        wait_until(lambda: notify.pings(0.6), 10, "watchdog pings")
+        proc.terminate()
+        assert notify.wait_for("STOPPING", 20)["STOPPING"] == "1"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        log.close()
