@@ -88,6 +88,9 @@ class RpcServer:
         self._thread: threading.Thread | None = None
         self._heartbeat_seq = itertools.count(1)
         self._stalled_until = 0.0
+        #: ``time.monotonic()`` when the control thread last began a round (0.0: never): a
+        #: liveness signal for a watchdog (``sdnotify``); a hung or stalled thread stops it
+        self.last_round = 0.0
         self._workers: _Workers | None = None
         #: called as ``hook(thread_name, exc)`` when the control thread or a worker dies of
         #: a bug; None: ``zmqutil.exit_on_thread_death`` (the process exits with status 70).
@@ -296,6 +299,7 @@ class RpcServer:
             if time.monotonic() < self._stalled_until:
                 time.sleep(min(0.1, self._stalled_until - time.monotonic()))
                 continue
+            self.last_round = time.monotonic()
             try:
                 events = dict(poller.poll(timeout=min(interval_ms, 100)))
             except zmq.ZMQError:  # policy: socket closed under us means we are stopping

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from ckpt_controller import __version__
 from ckpt_controller.cli import (
     agent_cmds,
+    completion,
     controller_cmds,
     demo,
     drill_cmd,
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     drill_cmd.add_parser(sub)
     keys_cmd.add_parser(sub)
     fleet_cmd.add_parser(sub)
+    completion.add_parser(sub)
     return parser
 
 

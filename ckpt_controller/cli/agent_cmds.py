@@ -28,6 +28,7 @@ from ckpt_controller.cli.common import (
     step_op_id,
     word_arg,
 )
+from ckpt_controller.cli.logsetup import add_log_args, log_args, setup_from_args
 from ckpt_controller.errors import UsageError
 from ckpt_controller.vocab import DrainMode, Escalation, ReleaseLevel
 
@@ -110,6 +111,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--heartbeat", type=duration, default=0.5, metavar="S",
                     help="heartbeat interval in seconds (default 0.5)")
     add_curve_server_args(sp)
+    add_log_args(sp)
 
     sp = asub.add_parser(
         "vllm-launch", help="start a vLLM server and its sidecar under this process (the "
@@ -133,6 +135,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--name", default="vllm", help="engine name (default vllm)")
     sp.add_argument("--heartbeat", type=duration, default=0.5, metavar="S",
                     help="the sidecar's heartbeat interval in seconds (default 0.5)")
+    add_log_args(sp)
     sp.add_argument("vllm_command", nargs=argparse.REMAINDER, metavar="-- VLLM_COMMAND",
                     help="the vLLM server's command line, after --")
 
@@ -225,7 +228,10 @@ def _watch(client, args: argparse.Namespace) -> int:
 def _vllm(args: argparse.Namespace) -> int:
     from ckpt_controller.adapters.vllm import sidecar
     from ckpt_controller.endpoints import check_name
+    from ckpt_controller.sdnotify import Notifier
 
+    notifier = Notifier.from_env()
+    setup_from_args(args)
     check_name(args.name)
     if args.golden_tokens is not None and not 1 <= args.golden_tokens <= 512:
         raise UsageError("--golden-tokens must be between 1 and 512", value=args.golden_tokens)
@@ -236,7 +242,7 @@ def _vllm(args: argparse.Namespace) -> int:
                   golden_tokens=args.golden_tokens or sidecar.GOLDEN_TOKENS,
                   verify_weights=not args.no_verify_weights, timeout_s=args.http_timeout,
                   heartbeat_interval_s=args.heartbeat, curve=curve_server(args),
-                  engine_is_parent=args.engine_is_parent)
+                  engine_is_parent=args.engine_is_parent, notifier=notifier)
     return 0
 
 
@@ -249,7 +255,8 @@ def _vllm_launch(args: argparse.Namespace) -> int:
         raise UsageError("give the vLLM server's command after --", value=args.vllm_command)
     check_name(args.name)
     check_endpoint(args.control)
+    setup_from_args(args)  # the launcher's own records; its sidecar gets the same flags
     sidecar = ["--control", args.control, "--name", args.name, "--heartbeat",
-               str(args.heartbeat)]
+               str(args.heartbeat), *log_args(args)]
     return launcher.launch(command, url=args.url, sidecar_args=sidecar,
                            log_dir=args.log_dir.resolve(), start_timeout_s=args.start_timeout)

@@ -30,6 +30,7 @@ from ckpt_controller.cli.common import (
     print_json,
     word_arg,
 )
+from ckpt_controller.cli.logsetup import add_log_args, setup_from_args
 from ckpt_controller.errors import CkptError, UsageError
 from ckpt_controller.vocab import DrainMode, Escalation, OperationKind, ReleaseLevel
 
@@ -74,7 +75,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     fmt = {"epilog": EXIT_CODES, "formatter_class": argparse.RawDescriptionHelpFormatter}
     sp = sub.add_parser("serve", help="run the controller service", **fmt)
     sp.add_argument("--config", required=True, metavar="FILE", help="TOML configuration")
-    sp.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_log_args(sp)
     sp.set_defaults(run=_serve)
 
     def engines(sp: argparse.ArgumentParser) -> None:
@@ -153,16 +154,16 @@ def _client(args: argparse.Namespace, **kw):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
-
     from ckpt_controller.controller.config import load_config
     from ckpt_controller.controller.server import serve
+    from ckpt_controller.sdnotify import Notifier
 
+    notifier = Notifier.from_env()  # taken out of the environment: hooks do not inherit it
     config = load_config(args.config)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_from_args(args)
     try:
-        serve(config, ready=lambda info: print(json.dumps(info), flush=True))
+        serve(config, ready=lambda info: print(json.dumps(info), flush=True),
+              notifier=notifier)
     except CkptError as err:
         raise _at_start(config, err) from None
     return 0

@@ -27,6 +27,7 @@ from ckpt_controller.cli.common import (
     seed,
     token_id,
 )
+from ckpt_controller.cli.logsetup import add_log_args, setup_from_args
 from ckpt_controller.errors import OperationError
 
 
@@ -72,6 +73,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--heartbeat", type=duration, default=0.5, metavar="S",
                     help="agent heartbeat interval (default 0.5)")
     add_curve_server_args(sp)
+    add_log_args(sp)
 
     sp = sub.add_parser("generate", help="send one request to an engine, print its tokens", **fmt)
     sp.set_defaults(run=_generate)
@@ -133,19 +135,18 @@ def _connect(args: argparse.Namespace):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
-
     from ckpt_controller.engine.server import EngineOptions, serve
+    from ckpt_controller.sdnotify import Notifier
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    notifier = Notifier.from_env()
+    setup_from_args(args)
     serve(EngineOptions(
         name=args.name, api=args.api, control=args.control, model=args.model, seed=args.seed,
         model_dir=args.model_dir or default_model_dir(), dtype=args.dtype,
         kv_blocks=args.kv_blocks, block_size=args.block_size, max_batch=args.max_batch,
         max_waiting=args.max_waiting,
         heartbeat_interval_s=args.heartbeat, curve=curve_server(args),
-    ))
+    ), notifier=notifier)
     return 0
 
 

@@ -151,8 +151,10 @@ class ControllerServer(RpcServer):
                          lambda: self.controller.status(cmd.engines))
 
 
-def serve(config: ControllerConfig, ready=None) -> None:
-    """Run the controller until SIGTERM/SIGINT: reconcile, then serve."""
+def serve(config: ControllerConfig, ready=None, notifier=None) -> None:
+    """Run the controller until SIGTERM/SIGINT: reconcile, then serve. ``notifier`` (an
+    ``sdnotify.Notifier``) is told READY=1 once it serves, pinged while its control thread
+    runs, and told STOPPING=1 when it stops."""
     server = ControllerServer(config)
     stop = StopSignals()  # from here a SIGTERM waits for the cleanup below
     try:
@@ -170,8 +172,14 @@ def serve(config: ControllerConfig, ready=None) -> None:
             ready({"event": "ready", "endpoint": server.endpoint, "pid": os.getpid(),
                    "state_dir": str(config.state_dir), "recovered": len(recovered),
                    "metrics_port": server.metrics_server.port if server.metrics_server else None})
+        if notifier is not None:
+            notifier.ready(f"serving {server.endpoint}: {len(config.engines)} engines, "
+                           f"{len(recovered)} operations recovered",
+                           last_round=lambda: server.last_round)
         stop.wait()
     finally:
+        if notifier is not None:
+            notifier.stopping()
         server.close()
 
 

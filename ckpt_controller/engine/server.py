@@ -434,15 +434,22 @@ def _signature_of(msg: api.EngineRequest) -> int:
     return signature(msg.prompt_token_ids, msg.max_tokens, msg.stop_token_id, msg.arrival_time)
 
 
-def serve(opts: EngineOptions, ready: Callable[[dict], None] | None = None) -> None:
-    """Run an engine until SIGTERM/SIGINT; ``ready(info)`` once both endpoints are bound."""
+def serve(opts: EngineOptions, ready: Callable[[dict], None] | None = None,
+          notifier=None) -> None:
+    """Run an engine until SIGTERM/SIGINT; ``ready(info)`` once both endpoints are bound,
+    and ``notifier`` (an ``sdnotify.Notifier``) READY=1 then and STOPPING=1 at the end."""
     from ckpt_controller.procutil import StopSignals
 
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     engine = ReferenceEngine(opts).start()
     stop = StopSignals()  # the main thread does the cleanup
     (ready or (lambda info: print(json.dumps(info), flush=True)))(engine.info())
+    if notifier is not None:
+        notifier.ready(f"engine {opts.name} serving on {opts.api}",
+                       last_round=lambda: engine.agent.last_round)
     try:
         stop.wait()
     finally:
+        if notifier is not None:
+            notifier.stopping()
         engine.stop()

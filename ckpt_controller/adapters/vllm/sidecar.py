@@ -586,8 +586,9 @@ def find_server_pid(port: int) -> int | None:
 def serve(url: str, *, name: str, control: str | None, pid: int | None,
           golden_prompt: str, golden_tokens: int, verify_weights: bool, timeout_s: float,
           heartbeat_interval_s: float = 0.5, ready: Callable[[dict], None] | None = None,
-          curve=None, engine_is_parent: bool = False) -> None:
-    """Run the sidecar until SIGTERM/SIGINT; prints one JSON ready line once bound.
+          curve=None, engine_is_parent: bool = False, notifier=None) -> None:
+    """Run the sidecar until SIGTERM/SIGINT; prints one JSON ready line once bound (and tells
+    ``notifier``, an ``sdnotify.Notifier``, READY=1 then, and STOPPING=1 at the end).
     ``engine_is_parent``: started by the launcher (``launcher``), whose host PID is the
     engine's (the tree CRIU dumps), read again when a restore changed it."""
     from ckpt_controller.agent.server import Agent
@@ -627,8 +628,13 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
     info = {"event": "ready", "name": name, "pid": os.getpid(), "engine_pid": pid,
             "url": http.url, "control": agent.endpoint, "model": http.model_name}
     (ready or (lambda i: print(json.dumps(i), flush=True)))(info)
+    if notifier is not None:
+        notifier.ready(f"serving {agent.endpoint} for vLLM at {http.url} "
+                       f"({agent.lifecycle.state.value})", last_round=lambda: agent.last_round)
     try:
         stop.wait()
     finally:
+        if notifier is not None:
+            notifier.stopping()
         agent.close()
         engine.close()
