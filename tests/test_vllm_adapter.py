@@ -1,5 +1,6 @@
 """The vLLM sidecar against a real vLLM server: cycles with each drain mode under concurrent
-completions, through the controller, and each of vLLM's known quirks handled. Marked
+completions, through the controller, each of vLLM's known quirks handled, and one real
+Prometheus scraping vLLM's /metrics beside the controller's (``make prometheus``). Marked
 ``vllm`` (``make test PYTEST_ARGS="-m vllm"``); skips without the vLLM venv (``make vllm``)."""
 
 from __future__ import annotations
@@ -632,3 +633,45 @@ def test_each_sample_config_works_as_written_for_a_vllm_engine(where, text, vllm
     finally:
         for proc in reversed(sides):
             proc.stop()
+
+
+# ---------------------------------------------------------------------------- Prometheus beside
+
+
+def test_one_prometheus_scrapes_the_vllm_server_and_the_controller(vllm, vllm_server, sidecar,
+                                                                   spawn_controller, ipc_dir):
+    """A real Prometheus (``make prometheus``) scrapes vLLM's own /metrics beside the
+    controller's after a cycle through the sidecar, and finds a metric of each."""
+    from conftest import prometheus_tool
+    from prometheus_server import Prometheus
+
+    prometheus_tool("prometheus")  # or skip, saying so
+    side = sidecar()
+    ctl = spawn_controller(f'metrics_port = 0\n[[engine]]\nname = "vl"\n'
+                           f'control = "{side.info["control"]}"\nkind = "vllm"\n')
+    controller = f"127.0.0.1:{ctl.info['metrics_port']}"
+    prom = Prometheus(ipc_dir / "prom", {"ckpt-controller": [controller],
+                                         "vllm": [f"127.0.0.1:{vllm_server.port}"]})
+    try:
+        out = ctl.ckptctl("cycle", "vl", "--level", "1", "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        vllm.complete("the engine drains", 4, ignore_eos=True)  # one request vLLM counts
+
+        def found() -> bool:
+            cycles = prom.query('ckpt_operations_total{job="ckpt-controller",kind="cycle",'
+                                'outcome="succeeded"}')
+            served = prom.query('sum(vllm:request_success_total{job="vllm"})')
+            return (bool(cycles) and cycles[0]["value"][1] == "1" and bool(served)
+                    and float(served[0]["value"][1]) >= 1)
+
+        deadline = time.monotonic() + 60
+        while not found():
+            assert time.monotonic() < deadline, "Prometheus never saw both"
+            time.sleep(0.5)
+        ups = {r["metric"]["job"]: r["value"][1] for r in prom.query("up")}
+        assert ups == {"ckpt-controller": "1", "vllm": "1"}
+        assert prom.query('ckpt_engine_state{job="ckpt-controller",engine="vl",'
+                          'state="running"} == 1')
+        assert prom.query('vllm:num_requests_running{job="vllm"}')
+    finally:
+        prom.stop()

@@ -5,10 +5,13 @@ freed bytes, hook failures, drain escalations and reconciles. A histogram of pha
 phase and engine. Gauges per engine, kept current by ``monitor`` from the engines' heartbeats
 (nobody has to ask for ``status``): its state (``ckpt_engine_state``, every state present, 1 for
 the current one), whether it is up, since when it is in its state, its last successful cycle
-and the size of its last capture's image; and ``ckpt_engines``, engines per state.
+and the size of its last capture's image, and its capture deadline (``[deadlines] capture``, for
+the alert on an engine left PREPARED); and ``ckpt_engines``, engines per state.
 Neighbours: ``service`` and ``session`` report operations, ``journaled`` reads the journal's
 records as they are written, ``monitor`` reports what heartbeats say; ``MetricsServer`` serves
-``GET /metrics`` on ``controller.metrics_host:metrics_port`` (config).
+``GET``/``HEAD`` on ``/metrics`` and ``/healthz`` on ``controller.metrics_host:metrics_port``
+(config), its health asked of ``server.ControllerServer``. deploy/prometheus/ holds alert rules
+and deploy/grafana/ a dashboard written against these names (tests/test_prometheus.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -40,6 +43,9 @@ prom.disable_created_metrics()
 #: Upper bounds (seconds) of the phase-duration buckets; ``+Inf`` follows implicitly.
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TEXT = "text/plain; charset=utf-8"
+#: the methods the endpoint answers; any other is 405 with this ``Allow``
+ALLOWED_METHODS = "GET, HEAD"
 #: connections the metrics endpoint serves at once (a thread each); one more is closed at once
 MAX_CONNECTIONS = 16
 #: seconds a metrics connection may stay silent (or not read its answer) before it is closed
@@ -52,9 +58,18 @@ STATES = (*(s.value for s in CheckpointState), UNKNOWN)
 
 
 class Metrics:
-    """The controller's metrics in a registry of their own. Every method is thread-safe."""
+    """The controller's metrics in a registry of their own. Every method is thread-safe.
 
-    def __init__(self) -> None:
+    ``capture_deadline_s``: the seconds a capture may take (``[deadlines] capture``), exported
+    per known engine as ``ckpt_engine_capture_deadline_seconds``; None leaves it out."""
+
+    def __init__(self, capture_deadline_s: float | None = None) -> None:
+        if capture_deadline_s is not None and not (
+                isinstance(capture_deadline_s, int | float) and math.isfinite(capture_deadline_s)
+                and capture_deadline_s > 0):
+            raise ValueError("a capture deadline must be a finite number of seconds > 0, got "
+                             f"{capture_deadline_s!r}")
+        self._capture_deadline_s = capture_deadline_s
         self.registry = r = prom.CollectorRegistry(auto_describe=True)
         self._operations = prom.Counter("ckpt_operations", "Operations finished, by kind and "
                                         "outcome.", ["kind", "outcome"], registry=r)
@@ -92,6 +107,9 @@ class Metrics:
                                       "time).", ["engine"], registry=r)
         self._image = prom.Gauge("ckpt_image_bytes", "Size of the engine's last captured "
                                  "image.", ["engine"], registry=r)
+        self._capture_deadline = prom.Gauge(
+            "ckpt_engine_capture_deadline_seconds", "Seconds the engine's capture may take "
+            "([deadlines] capture); an engine PREPARED longer is stuck.", ["engine"], registry=r)
         self._lock = threading.Lock()
         #: (metric, label values) -> its child: ``labels()`` takes a lock and builds a key on
         #: every call, the most of what counting a transition or a phase costs
@@ -182,6 +200,8 @@ class Metrics:
             with self._lock:
                 self._forgotten.discard(name)
             self._up.labels(name).set(0)
+            if self._capture_deadline_s is not None:
+                self._capture_deadline.labels(name).set(self._capture_deadline_s)
             self.engine_seen(name, UNKNOWN)
 
     def engine_seen(self, engine: str, state: str, since_wall: float | None = None) -> None:
@@ -222,6 +242,7 @@ class Metrics:
                 self._engines.labels(before).set(self._per_state[before])
             for metric, labels in ((self._up, [(engine,)]), (self._since, [(engine,)]),
                                    (self._last_cycle, [(engine,)]), (self._image, [(engine,)]),
+                                   (self._capture_deadline, [(engine,)]),
                                    (self._state, [(engine, s) for s in STATES])):
                 for values in labels:
                     try:
@@ -261,14 +282,20 @@ def dir_bytes(path: Path) -> int:
 
 
 class MetricsServer:
-    """Serves ``GET /metrics`` (404 elsewhere) from a daemon thread until ``close()``.
+    """Serves ``/metrics`` and ``/healthz`` (404 elsewhere) from a daemon thread until
+    ``close()``: ``GET`` and ``HEAD`` (the same status and headers, no body); any other method
+    is 405 with ``Allow: GET, HEAD``.
 
-    ``port`` 0 binds any free port; ``.port`` is the one bound. A port that cannot be bound
-    raises ``ConfigError``. Requests are logged to ``ckpt_controller.metrics`` at DEBUG.
+    ``/healthz`` is 200 ``ok`` while ``health()`` returns None, else 503 with the reason it
+    returned (the default: always healthy). ``port`` 0 binds any free port; ``.port`` is the one
+    bound. A port that cannot be bound raises ``ConfigError``. Requests are logged to
+    ``ckpt_controller.metrics`` at DEBUG.
     """
 
-    def __init__(self, metrics: Metrics, host: str = "127.0.0.1", port: int = 0) -> None:
-        handler = type("MetricsHandler", (_Handler,), {"metrics": metrics})
+    def __init__(self, metrics: Metrics, host: str = "127.0.0.1", port: int = 0,
+                 health: Callable[[], str | None] = lambda: None) -> None:
+        handler = type("MetricsHandler", (_Handler,),
+                       {"metrics": metrics, "health": staticmethod(health)})
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         server_class = type("MetricsHTTPServer", (_Server,), {"address_family": family})
         try:
@@ -335,22 +362,50 @@ class _Server(http.server.ThreadingHTTPServer):
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     metrics: Metrics
+    health: Callable[[], str | None]
     server_version = "ckpt-controller-metrics"
     #: a connection silent (or not reading) this long is closed, and its thread ends
     timeout = IDLE_TIMEOUT_S
 
     def do_GET(self) -> None:  # noqa: N802 - the name http.server looks up
-        if urlsplit(self.path).path == "/metrics":
-            self._reply(200, self.metrics.render().encode("utf-8"), CONTENT_TYPE)
-        else:
-            self._reply(404, b"not found; metrics are at /metrics\n", "text/plain; charset=utf-8")
+        self._reply(*self._answer())
 
-    def _reply(self, status: int, body: bytes, content_type: str) -> None:
+    def do_HEAD(self) -> None:  # noqa: N802 - the name http.server looks up
+        self._reply(*self._answer(), with_body=False)
+
+    def __getattr__(self, name: str):
+        # http.server looks up do_<METHOD> for each request: every method other than GET and
+        # HEAD (POST, PUT, DELETE, OPTIONS, any token at all) is 405, not the base's 501
+        if name.startswith("do_"):
+            return self._not_allowed
+        raise AttributeError(name)
+
+    def _not_allowed(self) -> None:
+        self._reply(405, f"method {self.command} not allowed; use GET or HEAD\n".encode(), TEXT,
+                    extra={"Allow": ALLOWED_METHODS})
+
+    def _answer(self) -> tuple[int, bytes, str]:
+        path = urlsplit(self.path).path
+        if path == "/metrics":
+            return 200, self.metrics.render().encode("utf-8"), CONTENT_TYPE
+        if path == "/healthz":
+            reason = self.health()
+            if reason is None:
+                return 200, b"ok\n", TEXT
+            return 503, f"{reason}\n".encode(), TEXT
+        return 404, b"not found; metrics are at /metrics, health at /healthz\n", TEXT
+
+    def _reply(self, status: int, body: bytes, content_type: str, *, with_body: bool = True,
+               extra: dict[str, str] | None = None) -> None:
+        """``status`` with ``body``'s headers; ``with_body`` False (HEAD): the headers only."""
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        for key, value in (extra or {}).items():
+            self.send_header(key, value)
         self.end_headers()
-        self.wfile.write(body)
+        if with_body:
+            self.wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base's name
         log.debug("%s %s", self.address_string(), format % args)

@@ -59,7 +59,7 @@ class ControllerServer(RpcServer):
                          curve=CurveServer(config.curve_secret_key, config.curve_clients)
                          if config.curve_clients is not None else None)
         self.config = config
-        self.metrics = Metrics()
+        self.metrics = Metrics(capture_deadline_s=config.deadlines.capture)
         self.controller = Controller(
             config, metrics=self.metrics, publish=self.publish,
             publish_record=lambda rec: self.publish_gathered(rec, _journaled))
@@ -76,9 +76,20 @@ class ControllerServer(RpcServer):
         super().bind()
         if self.config.metrics_port is not None and self.metrics_server is None:
             self.metrics_server = MetricsServer(self.metrics, self.config.metrics_host,
-                                                self.config.metrics_port)
+                                                self.config.metrics_port, health=self.health)
             log.info("metrics on http://%s:%d/metrics", self.config.metrics_host,
                      self.metrics_server.port)
+
+    def health(self) -> str | None:
+        """Why the controller does not serve requests now (None: it does): ``/healthz`` on the
+        metrics port answers 503 with this reason, else 200 ``ok``."""
+        if self._stop.is_set():
+            return "stopping"
+        if self._thread is None:
+            return "starting: recovering interrupted operations before serving"
+        if not self._thread.is_alive():
+            return "not serving: the request thread ended"
+        return None
 
     def start(self) -> "ControllerServer":
         if self._router is None:
