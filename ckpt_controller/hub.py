@@ -12,7 +12,11 @@ Code that waits says so through this module, and is unchanged outside a hub:
   under every request and event wait of ``rpc.RpcClient``);
 - ``blocking(fn, *args)``: ``fn`` on a thread of its own while the others go on (a session's
   hooks, which run subprocesses, and the journal's fsync before them);
-- ``sleep(seconds)``.
+- ``sleep(seconds)``;
+
+and what it sends may wait for the round: ``gather(key, item, flush)`` collects items (a
+fan-out's journal records on their way to subscribers) and flushes them together when every
+greenlet waits, so a round costs one message, not one per item.
 
 Outside a hub (any plain thread, and the hub's own loop) each does the plain thing: a zmq poll,
 a call, ``time.sleep``. A greenlet never moves between threads, and everything in it runs on
@@ -84,6 +88,22 @@ def each(fn: Callable[[T], object], items: Sequence[T], at_most: int) -> None:
         h.close()
 
 
+def gather(key: object, item: T, flush: Callable[[list[T]], object]) -> None:
+    """``flush([item])``; under a hub, ``item`` joins the others gathered under ``key`` in
+    this round, flushed together (in the order gathered) once every greenlet waits, before
+    the hub's next poll, or when its fan-out ends: a round of a fan-out's records costs one
+    ``flush``, not one per record."""
+    hub = current()
+    if hub is None:
+        flush([item])
+        return
+    got = hub.gathered.get(key)
+    if got is None:
+        hub.gathered[key] = ([item], flush)
+    else:
+        got[0].append(item)
+
+
 def sleep(seconds: float) -> None:
     hub = current()
     if hub is None:
@@ -122,6 +142,8 @@ class Hub:
         os.set_blocking(self._wake_r, False)
         self._wake_lock = threading.Lock()
         self._closed = False
+        #: key -> (items, flush): what ``gather`` collected in this round
+        self.gathered: dict[object, tuple[list, Callable[[list], object]]] = {}
 
     def close(self) -> None:
         with self._wake_lock:
@@ -198,6 +220,7 @@ class Hub:
             self._run(lanes)
         finally:
             _local.hub = None
+            self._flush()
         if failed:
             raise failed[0]
 
@@ -212,7 +235,16 @@ class Hub:
                     live.discard(g)
             if not live:
                 return
+            self._flush()
             self._poll()
+
+    def _flush(self) -> None:
+        """Hand what this round gathered to its flushes (a flush that gathers again, being
+        outside the hub's greenlets, flushes at once)."""
+        while self.gathered:
+            gathered, self.gathered = self.gathered, {}
+            for items, flush in gathered.values():
+                flush(items)
 
     def _poll(self) -> None:
         now = time.monotonic()

@@ -188,17 +188,18 @@ class RpcServer:
         for identity in targets:
             self.send(identity, frames)
 
-    def publish_gathered(self, item: object,
+    def publish_gathered(self, items: list,
                          body_of: Callable[[list], p.EventBody]) -> None:
-        """``publish(body_of([item]))``, except that items published one after another from
+        """``publish(body_of(items))``, except that items published one after another from
         another thread, with nothing else sent in between, go out together: ``body_of``
-        makes one event of them (encoded once, one message per subscriber). Those subscribed
-        when the control thread sends it get it; nothing is made when there are none."""
-        if not self._subscribers:  # a look without the lock: at worst one more item gathered
+        makes one event of a run (encoded once, one message per subscriber). Those
+        subscribed when the control thread sends it get it; nothing is made when there are
+        none. The caller gives the list away."""
+        if not self._subscribers:  # a look without the lock: at worst one more run gathered
             return
         outbox = self._outbox
         if outbox is not None:
-            outbox.gather(body_of, item, functools.partial(self._gathered, body_of))
+            outbox.gather(body_of, items, functools.partial(self._gathered, body_of))
 
     def _gathered(self, body_of: Callable[[list], p.EventBody],
                   items: list) -> list[list[bytes]]:

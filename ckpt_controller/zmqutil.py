@@ -69,9 +69,9 @@ class _Gathered:
 
     __slots__ = ("key", "items", "make")
 
-    def __init__(self, key: object, item: object,
+    def __init__(self, key: object, items: list,
                  make: Callable[[list], list[list[bytes]]]) -> None:
-        self.key, self.items, self.make = key, [item], make
+        self.key, self.items, self.make = key, items, make
 
 
 class Outbox:
@@ -142,23 +142,24 @@ class Outbox:
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.05)
 
-    def gather(self, key: object, item: object,
+    def gather(self, key: object, items: list,
                make: Callable[[list], list[list[bytes]]]) -> bool:
-        """Queue ``item``; the owner sends ``make(items)`` (whole messages) for it and for the
-        items gathered under the same ``key`` right before it, with nothing else queued in
-        between (at most ``GATHER_MAX``). Order is kept: what was queued before goes first,
-        what comes after goes after. From the owner itself, ``make([item])`` goes at once.
-        False when dropped (closed, or the queue stayed full: as ``send``)."""
+        """Queue ``items``; the owner sends ``make(run)`` (whole messages) for them together
+        with the items gathered under the same ``key`` right before them, with nothing else
+        queued in between (a run of at most about ``GATHER_MAX``). Order is kept: what was
+        queued before goes first, what comes after goes after. From the owner itself,
+        ``make(items)`` goes at once. False when dropped (closed, or the queue stayed full,
+        as ``send``). The caller gives the list away."""
         if self._owner == threading.get_ident():
-            return all([self._deliver(frames) for frames in make([item])])
+            return all([self._deliver(frames) for frames in make(items)])
         with self._lock:
             if self._closed:
                 return False
             tail = self._queue[-1] if self._queue else None
             if type(tail) is _Gathered and tail.key == key and len(tail.items) < GATHER_MAX:
-                tail.items.append(item)  # the owner has not taken it: it is still queued
+                tail.items.extend(items)  # the owner has not taken it: it is still queued
                 return True
-        return self.send(_Gathered(key, item, make))  # type: ignore[arg-type]
+        return self.send(_Gathered(key, items, make))  # type: ignore[arg-type]
 
     def forward(self, limit: int = FORWARD_BUDGET) -> int:
         """On the owner thread: send up to ``limit`` queued messages; returns how many went

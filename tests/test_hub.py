@@ -174,3 +174,40 @@ def test_a_job_that_ends_as_its_hub_closes_writes_to_no_closed_file(monkeypatch)
         hub.each(lambda i: item(i, done), [0, 1], 2)
         time.sleep(0.005)  # the job thread's wake-up comes after its hub closed
     assert errors == []
+
+
+def test_gathered_items_are_flushed_once_per_round_in_order_and_at_the_end():
+    """``gather`` under a hub: every item a round made, in the order made, in one flush
+    before the hub waits; what the last round made, when the fan-out ends. Outside a hub
+    each item is flushed at once."""
+    flushes: list[list[str]] = []
+    key = object()
+
+    def item(i: int) -> None:
+        hub.gather(key, f"{i}a", flushes.append)
+        hub.gather(key, f"{i}b", flushes.append)
+        hub.sleep(0.01)  # every lane waits: the round ends here
+        hub.gather(key, f"{i}c", flushes.append)
+
+    hub.each(item, [0, 1, 2], at_most=3)
+    assert flushes[0] == ["0a", "0b", "1a", "1b", "2a", "2b"]
+    assert sorted(x for f in flushes[1:] for x in f) == ["0c", "1c", "2c"]
+    assert sum(map(len, flushes)) == 9 and len(flushes) <= 4
+
+    flushes.clear()
+    hub.gather(key, "alone", flushes.append)
+    assert flushes == [["alone"]]
+
+
+def test_a_fan_out_that_fails_still_flushes_what_it_gathered():
+    flushes: list[list[int]] = []
+
+    def item(i: int) -> None:
+        hub.gather("k", i, flushes.append)
+        if i == 1:
+            raise ValueError("boom")
+        hub.sleep(0.01)
+
+    with pytest.raises(ValueError):
+        hub.each(item, [0, 1], at_most=2)
+    assert sorted(x for f in flushes for x in f) == [0, 1]

@@ -62,7 +62,7 @@ class ControllerServer(RpcServer):
         self.metrics = Metrics(capture_deadline_s=config.deadlines.capture)
         self.controller = Controller(
             config, metrics=self.metrics, publish=self.publish,
-            publish_record=lambda rec: self.publish_gathered(rec, _journaled))
+            publish_records=lambda recs: self.publish_gathered(recs, _journaled))
         # after the controller: its journal's adopted engines count too
         raise_open_files(FILES_PER_ENGINE * len(config.engines) + FILES_BASE)
         self.controller.on_roster.append(self._roster_changed)

@@ -58,7 +58,8 @@ _summary_encoder = msgspec.msgpack.Encoder()
 class Controller:
     def __init__(self, config: ControllerConfig, *, metrics=None,
                  publish: Callable[[p.EventBody], None] | None = None,
-                 publish_record: Callable[[p.JournalRecord], None] | None = None) -> None:
+                 publish_records: Callable[[list[p.JournalRecord]], None] | None = None
+                 ) -> None:
         self.config = config
         self._claim = claim(config)  # first: a second controller must not touch the journal
         try:
@@ -84,9 +85,10 @@ class Controller:
         self.on_roster: list[Callable[[str, EngineConfig | None], None]] = []
         self.metrics = metrics
         self.publish = publish or (lambda body: None)
-        #: each journal record, to subscribers (a server gathers a burst into one event)
-        self.publish_record = publish_record or (lambda rec: self.publish(p.Journaled(
-            record=rec)))
+        #: journal records, in order, to subscribers (a server gathers a burst into one
+        #: event); a fan-out's records go in one call per round of its hub
+        self.publish_records = publish_records or (lambda recs: [
+            self.publish(p.Journaled(record=rec)) for rec in recs])
         self.admission = Admission(config, self.journal)
         #: an outside holder of engines, asked before and told after each operation
         #: (``hold(op_id, kind, engines)`` raising ``BusyError``, ``free(..., result)``,
@@ -140,7 +142,7 @@ class Controller:
         rec = self.journal.record(type_, data, **kw)
         if self.metrics:
             self.metrics.journaled(rec)  # hook failures, escalations, reconciles
-        self.publish_record(rec)
+        hub.gather(self.publish_records, rec, self.publish_records)
         return rec
 
     # ---------------------------------------------------------------- accepting operations
