@@ -79,7 +79,11 @@ def test_a_whole_cycle_from_the_command_line(engine):
     out = ckptctl("agent", "restore", *ctl)
     assert out.returncode == 0 and json.loads(out.stdout)["generation"] == 1
     human = ckptctl("agent", "status", "--control", engine.control)
-    assert human.returncode == 0 and "running, generation 1" in human.stdout
+    assert human.returncode == 0
+    header, row = human.stdout.splitlines()[:2]
+    assert header.split() == ["NAME", "STATE", "GEN", "IN-FLIGHT", "PID", "HELD-BY", "LAST-OP",
+                              "AGE"]
+    assert row.split()[:3] == ["cli", "running", "1"]
 
 
 def test_failed_prepare_exits_1_and_deadline_exits_3(engine):
@@ -148,13 +152,15 @@ def test_flags_take_vocabulary_words_and_say_them_as_before():
     assert (args.drain, args.on_deadline, args.level) == ("keep", "fail", 2)
     assert args.drain is DrainMode.KEEP and args.on_deadline is Escalation.FAIL
     assert args.level is ReleaseLevel.DISCARD
-    args = parse(["agent", "prepare", "--control", "ipc:///x"])
-    assert args.drain is DrainMode.WAIT and args.on_deadline is Escalation.ABORT
+    from ckpt_controller.cli.common import prepare_flags
+
+    flags = prepare_flags(parse(["agent", "prepare", "--control", "ipc:///x"]), False)
+    assert flags.drain is DrainMode.WAIT and flags.on_deadline is Escalation.ABORT
     args = parse(["cycle", "--all", "--drain", "abort", "--level", "0"])
     assert args.op is OperationKind.CYCLE and args.drain is DrainMode.ABORT
     assert args.level is ReleaseLevel.NOTHING
-    args = parse(["drill", "a", "--cycles", "1", "--report", "r"])
-    assert args.drain is DrainMode.KEEP and args.level is ReleaseLevel.DISCARD
+    args = parse(["drill", "a", "--cycles", "1", "--report", "r", "--drain", "keep"])
+    assert args.drain is DrainMode.KEEP
     # what a person reads did not change: the wire words, in --help and in refusals
     out = ckptctl("agent", "prepare", "--help")
     assert "{wait,abort,keep}" in out.stdout and "{abort,keep,fail}" in out.stdout
@@ -166,3 +172,94 @@ def test_flags_take_vocabulary_words_and_say_them_as_before():
             ("--level", "one", "invalid int value: 'one'")):
         out = ckptctl("agent", "prepare", "--control", "ipc:///x", flag, value)
         assert out.returncode == 2 and f"argument {flag}: {said}" in out.stderr, out.stderr
+
+
+def _help_pages():
+    """(the command's words, its parser) for ckptctl and every subcommand under it."""
+    import argparse
+
+    from ckpt_controller.cli import build_parser
+
+    def walk(parser, words):
+        yield words, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, [*words, name])
+    return list(walk(build_parser(), ["ckptctl"]))
+
+
+def test_every_flag_has_help_and_every_page_one_exit_code_block():
+    import argparse
+
+    from ckpt_controller.cli.common import EXIT_CODES_HEADING
+
+    pages = _help_pages()
+    assert len(pages) > 30  # the walk found the subcommands
+    for words, parser in pages:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            # a deprecated name is hidden (SUPPRESS), and says so when used
+            assert action.help, f"{' '.join(words)} {action.option_strings or action.dest}"
+        text = parser.format_help()
+        assert text.count(EXIT_CODES_HEADING) == 1, (words, text)
+    hidden = [a for _, parser in pages for a in parser._actions
+              if a.help == argparse.SUPPRESS]
+    assert sorted(a.option_strings[0] for a in hidden) == ["--load", "--load-seconds"]
+
+
+def test_drill_takes_load_flag_names_and_old_ones_warn(capsys):
+    from ckpt_controller.cli import build_parser
+
+    parse = build_parser().parse_args
+    args = parse(["drill", "a", "--cycles", "2", "--report", "r", "--rate", "4",
+                  "--duration", "1.5"])
+    assert (args.rate, args.duration) == (4.0, 1.5)
+    assert capsys.readouterr().err == ""
+    args = parse(["drill", "a", "--cycles", "2", "--report", "r", "--load", "4",
+                  "--load-seconds", "1.5"])
+    assert (args.rate, args.duration) == (4.0, 1.5)
+    err = capsys.readouterr().err
+    assert "--load is deprecated" in err and "use --rate" in err
+    assert "--load-seconds is deprecated" in err and "use --duration" in err
+    assert "--load" not in ckptctl("drill", "--help").stdout
+    out = ckptctl("drill", "a", "--cycles", "1", "--report", "r", "--load", "0")
+    assert out.returncode == 2 and "--load" in out.stderr
+
+
+def test_agent_prepare_drill_and_cycle_prepare_alike(tmp_path):
+    """No flags: ``agent prepare`` and ``drill`` use the controller's built-in defaults, the
+    ones a ``cycle`` gets from a controller whose file has no [defaults]; a flag wins in
+    each."""
+    from ckpt_controller.cli import build_parser
+    from ckpt_controller.cli.common import prepare_flags
+    from ckpt_controller.controller.config import load_config
+    from ckpt_controller.vocab import DrainMode, Escalation, ReleaseLevel
+
+    config = tmp_path / "c.toml"
+    config.write_text(f'[controller]\nendpoint = "ipc://{tmp_path}/c"\n'
+                      f'state_dir = "{tmp_path}/state"\n'
+                      f'[[engine]]\nname = "e"\ncontrol = "ipc://{tmp_path}/e"\n')
+    cfg = load_config(config)
+    parse = build_parser().parse_args
+    cycle = prepare_flags(parse(["cycle", "e"]), controller=True)
+    assert (cycle.drain, cycle.level, cycle.on_deadline, cycle.drain_timeout_s) == \
+        (None, None, None, None)  # the controller decides
+    applied = cfg.prepare_defaults("e")
+    expected = (applied.drain, applied.level, applied.on_deadline, applied.tags,
+                cfg.deadlines.drain)
+    assert expected == (DrainMode.WAIT, ReleaseLevel.DISCARD, Escalation.ABORT, None, 30.0)
+    agent = prepare_flags(parse(["agent", "prepare", "--control", "ipc:///x"]), False)
+    drill = prepare_flags(parse(["drill", "e", "--cycles", "1", "--report", "r"]), False)
+    for got in (agent, drill):
+        assert (got.drain, got.level, got.on_deadline, got.tags,
+                got.drain_timeout_s) == expected
+    for argv in (["agent", "prepare", "--control", "ipc:///x"],
+                 ["drill", "e", "--cycles", "1", "--report", "r"], ["cycle", "e"]):
+        got = prepare_flags(parse([*argv, "--drain", "keep", "--level", "1"]),
+                            argv[0] == "cycle")
+        assert (got.drain, got.level) == (DrainMode.KEEP, ReleaseLevel.OFFLOAD)
+    tags = prepare_flags(parse(["agent", "prepare", "--control", "ipc:///x", "--tags",
+                                "kv_cache"]), False)
+    assert (tags.level, tags.tags) == (None, ["kv_cache"])

@@ -61,8 +61,8 @@ def _check_faults(rep: dict, spec: str) -> None:
 
 @pytest.mark.slow  # about three minutes on 2 cores; CI runs it with the slow suites
 def test_twenty_cycles_under_load_lose_nothing(tmp_path):
-    code, rep, out = drill(tmp_path, "d1", "d2", "--cycles", "20", "--load", "10",
-                           "--load-seconds", "2")
+    code, rep, out = drill(tmp_path, "d1", "d2", "--cycles", "20", "--rate", "10",
+                           "--duration", "2", "--drain", "keep")
     assert code == 0, out
     s = rep["summary"]
     assert s["ok"] and s["cycles"] == 20 and not s["cycles_with_problems"]
@@ -98,7 +98,7 @@ SOME = ("kill-engine@release,stall-agent@drain,fail-hook@post-release,hang-hook@
 
 def test_one_fault_of_each_kind_ends_as_documented(tmp_path):
     code, rep, out = drill(tmp_path, "e1", "--cycles", "8", "--faults", SOME,
-                           "--load-seconds", "2")
+                           "--duration", "2", "--drain", "keep")
     assert code == 0, out
     _check_faults(rep, SOME)
     assert rep["cycles"][-1]["fault"] is None and rep["cycles"][-1]["status"] == "succeeded"
@@ -116,7 +116,7 @@ def test_every_fault_at_every_point_ends_as_documented(tmp_path):
     spec = f.every_fault()
     n = len(spec.split(","))
     code, rep, out = drill(tmp_path, "e1", "--cycles", str(n), "--faults", "all",
-                           "--load-seconds", "2", timeout=1800)
+                           "--duration", "2", "--drain", "keep", timeout=1800)
     assert code == 0, out
     _check_faults(rep, spec)
 
@@ -152,7 +152,7 @@ def test_fault_specs():
 
 
 @pytest.mark.parametrize("args, words", [
-    (["e1", "--cycles", "0"], "--cycles must be at least 1"),
+    (["e1", "--cycles", "0"], "argument --cycles"),
     (["e1", "--cycles", "2", "--faults", "kill-engine@nowhere"], "strikes at"),
     (["bad name!", "--cycles", "1"], "name"),
     (["e1", "e1", "--cycles", "1"], "must differ"),
@@ -168,7 +168,8 @@ def test_recovery_from_failed_restores_only_the_failed_engine(tmp_path):
     """A corrupt weight fails the first engine's restore; the drill's recovery restore goes
     to that engine alone, never to the other one, which the cycle left RUNNING."""
     code, rep, out = drill(tmp_path, "c1", "c2", "--cycles", "1", "--faults",
-                           "corrupt-weight@rewake", "--load-seconds", "2")
+                           "corrupt-weight@rewake", "--duration", "2",
+                           "--drain", "keep")
     assert code == 0, out
     (fault,) = rep["summary"]["faults"]
     assert fault["ok"] and fault["after"] == ["restore (recovery from FAILED): succeeded"], fault

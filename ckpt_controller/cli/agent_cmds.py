@@ -7,7 +7,6 @@ Neighbours: ``cli.common``, ``agent.client``, ``adapters.vllm.sidecar``.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import msgspec
 
 from ckpt_controller.cli.common import (
     EXIT_CODES,
+    STATUS_COLUMNS,
     add_curve_client_args,
     add_curve_server_args,
     curve_client,
@@ -23,14 +23,16 @@ from ckpt_controller.cli.common import (
     describe_event,
     duration,
     duration_or_zero,
-    parse_bytes,
+    human_bytes,
+    prepare_flags,
     print_json,
+    status_row,
     step_op_id,
-    word_arg,
+    table,
 )
 from ckpt_controller.cli.logsetup import add_log_args, log_args, setup_from_args
+from ckpt_controller.cli.progress import Progress
 from ckpt_controller.errors import UsageError
-from ckpt_controller.vocab import DrainMode, Escalation, ReleaseLevel
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                            epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     agent.set_defaults(run=run)
     asub = agent.add_subparsers(dest="agent_command", metavar="ACTION", required=True)
+    fmt = {"epilog": EXIT_CODES, "formatter_class": argparse.RawDescriptionHelpFormatter}
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--control", required=True, metavar="ENDPOINT",
@@ -47,33 +50,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="seconds to wait for an answer to a quick request (default 5)")
         add_curve_client_args(sp, "agent")
 
-    sp = asub.add_parser("status", help="state, generation, in-flight and released memory")
+    sp = asub.add_parser("status", help="state, generation, in-flight and released memory",
+                         **fmt)
     common(sp)
 
-    sp = asub.add_parser("prepare", help="drain requests and release memory (-> PREPARED)")
+    sp = asub.add_parser("prepare", help="drain requests and release memory (-> PREPARED)",
+                         **fmt)
     common(sp)
     sp.add_argument("--op-id", type=step_op_id,
                     help="operation id; repeating it returns the first result")
-    sp.add_argument("--drain", **word_arg(DrainMode), default=DrainMode.WAIT,
-                    help="wait: let requests finish; abort: end them now; keep: freeze them "
-                         "to finish after restore (default wait)")
-    sp.add_argument("--drain-timeout", type=duration_or_zero, default=30.0, metavar="S",
-                    help="seconds a wait drain may take, 0 to a day (default 30)")
-    sp.add_argument("--on-deadline", **word_arg(Escalation), default=Escalation.ABORT,
-                    help="what a wait drain does at its deadline (default abort)")
-    what = sp.add_mutually_exclusive_group()
-    what.add_argument("--level", **word_arg(ReleaseLevel), default=None,
-                      help="0 nothing; 1 offload weights, discard KV cache (default); "
-                           "2 discard both, reload weights from file")
-    what.add_argument("--tags", metavar="TAG,...", help="release these tags instead of a level")
-    sp.add_argument("--budget", type=parse_bytes, metavar="SIZE",
-                    help="fail (and roll back) if more memory than this remains after release")
+    from ckpt_controller.cli.controller_cmds import prepare_opts
+
+    prepare_opts(sp, drain_timeout=duration_or_zero)
     sp.add_argument("--deadline", type=duration, metavar="S",
                     help="overall deadline in seconds (at most a day)")
 
     for name, text in (("restore", "re-wake, verify and resume (PREPARED/FAILED -> RUNNING)"),
                        ("rollback", "undo a prepare (PREPARING/PREPARED -> RUNNING)")):
-        sp = asub.add_parser(name, help=text)
+        sp = asub.add_parser(name, help=text, **fmt)
         common(sp)
         sp.add_argument("--op-id", type=step_op_id,
                         help="operation id; repeating it returns the first result")
@@ -139,7 +133,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("vllm_command", nargs=argparse.REMAINDER, metavar="-- VLLM_COMMAND",
                     help="the vLLM server's command line, after --")
 
-    sp = asub.add_parser("watch", help="print the agent's events as they happen")
+    sp = asub.add_parser("watch", help="print the agent's events as they happen", **fmt)
     common(sp)
     sp.add_argument("--duration", type=duration, metavar="S",
                     help="stop after S seconds (default: until interrupted or the agent is "
@@ -155,54 +149,78 @@ def run(args: argparse.Namespace) -> int:
     if args.agent_command == "vllm-launch":
         return _vllm_launch(args)
 
-    progress = sys.stderr.isatty() and not args.json
+    progress = None if args.json else Progress()
     shown: set[tuple[str, float]] = set()  # transitions printed from events
     engine = [""]
 
     def on_event(ev) -> None:
+        from ckpt_controller import protocol as p
+
         transition = getattr(ev, "transition", None)
         if transition is not None:
             shown.add((transition.trigger, transition.monotonic))
         engine[0] = getattr(ev, "engine", engine[0])
-        print(describe_event(ev), file=sys.stderr)
+        if isinstance(ev, p.Heartbeat):
+            progress.refresh()
+        elif isinstance(ev, p.DrainProgress):
+            progress.drain(ev.engine, ev.in_flight, ev.completed, ev.aborted)
+        else:
+            progress.line(describe_event(ev))
+    action = args.agent_command
     with AgentClient(args.control, timeout_s=args.timeout,
-                     on_event=on_event if progress else None,
+                     on_event=on_event if progress and action != "status" else None,
                      curve=curve_client(args)) as client:
-        action = args.agent_command
         if action == "watch":
             return _watch(client, args)
         if progress and action != "status":
             client.subscribe()
-        if action == "status":
-            result = client.status()
-        elif action == "prepare":
-            tags = [t for t in args.tags.split(",") if t] if args.tags else None
-            if args.tags is not None and not tags:
-                raise UsageError("--tags needs at least one tag")
-            result = client.prepare(
-                op_id=args.op_id, drain=args.drain, drain_timeout_s=args.drain_timeout,
-                on_deadline=args.on_deadline,
-                level=None if tags else (ReleaseLevel.OFFLOAD if args.level is None
-                                         else args.level),
-                tags=tags, residual_budget_bytes=args.budget, deadline_s=args.deadline,
-            )
-        elif action == "restore":
-            result = client.restore(op_id=args.op_id, deadline_s=args.deadline)
-        else:
-            result = client.rollback(op_id=args.op_id, reason=args.reason,
-                                     deadline_s=args.deadline)
-    if progress:  # the transition that ended the operation comes in its reply, not as an event
+        try:
+            if action == "status":
+                result = client.status()
+            elif action == "prepare":
+                flags = prepare_flags(args, controller=False)
+                result = client.prepare(
+                    op_id=args.op_id, drain=flags.drain, drain_timeout_s=flags.drain_timeout_s,
+                    on_deadline=flags.on_deadline, level=flags.level, tags=flags.tags,
+                    residual_budget_bytes=args.budget, deadline_s=args.deadline,
+                )
+            elif action == "restore":
+                result = client.restore(op_id=args.op_id, deadline_s=args.deadline)
+            else:
+                result = client.rollback(op_id=args.op_id, reason=args.reason,
+                                         deadline_s=args.deadline)
+        finally:
+            if progress is not None:
+                progress.finish()
+    if progress and action != "status":
+        # the transition that ended the operation comes in its reply, not as an event
         from ckpt_controller import protocol as p
 
         for t in getattr(result, "transitions", ()):
             if (t.trigger, t.monotonic) not in shown:
                 ev = p.StateChanged(engine=engine[0] or args.control, transition=t)
-                print(describe_event(ev), file=sys.stderr)
+                progress.line(describe_event(ev))
+        progress.finish()
     if args.json:
         print_json(result)
+    elif action == "status":
+        print(agent_status(result))
     else:
         print(describe(result))
     return 0
+
+
+def agent_status(s) -> str:
+    """``agent status``: the row ``ckptctl status`` prints for this engine (HELD-BY: the
+    agent's operation now), then its memory by tag."""
+    row = status_row(s.engine, s, now=time.time(), holder=s.current_op)
+    lines = [table([STATUS_COLUMNS, row]), ""]
+    for tag, size in s.registered_bytes.items():
+        mark = " (released)" if tag in s.released_tags else ""
+        lines.append(f"{tag}: {human_bytes(size)}{mark}")
+    lines.append(f"kept {s.kept}" + (f"; restored from a checkpoint image (incarnation "
+                                     f"{s.incarnation})" if s.restored_from_image else ""))
+    return "\n".join(lines)
 
 
 def _watch(client, args: argparse.Namespace) -> int:

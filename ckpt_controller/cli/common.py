@@ -1,6 +1,7 @@
 """Helpers every ckptctl command shares: argparse types for durations, rates, counts, sizes
-and op ids (the rules themselves live in ``values``), flags that take a ``vocab`` word, JSON
-and human output.
+and op ids (the rules themselves live in ``values``), flags that take a ``vocab`` word,
+deprecated flag names, the prepare defaults, JSON and human output (the one table renderer
+``table`` that ``status``, ``agent status`` and ``fleet status`` print with, ``age``).
 
 Building the parser (``ckptctl --help``) imports nothing heavier than ``values``: the wire
 protocol, the transport and CURVE load when a command runs. Neighbours: ``values``,
@@ -13,7 +14,8 @@ import argparse
 import enum
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,8 @@ from ckpt_controller.units import human_bytes
 if TYPE_CHECKING:
     from ckpt_controller import protocol as p
 
+#: the heading of the one exit-code block each help page has (tests/test_cli.py counts them)
+EXIT_CODES_HEADING = "exit codes:"
 EXIT_CODES = """exit codes:
   0  success
   1  operation failed or was rolled back (or the engine refused a request)
@@ -86,6 +90,150 @@ def word_arg(words: type[enum.Enum]) -> dict[str, Any]:
 
     parse.__name__ = plain.__name__
     return {"type": parse, "choices": [w.value for w in words]}
+
+
+class DeprecatedFlag(argparse.Action):
+    """A flag's old name, kept one release: hidden from ``--help``, it stores into the new
+    flag's ``dest`` and says on stderr which name to use instead."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kw) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        print(f"ckptctl: warning: {option_string} is deprecated and goes away in the next "
+              f"release; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, value)
+
+
+def add_deprecated(sp: argparse.ArgumentParser, old: str, new: str) -> None:
+    """``old`` as a hidden alias of the flag ``new`` (already added to ``sp``)."""
+    action = next(a for a in sp._actions if new in a.option_strings)
+    sp.add_argument(old, dest=action.dest, type=action.type, metavar=action.metavar,
+                    action=DeprecatedFlag, new=new, default=argparse.SUPPRESS)
+
+
+# ---------------------------------------------------------------- prepare defaults
+
+
+@dataclass(frozen=True)
+class PrepareFlags:
+    """The prepare parameters one command resolved: what it sends, or what it leaves to the
+    controller (``None``: the controller's ``[defaults]`` apply)."""
+
+    drain: Any
+    drain_timeout_s: float | None
+    on_deadline: Any
+    level: Any
+    tags: list[str] | None
+
+
+def builtin_prepare_defaults() -> PrepareFlags:
+    """The prepare defaults where no controller's ``[defaults]`` table decides: the
+    controller's own built-in ones (``controller.config.PrepareDefaults``, ``Deadlines.drain``),
+    so that ``agent prepare`` and ``drill`` prepare exactly as a ``cycle`` does against a
+    controller whose file has no ``[defaults]``."""
+    from ckpt_controller.controller.config import Deadlines, PrepareDefaults
+
+    d = PrepareDefaults()
+    return PrepareFlags(drain=d.drain, drain_timeout_s=Deadlines().drain,
+                        on_deadline=d.on_deadline, level=d.level,
+                        tags=None if d.tags is None else list(d.tags))
+
+
+def prepare_flags(args: argparse.Namespace, controller: bool) -> PrepareFlags:
+    """The one place a command's prepare flags become parameters. Against a controller
+    (``controller``): a flag not given stays ``None`` and the controller's ``[defaults]``
+    (merged with the engine's own) decide; without one (``agent prepare``, and ``drill``,
+    which writes its controller's ``[defaults]`` from these): the built-in defaults fill it."""
+    tags = None
+    if getattr(args, "tags", None) is not None:
+        tags = [t for t in args.tags.split(",") if t]
+        if not tags:
+            raise UsageError("--tags needs at least one tag", value=args.tags)
+    given = PrepareFlags(drain=getattr(args, "drain", None),
+                         drain_timeout_s=getattr(args, "drain_timeout", None),
+                         on_deadline=getattr(args, "on_deadline", None),
+                         level=getattr(args, "level", None), tags=tags)
+    if controller:
+        return given
+    base = builtin_prepare_defaults()
+    level = given.level
+    if level is None and tags is None:
+        level, tags = base.level, base.tags
+    return PrepareFlags(
+        drain=base.drain if given.drain is None else given.drain,
+        drain_timeout_s=(base.drain_timeout_s if given.drain_timeout_s is None
+                         else given.drain_timeout_s),
+        on_deadline=base.on_deadline if given.on_deadline is None else given.on_deadline,
+        level=level, tags=tags)
+
+
+#: the help texts of the prepare flags, shared by every command that has them
+PREPARE_HELP = {
+    "drain": "wait: let requests finish; abort: end them now; keep: freeze them to finish "
+             "after restore (default: the controller's [defaults], else wait)",
+    "drain_timeout": "seconds a wait drain may take (default: the controller's "
+                     "deadlines.drain, else 30)",
+    "on_deadline": "what a wait drain does at its deadline (default: the controller's "
+                   "[defaults], else abort)",
+    "level": "0 release nothing; 1 offload weights, discard the KV cache; 2 discard both, "
+             "reload weights from file (default: the controller's [defaults], else 2)",
+    "tags": "release these tags instead of a level",
+}
+
+
+# ---------------------------------------------------------------- human output
+
+
+def age(seconds: float) -> str:
+    """kubectl's way: 45s, 3m12s, 5h4m, 2d3h."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60}m"
+    return f"{s // 86400}d{s % 86400 // 3600}h"
+
+
+def table(rows: Sequence[Sequence[str]]) -> str:
+    """``rows`` (the header first) as kubectl prints them: columns two spaces apart, each as
+    wide as its widest cell, no trailing blanks; a cell never holds a line break."""
+    cells = [[str(c).replace("\n", " ") for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                     for row in cells)
+
+
+#: ``status``'s columns (``agent status`` prints the same); ``-o wide`` adds ``WIDE_COLUMNS``
+STATUS_COLUMNS = ("NAME", "STATE", "GEN", "IN-FLIGHT", "PID", "HELD-BY", "LAST-OP", "AGE")
+WIDE_COLUMNS = ("KIND", "KEPT", "ENDPOINT", "REGISTERED", "RELEASED", "IMAGE", "ERROR")
+
+
+def status_row(name: str, status: p.StatusReply | None, *, now: float, state: str = "",
+               holder: str | None = None, last_op: str | None = None, kind: str = "-",
+               endpoint: str = "-", error: str = "", wide: bool = False) -> tuple[str, ...]:
+    """One engine's row of ``STATUS_COLUMNS`` (and ``WIDE_COLUMNS`` with ``wide``) from its
+    agent's ``status``; ``None`` when the agent did not answer (``state`` then says why, and
+    the columns it would have given are ``-``). AGE is the time since its last transition."""
+    dash = "-"
+    if status is None:
+        row: tuple[str, ...] = (name, state or "UNREACHABLE", dash, dash, dash, holder or dash,
+                                last_op or dash, dash)
+        more = (kind, dash, endpoint, dash, dash, dash, error or dash)
+    else:
+        t = status.last_transition
+        row = (name, state or str(status.state), str(status.generation), str(status.in_flight),
+               str(status.pid), holder or dash, last_op or dash,
+               dash if t is None else age(now - t.wall))
+        released = [tag for tag in status.released_tags]
+        image = (f"restored ({status.incarnation})" if status.restored_from_image else dash)
+        more = (kind, str(status.kept), status.endpoints.get("control", endpoint),
+                human_bytes(sum(status.registered_bytes.values())),
+                ",".join(released) or dash, image, error or dash)
+    return row + more if wide else row
 
 
 def print_json(obj, flush: bool = False) -> None:

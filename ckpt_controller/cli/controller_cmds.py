@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -20,6 +19,9 @@ import msgspec
 from ckpt_controller import values
 from ckpt_controller.cli.common import (
     EXIT_CODES,
+    PREPARE_HELP,
+    STATUS_COLUMNS,
+    WIDE_COLUMNS,
     arg_type,
     count,
     curve_client,
@@ -27,10 +29,14 @@ from ckpt_controller.cli.common import (
     human_bytes,
     op_id,
     parse_bytes,
+    prepare_flags,
     print_json,
+    status_row,
+    table,
     word_arg,
 )
 from ckpt_controller.cli.logsetup import add_log_args, setup_from_args
+from ckpt_controller.cli.progress import Progress, describe_hook
 from ckpt_controller.errors import CkptError, UsageError
 from ckpt_controller.vocab import DrainMode, Escalation, OperationKind, ReleaseLevel
 
@@ -41,26 +47,29 @@ if TYPE_CHECKING:
 OPS = tuple(OperationKind)
 
 
-def prepare_opts(sp: argparse.ArgumentParser) -> None:
-    """The prepare parameters (``prepare``, ``cycle``, and their ``fleet`` twins)."""
-    sp.add_argument("--drain", **word_arg(DrainMode),
-                    help="wait | abort | keep (default: configured, else wait)")
-    sp.add_argument("--drain-timeout", type=duration, metavar="S")
-    sp.add_argument("--on-deadline", **word_arg(Escalation))
+def prepare_opts(sp: argparse.ArgumentParser, *, drain_timeout=None) -> None:
+    """The prepare parameters (``prepare``, ``cycle``, their ``fleet`` twins, ``agent
+    prepare``); each defaults to ``None``, resolved by ``common.prepare_flags``."""
+    sp.add_argument("--drain", **word_arg(DrainMode), help=PREPARE_HELP["drain"])
+    sp.add_argument("--drain-timeout", type=drain_timeout or duration, metavar="S",
+                    help=PREPARE_HELP["drain_timeout"])
+    sp.add_argument("--on-deadline", **word_arg(Escalation), help=PREPARE_HELP["on_deadline"])
     what = sp.add_mutually_exclusive_group()
-    what.add_argument("--level", **word_arg(ReleaseLevel))
-    what.add_argument("--tags", metavar="TAG,...")
+    what.add_argument("--level", **word_arg(ReleaseLevel), help=PREPARE_HELP["level"])
+    what.add_argument("--tags", metavar="TAG,...", help=PREPARE_HELP["tags"])
     sp.add_argument("--budget", type=parse_bytes, metavar="SIZE",
-                    help="largest residual memory allowed after release")
+                    help="largest residual memory allowed after release; more fails the "
+                         "prepare, which is rolled back (default: the controller's "
+                         "[defaults], else none)")
 
 
 def operation_params(args: argparse.Namespace) -> dict:
     """An operation's parameters from its flags (``OperationCommand`` fields)."""
     params: dict = {"deadline_s": args.deadline}
     if args.op in (OperationKind.PREPARE, OperationKind.CYCLE):
-        tags = [t for t in args.tags.split(",") if t] if args.tags else None
-        params.update(drain=args.drain, drain_timeout_s=args.drain_timeout,
-                      on_deadline=args.on_deadline, level=args.level, tags=tags,
+        flags = prepare_flags(args, controller=True)
+        params.update(drain=flags.drain, drain_timeout_s=flags.drain_timeout_s,
+                      on_deadline=flags.on_deadline, level=flags.level, tags=flags.tags,
                       residual_budget_bytes=args.budget)
     if args.op == OperationKind.PREPARE and hasattr(args, "no_all_or_nothing"):
         params["all_or_nothing"] = not args.no_all_or_nothing
@@ -114,22 +123,43 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                             help="restore the image operation OP_ID dumped (default: the one of "
                                  "the engine's generation; an older one must be named here)")
 
-    sp = sub.add_parser("status", help="each engine's state as its agent reports it", **fmt)
-    sp.add_argument("engines", nargs="*", metavar="ENGINE", help="default: all")
-    sp.add_argument("--json", action="store_true")
+    sp = sub.add_parser(
+        "status", help="each engine's state as its agent reports it, as a table",
+        description="One row per engine, as `fleet status` prints them:\n"
+                    "  NAME       the engine\n"
+                    "  STATE      the agent's state; UNREACHABLE when it did not answer, MOVED\n"
+                    "             when the controller gave it away to another node\n"
+                    "  GEN        its generation (restores so far)\n"
+                    "  IN-FLIGHT  requests it is serving\n"
+                    "  PID        the engine's process id, as the host sees it\n"
+                    "  HELD-BY    the operation holding it now, or -\n"
+                    "  LAST-OP    the newest operation on it in the journal\n"
+                    "  AGE        time since its last transition (5s, 3m12s, 2h4m, 4d1h)\n"
+                    "-o wide adds KIND, KEPT (requests frozen), ENDPOINT (its agent), REGISTERED\n"
+                    "(memory), RELEASED (tags released), IMAGE (restored from an image, and how\n"
+                    "many times) and ERROR (why it did not answer). A line under the table\n"
+                    "explains each UNREACHABLE, MOVED or unsettled engine.",
+        **fmt)
+    sp.add_argument("engines", nargs="*", metavar="ENGINE", help="engine names (default: all)")
+    sp.add_argument("-o", "--output", choices=["wide"],
+                    help="wide: more columns (see above)")
+    sp.add_argument("--json", action="store_true",
+                    help="print one JSON document (the status reply)")
     sp.set_defaults(run=_status)
 
     sp = sub.add_parser("history", help="operations and journal records", **fmt)
-    sp.add_argument("--engine")
-    sp.add_argument("--op-id")
-    sp.add_argument("--limit", type=_history_limit, default=20)
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--engine", metavar="NAME", help="only this engine's operations and records")
+    sp.add_argument("--op-id", metavar="OP_ID", help="only this operation, with its records")
+    sp.add_argument("--limit", type=_history_limit, default=20, metavar="N",
+                    help="the newest N operations (default 20)")
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
     sp.set_defaults(run=_history)
 
     sp = sub.add_parser("watch", help="print journal records live", **fmt)
     sp.add_argument("--duration", type=duration, metavar="S",
-                    help="default: until interrupted or the controller is lost (exit 4)")
-    sp.add_argument("--json", action="store_true")
+                    help="stop after S seconds (default: until interrupted, or the controller "
+                         "is lost: exit 4)")
+    sp.add_argument("--json", action="store_true", help="one JSON line per record")
     sp.set_defaults(run=_watch)
 
 
@@ -196,10 +226,15 @@ def _operation(args: argparse.Namespace) -> int:
     params = operation_params(args)
     if args.op == OperationKind.CYCLE:
         params["max_unavailable"] = args.max_unavailable
-    progress = sys.stderr.isatty() and not args.json
-    with _client(args, on_event=_print_progress if progress else None) as c:
+    progress = None if args.json else Progress()
+    on_event = None if progress is None else (lambda ev: show_event(progress, ev))
+    with _client(args, on_event=on_event) as c:
         c.subscribe()  # heartbeats bound the wait: a dead controller is noticed, not waited out
-        result = c.operation(args.op, args.engines, op_id=args.op_id, **params)
+        try:
+            result = c.operation(args.op, args.engines, op_id=args.op_id, **params)
+        finally:
+            if progress is not None:
+                progress.finish()
     if args.json:
         print_json(result)
     else:
@@ -207,29 +242,62 @@ def _operation(args: argparse.Namespace) -> int:
     return exit_code(result)
 
 
-def _print_progress(ev: p.EventBody) -> None:
+def show_event(progress: Progress, ev: p.EventBody) -> None:
+    """A controller's event as progress: its journal records; heartbeats refresh the time
+    of what is running."""
     from ckpt_controller import protocol as p
 
-    if isinstance(ev, p.Journaled):
-        line = describe_record(ev.record)
+    if isinstance(ev, p.Heartbeat):
+        progress.refresh()
+        return
+    if not isinstance(ev, p.Journaled):
+        return
+    r = ev.record
+    d, who = r.data, r.engine or "-"
+    if r.type == "drain_progress":
+        progress.drain(who, d["in_flight"], d["completed"], d["aborted"])
+    elif r.type == "drain":
+        progress.drained(who, describe_record(r) or "")
+    elif r.type == "hook_start":
+        progress.hook_started(who, d["point"], list(d.get("hooks", [])))
+    elif r.type == "hook":
+        progress.hook_ended(who, d)
+    else:
+        line = describe_record(r)
         if line:
-            print(line, file=sys.stderr, flush=True)
+            progress.line(line)
 
 
 def describe_record(r: p.JournalRecord) -> str | None:
+    """One journal record as a line a person reads (``None`` for those not shown); never
+    raw JSON."""
     d, who = r.data, r.engine or "-"
     if r.type == "transition":
         return f"{who}: {d['source']} -> {d['dest']}"
     if r.type == "phase":
         return f"{who}: {d['name']} {'done' if d['ok'] else 'FAILED'} in {d['duration_s']:.3f}s"
     if r.type == "drain_progress":
-        return f"{who}: draining, {d['in_flight']} in flight, {d['completed']} completed"
+        return (f"{who}: draining, {d['in_flight']} in flight left, {d['completed']} "
+                "completed")
+    if r.type == "drain":
+        esc = f", escalated to {d['escalated_to']}" if d.get("escalated_to") else ""
+        return (f"{who}: drain {d['mode']} done: {d['completed']} completed, {d['aborted']} "
+                f"aborted, {d['kept']} kept in {d['drain_s']:.3f}s{esc}")
+    if r.type == "hook_start":
+        return f"{who}: hook {d['point']} {', '.join(d.get('hooks', []))} started"
     if r.type == "hook":
-        return f"{who}: hook {d['point']} {d['path']} exit {d['exit_code']}"
+        return describe_hook(who, d)
     if r.type == "error":
         return f"{who}: {d['kind']}: {d['message']}"
-    if r.type in ("operation_start", "operation_end", "reconciled"):
-        return f"{r.op_id}: {r.type.replace('_', ' ')} {json.dumps(d)}"
+    if r.type == "operation_start":
+        return (f"{r.op_id}: {d.get('kind', 'operation')} started on "
+                f"{', '.join(d.get('engines', [])) or 'no engine'}")
+    if r.type == "operation_end":
+        took = f" in {d['duration_s']:.3f}s" if d.get("duration_s") is not None else ""
+        return f"{r.op_id}: ended {d.get('status')}{took}"
+    if r.type == "reconciled":
+        by = f" (operation {d['by']})" if d.get("by") else ""
+        return f"{who}: reconciled: found {d.get('found')}, now {d.get('now')}{by}"
     return None
 
 
@@ -254,6 +322,10 @@ def describe_result(r: p.OperationResult) -> str:
             lines.append(f"    {image}")
         if o.error:
             lines.append(f"    {o.error.kind}: {o.error.message}")
+        for run in o.hooks:
+            if run.timed_out or run.exit_code != 0:
+                text = describe_hook("", msgspec.to_builtins(run))
+                lines.append("    " + text.replace("\n", "\n    "))
     if r.error and not r.engines:
         lines.append(f"  {r.error.kind}: {r.error.message}")
     return "\n".join(lines)
@@ -280,25 +352,46 @@ def _image_line(kind: str, o: p.EngineOutcome) -> str | None:
 def _status(args: argparse.Namespace) -> int:
     with _client(args) as c:
         reply = c.status(args.engines)
-    if args.json:
-        print_json(reply)
-        return 0
+        if args.json:
+            print_json(reply)
+            return 0
+        last = {v.engine: _last_op(c, v.engine) for v in reply.engines
+                if v.moved_to is None}
+    print(status_table(reply, last, wide=args.output == "wide"))
+    return 0 if all(v.reachable or v.moved_to for v in reply.engines) else 4
+
+
+def _last_op(c, engine: str) -> str | None:
+    """The newest operation on ``engine`` in the controller's journal."""
+    ops = c.history(engine=engine, limit=1).operations
+    return ops[0].op_id if ops else None
+
+
+def status_table(reply: p.ControllerStatusReply, last_ops: dict[str, str | None],
+                 wide: bool = False, now: float | None = None) -> str:
+    """``ckptctl status``'s table, then a line for each engine whose row needs one: why it
+    is unreachable, where it moved, which operation left it unsettled."""
+    now = time.time() if now is None else now
+    rows = [STATUS_COLUMNS + (WIDE_COLUMNS if wide else ())]
+    notes = []
     for v in reply.engines:
         if v.moved_to is not None:
-            print(f"{v.engine}: MOVED to node {v.moved_to} by operation {v.moved_by} "
-                  "(not driven here)")
+            rows.append(status_row(v.engine, None, now=now, state="MOVED", last_op=v.moved_by,
+                                   kind=v.kind, endpoint=v.control,
+                                   error=f"on node {v.moved_to}", wide=wide))
+            notes.append(f"{v.engine}: MOVED to node {v.moved_to} by operation {v.moved_by} "
+                         "(not driven here)")
             continue
-        unsettled = (f"; unsettled since operation {v.unsettled_by} lost contact"
-                     if v.unsettled_by else "")
+        why = v.error.message if v.error else "no answer"
+        rows.append(status_row(v.engine, v.status, now=now, holder=v.holder,
+                               last_op=last_ops.get(v.engine), kind=v.kind, endpoint=v.control,
+                               error="" if v.status is not None else why, wide=wide))
         if v.status is None:
-            why = v.error.message if v.error else "no answer"
-            print(f"{v.engine}: UNREACHABLE ({why}){unsettled}")
-            continue
-        s = v.status
-        held = (f", held by {v.holder}" if v.holder else "") + unsettled
-        print(f"{v.engine}: {s.state}, generation {s.generation}, in flight {s.in_flight}, "
-              f"kept {s.kept}{held}")
-    return 0 if all(v.reachable or v.moved_to for v in reply.engines) else 4
+            notes.append(f"{v.engine}: UNREACHABLE ({why})")
+        if v.unsettled_by:
+            notes.append(f"{v.engine}: unsettled since operation {v.unsettled_by} lost contact "
+                         "(the reconciler settles it)")
+    return table(rows) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 def _history(args: argparse.Namespace) -> int:

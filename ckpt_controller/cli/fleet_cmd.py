@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from ckpt_controller.cli.common import EXIT_CODES, print_json
+from ckpt_controller.cli.common import EXIT_CODES, age, print_json, table
 from ckpt_controller.errors import UnreachableError, UsageError
 
 #: how long the command waits for one etcd member (healthy, etcd answers in milliseconds)
@@ -312,18 +312,6 @@ def _iso(wall: float | None) -> str | None:
         timespec="milliseconds")
 
 
-def age(seconds: float) -> str:
-    """kubectl's way: 45s, 3m12s, 5h4m, 2d3h."""
-    s = max(0, int(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60}m"
-    return f"{s // 86400}d{s % 86400 // 3600}h"
-
-
 def _status(args: argparse.Namespace) -> int:
     from ckpt_controller.fleet import registry
     from ckpt_controller.fleet.keys import Keys
@@ -354,9 +342,7 @@ def _status(args: argparse.Namespace) -> int:
         rows.append((e.node, e.engine, state, "-" if e.generation is None else str(e.generation),
                      e.holder or "-", e.last_op or "-",
                      "-" if e.since is None else age(now - e.since)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    print(table(rows))
     up = {n.node for n in view.nodes}
     down = sorted({r.engine.node for r in view.engines} - up)
     print(f"\n{len(view.nodes)} node(s) up" + (f"; down: {', '.join(down)}" if down else "")
@@ -445,9 +431,7 @@ def _operation(args: argparse.Namespace) -> int:
     else:
         rows = [("ENGINE", "NODE", "PART", "STATE", "ERROR")]
         rows += [(p.engine, p.node, p.status, p.state or "-", p.error or "") for p in parts]
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        for r in rows:
-            print("  ".join(cell.ljust(w) for cell, w in zip(r[:4], widths)) + "  " + r[4])
+        print(table(rows))
         print(f"fleet {op.kind} {op.op_id}: {op.status}")
     if op.status == "succeeded":
         return 0

@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--dir", type=Path, default=Path("."), metavar="DIR",
                     help="where to write the files (default: here)")
     sp.add_argument("--force", action="store_true", help="replace existing files")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
     sp.set_defaults(run=run)
 
 

@@ -76,11 +76,15 @@ class Deadlines:
 
 @dataclass(frozen=True)
 class PrepareDefaults:
-    """Defaults of prepare parameters. ``level`` and ``tags`` exclude each other (tags -> level None)."""
+    """Defaults of prepare parameters. ``level`` and ``tags`` exclude each other (tags -> level None).
+
+    These field defaults are the built-in ones (a file without ``[defaults]``), and also what
+    ``ckptctl agent prepare`` and ``ckptctl drill`` use (``cli.common.prepare_flags``): one
+    place, so that every command prepares alike."""
 
     drain: DrainMode = DrainMode.WAIT
     on_deadline: Escalation = Escalation.ABORT
-    level: ReleaseLevel | None = ReleaseLevel.OFFLOAD
+    level: ReleaseLevel | None = ReleaseLevel.DISCARD
     tags: tuple[str, ...] | None = None
     residual_budget_bytes: int | None = None
 

@@ -202,7 +202,8 @@ class EngineSession:
         """Run ``point``'s hooks, each within the ``hook`` deadline, all of them before
         ``until_wall`` when given, and within the operation's deadline. Returns how many ran
         (raises at the first failure)."""
-        if not self.has_hooks(point):
+        found = find_hooks(self.config.hooks_dir, point)
+        if not found:
             return 0  # nothing to run: no context to build, no image folder to make
         # write-ahead: a hook acts outside (a dump, a restore), so what led to it is on disk
         # first; recovery decides whether a capture may have begun from these records
@@ -213,6 +214,9 @@ class EngineSession:
                           undo_capture=undo_capture,
                           extra_env=tuple(sorted(self.hook_env.items())))
         runs: list[p.HookRun] = []
+        # said before they run (the journal's "hook" records come when they end): what a
+        # person following the operation sees running
+        self.record("hook_start", {"point": point, "hooks": [h.name for h in found]})
         try:
             # on a thread of its own under a hub: the other engines' steps go on meanwhile
             hub.blocking(lambda: run_point(self.config.hooks_dir, point, ctx,

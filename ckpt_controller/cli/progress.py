@@ -1,0 +1,123 @@
+"""An operation's progress as a person reads it on stderr while ``ckptctl`` waits.
+
+Every line starts with the time since the command began (``[  1.23s]``). Two things are shown
+while they last: a drain, counting down the requests still in flight, and a running hook, with
+its time so far. On a terminal such a line is rewritten in place (a carriage return) and
+replaced by the line that ends it; elsewhere (a pipe, a file) the same lines are printed one
+under the other, a drain's only when its count changed, and nothing is ever rewritten.
+Fed by the controller's journal records (``Journaled`` events: ``drain_progress``,
+``hook_start``, ``hook``, ``transition``, ``phase``, ``error``) or by an agent's own events
+(``StateChanged``, ``DrainProgress``); heartbeats only refresh the line shown.
+Neighbours: ``cli.controller_cmds`` and ``cli.agent_cmds`` (which feed it and print the
+result after ``finish``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, Any
+
+
+class Progress:
+    """Lines on ``stream``, each with its elapsed time; ``live`` (default: ``stream`` is a
+    terminal) rewrites the line of a running drain or hook in place."""
+
+    def __init__(self, stream: IO[str] | None = None, live: bool | None = None,
+                 clock=time.monotonic) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        self.live = self.stream.isatty() if live is None else live
+        self.clock = clock
+        self.start = clock()
+        #: what runs now, by engine: (text before the time, when it began)
+        self._running: dict[str, tuple[str, float]] = {}
+        self._drained: dict[str, int] = {}  # the in-flight count last printed, by engine
+        self._shown = False  # a live line is on the terminal, without its newline
+
+    # ---------------------------------------------------------------- output
+
+    def stamp(self) -> str:
+        return f"[{self.clock() - self.start:7.2f}s]"
+
+    def line(self, text: str) -> None:
+        """``text`` (one or more lines) under the elapsed time, above any live line."""
+        self._clear()
+        for part in text.splitlines() or [""]:
+            self.stream.write(f"{self.stamp()} {part}\n")
+        self._redraw()
+        self.stream.flush()
+
+    def _clear(self) -> None:
+        if self._shown:
+            self.stream.write("\r\x1b[K")
+            self._shown = False
+
+    def _redraw(self) -> None:
+        if not (self.live and self._running):
+            return
+        now = self.clock()
+        said = "; ".join(f"{text} {now - began:.1f}s" for text, began in self._running.values())
+        self.stream.write(f"{self.stamp()} {said}")
+        self._shown = True
+
+    def refresh(self) -> None:
+        """The live line again, with its times now (on a heartbeat)."""
+        if self.live and self._running:
+            self._clear()
+            self._redraw()
+            self.stream.flush()
+
+    def finish(self) -> None:
+        """End the live line (before the result is printed)."""
+        self._running.clear()
+        self._clear()
+        self.stream.flush()
+
+    # ---------------------------------------------------------------- what happens
+
+    def drain(self, engine: str, in_flight: int, completed: int, aborted: int) -> None:
+        text = (f"{engine}: draining, {in_flight} in flight left ({completed} completed, "
+                f"{aborted} aborted)")
+        began = self._running.get(engine, ("", self.clock()))[1]
+        self._running[engine] = (text, began)
+        if self.live:
+            self.refresh()
+        elif self._drained.get(engine) != in_flight:
+            self.line(text)
+        self._drained[engine] = in_flight
+
+    def drained(self, engine: str, text: str) -> None:
+        self._running.pop(engine, None)
+        self._drained.pop(engine, None)
+        self.line(text)
+
+    def hook_started(self, engine: str, point: str, names: list[str]) -> None:
+        what = f"{engine}: hook {point} {', '.join(names)}"
+        self._running[engine] = (f"{what} running", self.clock())
+        self.line(f"{what} started")
+
+    def hook_ended(self, engine: str, run: dict[str, Any]) -> None:
+        self._running.pop(engine, None)
+        self.line(describe_hook(engine, run))
+
+    def other(self, engine: str | None, text: str) -> None:
+        self.line(text)
+
+
+def describe_hook(engine: str, run: dict[str, Any]) -> str:
+    """A hook's end (a ``HookRun`` as plain data), with its stderr's tail when it failed."""
+    name = str(run.get("path", "")).rsplit("/", 1)[-1]
+    what = f"{engine + ': ' if engine else ''}hook {run.get('point')} {name}"
+    took = f" in {float(run.get('duration_s') or 0):.2f}s"
+    if run.get("timed_out"):
+        head = f"{what} timed out{took}"
+    elif run.get("exit_code") == 0:
+        return f"{what} done{took}"
+    else:
+        head = f"{what} FAILED, exit {run.get('exit_code')}{took}"
+    return head + "".join(f"\n  | {line}" for line in hook_tail(run.get("stderr_tail") or ""))
+
+
+def hook_tail(text: str, lines: int = 10) -> list[str]:
+    """The last ``lines`` non-empty lines of a hook's stderr tail."""
+    return [line.rstrip() for line in text.splitlines() if line.strip()][-lines:]

@@ -1,0 +1,162 @@
+"""An operation's progress as ``ckptctl`` prints it: each line with its elapsed time, a drain
+counting down what is in flight, a hook's start and end with its time, a failed hook's stderr
+in the human output, no raw JSON; rewritten in place on a terminal (a pty here), plain lines
+elsewhere. A real controller and a real step engine."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from ckpt_controller.agent import AgentClient
+from ckpt_controller.cli.progress import Progress
+from conftest import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+STAMP = re.compile(r"^\[ *\d+\.\d\ds\] ")
+
+
+def _hook(ctl, point: str, name: str, body: str) -> None:
+    folder = ctl.dir / "hooks" / point
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def _controller(spawn_engine, spawn_controller):
+    eng = spawn_engine("p1", weights_mib=4, kv_mib=4, step_s=0.01)
+    ctl = spawn_controller(f'[[engine]]\nname = "p1"\ncontrol = "{eng.control}"\n')
+    return eng, ctl
+
+
+def _busy(eng) -> None:
+    """Two requests in flight for about a second (a wait drain then counts them down)."""
+    eng.submit("r1", 80)
+    eng.submit("r2", 120)
+    with AgentClient(eng.control) as agent:
+        wait_until(lambda: agent.status().in_flight == 2, 20, "two requests in flight")
+
+
+def test_progress_lines_off_a_terminal(spawn_engine, spawn_controller):
+    eng, ctl = _controller(spawn_engine, spawn_controller)
+    _hook(ctl, "dump", "10-dump", "sleep 0.3; echo dumped >&2")
+    _busy(eng)
+    out = ctl.ckptctl("cycle", "p1", "--drain", "wait", "--op-id", "pg-1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stderr.splitlines()
+    assert lines and all(STAMP.match(line) for line in lines), out.stderr
+    assert "\r" not in out.stderr and "{" not in out.stderr + out.stdout  # no raw JSON
+    said = [STAMP.sub("", line) for line in lines]
+    assert said[0] == "pg-1: cycle started on p1"
+    drain = [s for s in said if s.startswith("p1: draining, ")]
+    left = [int(re.search(r"(\d+) in flight left", s).group(1)) for s in drain]
+    assert left and left == sorted(left, reverse=True) and len(set(left)) == len(left), drain
+    assert any(s.startswith("p1: drain wait done: 2 completed") for s in said), said
+    start = said.index("p1: hook dump 10-dump started")
+    end = [i for i, s in enumerate(said) if re.fullmatch(r"p1: hook dump 10-dump done in "
+                                                         r"0\.[3-9]\ds|p1: hook dump 10-dump "
+                                                         r"done in \d\.\d\ds", s)]
+    assert end and end[0] > start, said
+    assert said[-1].startswith("pg-1: ended succeeded in ")
+    # the times only grow
+    times = [float(STAMP.match(line).group(0).strip("[] s")) for line in lines]
+    assert times == sorted(times)
+    assert out.stdout.startswith("cycle pg-1: succeeded in ")
+
+
+def test_a_failed_hook_says_why_in_the_human_output(spawn_engine, spawn_controller):
+    eng, ctl = _controller(spawn_engine, spawn_controller)
+    _hook(ctl, "post-release", "20-check", "echo first >&2; echo 'disk full on /images' >&2; "
+                                           "exit 3")
+    out = ctl.ckptctl("prepare", "p1", "--op-id", "pf-1")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "hook post-release 20-check FAILED, exit 3 in " in out.stdout
+    assert "  | first\n" in out.stdout and "  | disk full on /images" in out.stdout
+    assert "| disk full on /images" in out.stderr  # in the progress too, when it ended
+    assert "{" not in out.stdout
+
+
+def test_on_a_terminal_the_running_line_is_rewritten(spawn_engine, spawn_controller):
+    eng, ctl = _controller(spawn_engine, spawn_controller)
+    _hook(ctl, "dump", "10-dump", "sleep 1")
+    _busy(eng)
+    leader, follower = pty.openpty()
+    try:
+        run = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+                                ctl.endpoint, "cycle", "p1", "--drain", "wait"],
+                               stdout=subprocess.PIPE, stderr=follower, text=True, cwd=ROOT)
+        os.close(follower)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # policy: EIO: the command closed its end of the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+        stdout, _ = run.communicate(timeout=60)
+    finally:
+        os.close(leader)
+    assert run.returncode == 0, seen
+    text = seen.decode()
+    assert "\r\x1b[K" in text  # a running drain or hook, rewritten in place
+    assert re.search(r"p1: hook dump 10-dump running \d+\.\ds", text), text
+    assert "p1: hook dump 10-dump done in 1." in text
+    assert stdout.startswith("cycle ")
+
+
+def test_progress_by_itself():
+    """Off a terminal a drain prints a line only when its count changed; on one the line of
+    what runs is rewritten, and cleared before the next line and at the end."""
+    now = [0.0]
+    plain = io.StringIO()
+    pr = Progress(plain, live=False, clock=lambda: now[0])
+    for t, left in ((1, 3), (2, 3), (3, 2), (4, 2), (5, 0)):
+        now[0] = t
+        pr.drain("e", left, 3 - left, 0)
+    now[0] = 6
+    pr.drained("e", "e: drain wait done")
+    pr.hook_started("e", "dump", ["10-a"])
+    now[0] = 7.5
+    pr.refresh()
+    pr.hook_ended("e", {"point": "dump", "path": "/h/dump/10-a", "exit_code": 0,
+                        "duration_s": 1.5})
+    pr.finish()
+    assert plain.getvalue().splitlines() == [
+        "[   1.00s] e: draining, 3 in flight left (0 completed, 0 aborted)",
+        "[   3.00s] e: draining, 2 in flight left (1 completed, 0 aborted)",
+        "[   5.00s] e: draining, 0 in flight left (3 completed, 0 aborted)",
+        "[   6.00s] e: drain wait done",
+        "[   6.00s] e: hook dump 10-a started",
+        "[   7.50s] e: hook dump 10-a done in 1.50s"]
+    now = [0.0]
+    tty = io.StringIO()
+    pr = Progress(tty, live=True, clock=lambda: now[0])
+    now[0] = 1
+    pr.drain("e", 2, 0, 0)
+    now[0] = 2
+    pr.drain("e", 1, 1, 0)
+    now[0] = 3
+    pr.hook_started("f", "dump", ["10-a"])
+    now[0] = 4
+    pr.drained("e", "e: drain wait done")
+    now[0] = 4.5
+    pr.refresh()
+    pr.finish()
+    assert tty.getvalue() == (
+        "[   1.00s] e: draining, 2 in flight left (0 completed, 0 aborted) 0.0s"
+        "\r\x1b[K[   2.00s] e: draining, 1 in flight left (1 completed, 0 aborted) 1.0s"
+        "\r\x1b[K[   3.00s] f: hook dump 10-a started\n"
+        "[   3.00s] e: draining, 1 in flight left (1 completed, 0 aborted) 2.0s; "
+        "f: hook dump 10-a running 0.0s"
+        "\r\x1b[K[   4.00s] e: drain wait done\n"
+        "[   4.00s] f: hook dump 10-a running 1.0s"
+        "\r\x1b[K[   4.50s] f: hook dump 10-a running 1.5s"
+        "\r\x1b[K")

@@ -1,0 +1,143 @@
+"""``ckptctl status`` as a table (``fleet status``'s renderer), ``-o wide``, rows for engines
+that did not answer or moved away, ``agent status`` in the same columns; a real controller and
+real step engines, the renderer also on replies made here."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ckpt_controller import protocol as p
+from ckpt_controller.cli.common import STATUS_COLUMNS, WIDE_COLUMNS, age, table
+from ckpt_controller.cli.controller_cmds import status_table
+from conftest import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _toml(*engines: tuple[str, str]) -> str:
+    return "".join(f'[[engine]]\nname = "{n}"\ncontrol = "{c}"\n' for n, c in engines)
+
+
+def _hook(ctl, point: str, name: str, body: str) -> None:
+    folder = ctl.dir / "hooks" / point
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def _rows(text: str) -> list[list[str]]:
+    """The table's rows (up to the first blank line), split on runs of 2+ spaces."""
+    block = text.split("\n\n")[0]
+    return [re.split(r"\s{2,}", line.strip()) for line in block.splitlines()]
+
+
+def test_age_and_table():
+    assert [age(s) for s in (0, 5.9, 59, 60, 192, 3600, 18240, 86400, 356400)] == \
+        ["0s", "5s", "59s", "1m0s", "3m12s", "1h0m", "5h4m", "1d0h", "4d3h"]
+    assert age(-3) == "0s"  # a clock a little ahead of ours
+    assert table([("A", "LONGER"), ("wide cell", "x"), ("b", "")]) == \
+        "A          LONGER\nwide cell  x\nb"
+
+
+def _status(engine: str, state: str = "running", gen: int = 0, wall: float | None = None,
+            **kw) -> p.StatusReply:
+    t = None if wall is None else p.TransitionRecord(
+        trigger="restore", source="restoring", dest=state, generation=gen, monotonic=1.0,
+        wall=wall)
+    return p.StatusReply(engine=engine, pid=4242, state=state, is_restored=gen > 0,
+                         generation=gen, in_flight=3, kept=1, released_tags=[],
+                         registered_bytes={"weights": 3 << 20}, incarnation=0,
+                         restored_from_image=False, last_transition=t,
+                         endpoints={"control": f"ipc:///x/{engine}"}, **kw)
+
+
+def test_every_engine_gets_a_readable_row():
+    """Answered, held, unreachable and moved engines each have a row; the ones that need it
+    a line under the table; -o wide adds its columns."""
+    now = 10_000.0
+    reply = p.ControllerStatusReply(controller_pid=1, engines=[
+        p.EngineView(engine="a", kind="native", control="ipc:///x/a", reachable=True,
+                     status=_status("a", gen=2, wall=now - 192)),
+        p.EngineView(engine="b", kind="native", control="ipc:///x/b", reachable=True,
+                     status=_status("b", state="prepared", wall=now - 5), holder="op-7",
+                     unsettled_by=None),
+        p.EngineView(engine="c", kind="vllm", control="tcp://h:1", reachable=False,
+                     error=p.ErrorInfo(kind="UnreachableError", message="c did not answer"),
+                     unsettled_by="op-6"),
+        p.EngineView(engine="d", kind="native", control="ipc:///x/d", reachable=False,
+                     moved_to="node-2", moved_by="mig-1"),
+    ])
+    text = status_table(reply, {"a": "op-5", "b": "op-7", "c": "op-6"}, now=now)
+    rows = _rows(text)
+    assert rows[0] == list(STATUS_COLUMNS)
+    assert rows[1] == ["a", "running", "2", "3", "4242", "-", "op-5", "3m12s"]
+    assert rows[2] == ["b", "prepared", "0", "3", "4242", "op-7", "op-7", "5s"]
+    assert rows[3] == ["c", "UNREACHABLE", "-", "-", "-", "-", "op-6", "-"]
+    assert rows[4] == ["d", "MOVED", "-", "-", "-", "-", "mig-1", "-"]
+    notes = text.split("\n\n")[1].splitlines()
+    assert notes == ["c: UNREACHABLE (c did not answer)",
+                     "c: unsettled since operation op-6 lost contact (the reconciler settles it)",
+                     "d: MOVED to node node-2 by operation mig-1 (not driven here)"]
+    wide = _rows(status_table(reply, {}, wide=True, now=now))
+    assert wide[0] == list(STATUS_COLUMNS + WIDE_COLUMNS)
+    assert wide[1][8:] == ["native", "1", "ipc:///x/a", "3.0 MiB", "-", "-", "-"]
+    assert wide[3][-1] == "c did not answer" and wide[4][-1] == "on node node-2"
+    assert all(len(r) == len(wide[0]) for r in wide)
+
+
+def test_status_of_a_real_controller(spawn_engine, spawn_controller, ipc_dir):
+    eng = spawn_engine("s1", weights_mib=4, kv_mib=4, step_s=0.01)
+    ctl = spawn_controller(_toml(("s1", eng.control), ("ghost", f"ipc://{ipc_dir}/none")))
+    out = ctl.ckptctl("cycle", "s1", "--op-id", "c-1", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = ctl.ckptctl("status")
+    assert out.returncode == 4, out.stdout + out.stderr  # ghost did not answer
+    rows = {r[0]: r for r in _rows(out.stdout)}
+    assert rows["NAME"] == list(STATUS_COLUMNS)
+    assert rows["s1"][1:7] == ["running", "1", "0", str(eng.pid), "-", "c-1"]
+    assert re.fullmatch(r"\d+s", rows["s1"][7]), rows["s1"]
+    assert rows["ghost"][1:] == ["UNREACHABLE", "-", "-", "-", "-", "-", "-"]
+    assert "ghost: UNREACHABLE (" in out.stdout
+    wide = {r[0]: r for r in _rows(ctl.ckptctl("status", "-o", "wide", "s1").stdout)}
+    assert wide["s1"][10] == eng.control and wide["s1"][8] == "native"
+    # --json is the status reply, as it was
+    doc = json.loads(ctl.ckptctl("status", "s1", "--json").stdout)
+    assert doc["engines"][0]["status"]["generation"] == 1
+    assert doc["engines"][0]["status"]["pid"] == eng.pid
+
+    # held by a running operation: its id in HELD-BY until it ends
+    _hook(ctl, "dump", "10-wait", f"while [ ! -e {ipc_dir}/go ]; do sleep 0.05; done")
+    op = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+                           ctl.endpoint, "cycle", "s1", "--op-id", "held-1", "--json"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        def held() -> bool:
+            row = {r[0]: r for r in _rows(ctl.ckptctl("status", "s1").stdout)}["s1"]
+            return row[5] == "held-1" and row[1] == "prepared"
+        wait_until(held, 30, "s1 held by held-1 in status")
+    finally:
+        (Path(ipc_dir) / "go").touch()
+        _, err = op.communicate(timeout=60)
+    assert op.returncode == 0, err
+    row = {r[0]: r for r in _rows(ctl.ckptctl("status", "s1").stdout)}["s1"]
+    assert row[1:3] == ["running", "2"] and row[5:7] == ["-", "held-1"]
+
+
+def test_agent_status_has_the_same_columns(spawn_engine):
+    eng = spawn_engine("a1", weights_mib=4, kv_mib=4)
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "ckpt_controller", "agent", "status",
+                          "--control", eng.control], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    rows = _rows(out.stdout)
+    assert rows[0] == list(STATUS_COLUMNS)
+    assert rows[1][:6] == ["a1", "running", "0", "0", str(eng.pid), "-"]
+    assert "weights: 4.0 MiB" in out.stdout and out.stderr == ""
+    assert time.monotonic() - start < 30
