@@ -104,6 +104,14 @@ def gather(key: object, item: T, flush: Callable[[list[T]], object]) -> None:
         got[0].append(item)
 
 
+def flush() -> None:
+    """What this hub gathered so far in this round, flushed now (outside a hub, nothing is
+    held): before anything that must come after it, such as a journal barrier."""
+    hub = current()
+    if hub is not None:
+        hub._flush()
+
+
 def sleep(seconds: float) -> None:
     hub = current()
     if hub is None:

@@ -255,6 +255,15 @@ class Journal:
                             msgspec.json.encode(data).decode()), numbered=True).number
         return rec
 
+    def record_all(self, recs: list[JournalRecord]) -> None:
+        """Journal ``recs`` in order (as ``record`` each, queued at once): their ``seq`` is
+        set here."""
+        enc = msgspec.json.encode
+        first = self._writer.submit_rows(INSERT_RECORD, [
+            (r.op_id, r.engine, r.type, r.wall, r.monotonic, enc(r.data).decode()) for r in recs])
+        for i, r in enumerate(recs):
+            r.seq = first + i
+
     def records(self, *, engine: str | None = None, op_id: str | None = None,
                 since: int = 0, limit: int = 500,
                 op_ids: list[str] | None = None,

@@ -120,6 +120,29 @@ class GroupWriter:
                 self._work.notify()  # a plain row after the first waits ``WRITE_AFTER_S``
         return entry
 
+    def submit_rows(self, sql: str, rows: list[tuple]) -> int:
+        """Queue ``sql`` once per row, in order, each a numbered row (as ``submit(sql, row,
+        numbered=True)`` each, under one lock): returns the first row's number, the others
+        following it one by one."""
+        entries = [Entry(sql, row, False, True) for row in rows]
+        with self._lock:
+            while len(self._queue) >= MAX_QUEUED and self._usable():
+                self._room.wait()
+            self._check_usable()
+            first = self._next_number
+            if not self._queue:
+                self._queued_since = time.monotonic()
+            for entry in entries:
+                self._pos += 1
+                entry.pos, entry.number = self._pos, self._next_number
+                entry.args = (self._next_number, *entry.args)
+                self._next_number += 1
+            was = len(self._queue)
+            self._queue.extend(entries)
+            if self._idle and (was == 0 or was < WRITE_BATCH <= len(self._queue)):
+                self._work.notify()  # as ``submit``: the first wakes it, and a full batch
+        return first
+
     def wait(self, entry: Entry) -> None:
         """Until ``entry``'s batch is committed (and, for a barrier, fsynced); raises its own
         failure, or for a barrier that takes them, a failure of rows queued before it."""

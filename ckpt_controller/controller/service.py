@@ -138,12 +138,32 @@ class Controller:
         self.journal.close()
         self._claim.release()
 
-    def record(self, type_: str, data: dict, **kw) -> p.JournalRecord:
-        rec = self.journal.record(type_, data, **kw)
-        if self.metrics:
-            self.metrics.journaled(rec)  # hook failures, escalations, reconciles
-        hub.gather(self.publish_records, rec, self.publish_records)
+    def record(self, type_: str, data: dict, *, op_id: str | None = None,
+               engine: str | None = None, wall: float | None = None,
+               monotonic: float | None = None) -> p.JournalRecord:
+        """Journal a record, count it, publish it. Under a hub (a fan-out's greenlets) the
+        round's records are journaled together when every greenlet waits
+        (``_record_round``): its ``seq`` is set then (0 until). A barrier inside the round
+        (``sync``) flushes the round first."""
+        rec = p.JournalRecord(seq=0, op_id=op_id, engine=engine, type=type_,
+                              wall=time.time() if wall is None else wall,
+                              monotonic=time.monotonic() if monotonic is None else monotonic,
+                              data=data)
+        hub.gather(self._record_round, rec, self._record_round)
         return rec
+
+    def _record_round(self, recs: list[p.JournalRecord]) -> None:
+        self.journal.record_all(recs)
+        if self.metrics:
+            for rec in recs:
+                self.metrics.journaled(rec)  # hook failures, escalations, reconciles
+        self.publish_records(recs)
+
+    def sync(self) -> None:
+        """Every record so far durable: this round's gathered ones first (``record``); the
+        fsync waited for off the hub's loop, so a fan-out's other engines go on."""
+        hub.flush()
+        hub.blocking(self.journal.sync)
 
     # ---------------------------------------------------------------- accepting operations
 
@@ -261,7 +281,7 @@ class Controller:
                                 cmd.deadline_s or self.config.deadlines.operation,
                                 self.record, self.metrics, drain_timeout_s=cmd.drain_timeout_s,
                                 links=self.links, link=link, status=status,
-                                sync=self.journal.sync)
+                                sync=self.sync)
         session.hook_env = dict(cmd.hook_env)
         if self.guard is not None:  # e.g. a migration's target takes the engine over
             session.before_resume = self.guard.before_resume(cmd.op_id, engine)

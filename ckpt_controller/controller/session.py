@@ -207,7 +207,7 @@ class EngineSession:
             return 0  # nothing to run: no context to build, no image folder to make
         # write-ahead: a hook acts outside (a dump, a restore), so what led to it is on disk
         # first; recovery decides whether a capture may have begun from these records
-        hub.blocking(self._sync)
+        self._sync()  # (on a thread of its own under a hub: the others go on)
         ctx = HookContext(engine=self.engine.name, pid=self.pid, state=self.outcome.state or "",
                           generation=self.generation, op_id=self.op_id,
                           image_dir=self.image_dir(), deadline_wall=self.deadline_wall,
