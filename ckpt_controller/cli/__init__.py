@@ -31,7 +31,6 @@ from ckpt_controller.cli.common import (
     add_curve_client_args,
     human_bytes,
     parse_bytes,
-    print_json,
 )
 from ckpt_controller.endpoints import runtime_dir_path
 from ckpt_controller.errors import CkptError
@@ -75,10 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except CkptError as err:
         if getattr(args, "json", False):
-            from ckpt_controller import protocol as p
+            from ckpt_controller.cli.output import emit_error
 
-            print_json({"error": {"kind": err.kind, "message": err.message,
-                                  "details": p.to_plain(err.details)}})
+            emit_error(err)
         print(f"ckptctl: {err.kind}: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:

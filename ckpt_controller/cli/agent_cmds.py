@@ -11,8 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
-
 from ckpt_controller.cli.common import (
     EXIT_CODES,
     add_curve_client_args,
@@ -24,10 +22,10 @@ from ckpt_controller.cli.common import (
     duration,
     duration_or_zero,
     parse_bytes,
-    print_json,
     step_op_id,
     word_arg,
 )
+from ckpt_controller.cli.output import emit, event_body, result_kind
 from ckpt_controller.errors import UsageError
 from ckpt_controller.vocab import DrainMode, Escalation, ReleaseLevel
 
@@ -196,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
                 ev = p.StateChanged(engine=engine[0] or args.control, transition=t)
                 print(describe_event(ev), file=sys.stderr)
     if args.json:
-        print_json(result)
+        emit(result_kind(result, action), result)
     else:
         print(describe(result))
     return 0
@@ -213,8 +211,7 @@ def _watch(client, args: argparse.Namespace) -> int:
             if isinstance(ev, p.Heartbeat) and not args.heartbeats:
                 continue
             if args.json:
-                print_json({"event": type(ev).__name__, **msgspec.to_builtins(ev)},
-                           flush=True)
+                emit("agent-event", event_body(ev), stream=True)
             else:
                 print(describe_event(ev), flush=True)
         if not client.follows_heartbeats:  # else poll_events says when the agent is lost

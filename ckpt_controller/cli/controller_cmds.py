@@ -15,8 +15,6 @@ import time
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from ckpt_controller import values
 from ckpt_controller.cli.common import (
     EXIT_CODES,
@@ -27,9 +25,9 @@ from ckpt_controller.cli.common import (
     human_bytes,
     op_id,
     parse_bytes,
-    print_json,
     word_arg,
 )
+from ckpt_controller.cli.output import emit
 from ckpt_controller.errors import CkptError, UsageError
 from ckpt_controller.vocab import DrainMode, Escalation, OperationKind, ReleaseLevel
 
@@ -200,7 +198,7 @@ def _operation(args: argparse.Namespace) -> int:
         c.subscribe()  # heartbeats bound the wait: a dead controller is noticed, not waited out
         result = c.operation(args.op, args.engines, op_id=args.op_id, **params)
     if args.json:
-        print_json(result)
+        emit("operation", result)
     else:
         print(describe_result(result))
     return exit_code(result)
@@ -280,7 +278,7 @@ def _status(args: argparse.Namespace) -> int:
     with _client(args) as c:
         reply = c.status(args.engines)
     if args.json:
-        print_json(reply)
+        emit("status", reply)
         return 0
     for v in reply.engines:
         if v.moved_to is not None:
@@ -304,7 +302,7 @@ def _history(args: argparse.Namespace) -> int:
     with _client(args) as c:
         reply = c.history(engine=args.engine, op_id=args.op_id, limit=args.limit)
     if args.json:
-        print_json(reply)
+        emit("history", reply)
         return 0
     for op in reply.operations:
         when = datetime.fromtimestamp(op.wall).isoformat(timespec="seconds")
@@ -330,7 +328,7 @@ def _watch(args: argparse.Namespace) -> int:
                 if not isinstance(ev, p.Journaled):
                     continue
                 if args.json:
-                    print_json(msgspec.to_builtins(ev.record), flush=True)
+                    emit("record", ev.record, stream=True)
                 else:
                     line = describe_record(ev.record)
                     if line:

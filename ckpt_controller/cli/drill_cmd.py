@@ -7,7 +7,8 @@ import argparse
 import time
 from pathlib import Path
 
-from ckpt_controller.cli.common import EXIT_CODES, positive, print_json, word_arg
+from ckpt_controller.cli.common import EXIT_CODES, positive, word_arg
+from ckpt_controller.cli.output import emit
 from ckpt_controller.vocab import DrainMode, ReleaseLevel
 
 FAULT_HELP = """\
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     path = report.write(rep, args.report)
     picture = timeline.draw(cycles, args.report / "timeline.png")
     if args.json:
-        print_json(rep)
+        emit("drill-report", report=rep, report_file=str(path), timeline_file=str(picture))
     else:
         say("\n" + report.describe(rep))
         say(f"\nwrote {path} and {picture}")
