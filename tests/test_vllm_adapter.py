@@ -242,7 +242,7 @@ def test_cycle_under_concurrent_completions(mode, vllm, sidecar, spawn_controlle
         # a wait drain has two minutes to finish 6 x 4,000 tokens: the default 30 s was not
         # always enough on a busy CI machine (every try escalated to abort)
         result, outcomes = under_load(vllm, lambda n: client.cycle(
-            ["vl"], drain=mode, level=1, op_id=f"vl-{mode}-{n}", drain_timeout_s=120.0),
+            ["vl"], drain=mode, level=1, op_id=f"vl-{mode}-{n}", drain_timeout=120.0),
             # a stall can hold vLLM's API server back until the requests have ended
             happened=lambda drain: getattr(drain, counted) == len(PROMPTS))
     op_id = result.op_id
@@ -296,7 +296,7 @@ def test_wait_drain_deadline_escalates_to_abort(vllm, sidecar, spawn_controller)
                            f'kind = "vllm"\n')
     with ControllerClient(ctl.endpoint) as client:
         result, outcomes = under_load(vllm, lambda n: client.prepare(
-            ["vl"], drain="wait", drain_timeout_s=0.5, on_deadline="abort", level=0),
+            ["vl"], drain="wait", drain_timeout=0.5, on_deadline="abort", level=0),
             undo=lambda: client.restore(["vl"]),
             # a stall of this VM can hold the sidecar back past the requests' end (no
             # escalation) or vLLM's API server back past it (escalated, nothing left to abort)

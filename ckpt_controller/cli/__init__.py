@@ -12,7 +12,6 @@ Neighbours: ``cli.common`` and the ``*_cmds`` modules, ``endpoints`` (the defaul
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
@@ -32,16 +31,14 @@ from ckpt_controller.cli.common import (
     human_bytes,
     parse_bytes,
 )
-from ckpt_controller.endpoints import runtime_dir_path
+from ckpt_controller.endpoints import default_controller_endpoint
 from ckpt_controller.errors import CkptError
 
 __all__ = ["build_parser", "human_bytes", "main", "parse_bytes"]
 
 
 def default_controller() -> str:
-    if os.environ.get("CKPT_CONTROLLER"):
-        return os.environ["CKPT_CONTROLLER"]
-    return f"ipc://{runtime_dir_path() / 'controller.sock'}"
+    return default_controller_endpoint()
 
 
 def build_parser() -> argparse.ArgumentParser:
