@@ -295,3 +295,43 @@ def test_engine_and_keys_documents(spawn_reference, tmp_path):
     assert load["sent"] == 10 and load["error"] is None
     keys = parsed(ckptctl("keys", "jsk", "--dir", str(tmp_path), "--json"), "keys")
     assert Path(keys["public"]).is_file()
+
+
+# ---------------------------------------------------------------- the fleet (etcd)
+
+
+@pytest.mark.fleet
+def test_fleet_documents(etcd, ipc_dir):
+    """``fleet status``, a fleet operation and ``fleet watch`` of it (a migration's documents
+    need CRIU on two nodes: tests/test_migration.py reads them)."""
+    from ckpt_controller.agent import Agent
+    from conftest import ControllerProcess
+    from test_fleet import node_toml
+
+    agent = Agent("jf", control=f"ipc://{ipc_dir}/jf.ctl", heartbeat_interval_s=0.2).start()
+    (ipc_dir / "n1").mkdir()
+    node = ControllerProcess(ipc_dir / "n1", node_toml(etcd, "n1", [agent]))
+    try:
+        fleet = ["--etcd", ",".join(etcd.urls), "fleet"]
+
+        def status():
+            out = ckptctl(*fleet, "status", "--json")
+            doc = json.loads(out.stdout) if out.returncode == 0 else None
+            return doc if doc and doc["engines"] else None
+
+        doc = check_document(wait_until(status, what="jf published"), "fleet-status")
+        assert doc["engines"][0]["engine"]["engine"] == "jf"
+        op = parsed(ckptctl(*fleet, "prepare", "jf", "--op-id", "fj-1", "--json"),
+                    "fleet-operation")
+        assert op["op"]["operation"] == "prepare" and op["parts"][0]["status"] == "succeeded"
+        out = ckptctl(*fleet, "watch", "fj-1", "--json")
+        *parts, last = [json.loads(line) for line in out.stdout.splitlines()]
+        assert [check_document(p, "fleet-part")["part"]["engine"] for p in parts] == ["jf"]
+        assert check_document(last, "fleet-operation")["op"]["status"] == "succeeded"
+        parsed(ckptctl(*fleet, "rollback", "jf", "--json"), "fleet-operation")
+        doc = wait_until(lambda: (d := status()) and d["engines"][0]["engine"]["state"]
+                         == "running" and d, what="jf RUNNING again in etcd")
+        check_document(doc, "fleet-status")
+    finally:
+        node.stop()
+        agent.close()

@@ -221,7 +221,8 @@ def under_load(vllm: VllmHttp, operation, undo=None, attempts: int = 5,
 def _transition_walls(ctl, op_id: str) -> dict[str, float]:
     out = ctl.ckptctl("history", "--op-id", op_id, "--limit", "500", "--json")
     records = json.loads(out.stdout)["records"]
-    return {r["data"]["dest"]: r["wall"] for r in records if r["type"] == "transition"}
+    return {r["data"]["dest"]: r["written_at_unix"] for r in records
+            if r["record_type"] == "transition"}
 
 
 # ---------------------------------------------------------------------------- through the controller
@@ -278,7 +279,7 @@ def test_cycle_under_concurrent_completions(mode, vllm, sidecar, spawn_controlle
     assert vllm.complete("the engine drains", 12, ignore_eos=True).text == golden
     # status and history show the vLLM engine like any other
     status = json.loads(ctl.ckptctl("status", "--json").stdout)["engines"][0]
-    assert status["engine"] == "vl" and status["kind"] == "vllm" and status["reachable"]
+    assert status["engine"] == "vl" and status["engine_kind"] == "vllm" and status["reachable"]
     assert status["status"]["state"] == "running" and status["status"]["generation"] >= 1
     assert status["status"]["pid"] == vllm_pid(vllm)
     assert list(walls) == ["preparing", "prepared", "restoring", "running"]
@@ -511,7 +512,7 @@ def test_a_sidecar_killed_mid_prepare_is_resumed_by_the_reconciler_keeping_its_g
     assert vllm.complete("still serving", 4).finish_reason == "length"
     records = json.loads(ctl.ckptctl("history", "--engine", "vk", "--limit", "500",
                                      "--json").stdout)["records"]
-    (done,) = [r for r in records if r["type"] == "reconciled"]
+    (done,) = [r for r in records if r["record_type"] == "reconciled"]
     assert done["data"]["found"] == "failed" and done["data"]["now"] == "running"
 
 
