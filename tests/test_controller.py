@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckpt_controller.agent import AgentClient, EngineHooks
+from ckpt_controller.cli.output import document
 from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.engine.client import EngineClient
@@ -183,7 +184,7 @@ def test_conflicts_and_repeated_ids(spawn_reference, spawn_controller):
     ctl = spawn_controller(engines_toml((eng, "")))
     out = ctl.ckptctl("prepare", "e1", "--op-id", "long", "--json")
     assert out.returncode == 0 and json.loads(out.stdout) == json.loads(
-        msgspec.json.encode(done["r"]))
+        msgspec.json.encode(document("operation", done["r"])))
     with AgentClient(eng.control) as agent:
         assert agent.status().state == "running"
     # the same id for another operation is a mistake, refused before anything runs
