@@ -11,14 +11,15 @@ Layers, lowest first (a layer imports only the ones above it in this list):
     cli         ``ckptctl``
 
 Importing the package imports nothing else: ``ckptctl --help`` and a client stay light, and
-the names below load on first use. Neighbours: ``vocab`` (``CheckpointState``), ``cli``.
+the names below load on first use. Neighbours: ``vocab`` (``CheckpointState``),
+``controller.client`` (``ControllerClient``, docs/client.md), ``cli``.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointState", "__version__"]
+__all__ = ["CheckpointState", "ControllerClient", "__version__"]
 
 
 def __getattr__(name: str):
@@ -28,4 +29,8 @@ def __getattr__(name: str):
         from ckpt_controller.vocab import CheckpointState
 
         return CheckpointState
+    if name == "ControllerClient":  # the transport (pyzmq) loads only for a client
+        from ckpt_controller.controller.client import ControllerClient
+
+        return ControllerClient
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,6 +27,14 @@ def runtime_dir_path() -> Path:
     return Path(base) / "ckpt-controller" if base else Path(f"/tmp/ckpt-controller-{os.getuid()}")
 
 
+def default_controller_endpoint() -> str:
+    """The controller's endpoint when none is named: ``$CKPT_CONTROLLER``, else
+    ``ipc://<runtime dir>/controller.sock`` (``ckptctl --controller``, ``ControllerClient``)."""
+    if os.environ.get("CKPT_CONTROLLER"):
+        return os.environ["CKPT_CONTROLLER"]
+    return f"ipc://{runtime_dir_path() / 'controller.sock'}"
+
+
 def runtime_dir() -> Path:
     """The runtime dir, created mode 0700; a ``ConfigError`` when someone else could use it."""
     path = runtime_dir_path()

@@ -113,7 +113,7 @@ def test_watch_prints_events(engine):
 
     def changes() -> list[dict]:
         events = [json.loads(line) for line in list(printed.lines)]
-        return [e for e in events if e["event"] == "StateChanged"]
+        return [e for e in events if e["event"] == "state_changed"]
 
     try:
         wait_connected(engine.pid, engine.control, before)  # watch is there and subscribing

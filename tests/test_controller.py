@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckpt_controller.agent import AgentClient, EngineHooks
+from ckpt_controller.cli.output import document
 from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.engine.client import EngineClient
@@ -50,8 +51,8 @@ def test_full_cycle_through_the_cli_with_json(spawn_reference, spawn_controller)
     status = json.loads(ctl.ckptctl("status", "--json").stdout)
     assert status["engines"][0]["status"]["state"] == "running"
     hist = json.loads(ctl.ckptctl("history", "--op-id", "first", "--json").stdout)
-    types = [r["type"] for r in hist["records"]]
-    dests = [r["data"]["dest"] for r in hist["records"] if r["type"] == "transition"]
+    types = [r["record_type"] for r in hist["records"]]
+    dests = [r["data"]["dest"] for r in hist["records"] if r["record_type"] == "transition"]
     assert dests == ["preparing", "prepared", "restoring", "running"]
     assert {"operation_start", "phase", "drain", "memory", "operation_end"} <= set(types)
     human = ctl.ckptctl("history")
@@ -74,7 +75,7 @@ def test_prepare_options_rollback_reason_and_journal_contents(spawn_reference,
     out = ctl.ckptctl("rollback", "o2", "--reason", "drill over", "--json", "--op-id", "rb")
     assert out.returncode == 0, out.stdout + out.stderr
     rb = json.loads(ctl.ckptctl("history", "--op-id", "rb", "--json").stdout)["records"]
-    reasons = [r["data"].get("reason", "") for r in rb if r["type"] == "transition"]
+    reasons = [r["data"].get("reason", "") for r in rb if r["record_type"] == "transition"]
     assert any("drill over" in r for r in reasons), reasons
     # o1's own default budget (1 byte) fails it; o2 stays PREPARED without all-or-nothing
     out = ctl.ckptctl("prepare", "o1", "o2", "--level", "1", "--no-all-or-nothing", "--json")
@@ -88,13 +89,13 @@ def test_prepare_options_rollback_reason_and_journal_contents(spawn_reference,
     assert out.returncode == 1 and json.loads(out.stdout)["engines"][0]["state"] == "running"
     # the journal: hook records with their output, phases with durations, wall times
     records = json.loads(ctl.ckptctl("history", "--op-id", "kv", "--json").stdout)["records"]
-    hooks = [r["data"] for r in records if r["type"] == "hook"]
+    hooks = [r["data"] for r in records if r["record_type"] == "hook"]
     assert hooks and hooks[0]["point"] == "pre-prepare" and hooks[0]["exit_code"] == 0
     assert hooks[0]["stdout_tail"].strip() == "checked o2"
-    phases = [r["data"] for r in records if r["type"] == "phase"]
+    phases = [r["data"] for r in records if r["record_type"] == "phase"]
     assert {ph["name"] for ph in phases} >= {"pre-prepare", "prepare"}
     assert all(ph["duration_s"] > 0 for ph in phases)
-    assert all(abs(r["wall"] - time.time()) < 600 for r in records)
+    assert all(abs(r["written_at_unix"] - time.time()) < 600 for r in records)
     import sqlite3
 
     db = sqlite3.connect(ctl.state_dir / "journal.sqlite3")
@@ -183,7 +184,7 @@ def test_conflicts_and_repeated_ids(spawn_reference, spawn_controller):
     ctl = spawn_controller(engines_toml((eng, "")))
     out = ctl.ckptctl("prepare", "e1", "--op-id", "long", "--json")
     assert out.returncode == 0 and json.loads(out.stdout) == json.loads(
-        msgspec.json.encode(done["r"]))
+        msgspec.json.encode(document("operation", done["r"])))
     with AgentClient(eng.control) as agent:
         assert agent.status().state == "running"
     # the same id for another operation is a mistake, refused before anything runs
@@ -614,7 +615,7 @@ def test_watch_shows_an_operation_live(spawn_reference, spawn_controller):
         watch.communicate(timeout=30)
     records = [json.loads(line) for line in printed.join()]
     assert {r["op_id"] for r in records} == {"seen"}
-    dests = [r["data"]["dest"] for r in records if r["type"] == "transition"]
+    dests = [r["data"]["dest"] for r in records if r["record_type"] == "transition"]
     assert dests == ["preparing", "prepared", "restoring", "running"]
     seqs = [r["seq"] for r in records]
     assert seqs == sorted(seqs)

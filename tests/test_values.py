@@ -125,13 +125,14 @@ def _refused(call, field: str, shown: str) -> None:
 
 
 CLIENT_CASES = [
-    ("controller", lambda c: c.prepare(["e"], deadline_s=NAN), "deadline_s", "nan"),
-    ("controller", lambda c: c.cycle(["e"], drain_timeout_s=INF), "drain_timeout_s", "inf"),
-    ("controller", lambda c: c.prepare(["e"], deadline_s=0.0), "deadline_s", "0.0"),
+    ("controller", lambda c: c.prepare(["e"], deadline=NAN), "deadline", "nan"),
+    ("controller", lambda c: c.cycle(["e"], drain_timeout=INF), "drain_timeout", "inf"),
+    ("controller", lambda c: c.prepare(["e"], deadline=0.0), "deadline", "0.0"),
+    ("controller", lambda c: c.operation("prepare", ["e"], deadline_s=NAN), "deadline_s",
+     "nan"),
     ("controller", lambda c: c.prepare(["e"], op_id=""), "op_id", "''"),
     ("controller", lambda c: c.prepare(["e"], op_id="x" * 900_000), "op_id", "900000 characters"),
-    ("controller", lambda c: c.prepare(["e"], residual_budget_bytes=10**30),
-     "residual_budget_bytes", str(10**30)),
+    ("controller", lambda c: c.prepare(["e"], budget=10**30), "budget", str(10**30)),
     ("controller", lambda c: c.cycle(["e"], max_unavailable=0), "max_unavailable", "0"),
     ("agent", lambda c: c.prepare(drain_timeout_s=NAN), "drain_timeout_s", "nan"),
     ("agent", lambda c: c.prepare(deadline_s=INF), "deadline_s", "inf"),

@@ -222,7 +222,8 @@ def under_load(vllm: VllmHttp, operation, undo=None, attempts: int = 5,
 def _transition_walls(ctl, op_id: str) -> dict[str, float]:
     out = ctl.ckptctl("history", "--op-id", op_id, "--limit", "500", "--json")
     records = json.loads(out.stdout)["records"]
-    return {r["data"]["dest"]: r["wall"] for r in records if r["type"] == "transition"}
+    return {r["data"]["dest"]: r["written_at_unix"] for r in records
+            if r["record_type"] == "transition"}
 
 
 # ---------------------------------------------------------------------------- through the controller
@@ -243,7 +244,7 @@ def test_cycle_under_concurrent_completions(mode, vllm, sidecar, spawn_controlle
         # a wait drain has two minutes to finish 6 x 4,000 tokens: the default 30 s was not
         # always enough on a busy CI machine (every try escalated to abort)
         result, outcomes = under_load(vllm, lambda n: client.cycle(
-            ["vl"], drain=mode, level=1, op_id=f"vl-{mode}-{n}", drain_timeout_s=120.0),
+            ["vl"], drain=mode, level=1, op_id=f"vl-{mode}-{n}", drain_timeout=120.0),
             # a stall can hold vLLM's API server back until the requests have ended
             happened=lambda drain: getattr(drain, counted) == len(PROMPTS))
     op_id = result.op_id
@@ -279,7 +280,7 @@ def test_cycle_under_concurrent_completions(mode, vllm, sidecar, spawn_controlle
     assert vllm.complete("the engine drains", 12, ignore_eos=True).text == golden
     # status and history show the vLLM engine like any other
     status = json.loads(ctl.ckptctl("status", "--json").stdout)["engines"][0]
-    assert status["engine"] == "vl" and status["kind"] == "vllm" and status["reachable"]
+    assert status["engine"] == "vl" and status["engine_kind"] == "vllm" and status["reachable"]
     assert status["status"]["state"] == "running" and status["status"]["generation"] >= 1
     assert status["status"]["pid"] == vllm_pid(vllm)
     assert list(walls) == ["preparing", "prepared", "restoring", "running"]
@@ -297,7 +298,7 @@ def test_wait_drain_deadline_escalates_to_abort(vllm, sidecar, spawn_controller)
                            f'kind = "vllm"\n')
     with ControllerClient(ctl.endpoint) as client:
         result, outcomes = under_load(vllm, lambda n: client.prepare(
-            ["vl"], drain="wait", drain_timeout_s=0.5, on_deadline="abort", level=0),
+            ["vl"], drain="wait", drain_timeout=0.5, on_deadline="abort", level=0),
             undo=lambda: client.restore(["vl"]),
             # a stall of this VM can hold the sidecar back past the requests' end (no
             # escalation) or vLLM's API server back past it (escalated, nothing left to abort)
@@ -512,7 +513,7 @@ def test_a_sidecar_killed_mid_prepare_is_resumed_by_the_reconciler_keeping_its_g
     assert vllm.complete("still serving", 4).finish_reason == "length"
     records = json.loads(ctl.ckptctl("history", "--engine", "vk", "--limit", "500",
                                      "--json").stdout)["records"]
-    (done,) = [r for r in records if r["type"] == "reconciled"]
+    (done,) = [r for r in records if r["record_type"] == "reconciled"]
     assert done["data"]["found"] == "failed" and done["data"]["now"] == "running"
 
 

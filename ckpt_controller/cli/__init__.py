@@ -12,7 +12,6 @@ Neighbours: ``cli.common`` and the ``*_cmds`` modules, ``endpoints`` (the defaul
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
@@ -32,18 +31,15 @@ from ckpt_controller.cli.common import (
     add_curve_client_args,
     human_bytes,
     parse_bytes,
-    print_json,
 )
-from ckpt_controller.endpoints import runtime_dir_path
+from ckpt_controller.endpoints import default_controller_endpoint
 from ckpt_controller.errors import CkptError
 
 __all__ = ["build_parser", "human_bytes", "main", "parse_bytes"]
 
 
 def default_controller() -> str:
-    if os.environ.get("CKPT_CONTROLLER"):
-        return os.environ["CKPT_CONTROLLER"]
-    return f"ipc://{runtime_dir_path() / 'controller.sock'}"
+    return default_controller_endpoint()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,10 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except CkptError as err:
         if getattr(args, "json", False):
-            from ckpt_controller import protocol as p
+            from ckpt_controller.cli.output import emit_error
 
-            print_json({"error": {"kind": err.kind, "message": err.message,
-                                  "details": p.to_plain(err.details)}})
+            emit_error(err)
         print(f"ckptctl: {err.kind}: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:

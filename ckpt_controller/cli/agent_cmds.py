@@ -10,8 +10,6 @@ import argparse
 import time
 from pathlib import Path
 
-import msgspec
-
 from ckpt_controller.cli.common import (
     EXIT_CODES,
     STATUS_COLUMNS,
@@ -25,13 +23,13 @@ from ckpt_controller.cli.common import (
     duration_or_zero,
     human_bytes,
     prepare_flags,
-    print_json,
     status_row,
     step_op_id,
     table,
 )
 from ckpt_controller.cli.logsetup import add_log_args, log_args, setup_from_args
 from ckpt_controller.cli.progress import Progress
+from ckpt_controller.cli.output import emit, event_body, result_kind
 from ckpt_controller.errors import UsageError
 
 
@@ -202,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
                 progress.line(describe_event(ev))
         progress.finish()
     if args.json:
-        print_json(result)
+        emit(result_kind(result, action), result)
     elif action == "status":
         print(agent_status(result))
     else:
@@ -234,8 +232,7 @@ def _watch(client, args: argparse.Namespace) -> int:
             if isinstance(ev, p.Heartbeat) and not args.heartbeats:
                 continue
             if args.json:
-                print_json({"event": type(ev).__name__, **msgspec.to_builtins(ev)},
-                           flush=True)
+                emit("agent-event", event_body(ev), stream=True)
             else:
                 print(describe_event(ev), flush=True)
         if not client.follows_heartbeats:  # else poll_events says when the agent is lost

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from ckpt_controller import values
 from ckpt_controller.errors import UsageError
 from ckpt_controller.units import human_bytes
@@ -234,14 +232,6 @@ def status_row(name: str, status: p.StatusReply | None, *, now: float, state: st
                 human_bytes(sum(status.registered_bytes.values())),
                 ",".join(released) or dash, image, error or dash)
     return row + more if wide else row
-
-
-def print_json(obj, flush: bool = False) -> None:
-    """``obj`` as one line of JSON on stdout; ``flush`` for a stream of lines read as they
-    come (``watch --json`` into a pipe would otherwise hold them until its buffer fills)."""
-    sys.stdout.write(msgspec.json.encode(obj).decode() + "\n")
-    if flush:
-        sys.stdout.flush()
 
 
 def describe(result) -> str:

@@ -14,8 +14,6 @@ import time
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from ckpt_controller import values
 from ckpt_controller.cli.common import (
     EXIT_CODES,
@@ -30,13 +28,13 @@ from ckpt_controller.cli.common import (
     op_id,
     parse_bytes,
     prepare_flags,
-    print_json,
     status_row,
     table,
     word_arg,
 )
 from ckpt_controller.cli.logsetup import add_log_args, setup_from_args
 from ckpt_controller.cli.progress import Progress, describe_hook
+from ckpt_controller.cli.output import emit
 from ckpt_controller.errors import CkptError, UsageError
 from ckpt_controller.vocab import DrainMode, Escalation, OperationKind, ReleaseLevel
 
@@ -236,7 +234,7 @@ def _operation(args: argparse.Namespace) -> int:
             if progress is not None:
                 progress.finish()
     if args.json:
-        print_json(result)
+        emit("operation", result)
     else:
         print(describe_result(result))
     return exit_code(result)
@@ -324,6 +322,8 @@ def describe_result(r: p.OperationResult) -> str:
             lines.append(f"    {o.error.kind}: {o.error.message}")
         for run in o.hooks:
             if run.timed_out or run.exit_code != 0:
+                import msgspec
+
                 text = describe_hook("", msgspec.to_builtins(run))
                 lines.append("    " + text.replace("\n", "\n    "))
     if r.error and not r.engines:
@@ -353,7 +353,7 @@ def _status(args: argparse.Namespace) -> int:
     with _client(args) as c:
         reply = c.status(args.engines)
         if args.json:
-            print_json(reply)
+            emit("status", reply)
             return 0
         last = {v.engine: _last_op(c, v.engine) for v in reply.engines
                 if v.moved_to is None}
@@ -398,7 +398,7 @@ def _history(args: argparse.Namespace) -> int:
     with _client(args) as c:
         reply = c.history(engine=args.engine, op_id=args.op_id, limit=args.limit)
     if args.json:
-        print_json(reply)
+        emit("history", reply)
         return 0
     for op in reply.operations:
         when = datetime.fromtimestamp(op.wall).isoformat(timespec="seconds")
@@ -424,7 +424,7 @@ def _watch(args: argparse.Namespace) -> int:
                 if not isinstance(ev, p.Journaled):
                     continue
                 if args.json:
-                    print_json(msgspec.to_builtins(ev.record), flush=True)
+                    emit("record", ev.record, stream=True)
                 else:
                     line = describe_record(ev.record)
                     if line:

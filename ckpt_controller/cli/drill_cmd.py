@@ -13,11 +13,11 @@ from ckpt_controller.cli.common import (
     count,
     positive,
     prepare_flags,
-    print_json,
     rate,
     seed,
     word_arg,
 )
+from ckpt_controller.cli.output import emit
 from ckpt_controller.vocab import DrainMode, ReleaseLevel
 
 FAULT_HELP = """\
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     path = report.write(rep, args.report)
     picture = timeline.draw(cycles, args.report / "timeline.png")
     if args.json:
-        print_json(rep)
+        emit("drill-report", report=rep, report_file=str(path), timeline_file=str(picture))
     else:
         say("\n" + report.describe(rep))
         say(f"\nwrote {path} and {picture}")

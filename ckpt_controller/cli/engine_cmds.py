@@ -9,7 +9,6 @@ runs), ``cli.common``, ``cli.fleet_cmd`` (the etcd flags and client)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,12 +21,12 @@ from ckpt_controller.cli.common import (
     curve_server,
     duration,
     duration_or_zero,
-    print_json,
     rate,
     seed,
     token_id,
 )
 from ckpt_controller.cli.logsetup import add_log_args, setup_from_args
+from ckpt_controller.cli.output import emit
 from ckpt_controller.errors import OperationError
 
 
@@ -155,9 +154,8 @@ def _generate(args: argparse.Namespace) -> int:
         c = client.generate(args.prompt_ids, args.max_tokens, stop_token_id=args.stop_id,
                             timeout_s=args.timeout)
     if args.json:
-        print_json({"request_id": c.request_id, "token_ids": c.token_ids,
-                    "finish_reason": c.finish_reason,
-                    "events": [{"type": e.type, "timestamp": e.timestamp} for e in c.events]})
+        emit("generation", request_id=c.request_id, token_ids=c.token_ids,
+             finish_reason=c.finish_reason, events=c.events)
     else:
         print(",".join(map(str, c.token_ids)))
         print(f"finish: {c.finish_reason}", file=sys.stderr)
@@ -179,10 +177,9 @@ def _load(args: argparse.Namespace) -> int:
         lost = OperationError("requests ended without a finish reason or rejection",
                               lost=report.lost, request_ids=report.lost_ids[:20])
     if args.json:  # one document: the report, with the error in it when there is one
-        doc = report.to_dict()
-        if lost is not None:
-            doc["error"] = {"kind": lost.kind, "message": lost.message, "details": lost.details}
-        print(json.dumps(doc))
+        error = None if lost is None else {"kind": lost.kind, "message": lost.message,
+                                           "exit_code": lost.exit_code, "details": lost.details}
+        emit("load", report, error=error)
     else:
         print(f"sent {report.sent}: completed {report.completed}, aborted {report.aborted}, "
               f"errored {report.errored}, rejected {report.rejected}, lost {report.lost} "

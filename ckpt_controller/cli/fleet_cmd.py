@@ -11,13 +11,14 @@ keys' prefix, as the node controllers' ``[fleet]`` tables do. etcd unavailable: 
 from __future__ import annotations
 
 import argparse
-import datetime
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from ckpt_controller.cli.common import EXIT_CODES, age, print_json, table
+from ckpt_controller.cli.common import EXIT_CODES, age, table
+from ckpt_controller.cli.output import emit
 from ckpt_controller.errors import UnreachableError, UsageError
 
 #: how long the command waits for one etcd member (healthy, etcd answers in milliseconds)
@@ -133,8 +134,6 @@ def _add_operations(fsub, fmt: dict) -> None:
 def _migrate(args: argparse.Namespace) -> int:
     import uuid
 
-    import msgspec
-
     from ckpt_controller.fleet import migration
     from ckpt_controller.fleet.keys import Keys
 
@@ -164,8 +163,7 @@ def _migrate(args: argparse.Namespace) -> int:
                 f"{err.message}; migration {op_id} stays recorded and goes on when etcd is "
                 f"back (follow it with the same --op-id)", op_id=op_id, **err.details) from None
     if args.json:
-        print_json({"version": 1, "op": msgspec.to_builtins(op),
-                    "migration": msgspec.to_builtins(mig)})
+        emit("fleet-migration", op=op, migration=mig)
     else:
         where = {"moved": f"RUNNING on {mig.target}", "stayed": f"RUNNING on {mig.source}",
                  "lost": "lost (the engine died)", "failed": "not RUNNING"}.get(mig.outcome, "")
@@ -181,8 +179,6 @@ def _follow_migration(c, keys, op_id: str, progress: bool, every_s: float = 0.2,
     """Wait for migration ``op_id`` to end: (its operation, its record); prints each step's
     start and end on stderr with ``progress``, or each ended step as a JSON line on stdout
     with ``lines``."""
-    import msgspec
-
     from ckpt_controller.fleet import migration, ops
 
     start = time.monotonic()
@@ -198,9 +194,8 @@ def _follow_migration(c, keys, op_id: str, progress: bool, every_s: float = 0.2,
                 key = ("line", end.step, end.ended)
                 if key not in said:
                     said.add(key)
-                    print_json({"version": 1, "op_id": op_id, "elapsed_s": round(
-                        time.monotonic() - start, 3), "step": msgspec.to_builtins(end)},
-                        flush=True)
+                    emit("fleet-step", op_id=op_id, elapsed_s=round(
+                        time.monotonic() - start, 3), step=end, stream=True)
         if progress:
             for end in mig.done:
                 key = (end.step, end.status, end.ended)
@@ -302,14 +297,7 @@ def _running_ops(found: list) -> list[dict]:
     return [{"op_id": op.op_id, "kind": op.kind, "total": len(op.engines),
              "done": sum(p.status not in ("pending", "started") for p, _ in parts.values()),
              "started": sum(p.status == "started" for p, _ in parts.values()),
-             "created_iso": _iso(op.created)} for op, parts in found]
-
-
-def _iso(wall: float | None) -> str | None:
-    if wall is None:
-        return None
-    return datetime.datetime.fromtimestamp(wall, datetime.timezone.utc).isoformat(
-        timespec="milliseconds")
+             "created": op.created} for op, parts in found]
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -322,17 +310,17 @@ def _status(args: argparse.Namespace) -> int:
     now = time.time()
     healthy = all(r.node_up and r.engine.reachable for r in view.engines)
     if args.json:
-        import msgspec
+        from ckpt_controller.cli.output import document, wall_time
 
-        doc = msgspec.to_builtins(view)
+        doc = document("fleet-status", view)
         for row in doc["engines"]:
             rec = row["engine"]
-            rec["since_iso"], rec["updated_iso"] = _iso(rec["since"]), _iso(rec["updated"])
-            rec["age_s"] = None if rec["since"] is None else round(now - rec["since"], 3)
-        for node in doc["nodes"]:
-            node["started_iso"] = _iso(node["started"])
-        doc["operations"] = _running_ops(c_ops)
-        print_json(doc)
+            rec["age_s"] = None if rec["since_at_unix"] is None else round(
+                now - rec["since_at_unix"], 3)
+        doc["operations"] = [{k: v for k, v in op.items() if k != "created"}
+                             | wall_time("created_at", op["created"])
+                             for op in _running_ops(c_ops)]
+        print(json.dumps(doc))
         return 0 if healthy else 4
     rows = [("NODE", "NAME", "STATE", "GEN", "HELD-BY", "LAST-OP", "AGE")]
     for r in view.engines:
@@ -424,10 +412,7 @@ def _operation(args: argparse.Namespace) -> int:
                 f"etcd is back (follow it with the same --op-id)", op_id=op_id,
                 **err.details) from None
     if args.json:
-        import msgspec
-
-        print_json({"version": 1, "op": msgspec.to_builtins(op),
-                    "parts": [msgspec.to_builtins(p) for p in parts]})
+        emit("fleet-operation", op=op, parts=parts)
     else:
         rows = [("ENGINE", "NODE", "PART", "STATE", "ERROR")]
         rows += [(p.engine, p.node, p.status, p.state or "-", p.error or "") for p in parts]
@@ -441,8 +426,6 @@ def _operation(args: argparse.Namespace) -> int:
 def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: bool = False):
     """Wait for the fleet operation ``op_id`` to end: (its record, its parts); prints each
     part's changes on stderr with ``progress``, or as JSON lines on stdout with ``lines``."""
-    import msgspec
-
     from ckpt_controller.fleet import ops
 
     seen: dict[str, str] = {}
@@ -461,9 +444,8 @@ def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: boo
                 part = parts[name][0]
                 if seen.get(name) != part.status:
                     seen[name] = part.status
-                    print_json({"version": 1, "op_id": op_id, "elapsed_s": round(
-                        time.monotonic() - start, 3), "part": msgspec.to_builtins(part)},
-                        flush=True)
+                    emit("fleet-part", op_id=op_id, elapsed_s=round(
+                        time.monotonic() - start, 3), part=part, stream=True)
         if progress:
             for name in op.engines:
                 part = parts[name][0]
@@ -493,10 +475,7 @@ def _watch(args: argparse.Namespace) -> int:
             except KeyboardInterrupt:
                 return 130
             if args.json:
-                import msgspec
-
-                print_json({"version": 1, "op": msgspec.to_builtins(op),
-                            "migration": msgspec.to_builtins(mig)})
+                emit("fleet-migration", op=op, migration=mig)
             else:
                 print(f"fleet migrate {op.op_id}: {op.status}: {mig.engine} {mig.outcome}"
                       + (f" ({mig.error})" if mig.error else ""))
@@ -506,9 +485,7 @@ def _watch(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             return 130
     if args.json:
-        import msgspec
-
-        print_json({"version": 1, "op": msgspec.to_builtins(op)})
+        emit("fleet-operation", op=op, parts=parts)
     else:
         print(f"fleet {op.kind} {op.op_id}: {op.status}" + (f": {op.error}" if op.error else ""))
     if op.status == "succeeded":

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ckpt_controller.cli.common import EXIT_CODES, print_json
+from ckpt_controller.cli.common import EXIT_CODES
+from ckpt_controller.cli.output import emit
 
 EPILOG = """\
 Give each agent, the controller and each operator or script its own pair. A server (agent,
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     public, secret = generate(args.dir, args.name, force=args.force)
     key = load(public, secret=False)[0].decode()
     if args.json:
-        print_json({"public": str(public), "secret": str(secret), "public_key": key})
+        emit("keys", public=str(public), secret=str(secret), public_key=key)
     else:
         print(f"public key {key}\n  {public}  (give this to the other side)\n"
               f"  {secret}  (mode 0600; keep it here)")

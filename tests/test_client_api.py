@@ -1,0 +1,149 @@
+"""The Python client as scripts use it (``ckpt_controller.ControllerClient``): the CLI's
+parameters as typed keywords, the default endpoint from ``$CKPT_CONTROLLER``, every bad value
+refused with the CLI's rule before anything is sent, and examples/cycle.py run against a real
+controller. Neighbours: ``controller.client``, ``values``, docs/client.md, ``conftest``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zmq
+
+from ckpt_controller import ControllerClient
+from ckpt_controller.errors import UsageError
+from ckpt_controller.vocab import DrainMode, ReleaseLevel
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def silent_server(ipc_dir):
+    """A ROUTER that takes whatever arrives and never answers: anything sent is seen."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{ipc_dir}/silent.sock"
+    sock.bind(endpoint)
+
+    def received() -> int:
+        n = 0
+        while sock.poll(300, zmq.POLLIN):
+            sock.recv_multipart()
+            n += 1
+        return n
+
+    yield endpoint, received
+    sock.close(linger=0)
+
+
+#: (call, the keyword the error names, what it shows of the value)
+BAD = [
+    (lambda c: c.cycle("e", drain="sideways"), "drain", "'sideways'"),
+    (lambda c: c.prepare("e", drain=True), "drain", "True"),
+    (lambda c: c.prepare("e", level=3), "level", "3"),
+    (lambda c: c.cycle("e", level="2"), "level", "'2'"),
+    (lambda c: c.prepare("e", on_deadline="later"), "on_deadline", "'later'"),
+    (lambda c: c.prepare("e", budget="lots"), "budget", "'lots'"),
+    (lambda c: c.cycle("e", budget=-1), "budget", "-1"),
+    (lambda c: c.cycle("e", budget=2**61), "budget", str(2**61)),
+    (lambda c: c.prepare("e", drain_timeout=0), "drain_timeout", "0"),
+    (lambda c: c.cycle("e", drain_timeout=math.inf), "drain_timeout", "inf"),
+    (lambda c: c.capture("e", deadline=math.nan), "deadline", "nan"),
+    (lambda c: c.restore("e", deadline=86_401), "deadline", "86401"),
+    (lambda c: c.cycle("e", max_unavailable=0), "max_unavailable", "0"),
+    (lambda c: c.cycle("e", max_unavailable=1.5), "max_unavailable", "1.5"),
+    (lambda c: c.rollback("e", op_id="a b"), "op_id", "'a b'"),
+    (lambda c: c.restore("e", image=""), "image", "''"),
+    (lambda c: c.cycle(["e", "no good"]), "engines", "'no good'"),
+    (lambda c: c.prepare("e", level=1, tags=["kv_cache"]), "tags", "kv_cache"),
+    (lambda c: c.prepare("e", tags=[]), "tags", "[]"),
+    (lambda c: c.rollback("e", reason="x" * 70_000), "reason", "70000 characters"),
+    (lambda c: c.history(limit=0), "limit", "0"),
+]
+
+
+@pytest.mark.parametrize("call,field,shown", BAD, ids=[f"{f}-{s[:10]}" for _, f, s in BAD])
+def test_bad_values_are_refused_before_anything_is_sent(silent_server, call, field, shown):
+    endpoint, received = silent_server
+    with ControllerClient(endpoint, timeout_s=0.5, retries=0) as client:
+        with pytest.raises(UsageError) as info:
+            call(client)
+    err = info.value
+    assert err.exit_code == 2 and err.details["field"] == field, err
+    assert shown in str(err), err
+    assert received() == 0  # nothing reached the server
+
+
+def test_bad_values_need_no_server_at_all(ipc_dir):
+    """No process serves the endpoint: the typed error still comes at once, not an
+    ``UnreachableError`` after the retries."""
+    with ControllerClient(f"ipc://{ipc_dir}/nobody.sock", timeout_s=5) as client:
+        for call, field, _ in BAD:
+            with pytest.raises(UsageError) as info:
+                call(client)
+            assert info.value.details["field"] == field
+
+
+def test_the_default_endpoint_is_the_clis(monkeypatch, tmp_path):
+    from ckpt_controller.cli import build_parser
+
+    monkeypatch.setenv("CKPT_CONTROLLER", "tcp://127.0.0.1:1")
+    with ControllerClient() as client:
+        assert client.endpoint == "tcp://127.0.0.1:1"
+    assert build_parser().parse_args(["status"]).controller == "tcp://127.0.0.1:1"
+    monkeypatch.delenv("CKPT_CONTROLLER")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    with ControllerClient() as client:
+        assert client.endpoint == f"ipc://{tmp_path}/ckpt-controller/controller.sock"
+    assert build_parser().parse_args(["status"]).controller == client.endpoint
+
+
+def engines_toml(*engines) -> str:
+    return "".join(f'[[engine]]\nname = "{e.name}"\ncontrol = "{e.control}"\n' for e in engines)
+
+
+def test_typed_keywords_reach_the_controller(spawn_reference, spawn_controller):
+    eng = spawn_reference("ca1")
+    ctl = spawn_controller(engines_toml(eng))
+    with ControllerClient(ctl.endpoint) as client:
+        client.subscribe()
+        result = client.cycle("ca1", drain="keep", level=ReleaseLevel.OFFLOAD, budget="1GiB",
+                              drain_timeout=5, on_deadline="keep", max_unavailable=1,
+                              deadline=60, op_id="typed-1")
+        assert result.status == "succeeded" and result.op_id == "typed-1", result
+        (o,) = result.engines
+        assert o.drain.mode == DrainMode.KEEP and o.released.level == ReleaseLevel.OFFLOAD
+        assert o.released.budget_bytes == 1 << 30
+
+        result = client.prepare(["ca1"], drain=DrainMode.ABORT, tags=["kv_cache"])
+        (o,) = result.engines
+        assert o.state == "prepared" and o.released.tags == ["kv_cache"], result
+        assert client.rollback("ca1", reason="typed").status == "succeeded"
+        hist = client.history(op_id="typed-1")
+        assert hist.operations[0].kind == "cycle"
+        (view,) = client.status("ca1").engines
+        assert view.status.state == "running"
+
+
+def test_the_example_script_runs_against_a_real_controller(spawn_reference, spawn_controller):
+    eng = spawn_reference("ex1")
+    ctl = spawn_controller(engines_toml(eng))
+    env = {**os.environ, "CKPT_CONTROLLER": ctl.endpoint}
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "cycle.py"), "ex1",
+                          "--level", "1", "--budget", "1GiB"], capture_output=True, text=True,
+                         env=env, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "ex1: running"
+    assert lines[1].startswith("cycle ") and ": succeeded in " in lines[1]
+    assert lines[2].startswith("  ex1: succeeded, now running [prepare ")
+    assert "released" in out.stdout and "at level 1" in out.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "examples" / "cycle.py"), "ex1",
+                          "--drain", "sideways"], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "UsageError: drain = 'sideways'" in bad.stderr, bad.stderr
