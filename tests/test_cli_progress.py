@@ -36,9 +36,11 @@ def _controller(spawn_engine, spawn_controller):
 
 
 def _busy(eng) -> None:
-    """Two requests in flight for about a second (a wait drain then counts them down)."""
-    eng.submit("r1", 80)
-    eng.submit("r2", 120)
+    """Two requests in flight for about three and four seconds (a wait drain then counts
+    them down): longer than ``ckptctl`` takes to start on a loaded machine, where requests of
+    one second had ended before the prepare came (no countdown to see)."""
+    eng.submit("r1", 300)
+    eng.submit("r2", 400)
     with AgentClient(eng.control) as agent:
         wait_until(lambda: agent.status().in_flight == 2, 20, "two requests in flight")
 

@@ -113,7 +113,7 @@ def test_defaults(tmp_path):
     assert cfg.hooks_dir is None and cfg.metrics_port is None
     assert (cfg.metrics_host, cfg.heartbeat_interval_s, cfg.missed_beats) == ("127.0.0.1", 0.5, 6)
     assert cfg.deadlines == Deadlines(30.0, 60.0, 600.0, 300.0, 60.0, 900.0, 5.0)
-    assert cfg.defaults == PrepareDefaults("wait", "abort", 1, None, None)
+    assert cfg.defaults == PrepareDefaults("wait", "abort", 2, None, None)
     assert cfg.engines == ()
     assert not cfg.state_dir.exists()  # the server creates it, not the parser
 
