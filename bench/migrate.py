@@ -220,12 +220,16 @@ def timeline(op: dict, migration: dict, command_s: float) -> dict:
     """Each step's time (its end less its start, on its node), and the rest of the
     command's time: the coordinator's waits before the first step, between steps and after
     the last (watches, rounds), and the command's own (its start, its polling)."""
+    def at(doc: dict, name: str) -> float:  # docs/json.md: each time as seconds too
+        return doc[f"{name}_at_unix"]
+
     done = [d for d in migration["done"] if d["step"] in STEPS]
-    steps = {d["step"]: d["ended"] - d["started"] for d in done}
-    recorded = op["ended"] - op["created"]
-    return {"steps_s": steps, "before_first_s": done[0]["started"] - op["created"],
-            "between_steps_s": sum(b["started"] - a["ended"] for a, b in zip(done, done[1:])),
-            "after_last_s": op["ended"] - done[-1]["ended"],
+    steps = {d["step"]: at(d, "ended") - at(d, "started") for d in done}
+    recorded = at(op, "ended") - at(op, "created")
+    return {"steps_s": steps, "before_first_s": at(done[0], "started") - at(op, "created"),
+            "between_steps_s": sum(at(b, "started") - at(a, "ended")
+                                   for a, b in zip(done, done[1:])),
+            "after_last_s": at(op, "ended") - at(done[-1], "ended"),
             "command_s": command_s - recorded}
 
 
