@@ -460,3 +460,32 @@ def etcd(tmp_path):
     cluster = etcd_cluster.EtcdCluster(tmp_path / "etcd", size=1)
     yield cluster
     cluster.close()
+
+
+def write_hook(ctl, point: str, name: str, body: str) -> None:
+    """An executable shell hook ``name`` at ``point`` in ``ctl``'s hooks folder."""
+    folder = ctl.dir / "hooks" / point
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def silent_server(ipc_dir):
+    """A ROUTER that takes whatever arrives and never answers: ``(endpoint, received)``,
+    ``received()`` counting what came (a client's checks must send nothing)."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{ipc_dir}/silent.sock"
+    sock.bind(endpoint)
+
+    def received() -> int:
+        n = 0
+        while sock.poll(300, zmq.POLLIN):
+            sock.recv_multipart()
+            n += 1
+        return n
+
+    yield endpoint, received
+    sock.close(linger=0)

@@ -15,18 +15,11 @@ from pathlib import Path
 
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.cli.progress import Progress
-from conftest import wait_until
+from conftest import wait_until, write_hook
 
 ROOT = Path(__file__).resolve().parent.parent
 STAMP = re.compile(r"^\[ *\d+\.\d\ds\] ")
 
-
-def _hook(ctl, point: str, name: str, body: str) -> None:
-    folder = ctl.dir / "hooks" / point
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    path.write_text("#!/bin/sh\n" + body + "\n")
-    path.chmod(0o755)
 
 
 def _controller(spawn_engine, spawn_controller):
@@ -47,7 +40,7 @@ def _busy(eng) -> None:
 
 def test_progress_lines_off_a_terminal(spawn_engine, spawn_controller):
     eng, ctl = _controller(spawn_engine, spawn_controller)
-    _hook(ctl, "dump", "10-dump", "sleep 0.3; echo dumped >&2")
+    write_hook(ctl, "dump", "10-dump", "sleep 0.3; echo dumped >&2")
     _busy(eng)
     out = ctl.ckptctl("cycle", "p1", "--drain", "wait", "--op-id", "pg-1")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -74,7 +67,7 @@ def test_progress_lines_off_a_terminal(spawn_engine, spawn_controller):
 
 def test_a_failed_hook_says_why_in_the_human_output(spawn_engine, spawn_controller):
     eng, ctl = _controller(spawn_engine, spawn_controller)
-    _hook(ctl, "post-release", "20-check", "echo first >&2; echo 'disk full on /images' >&2; "
+    write_hook(ctl, "post-release", "20-check", "echo first >&2; echo 'disk full on /images' >&2; "
                                            "exit 3")
     out = ctl.ckptctl("prepare", "p1", "--op-id", "pf-1")
     assert out.returncode == 1, out.stdout + out.stderr
@@ -86,7 +79,7 @@ def test_a_failed_hook_says_why_in_the_human_output(spawn_engine, spawn_controll
 
 def test_on_a_terminal_the_running_line_is_rewritten(spawn_engine, spawn_controller):
     eng, ctl = _controller(spawn_engine, spawn_controller)
-    _hook(ctl, "dump", "10-dump", "sleep 1")
+    write_hook(ctl, "dump", "10-dump", "sleep 1")
     _busy(eng)
     leader, follower = pty.openpty()
     try:

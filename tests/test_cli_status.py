@@ -14,7 +14,7 @@ from pathlib import Path
 from ckpt_controller import protocol as p
 from ckpt_controller.cli.common import STATUS_COLUMNS, WIDE_COLUMNS, age, table
 from ckpt_controller.cli.controller_cmds import status_table
-from conftest import wait_until
+from conftest import wait_until, write_hook
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,13 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def _toml(*engines: tuple[str, str]) -> str:
     return "".join(f'[[engine]]\nname = "{n}"\ncontrol = "{c}"\n' for n, c in engines)
 
-
-def _hook(ctl, point: str, name: str, body: str) -> None:
-    folder = ctl.dir / "hooks" / point
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    path.write_text("#!/bin/sh\n" + body + "\n")
-    path.chmod(0o755)
 
 
 def _rows(text: str) -> list[list[str]]:
@@ -112,7 +105,7 @@ def test_status_of_a_real_controller(spawn_engine, spawn_controller, ipc_dir):
     assert doc["engines"][0]["status"]["pid"] == eng.pid
 
     # held by a running operation: its id in HELD-BY until it ends
-    _hook(ctl, "dump", "10-wait", f"while [ ! -e {ipc_dir}/go ]; do sleep 0.05; done")
+    write_hook(ctl, "dump", "10-wait", f"while [ ! -e {ipc_dir}/go ]; do sleep 0.05; done")
     op = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
                            ctl.endpoint, "cycle", "s1", "--op-id", "held-1", "--json"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)

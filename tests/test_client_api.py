@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import zmq
 
 from ckpt_controller import ControllerClient
 from ckpt_controller.errors import UsageError
@@ -22,23 +21,6 @@ from ckpt_controller.vocab import DrainMode, ReleaseLevel
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def silent_server(ipc_dir):
-    """A ROUTER that takes whatever arrives and never answers: anything sent is seen."""
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{ipc_dir}/silent.sock"
-    sock.bind(endpoint)
-
-    def received() -> int:
-        n = 0
-        while sock.poll(300, zmq.POLLIN):
-            sock.recv_multipart()
-            n += 1
-        return n
-
-    yield endpoint, received
-    sock.close(linger=0)
 
 
 #: (call, the keyword the error names, what it shows of the value)

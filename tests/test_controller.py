@@ -24,7 +24,7 @@ from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.errors import BusyError, RejectedError
-from conftest import StreamedLines, ipc_connections, wait_connected, wait_until
+from conftest import StreamedLines, ipc_connections, wait_connected, wait_until, write_hook
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,7 +67,7 @@ def test_prepare_options_rollback_reason_and_journal_contents(spawn_reference,
     a, b = spawn_reference("o1"), spawn_reference("o2")
     ctl = spawn_controller(engines_toml(
         (a, "[engine.defaults]\nresidual_budget = \"1B\""), (b, "")))
-    _hook(ctl, "pre-prepare", "10-say", 'echo "checked $CKPT_ENGINE"')
+    write_hook(ctl, "pre-prepare", "10-say", 'echo "checked $CKPT_ENGINE"')
     out = ctl.ckptctl("prepare", "o2", "--tags", "kv_cache", "--json", "--op-id", "kv")
     assert out.returncode == 0, out.stdout + out.stderr
     (o,) = json.loads(out.stdout)["engines"]
@@ -149,7 +149,7 @@ def test_conflicts_and_repeated_ids(spawn_reference, spawn_controller):
     gate = ctl.dir / "let-go"
     # holds the prepare in PREPARING until the test lets it go: however fast or slow the
     # machine, "long" holds the engine while the conflicting requests arrive
-    _hook(ctl, "post-drain", "10-hold", f"while [ ! -e {gate} ]; do sleep 0.05; done")
+    write_hook(ctl, "post-drain", "10-hold", f"while [ ! -e {gate} ]; do sleep 0.05; done")
     done = {}
     with ControllerClient(ctl.endpoint) as first:
         def long_prepare():
@@ -296,7 +296,7 @@ def test_rolling_cycle_stops_at_its_first_failure(spawn_controller, ipc_dir):
     agents = _slow_agents(ipc_dir, ["st0", "st1", "st2"], 0.0)
     try:
         ctl = spawn_controller(_agents_toml(agents))
-        _hook(ctl, "pre-prepare", "10-veto", '[ "$CKPT_ENGINE" = st1 ] && exit 7; exit 0')
+        write_hook(ctl, "pre-prepare", "10-veto", '[ "$CKPT_ENGINE" = st1 ] && exit 7; exit 0')
         out = ctl.ckptctl("cycle", "--all", "--max-unavailable", "1", "--json")
         assert out.returncode == 1
         result = json.loads(out.stdout)
@@ -438,25 +438,19 @@ def test_journal_is_private(spawn_reference, spawn_controller):
     assert stat.S_IMODE(st.st_mode) == 0o700
 
 
-def _hook(ctl, point: str, name: str, body: str) -> None:
-    folder = ctl.dir / "hooks" / point
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    path.write_text("#!/bin/sh\n" + body + "\n")
-    path.chmod(0o755)
-
 
 def test_hooks_veto_and_roll_back(spawn_reference, spawn_controller):
     eng = spawn_reference("h1")
     ctl = spawn_controller(engines_toml((eng, "")))
-    _hook(ctl, "pre-prepare", "10-no", 'echo "not today: $CKPT_ENGINE $CKPT_ACTION" >&2; exit 3')
+    write_hook(ctl, "pre-prepare", "10-no",
+               'echo "not today: $CKPT_ENGINE $CKPT_ACTION" >&2; exit 3')
     out = ctl.ckptctl("prepare", "h1", "--json")
     assert out.returncode == 1
     (o,) = json.loads(out.stdout)["engines"]
     assert o["state"] == "running" and o["error"]["details"]["exit_code"] == 3
     assert o["hooks"][0]["stderr_tail"].strip() == "not today: h1 pre-prepare"
     (ctl.dir / "hooks" / "pre-prepare" / "10-no").unlink()
-    _hook(ctl, "dump", "10-dump", 'echo "$CRTOOLS_SCRIPT_ACTION $CRTOOLS_INIT_PID" > '
+    write_hook(ctl, "dump", "10-dump", 'echo "$CRTOOLS_SCRIPT_ACTION $CRTOOLS_INIT_PID" > '
                                   '"$CKPT_IMAGE_DIR/seen"; exit 1')
     out = ctl.ckptctl("cycle", "h1", "--json")
     assert out.returncode == 1
@@ -464,7 +458,7 @@ def test_hooks_veto_and_roll_back(spawn_reference, spawn_controller):
     assert o["status"] == "rolled_back" and o["state"] == "running"
     seen = list((ctl.dir / "state" / "images" / "h1").glob("*/seen"))
     assert seen and seen[0].read_text().split() == ["pre-dump", str(eng.pid)]
-    _hook(ctl, "dump", "10-dump", "sleep 30")
+    write_hook(ctl, "dump", "10-dump", "sleep 30")
     (ctl.dir / "hooks" / "dump" / "10-dump").chmod(0o775)  # group-writable: refused
     out = ctl.ckptctl("cycle", "h1", "--json")
     (o,) = json.loads(out.stdout)["engines"]
@@ -519,8 +513,8 @@ def test_the_capture_deadline_bounds_the_dump_hooks_together(spawn_reference, sp
     60 s ``hook`` limit here): a capture that runs over it rolls back with exit 3."""
     eng = spawn_reference("cap")
     ctl = spawn_controller(engines_toml((eng, "")) + "[deadlines]\ncapture = 2.0\nhook = 60\n")
-    _hook(ctl, "dump", "10-first", "sleep 1")
-    _hook(ctl, "dump", "20-second", "sleep 30")
+    write_hook(ctl, "dump", "10-first", "sleep 1")
+    write_hook(ctl, "dump", "20-second", "sleep 30")
     start = time.monotonic()
     out = ctl.ckptctl("cycle", "cap", "--json")
     assert time.monotonic() - start < 15
@@ -677,7 +671,7 @@ def test_hook_failures_of_every_kind(spawn_reference, spawn_controller):
     assert out.returncode == 1 and o["status"] == "rolled_back" and o["state"] == "running"
     assert o["hooks"][0]["exit_code"] == 127
     (folder / "10-no-shebang").unlink()
-    _hook(ctl, "dump", "20-slow", "sleep 30")
+    write_hook(ctl, "dump", "20-slow", "sleep 30")
     start = time.monotonic()
     out = ctl.ckptctl("cycle", "hk", "--json")
     assert out.returncode == 3 and time.monotonic() - start < 20  # a hook timeout: a deadline
@@ -685,7 +679,7 @@ def test_hook_failures_of_every_kind(spawn_reference, spawn_controller):
     assert o["error"]["kind"] == "HookTimeoutError" and o["state"] == "running"
     assert o["hooks"][0]["timed_out"]
     # restore of a RUNNING engine runs no hook and fails nothing
-    _hook(ctl, "pre-restore", "10-fail", "exit 1")
+    write_hook(ctl, "pre-restore", "10-fail", "exit 1")
     out = ctl.ckptctl("restore", "hk", "--json")
     error = json.loads(out.stdout)["error"]  # refused before it began: no hook ran
     assert out.returncode == 2 and error["details"]["state"] == "running"
@@ -706,11 +700,11 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_controller_killed_during_capture_stops_the_orphan_hook(spawn_reference,
+def test_controller_killed_during_capture_stops_the_orphanwrite_hook(spawn_reference,
                                                                  spawn_controller):
     eng = spawn_reference("cap")
     ctl = spawn_controller(engines_toml((eng, "")))
-    _hook(ctl, "dump", "10-long", 'echo $$ > "$CKPT_IMAGE_DIR/../hook.pid"; sleep 300')
+    write_hook(ctl, "dump", "10-long", 'echo $$ > "$CKPT_IMAGE_DIR/../hook.pid"; sleep 300')
     t = threading.Thread(target=lambda: ctl.ckptctl("cycle", "cap", "--op-id", "cut3"))
     t.start()
     pidfile = ctl.dir / "state" / "images" / "cap" / "hook.pid"
@@ -736,7 +730,7 @@ def test_hooks_inside_preparing_and_restoring(spawn_reference, spawn_controller)
     ctl = spawn_controller(engines_toml((eng, ""), defaults="level = 2"))
     log = ctl.dir / "hooks.log"
     for point in ("post-drain", "post-release", "post-restore"):
-        _hook(ctl, point, "10-note", f'echo "$CKPT_ACTION $CKPT_STATE" >> {log}')
+        write_hook(ctl, point, "10-note", f'echo "$CKPT_ACTION $CKPT_STATE" >> {log}')
     out = ctl.ckptctl("cycle", "in", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     (o,) = json.loads(out.stdout)["engines"]
@@ -746,12 +740,12 @@ def test_hooks_inside_preparing_and_restoring(spawn_reference, spawn_controller)
     assert log.read_text().split("\n")[:3] == ["post-drain preparing", "post-release preparing",
                                                "post-restore restoring"]
     assert o["released"]["tensor_bytes"] > 0 and o["rewoken"]["verified_tensors"] > 0
-    _hook(ctl, "post-release", "20-veto", "exit 4")
+    write_hook(ctl, "post-release", "20-veto", "exit 4")
     out = ctl.ckptctl("prepare", "in", "--json")
     (o,) = json.loads(out.stdout)["engines"]
     assert out.returncode == 1 and o["status"] == "rolled_back" and o["state"] == "running"
     (ctl.dir / "hooks" / "post-release" / "20-veto").unlink()
-    _hook(ctl, "post-restore", "20-veto", "exit 5")
+    write_hook(ctl, "post-restore", "20-veto", "exit 5")
     out = ctl.ckptctl("cycle", "in", "--json")
     (o,) = json.loads(out.stdout)["engines"]
     assert out.returncode == 1 and o["state"] == "failed"
@@ -785,9 +779,9 @@ def test_every_hook_point_has_its_documented_effect(spawn_reference, spawn_contr
     ctl = spawn_controller("[deadlines]\nhook = 0.4\n" + engines_toml((eng, "")))
     body = "exit 7" if how == "fails" else "sleep 30"
     for point, (state, status) in HOOK_EFFECTS.items():
-        _hook(ctl, point, "50-bad", body)
+        write_hook(ctl, point, "50-bad", body)
         if point == "on-fail":
-            _hook(ctl, "post-restore", "50-bad", "exit 7")
+            write_hook(ctl, "post-restore", "50-bad", "exit 7")
         out = ctl.ckptctl("cycle", eng.name, "--json")
         (o,) = json.loads(out.stdout)["engines"]
         assert (o["state"], json.loads(out.stdout)["status"]) == (state, status), point
@@ -810,8 +804,8 @@ def test_a_failed_capture_that_cannot_be_undone_leaves_the_engine_failed(spawn_r
                                                                           spawn_controller):
     eng = spawn_reference("undo")
     ctl = spawn_controller(engines_toml((eng, "")))
-    _hook(ctl, "dump", "10-dump", "echo dump broke >&2; exit 1")
-    _hook(ctl, "pre-restore", "10-give-back",
+    write_hook(ctl, "dump", "10-dump", "echo dump broke >&2; exit 1")
+    write_hook(ctl, "pre-restore", "10-give-back",
           '[ "$CKPT_UNDO_CAPTURE" = 1 ] && { echo "cannot give the GPU back" >&2; exit 9; }\n'
           'exit 0')
     out = ctl.ckptctl("cycle", "undo", "--json")
@@ -833,7 +827,7 @@ def test_a_dump_that_kills_the_engine_fails_instead_of_rolling_back(spawn_refere
     eng = spawn_reference("killed")
     ctl = spawn_controller("missed_beats = 5\n"
                            + engines_toml((eng, "")))
-    _hook(ctl, "dump", "10-dump", 'kill -9 "$CKPT_ENGINE_PID"; exit 1')
+    write_hook(ctl, "dump", "10-dump", 'kill -9 "$CKPT_ENGINE_PID"; exit 1')
     out = ctl.ckptctl("cycle", "killed", "--json")
     assert out.returncode in (1, 4)
     (o,) = json.loads(out.stdout)["engines"]
@@ -851,7 +845,7 @@ def test_hook_owned_by_another_user_is_refused(spawn_reference, spawn_controller
         pytest.skip("changing a file's owner needs root")
     eng = spawn_reference("own")
     ctl = spawn_controller(engines_toml((eng, "")))
-    _hook(ctl, "pre-prepare", "10-theirs", "exit 0")
+    write_hook(ctl, "pre-prepare", "10-theirs", "exit 0")
     nobody = pwd.getpwnam("nobody")
     os.chown(ctl.dir / "hooks" / "pre-prepare" / "10-theirs", nobody.pw_uid, nobody.pw_gid)
     out = ctl.ckptctl("prepare", "own", "--json")
@@ -925,7 +919,7 @@ def test_an_engine_found_failed_after_a_restart_is_resumed_if_never_captured(
     eng = spawn_reference("uc")
     ctl = spawn_controller(f'recover_uncaptured = "{policy}"\n' + engines_toml((eng, "")))
     gate, held = ctl.dir / "let-go", ctl.dir / "held"
-    _hook(ctl, point, "10-hold", f"touch {held}; while [ ! -e {gate} ]; do sleep 0.05; done")
+    write_hook(ctl, point, "10-hold", f"touch {held}; while [ ! -e {gate} ]; do sleep 0.05; done")
     t = threading.Thread(target=lambda: ctl.ckptctl(op, "uc", "--op-id", "cut"))
     t.start()
     _wait_state(eng.control, held_in)

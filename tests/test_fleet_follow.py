@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from ckpt_controller.fleet import ops
-from ckpt_controller.fleet.keys import FleetOp, encode
+from ckpt_controller.fleet.keys import FleetOp
 
 
 @pytest.mark.fleet

@@ -96,24 +96,6 @@ def test_valid_values_still_pass():
 # ---------------------------------------------------------------- the Python clients
 
 
-@pytest.fixture
-def silent_server(ipc_dir):
-    """A ROUTER that takes whatever arrives and never answers: anything sent is seen."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{ipc_dir}/silent.sock"
-    sock.bind(endpoint)
-
-    def received() -> int:
-        n = 0
-        while sock.poll(300, zmq.POLLIN):
-            sock.recv_multipart()
-            n += 1
-        return n
-
-    yield endpoint, received
-    sock.close(linger=0)
 
 
 def _refused(call, field: str, shown: str) -> None:
