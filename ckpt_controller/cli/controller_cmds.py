@@ -352,13 +352,15 @@ def _image_line(kind: str, o: p.EngineOutcome) -> str | None:
 def _status(args: argparse.Namespace) -> int:
     with _client(args) as c:
         reply = c.status(args.engines)
+        # the same exit code for the table and --json: 4 when an engine did not answer
+        code = 0 if all(v.reachable or v.moved_to for v in reply.engines) else 4
         if args.json:
             emit("status", reply)
-            return 0
+            return code
         last = {v.engine: _last_op(c, v.engine) for v in reply.engines
                 if v.moved_to is None}
     print(status_table(reply, last, wide=args.output == "wide"))
-    return 0 if all(v.reachable or v.moved_to for v in reply.engines) else 4
+    return code
 
 
 def _last_op(c, engine: str) -> str | None:
