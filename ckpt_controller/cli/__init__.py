@@ -12,6 +12,7 @@ Neighbours: ``cli.common`` and the ``*_cmds`` modules, ``endpoints`` (the defaul
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -36,6 +37,9 @@ from ckpt_controller.endpoints import default_controller_endpoint
 from ckpt_controller.errors import CkptError
 
 __all__ = ["build_parser", "human_bytes", "main", "parse_bytes"]
+
+#: the exit code when stdout's reader went away (128 + SIGPIPE, as a shell reports it)
+EXIT_PIPE = 141
 
 
 def default_controller() -> str:
@@ -68,7 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # here, where a reader that went away is still caught
+    except BrokenPipeError:
+        # policy: stdout's reader went away (`ckptctl status | head -1`): end quietly with
+        # 141, as a shell reports a command that SIGPIPE ended; nothing more goes to the pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+    return code
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)  # --help, a usage error: argparse's SystemExit
     try:
         return args.run(args)
     except CkptError as err:
