@@ -92,7 +92,12 @@ def _run(argv: Sequence[str] | None) -> int:
             from ckpt_controller.cli.output import emit_error
 
             emit_error(err)
-        print(f"ckptctl: {err.kind}: {err}", file=sys.stderr)
+        if getattr(args, "log_format", None) == "json":  # stderr stays JSON lines
+            from ckpt_controller.cli.logsetup import fatal_line
+
+            print(fatal_line(f"{err.kind}: {err}"), file=sys.stderr)
+        else:
+            print(f"ckptctl: {err.kind}: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         return 130
