@@ -138,7 +138,7 @@ def test_progress_by_itself():
         "[   7.50s] e: hook dump 10-a done in 1.50s"]
     now = [0.0]
     tty = io.StringIO()
-    pr = Progress(tty, live=True, clock=lambda: now[0])
+    pr = Progress(tty, live=True, clock=lambda: now[0], width=200)
     now[0] = 1
     pr.drain("e", 2, 0, 0)
     now[0] = 2
@@ -160,3 +160,30 @@ def test_progress_by_itself():
         "[   4.00s] f: hook dump 10-a running 1.0s"
         "\r\x1b[K[   4.50s] f: hook dump 10-a running 1.5s"
         "\r\x1b[K")
+
+
+def test_a_live_line_fits_the_terminal_and_hook_output_cannot_drive_it():
+    """Many engines draining at once: the live line is cut to the terminal's width (a line
+    that wraps cannot be cleared by a carriage return, and the rows pile up). A hook's stderr
+    with control characters (a carriage return, an escape sequence) is shown escaped: it
+    cannot rewrite or recolour the operator's terminal."""
+    now = [0.0]
+    tty = io.StringIO()
+    pr = Progress(tty, live=True, clock=lambda: now[0], width=60)
+    for i in range(50):
+        pr.drain(f"engine-{i:02d}", 1000 - i, i, 0)
+    pr.finish()
+    shown = tty.getvalue().split("\r\x1b[K")
+    assert len(shown) == 51 and all(len(part) <= 59 for part in shown), shown[-2:]
+    assert shown[-2].startswith("[   0.00s] engine-00: draining, 1000 in flight left")
+    assert shown[-2].endswith("...")
+
+    plain = io.StringIO()
+    pr = Progress(plain, live=False, clock=lambda: now[0])
+    pr.hook_ended("e", {"point": "dump", "path": "/h/dump/10-a", "exit_code": 1,
+                        "duration_s": 0.5,
+                        "stderr_tail": "ok line\nfake\rREWRITTEN\n\x1b[2J\x1b[31mred\x1b[0m\n"})
+    text = plain.getvalue()
+    assert "\r" not in text and "\x1b" not in text, repr(text)
+    assert [STAMP.sub("", line) for line in text.splitlines()[1:]] == [
+        "  | ok line", "  | fake\\rREWRITTEN", "  | \\x1b[2J\\x1b[31mred\\x1b[0m"]
