@@ -9,13 +9,14 @@ import io
 import os
 import pty
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.cli.progress import Progress
-from conftest import wait_until
+from conftest import StreamedLines, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 STAMP = re.compile(r"^\[ *\d+\.\d\ds\] ")
@@ -187,3 +188,31 @@ def test_a_live_line_fits_the_terminal_and_hook_output_cannot_drive_it():
     assert "\r" not in text and "\x1b" not in text, repr(text)
     assert [STAMP.sub("", line) for line in text.splitlines()[1:]] == [
         "  | ok line", "  | fake\\rREWRITTEN", "  | \\x1b[2J\\x1b[31mred\\x1b[0m"]
+
+
+def test_ctrl_c_says_the_operation_goes_on(spawn_engine, spawn_controller, ipc_dir):
+    """Ctrl-C while a hook runs: ckptctl exits 130 and says the operation goes on in the
+    controller, naming its id and how to follow it (it ended silently, the engine left
+    PREPARED and held with no word why)."""
+    eng, ctl = _controller(spawn_engine, spawn_controller)
+    go = Path(ipc_dir) / "go"
+    _hook(ctl, "dump", "10-wait", f"while [ ! -e {go} ]; do sleep 0.05; done")
+    run = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+                            ctl.endpoint, "cycle", "p1", "--op-id", "int-1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    err = StreamedLines(run.stderr)
+    try:
+        wait_until(lambda: any("hook dump 10-wait started" in line for line in err.lines), 30,
+                   "the hook running")
+        run.send_signal(signal.SIGINT)
+        assert run.wait(timeout=30) == 130
+        said = "".join(err.join())
+        assert "interrupted: operation int-1 goes on in the controller" in said, said
+        assert "ckptctl history --op-id int-1" in said, said
+        assert "Traceback" not in said
+    finally:
+        go.touch()
+        run.kill()
+        run.communicate(timeout=30)
+    wait_until(lambda: "succeeded" in ctl.ckptctl("history", "--op-id", "int-1").stdout, 30,
+               "the operation ended in the controller, as it said")
