@@ -278,6 +278,22 @@ def test_error_documents_without_a_peer(ipc_dir):
     assert parsed(out, "error")["error"]["kind"] == "UnreachableError"
 
 
+def test_a_usage_error_with_json_is_an_error_document():
+    """A value argparse refuses (NaN, a count out of range, a missing argument) with --json:
+    exit 2, argparse's usage on stderr as before, and an error document on stdout (there was
+    none: a script reading stdout got nothing)."""
+    for argv, names in ((["cycle", "e1", "--deadline", "nan", "--json"], "--deadline"),
+                        (["history", "--limit", "0", "--json"], "--limit"),
+                        (["agent", "prepare", "--json"], "--control")):
+        out = ckptctl(*argv)
+        assert out.returncode == 2 and "usage:" in out.stderr, (argv, out.stderr)
+        err = parsed(out, "error")["error"]
+        assert err["kind"] == "UsageError" and err["exit_code"] == 2, err
+        assert names in err["message"], err
+    out = ckptctl("cycle", "e1", "--deadline", "nan")
+    assert out.returncode == 2 and out.stdout == ""
+
+
 # ---------------------------------------------------------------- an agent, an engine
 
 

@@ -46,8 +46,28 @@ def default_controller() -> str:
     return default_controller_endpoint()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, for ``ckptctl`` and (``add_subparsers`` makes its own kind) every
+    subcommand: a usage error of a command line with ``--json`` also prints an ``error``
+    document on stdout (docs/json.md), before argparse's usage and exit 2."""
+
+    #: set by ``main`` for the command line it parses
+    json_errors = False
+
+    def error(self, message: str):
+        if _Parser.json_errors:
+            import json
+
+            from ckpt_controller.cli.output import SCHEMA_VERSION
+
+            print(json.dumps({"version": SCHEMA_VERSION, "kind": "error", "error": {
+                "kind": "UsageError", "message": f"{self.prog}: {message}", "exit_code": 2,
+                "details": {}}}), flush=True)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ckptctl",
         description="Drive LLM inference engines through checkpoint/restore: "
                     "RUNNING -> PREPARING -> PREPARED -> RESTORING -> RUNNING.",
@@ -84,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: Sequence[str] | None) -> int:
+    _Parser.json_errors = "--json" in (sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)  # --help, a usage error: argparse's SystemExit
     try:
         return args.run(args)
