@@ -7,10 +7,11 @@ Under a ``Type=notify`` unit, systemd gives the service ``$NOTIFY_SOCKET`` (a pa
 - ``READY=1`` (with ``STATUS=`` and ``MAINPID=``) once the process really serves: the
   controller after recovery and bind, the vLLM sidecar once its control socket is bound and
   vLLM answered, the reference engine once both its endpoints are bound;
-- ``WATCHDOG=1`` every ``$WATCHDOG_USEC``/2 from a thread of its own, but only while the
-  service's own loop is alive (``last_round()``, the monotonic time of its control thread's
-  last round, is at most one ping period old): a hung control thread stops the pings and
-  systemd restarts the service; with ``$WATCHDOG_PID`` naming another process, no pings;
+- ``WATCHDOG=1`` every ``$WATCHDOG_USEC``/2 (at most an hour apart) from a thread of its
+  own, but only while the service's own loop is alive (``last_round()``, the monotonic time
+  of its control thread's last round, is at most one ping period old): a hung control thread
+  stops the pings and systemd restarts the service; with ``$WATCHDOG_PID`` naming another
+  process, no pings;
 - ``STOPPING=1`` when a stop signal came, before the cleanup.
 
 Without ``$NOTIFY_SOCKET`` every call is a no-op. A failed send is logged once and never
@@ -36,6 +37,10 @@ log = logging.getLogger("ckpt_controller.sdnotify")
 #: the variables systemd sets for a notify service
 VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
+#: the longest time between two pings, however long ``$WATCHDOG_USEC`` is: pinging more often
+#: than asked is allowed, and a wait longer than the platform's ``time_t`` overflows
+MAX_PING_PERIOD_S = 3600.0
+
 
 def socket_address(value: str) -> str | bytes | None:
     """The address ``$NOTIFY_SOCKET`` names: a filesystem path, or ``@name`` for the
@@ -48,16 +53,17 @@ def socket_address(value: str) -> str | bytes | None:
 
 
 def watchdog_period(env: Mapping[str, str], pid: int) -> float | None:
-    """Seconds between pings (half of ``$WATCHDOG_USEC``), or None: no watchdog asked for,
-    a value that is not a positive whole number, or ``$WATCHDOG_PID`` naming another
+    """Seconds between pings (half of ``$WATCHDOG_USEC``, at most ``MAX_PING_PERIOD_S``), or
+    None: no watchdog asked for, a value that is not a positive whole number in ASCII digits
+    (``"²".isdigit()`` is true, yet no number), or ``$WATCHDOG_PID`` naming another
     process."""
     usec = env.get("WATCHDOG_USEC", "")
-    if not usec.isdigit() or int(usec) == 0:
+    if not (usec.isascii() and usec.isdigit()) or int(usec) == 0:
         return None
     owner = env.get("WATCHDOG_PID", "")
     if owner and owner != str(pid):
         return None
-    return int(usec) / 1e6 / 2
+    return min(int(usec) / 1e6 / 2, MAX_PING_PERIOD_S)
 
 
 class Notifier:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -45,6 +46,21 @@ def test_help_version_and_usage_errors():
         out = ckptctl(*bad)
         assert out.returncode == 2, (bad, out.stderr)
         assert "usage:" in out.stderr
+
+
+def test_a_reader_that_went_away_ends_ckptctl_quietly():
+    """stdout a pipe nobody reads any more (`ckptctl status | head -1` after head ended): exit
+    141, as a shell reports a command ended by SIGPIPE, and no traceback on stderr."""
+    for args in (["completion", "bash"], ["completion", "zsh"]):
+        read, write = os.pipe()
+        os.close(read)  # every write to the pipe now fails with EPIPE
+        try:
+            out = subprocess.run([sys.executable, "-m", "ckpt_controller", *args], stdout=write,
+                                 stderr=subprocess.PIPE, text=True, timeout=60)
+        finally:
+            os.close(write)
+        assert out.returncode == 141, (args, out.stderr)
+        assert out.stderr == "", (args, out.stderr)
 
 
 def test_bad_endpoint_is_a_usage_error_not_a_hang():

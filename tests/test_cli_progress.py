@@ -9,13 +9,14 @@ import io
 import os
 import pty
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.cli.progress import Progress
-from conftest import wait_until, write_hook
+from conftest import StreamedLines, wait_until, write_hook
 
 ROOT = Path(__file__).resolve().parent.parent
 STAMP = re.compile(r"^\[ *\d+\.\d\ds\] ")
@@ -133,7 +134,7 @@ def test_progress_by_itself():
         "[   7.50s] e: hook dump 10-a done in 1.50s"]
     now = [0.0]
     tty = io.StringIO()
-    pr = Progress(tty, live=True, clock=lambda: now[0])
+    pr = Progress(tty, live=True, clock=lambda: now[0], width=200)
     now[0] = 1
     pr.drain("e", 2, 0, 0)
     now[0] = 2
@@ -155,3 +156,58 @@ def test_progress_by_itself():
         "[   4.00s] f: hook dump 10-a running 1.0s"
         "\r\x1b[K[   4.50s] f: hook dump 10-a running 1.5s"
         "\r\x1b[K")
+
+
+def test_a_live_line_fits_the_terminal_and_hook_output_cannot_drive_it():
+    """Many engines draining at once: the live line is cut to the terminal's width (a line
+    that wraps cannot be cleared by a carriage return, and the rows pile up). A hook's stderr
+    with control characters (a carriage return, an escape sequence) is shown escaped: it
+    cannot rewrite or recolour the operator's terminal."""
+    now = [0.0]
+    tty = io.StringIO()
+    pr = Progress(tty, live=True, clock=lambda: now[0], width=60)
+    for i in range(50):
+        pr.drain(f"engine-{i:02d}", 1000 - i, i, 0)
+    pr.finish()
+    shown = tty.getvalue().split("\r\x1b[K")
+    assert len(shown) == 51 and all(len(part) <= 59 for part in shown), shown[-2:]
+    assert shown[-2].startswith("[   0.00s] engine-00: draining, 1000 in flight left")
+    assert shown[-2].endswith("...")
+
+    plain = io.StringIO()
+    pr = Progress(plain, live=False, clock=lambda: now[0])
+    pr.hook_ended("e", {"point": "dump", "path": "/h/dump/10-a", "exit_code": 1,
+                        "duration_s": 0.5,
+                        "stderr_tail": "ok line\nfake\rREWRITTEN\n\x1b[2J\x1b[31mred\x1b[0m\n"})
+    text = plain.getvalue()
+    assert "\r" not in text and "\x1b" not in text, repr(text)
+    assert [STAMP.sub("", line) for line in text.splitlines()[1:]] == [
+        "  | ok line", "  | fake\\rREWRITTEN", "  | \\x1b[2J\\x1b[31mred\\x1b[0m"]
+
+
+def test_ctrl_c_says_the_operation_goes_on(spawn_engine, spawn_controller, ipc_dir):
+    """Ctrl-C while a hook runs: ckptctl exits 130 and says the operation goes on in the
+    controller, naming its id and how to follow it (it ended silently, the engine left
+    PREPARED and held with no word why)."""
+    eng, ctl = _controller(spawn_engine, spawn_controller)
+    go = Path(ipc_dir) / "go"
+    write_hook(ctl, "dump", "10-wait", f"while [ ! -e {go} ]; do sleep 0.05; done")
+    run = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+                            ctl.endpoint, "cycle", "p1", "--op-id", "int-1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    err = StreamedLines(run.stderr)
+    try:
+        wait_until(lambda: any("hook dump 10-wait started" in line for line in err.lines), 30,
+                   "the hook running")
+        run.send_signal(signal.SIGINT)
+        assert run.wait(timeout=30) == 130
+        said = "".join(err.join())
+        assert "interrupted: operation int-1 goes on in the controller" in said, said
+        assert "ckptctl history --op-id int-1" in said, said
+        assert "Traceback" not in said
+    finally:
+        go.touch()
+        run.kill()
+        run.communicate(timeout=30)
+    wait_until(lambda: "succeeded" in ctl.ckptctl("history", "--op-id", "int-1").stdout, 30,
+               "the operation ended in the controller, as it said")

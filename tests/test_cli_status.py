@@ -99,8 +99,15 @@ def test_status_of_a_real_controller(spawn_engine, spawn_controller, ipc_dir):
     assert "ghost: UNREACHABLE (" in out.stdout
     wide = {r[0]: r for r in _rows(ctl.ckptctl("status", "-o", "wide", "s1").stdout)}
     assert wide["s1"][10] == eng.control and wide["s1"][8] == "native"
+    # --json: the same exit code as the table (4: ghost did not answer), its document printed
+    out = ctl.ckptctl("status", "--json")
+    assert out.returncode == 4, out.stdout + out.stderr
+    ghost = {e["engine"]: e for e in json.loads(out.stdout)["engines"]}["ghost"]
+    assert ghost["reachable"] is False and ghost["status"] is None
     # --json is the status reply, as it was
-    doc = json.loads(ctl.ckptctl("status", "s1", "--json").stdout)
+    out = ctl.ckptctl("status", "s1", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(out.stdout)
     assert doc["engines"][0]["status"]["generation"] == 1
     assert doc["engines"][0]["status"]["pid"] == eng.pid
 

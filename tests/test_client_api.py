@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_controller import ControllerClient
-from ckpt_controller.errors import UsageError
+from ckpt_controller.errors import ConfigError, UsageError
 from ckpt_controller.vocab import DrainMode, ReleaseLevel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,6 +83,23 @@ def test_the_default_endpoint_is_the_clis(monkeypatch, tmp_path):
     with ControllerClient() as client:
         assert client.endpoint == f"ipc://{tmp_path}/ckpt-controller/controller.sock"
     assert build_parser().parse_args(["status"]).controller == client.endpoint
+
+
+def test_a_garbage_ckpt_controller_is_named_as_the_variable(monkeypatch):
+    """``$CKPT_CONTROLLER`` that is no endpoint: a ConfigError (exit 2) that says the value
+    came from the variable (it said only "endpoint must start with ipc://..."), from the
+    client and from ckptctl alike; an endpoint passed by hand is reported as before."""
+    monkeypatch.setenv("CKPT_CONTROLLER", "garbage")
+    with pytest.raises(ConfigError) as info:
+        ControllerClient()
+    assert str(info.value).startswith("$CKPT_CONTROLLER='garbage': endpoint must start with")
+    assert info.value.details["variable"] == "CKPT_CONTROLLER"
+    with pytest.raises(ConfigError) as info:
+        ControllerClient("nonsense")
+    assert "$CKPT_CONTROLLER" not in str(info.value)
+    out = subprocess.run([sys.executable, "-m", "ckpt_controller", "status"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2 and "$CKPT_CONTROLLER='garbage'" in out.stderr, out.stderr
 
 
 def engines_toml(*engines) -> str:

@@ -33,10 +33,11 @@ def bash_script(tmp_path_factory):
     return path
 
 
-def complete(script, *words: str) -> list[str]:
-    """What bash offers for the command line ``words`` (the last one being typed)."""
+def complete(script, *words: str, nounset: bool = False) -> list[str]:
+    """What bash offers for the command line ``words`` (the last one being typed); with
+    ``nounset``, in a shell that runs with ``set -u``."""
     array = " ".join(shlex.quote(w) for w in words)
-    code = (f"source {shlex.quote(str(script))}; "
+    code = (("set -u; " if nounset else "") + f"source {shlex.quote(str(script))}; "
             f"fn=$(complete -p ckptctl | sed -E 's/.*-F ([^ ]+).*/\\1/'); "
             f"COMP_WORDS=({array}); COMP_CWORD={len(words) - 1}; COMP_LINE={shlex.quote(' '.join(words))}; "
             f"$fn ckptctl {shlex.quote(words[-1])} {shlex.quote(words[-2])}; "
@@ -44,6 +45,18 @@ def complete(script, *words: str) -> list[str]:
     out = subprocess.run(["bash", "-c", code], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stderr == "", out.stderr
     return [w for w in out.stdout.splitlines() if w]
+
+
+def test_bash_completes_in_a_shell_with_set_u(bash_script):
+    """``set -u`` in the user's shell: a table lookup of a word that is no key was an
+    "unbound variable" error printed at each Tab, and no completion."""
+    assert complete(bash_script, "ckptctl", "agent", "pre", nounset=True) == ["prepare"]
+    assert complete(bash_script, "ckptctl", "cycle", "e1", "--json", "--dr", nounset=True) == \
+        ["--drain", "--drain-timeout"]
+    assert complete(bash_script, "ckptctl", "cycle", "--drain", "", nounset=True) == \
+        ["wait", "abort", "keep"]
+    assert complete(bash_script, "ckptctl", "status", "e1", "", nounset=True)[:2] == \
+        ["-h", "--help"]
 
 
 def test_bash_completes_commands_flags_and_choices(bash_script):

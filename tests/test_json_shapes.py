@@ -178,6 +178,34 @@ def test_the_doc_parses_and_every_reference_has_its_table():
                 assert ref in tables, f"{name}.{field} names {ref}, which has no table"
 
 
+def doc_examples(text: str | None = None) -> list[tuple[str, list[dict]]]:
+    """The ``## Examples`` of docs/json.md: (the line that introduces it, its documents),
+    one document per block, or one per line for a stream's lines."""
+    text = DOC.read_text() if text is None else text
+    found = []
+    for m in re.finditer(r"([^\n]+)\n\n```json\n(.*?)\n```", text, re.S):
+        body = m.group(2)
+        try:
+            docs = [json.loads(body)]
+        except json.JSONDecodeError:  # policy: a stream's lines, one document each
+            docs = [json.loads(line) for line in body.splitlines()]
+        found.append((m.group(1), docs))
+    return found
+
+
+def test_the_docs_examples_are_what_they_say():
+    """Each example of the doc is a document of its own tables, and an error's exit code is
+    the one said above it."""
+    examples = doc_examples()
+    assert len(examples) >= 5, examples
+    for caption, docs in examples:
+        for doc in docs:
+            check_document(doc, doc["kind"])
+            said = re.search(r"\(exit code (\d+)\)", caption)
+            if doc["kind"] == "error":
+                assert said and int(said.group(1)) == doc["error"]["exit_code"], caption
+
+
 def test_a_checker_that_finds_nothing_would_be_a_defect():
     tables = doc_tables("#### `t`\n| `a` | integer | x |\n| `b` | [`u`](#u) or null | y |\n"
                         "#### `u`\n| `c` | list of string | z |\n")
@@ -248,6 +276,22 @@ def test_error_documents_without_a_peer(ipc_dir):
     out = ckptctl("--controller", f"ipc://{ipc_dir}/none.sock", "status", "--json")
     assert out.returncode == 4
     assert parsed(out, "error")["error"]["kind"] == "UnreachableError"
+
+
+def test_a_usage_error_with_json_is_an_error_document():
+    """A value argparse refuses (NaN, a count out of range, a missing argument) with --json:
+    exit 2, argparse's usage on stderr as before, and an error document on stdout (there was
+    none: a script reading stdout got nothing)."""
+    for argv, names in ((["cycle", "e1", "--deadline", "nan", "--json"], "--deadline"),
+                        (["history", "--limit", "0", "--json"], "--limit"),
+                        (["agent", "prepare", "--json"], "--control")):
+        out = ckptctl(*argv)
+        assert out.returncode == 2 and "usage:" in out.stderr, (argv, out.stderr)
+        err = parsed(out, "error")["error"]
+        assert err["kind"] == "UsageError" and err["exit_code"] == 2, err
+        assert names in err["message"], err
+    out = ckptctl("cycle", "e1", "--deadline", "nan")
+    assert out.returncode == 2 and out.stdout == ""
 
 
 # ---------------------------------------------------------------- an agent, an engine

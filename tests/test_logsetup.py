@@ -10,6 +10,8 @@ import json
 import logging
 import subprocess
 import sys
+import threading
+import warnings
 from datetime import datetime
 
 import pytest
@@ -85,3 +87,49 @@ def test_text_lines_and_the_level_filters(root_logging):
     log.warning("loud %d", 1)
     (line,) = stream.getvalue().splitlines()
     assert line.endswith(" WARNING ckpt_controller.test: loud 1")
+
+
+def _json_lines(text: str) -> list[dict]:
+    """Every line of ``text`` as a JSON object (a line that is not one fails the test)."""
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_json_covers_what_escapes_the_loggers(root_logging):
+    """With json, an exception no code caught (in the main thread or another one) and a
+    warning are JSON lines too, multi-line messages and tracebacks inside one line each;
+    text puts the default hooks back."""
+    stream = io.StringIO()
+    setup_logging("json", "info", stream=stream)
+    try:
+        try:
+            raise RuntimeError("first line\nsecond line")
+        except RuntimeError:  # policy: handed to the hook as Python would hand it
+            sys.excepthook(*sys.exc_info())
+        worker = threading.Thread(target=lambda: 1 / 0, name="doomed")
+        worker.start()
+        worker.join()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("careful\nnow", UserWarning, stacklevel=1)
+        uncaught, thread, warned = _json_lines(stream.getvalue())
+        assert uncaught["level"] == "error" and "RuntimeError: first line" in uncaught["msg"]
+        assert "second line" in uncaught["exc"]
+        assert thread["level"] == "error" and "doomed" in thread["msg"]
+        assert "ZeroDivisionError" in thread["exc"]
+        assert warned["level"] == "warning" and "careful" in warned["msg"]
+    finally:
+        setup_logging("text", "info", stream=io.StringIO())
+    assert sys.excepthook is sys.__excepthook__
+    assert threading.excepthook is threading.__excepthook__
+
+
+def test_a_fatal_error_before_serving_is_a_json_line():
+    """``serve --log-format json`` with a config it cannot read: exit 2, and stderr is JSON
+    lines only (it was a plain ``ckptctl: ConfigError: ...`` line)."""
+    out = subprocess.run([sys.executable, "-m", "ckpt_controller", "serve", "--config",
+                          "/nonexistent/c.toml", "--log-format", "json"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    (line,) = _json_lines(out.stderr)
+    assert line["level"] == "error" and line["logger"] == "ckptctl"
+    assert line["msg"].startswith("ConfigError: /nonexistent/c.toml: cannot read the file")

@@ -5,6 +5,7 @@ state gauges current from its heartbeats, with no ``status`` call."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import logging
 import math
@@ -351,6 +352,30 @@ def test_healthz_head_and_other_methods(caplog):
     logged = [r.getMessage() for r in caplog.records if r.name == "ckpt_controller.metrics"]
     assert any("HEAD /metrics" in line and "200" in line for line in logged)
     assert any("BREW /metrics" in line and "405" in line for line in logged)
+
+
+def test_a_burst_of_connections_is_answered_not_left_to_time_out():
+    """Many clients at once (probes, scrapers, a curl loop): the kernel queues them for the
+    accept loop, so each gets its answer, or is closed at once when all slots are taken;
+    with socketserver's default backlog of 5 the SYNs beyond it were dropped and the
+    clients waited out their timeouts (1 s, 3 s... of SYN retries)."""
+    with MetricsServer(Metrics(), "127.0.0.1", 0) as server:
+        assert server._server.request_queue_size >= 128
+
+        def probe(_: int) -> object:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz",
+                                            timeout=5) as reply:
+                    return reply.status
+            except (ConnectionError, http.client.RemoteDisconnected):  # policy: refused
+                return "closed"  # at once: all slots taken, the client retries later
+            except (TimeoutError, urllib.error.URLError) as err:  # policy: the defect itself
+                return type(err).__name__
+
+        with concurrent.futures.ThreadPoolExecutor(200) as pool:
+            got = list(pool.map(probe, range(400)))
+    assert set(got) <= {200, "closed"}, sorted(map(str, set(got)))
+    assert got.count(200) > 0
 
 
 def test_a_controllers_healthz_says_whether_it_serves(ipc_dir):

@@ -20,7 +20,12 @@ from pathlib import Path
 import pytest
 
 from ckpt_controller.rpcserver import RpcServer
-from ckpt_controller.sdnotify import Notifier, socket_address, watchdog_period
+from ckpt_controller.sdnotify import (
+    MAX_PING_PERIOD_S,
+    Notifier,
+    socket_address,
+    watchdog_period,
+)
 from conftest import ROOT, wait_until
 
 #: WATCHDOG_USEC for the tests: a ping every 0.5 s
@@ -91,6 +96,27 @@ def test_addresses_and_watchdog_period_from_the_environment():
     assert watchdog_period({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "8"}, 7) is None
     for bad in ("", "0", "-5", "1e6", "soon"):
         assert watchdog_period({"WATCHDOG_USEC": bad}, 7) is None
+
+
+def test_odd_watchdog_values_neither_crash_nor_kill_the_pings(notify, ipc_dir):
+    """Digits str.isdigit() takes but int() does not ("²"), or not ASCII ones: no watchdog,
+    no ValueError at start. A value beyond any wait the platform allows: pings at most
+    ``MAX_PING_PERIOD_S`` apart, the thread alive (it died of an OverflowError)."""
+    for odd in ("²", "\u0661\u0662\u0663", " 100", "+100"):
+        assert watchdog_period({"WATCHDOG_USEC": odd}, 7) is None, odd
+        assert Notifier({"NOTIFY_SOCKET": str(ipc_dir / "notify.sock"),
+                         "WATCHDOG_USEC": odd}).watchdog_s is None
+    huge = str(10**23)
+    assert watchdog_period({"WATCHDOG_USEC": huge}, 7) == MAX_PING_PERIOD_S
+    n = Notifier({"NOTIFY_SOCKET": str(ipc_dir / "notify.sock"), "WATCHDOG_USEC": huge})
+    n.start_watchdog(time.monotonic)
+    try:
+        wait_until(lambda: notify.pings(0.2), 5, "a first ping")
+        thread = n._thread
+        thread.join(0.5)  # it ended at once, from its first wait, before the fix
+        assert thread.is_alive()
+    finally:
+        n.close()
 
 
 def test_unset_is_a_no_op_and_the_variables_leave_the_environment(ipc_dir):

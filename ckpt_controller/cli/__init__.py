@@ -12,6 +12,7 @@ Neighbours: ``cli.common`` and the ``*_cmds`` modules, ``endpoints`` (the defaul
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -37,13 +38,36 @@ from ckpt_controller.errors import CkptError
 
 __all__ = ["build_parser", "human_bytes", "main", "parse_bytes"]
 
+#: the exit code when stdout's reader went away (128 + SIGPIPE, as a shell reports it)
+EXIT_PIPE = 141
+
 
 def default_controller() -> str:
     return default_controller_endpoint()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, for ``ckptctl`` and (``add_subparsers`` makes its own kind) every
+    subcommand: a usage error of a command line with ``--json`` also prints an ``error``
+    document on stdout (docs/json.md), before argparse's usage and exit 2."""
+
+    #: set by ``main`` for the command line it parses
+    json_errors = False
+
+    def error(self, message: str):
+        if _Parser.json_errors:
+            import json
+
+            from ckpt_controller.cli.output import SCHEMA_VERSION
+
+            print(json.dumps({"version": SCHEMA_VERSION, "kind": "error", "error": {
+                "kind": "UsageError", "message": f"{self.prog}: {message}", "exit_code": 2,
+                "details": {}}}), flush=True)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ckptctl",
         description="Drive LLM inference engines through checkpoint/restore: "
                     "RUNNING -> PREPARING -> PREPARED -> RESTORING -> RUNNING.",
@@ -68,7 +92,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # here, where a reader that went away is still caught
+    except BrokenPipeError:
+        # policy: stdout's reader went away (`ckptctl status | head -1`): end quietly with
+        # 141, as a shell reports a command that SIGPIPE ended; nothing more goes to the pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+    return code
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    _Parser.json_errors = "--json" in (sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)  # --help, a usage error: argparse's SystemExit
     try:
         return args.run(args)
     except CkptError as err:
@@ -76,7 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ckpt_controller.cli.output import emit_error
 
             emit_error(err)
-        print(f"ckptctl: {err.kind}: {err}", file=sys.stderr)
+        if getattr(args, "log_format", None) == "json":  # stderr stays JSON lines
+            from ckpt_controller.cli.logsetup import fatal_line
+
+            print(fatal_line(f"{err.kind}: {err}"), file=sys.stderr)
+        else:
+            print(f"ckptctl: {err.kind}: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         return 130

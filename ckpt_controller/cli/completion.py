@@ -6,7 +6,8 @@ The tree is walked once into three tables keyed by the command path (``"ckptctl"
 value (the word after one is that value, not a command), and the choices of those that have
 them (``--drain wait|abort|keep``); a positional with choices (``completion bash|zsh``) is
 offered as words. The scripts hold the tables and a small function that walks the words typed
-so far through them; a flag's value without choices completes as a file name.
+so far through them; a flag's value without choices completes as a file name. The bash
+function reads its tables with defaults (``${t[k]-}``): it works in a shell with ``set -u``.
 Neighbours: ``cli`` (``build_parser``), ``cli.common`` (exit codes).
 """
 
@@ -111,7 +112,7 @@ _ckptctl() {{
     COMPREPLY=()
     for (( i = 1; i < COMP_CWORD; i++ )); do
         w=${{COMP_WORDS[i]}}
-        if [[ -n ${{takes["$cmdpath|$w"]}} ]]; then
+        if [[ -n ${{takes["$cmdpath|$w"]-}} ]]; then
             if (( i + 1 == COMP_CWORD )); then  # the word being typed is this flag's value
                 if [[ -n ${{choices["$cmdpath|$w"]+set}} ]]; then
                     COMPREPLY=( $(compgen -W "${{choices["$cmdpath|$w"]}}" -- "$cur") )
@@ -124,11 +125,11 @@ _ckptctl() {{
             continue
         fi
         [[ $w == -* ]] && continue
-        if [[ " ${{subs["$cmdpath"]}} " == *" $w "* ]]; then
+        if [[ " ${{subs["$cmdpath"]-}} " == *" $w "* ]]; then
             cmdpath="$cmdpath $w"
         fi
     done
-    COMPREPLY=( $(compgen -W "${{words["$cmdpath"]}}" -- "$cur") )
+    COMPREPLY=( $(compgen -W "${{words["$cmdpath"]-}}" -- "$cur") )
     return 0
 }}
 complete -F _ckptctl ckptctl

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -224,12 +225,22 @@ def _operation(args: argparse.Namespace) -> int:
     params = operation_params(args)
     if args.op == OperationKind.CYCLE:
         params["max_unavailable"] = args.max_unavailable
+    from ckpt_controller.rpc import new_op_id
+
+    op_id = args.op_id or new_op_id()  # known here, so that Ctrl-C can name it
     progress = None if args.json else Progress()
     on_event = None if progress is None else (lambda ev: show_event(progress, ev))
     with _client(args, on_event=on_event) as c:
         c.subscribe()  # heartbeats bound the wait: a dead controller is noticed, not waited out
         try:
-            result = c.operation(args.op, args.engines, op_id=args.op_id, **params)
+            result = c.operation(args.op, args.engines, op_id=op_id, **params)
+        except KeyboardInterrupt:
+            # policy: only this command stops; the controller goes on: say which and how to
+            # follow it (main returns 130)
+            print(f"\ninterrupted: operation {op_id} goes on in the controller; follow it "
+                  f"with `ckptctl history --op-id {op_id}` (the same --op-id again waits for "
+                  "its result)", file=sys.stderr)
+            raise
         finally:
             if progress is not None:
                 progress.finish()
@@ -352,13 +363,15 @@ def _image_line(kind: str, o: p.EngineOutcome) -> str | None:
 def _status(args: argparse.Namespace) -> int:
     with _client(args) as c:
         reply = c.status(args.engines)
+        # the same exit code for the table and --json: 4 when an engine did not answer
+        code = 0 if all(v.reachable or v.moved_to for v in reply.engines) else 4
         if args.json:
             emit("status", reply)
-            return 0
+            return code
         last = {v.engine: _last_op(c, v.engine) for v in reply.engines
                 if v.moved_to is None}
     print(status_table(reply, last, wide=args.output == "wide"))
-    return 0 if all(v.reachable or v.moved_to for v in reply.engines) else 4
+    return code
 
 
 def _last_op(c, engine: str) -> str | None:

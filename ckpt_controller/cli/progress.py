@@ -3,17 +3,20 @@
 Every line starts with the time since the command began (``[  1.23s]``). Two things are shown
 while they last: a drain, counting down the requests still in flight, and a running hook, with
 its time so far. On a terminal such a line is rewritten in place (a carriage return) and
-replaced by the line that ends it; elsewhere (a pipe, a file) the same lines are printed one
+replaced by the line that ends it, and cut to the terminal's width (a line that wraps could not
+be rewritten); elsewhere (a pipe, a file) the same lines are printed one
 under the other, a drain's only when its count changed, and nothing is ever rewritten.
 Fed by the controller's journal records (``Journaled`` events: ``drain_progress``,
 ``hook_start``, ``hook``, ``transition``, ``phase``, ``error``) or by an agent's own events
-(``StateChanged``, ``DrainProgress``); heartbeats only refresh the line shown.
+(``StateChanged``, ``DrainProgress``); heartbeats only refresh the line shown. A hook's stderr is shown with its control characters
+escaped (``\r``, ``\x1b``): what a hook prints cannot rewrite or recolour the terminal.
 Neighbours: ``cli.controller_cmds`` and ``cli.agent_cmds`` (which feed it and print the
 result after ``finish``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import IO, Any
@@ -21,12 +24,14 @@ from typing import IO, Any
 
 class Progress:
     """Lines on ``stream``, each with its elapsed time; ``live`` (default: ``stream`` is a
-    terminal) rewrites the line of a running drain or hook in place."""
+    terminal) rewrites the line of a running drain or hook in place, cut to ``width``
+    (default: the terminal's, asked at each redraw; 80 when it cannot say)."""
 
     def __init__(self, stream: IO[str] | None = None, live: bool | None = None,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, width: int | None = None) -> None:
         self.stream = sys.stderr if stream is None else stream
         self.live = self.stream.isatty() if live is None else live
+        self.width = width
         self.clock = clock
         self.start = clock()
         #: what runs now, by engine: (text before the time, when it began)
@@ -57,8 +62,19 @@ class Progress:
             return
         now = self.clock()
         said = "; ".join(f"{text} {now - began:.1f}s" for text, began in self._running.values())
-        self.stream.write(f"{self.stamp()} {said}")
+        text, room = f"{self.stamp()} {said}", self._columns() - 1  # the last column: no wrap
+        if len(text) > room:
+            text = text[:max(room - 3, 0)] + "..."
+        self.stream.write(text)
         self._shown = True
+
+    def _columns(self) -> int:
+        if self.width is not None:
+            return self.width
+        try:
+            return os.get_terminal_size(self.stream.fileno()).columns or 80
+        except (OSError, ValueError, AttributeError):  # policy: not a terminal after all
+            return 80
 
     def refresh(self) -> None:
         """The live line again, with its times now (on a heartbeat)."""
@@ -119,5 +135,12 @@ def describe_hook(engine: str, run: dict[str, Any]) -> str:
 
 
 def hook_tail(text: str, lines: int = 10) -> list[str]:
-    """The last ``lines`` non-empty lines of a hook's stderr tail."""
-    return [line.rstrip() for line in text.splitlines() if line.strip()][-lines:]
+    """The last ``lines`` non-empty lines of a hook's stderr tail (split at newlines only),
+    their control characters escaped."""
+    return [_printable(line.rstrip()) for line in text.split("\n") if line.strip()][-lines:]
+
+
+def _printable(line: str) -> str:
+    """``line`` with each character a terminal would act on (``\r``, ``\x1b``...) written
+    as its escape, the way ``repr`` writes it; a tab stays."""
+    return "".join(ch if ch.isprintable() or ch == "\t" else repr(ch)[1:-1] for ch in line)

@@ -26,6 +26,7 @@ id again returns the first result. Neighbours: ``rpc`` (transport), ``protocol``
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Iterable
 
 from ckpt_controller import protocol as p
@@ -107,7 +108,17 @@ class ControllerClient(RpcClient):
 
     def __init__(self, endpoint: str | None = None, **kw) -> None:
         kw.setdefault("name", "ckpt-controller-client")
-        super().__init__(default_controller_endpoint() if endpoint is None else endpoint, **kw)
+        chosen = default_controller_endpoint() if endpoint is None else endpoint
+        try:
+            super().__init__(chosen, **kw)
+        except ConfigError as err:
+            # policy: a bad endpoint from $CKPT_CONTROLLER is the variable's to fix: say so
+            # (ckptctl's --controller defaults to it too)
+            from_env = os.environ.get("CKPT_CONTROLLER")
+            if not from_env or chosen != from_env:
+                raise
+            raise ConfigError(f"$CKPT_CONTROLLER={from_env!r}: {err.message}",
+                              **err.details, variable="CKPT_CONTROLLER") from None
 
     # ------------------------------------------------------------ reading
 

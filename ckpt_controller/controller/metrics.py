@@ -332,6 +332,10 @@ class _Server(http.server.ThreadingHTTPServer):
     the controller, which its operations need."""
 
     daemon_threads = True
+    #: the listen backlog: a burst of clients waits in the kernel for the accept loop (which
+    #: answers or closes each at once) instead of having its SYNs dropped and timing out, as
+    #: socketserver's default of 5 did
+    request_queue_size = 128
 
     def __init__(self, *args, **kw) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
