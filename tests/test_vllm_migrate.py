@@ -165,11 +165,33 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
         # the migration held at n1's pre-prepare hook while the four completions start: they
         # are under way when the drain begins, however fast this machine generates
         pair.pause("n1", "pre-prepare")
-        mig = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd", pair.url,
-                                "fleet", "migrate", "v0", "--to", "n2", "--drain", "keep",
-                                "--op-id", "mvv", "--json"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
-        pair.paused("n1", "pre-prepare")
+        held = pair.d / "marks" / "n1-pre-prepare.at"
+
+        def migrate() -> subprocess.Popen:
+            return subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+                                     pair.url, "fleet", "migrate", "v0", "--to", "n2",
+                                     "--drain", "keep", "--op-id", "mvv", "--json"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    cwd=ROOT)
+
+        mig = migrate()
+        for _ in range(5):
+            try:
+                wait_until(lambda: held.exists() or mig.poll() is not None, timeout_s=120,
+                           every_s=0.05, what="n1 at its pre-prepare hooks, or the command ended")
+            except AssertionError as exc:  # policy: the command's own words say why
+                mig.kill()
+                out, err = mig.communicate(timeout=30)
+                raise AssertionError(f"{exc}; fleet migrate so far:\n{out}\n{err}") from None
+            if held.exists():
+                break
+            # the command ended before the migration reached n1: a starved etcd refuses the
+            # submit (exit 4, the operation perhaps recorded); the same --op-id goes on
+            out, err = mig.communicate(timeout=30)
+            print(f"fleet migrate ended early: exit {mig.returncode}\n{out}\n{err}")
+            assert mig.returncode == 4, out + err
+            mig = migrate()
+        assert held.exists(), "the migration never reached n1's pre-prepare hooks"
         senders = [Sender(pair.url, p, start=False) for p in PROMPTS]
         for s in senders:  # the four together: under way at once, as the first four were
             s.start()
