@@ -161,13 +161,14 @@ def _bytes(value: Any) -> int:
 def _op_id(pattern: str, limit: int, slash: bool) -> Callable[[Any], str]:
     chars = "letters, digits, '.', '_', '-'" + (", '/'" if slash else "")
     want = f"1 to {limit} {chars}, starting with a letter or digit"
+    allowed = re.compile(pattern)
 
     def parse(value: Any) -> str:
         if not isinstance(value, str) or not value:
             raise ValueError(f"empty; give {want}")
         if len(value) > limit:
             raise ValueError(f"{len(value)} characters long; give {want}")
-        if not re.fullmatch(pattern, value):
+        if not allowed.fullmatch(value):
             raise ValueError(f"has characters that are not allowed; give {want}")
         return value
     return parse

@@ -46,7 +46,11 @@ LINK_TIMEOUT_S = 2.0
 
 class AgentLink(AgentClient):
     """An ``AgentClient`` whose event and reply listeners change with its user, and which
-    knows whether it may be used again (``reusable``)."""
+    knows whether it may be used again (``reusable``). Its commands are built by the
+    controller from checked values, so they are not checked again before sending (the agent's
+    decoder checks them as it reads them)."""
+
+    checks_commands = False
 
     def __init__(self, *args, **kw) -> None:
         self.on_reply: Callable[[object], None] | None = None

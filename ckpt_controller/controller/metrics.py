@@ -63,6 +63,9 @@ class Metrics:
     ``capture_deadline_s``: the seconds a capture may take (``[deadlines] capture``), exported
     per known engine as ``ckpt_engine_capture_deadline_seconds``; None leaves it out."""
 
+    #: the record types ``journaled`` counts anything of (a caller may skip the others)
+    COUNTED_RECORDS = frozenset({"hook", "drain", "reconciled"})
+
     def __init__(self, capture_deadline_s: float | None = None) -> None:
         if capture_deadline_s is not None and not (
                 isinstance(capture_deadline_s, int | float) and math.isfinite(capture_deadline_s)

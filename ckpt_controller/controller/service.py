@@ -155,8 +155,10 @@ class Controller:
     def _record_round(self, recs: list[p.JournalRecord]) -> None:
         self.journal.record_all(recs)
         if self.metrics:
+            counted = self.metrics.COUNTED_RECORDS
             for rec in recs:
-                self.metrics.journaled(rec)  # hook failures, escalations, reconciles
+                if rec.type in counted:  # hook failures, escalations, reconciles
+                    self.metrics.journaled(rec)
         self.publish_records(recs)
 
     def sync(self) -> None:
