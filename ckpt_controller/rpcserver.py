@@ -14,7 +14,9 @@ Under a burst the control thread never blocks on itself and no queue grows witho
 - each poll round reads at most ``READ_BUDGET`` requests (the ROUTER takes them from its peers
   in turn), so answers, events and heartbeats interleave with any flood, and a new client is
   answered after at most one request of each other peer;
-- a peer that does not read its answers loses those beyond the ROUTER's ``SNDHWM``;
+- a peer that does not read its answers loses those beyond the ROUTER's ``SNDHWM``, and one
+  silent for ``PEER_SILENCE_S`` (it does not answer zmq's own heartbeats: stopped, hung, or
+  no longer reading) is disconnected and what was queued for it freed;
 - slow work (``offload``) runs on ``WORKER_THREADS`` threads from a queue of
   ``WORKER_QUEUE`` jobs; when it is full the request is shed at once with the typed,
   retryable ``OverloadedError`` (nothing of it ran).
@@ -55,6 +57,13 @@ log = logging.getLogger("ckpt_controller.rpc")
 READ_BUDGET = 256
 #: messages queued towards one peer before what follows for it is dropped
 PEER_SNDHWM = 100_000
+#: a peer that sends nothing, not even zmq's own answers to the heartbeats zmq sends it
+#: every ``PEER_PING_S``, for this long is disconnected and what was queued for it freed: a
+#: stopped or hung process, or a subscriber that stopped reading (once its receive queue is
+#: full its zmq reads nothing more, answers included). zmq bounds a peer's queue in messages
+#: (``PEER_SNDHWM``), and a gathered event can be megabytes: this bounds it in time
+PEER_SILENCE_S = 30.0
+PEER_PING_S = 5.0
 #: a gathered event (``publish_gathered``) is split into events of at most about this size
 #: (clients take messages up to ``protocol.HARD_MAX_MESSAGE_BYTES``)
 GATHERED_BYTES = 4 << 20
@@ -114,6 +123,8 @@ class RpcServer:
             # is how subscribers that went away are forgotten
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._router.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
+            self._router.setsockopt(zmq.HEARTBEAT_IVL, int(PEER_PING_S * 1000))
+            self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(PEER_SILENCE_S * 1000))
             if self.curve is not None:  # the handler first: without one, libzmq admits anyone
                 self._zap = ZapHandler(self._ctx, self.curve, self.name)
                 self.curve.apply(self._router)

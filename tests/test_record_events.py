@@ -65,3 +65,73 @@ def test_a_subscriber_gets_every_record_once_in_order(ipc_dir, monkeypatch, spli
     many = bodies.count(p.JournaledMany)
     assert many >= 1 and many + bodies.count(p.Journaled) < len(ours) / 2, (
         many, bodies.count(p.Journaled), len(ours))
+
+
+# ---------------------------------------------------------------- subscribers that stop reading
+
+_SUBSCRIBE_AND = """
+import os, signal, sys, time
+from ckpt_controller import protocol as p
+from ckpt_controller.rpc import RpcClient
+c = RpcClient(sys.argv[1])
+c.call(p.RequestType.SUBSCRIBE, p.SubscribeCommand(call_id=0))
+print("subscribed", flush=True)
+if sys.argv[2] == "stop":
+    os.kill(os.getpid(), signal.SIGSTOP)
+elif sys.argv[2] == "read":
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        c.poll_events(0.2)
+else:
+    time.sleep(30)  # subscribed, and never reads
+"""
+
+
+def _big_record(i: int) -> p.JournalRecord:
+    return p.JournalRecord(seq=i, op_id="op-big", engine="e", type="hook", wall=0.0,
+                           monotonic=0.0, data={"stderr_tail": "x" * 2000})
+
+
+@pytest.mark.parametrize("how", ["stop", "never-read", "read"])
+def test_a_subscriber_that_stops_reading_is_let_go(ipc_dir, monkeypatch, how):
+    """zmq bounds what is queued for a peer in messages, and a gathered event can be
+    megabytes: a subscriber that stops reading (stopped, or never reading what it subscribed
+    to) is disconnected after ``PEER_SILENCE_S`` and forgotten, while one that reads keeps
+    its subscription however long the server publishes."""
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setattr(rpcserver, "PEER_PING_S", 0.2)
+    monkeypatch.setattr(rpcserver, "PEER_SILENCE_S", 1.0)
+    server = rpcserver.RpcServer(f"ipc://{ipc_dir}/pub.sock", name="pub",
+                                 heartbeat_interval_s=0.2)
+    server.on_thread_death = lambda name, exc: None
+    server.start()
+    child = subprocess.Popen([sys.executable, "-c", _SUBSCRIBE_AND, server.endpoint, how],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "subscribed"
+        assert len(server._subscribers) == 1
+        # about 60 MB in 1,500 events of 20 records each, for 6 s: far beyond what the
+        # subscriber's zmq takes in (1,000 messages) and what the kernel buffers
+        start = time.monotonic()
+        sent = 0
+        while time.monotonic() - start < 6:
+            if sent < 1500:
+                server.publish_gathered([_big_record(i) for i in range(20)],
+                                        lambda recs: p.JournaledMany(records=recs))
+                sent += 1
+            time.sleep(0.002)
+            if how != "read" and not server._subscribers:
+                break
+        if how == "read":
+            assert len(server._subscribers) == 1, "a subscriber that reads was let go"
+        else:
+            assert not server._subscribers, "a subscriber that stopped reading is still kept"
+            assert time.monotonic() - start < 5.5
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+        server.close()

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from ckpt_controller import protocol as p
 from ckpt_controller.agent import Agent, AgentClient
 from ckpt_controller.errors import ConfigError, UnreachableError
 from ckpt_controller.security import CurveClient, CurveServer, generate, load
@@ -139,3 +140,35 @@ def test_controller_and_engine_over_curve_tcp(tmp_path, spawn_reference, spawn_c
         texts += [str(row) for row in db.execute("SELECT op_id, params FROM operations")]
     for secret in secrets:
         assert not any(secret in t for t in texts)
+
+
+def test_a_reading_subscriber_over_curve_outlives_zmq_heartbeats(keys, monkeypatch):
+    """zmq's own heartbeats (``rpcserver.PEER_PING_S``) go encrypted over CURVE too: a
+    subscriber that reads is answered past many silence limits and keeps its subscription."""
+    import time
+
+    import zmq
+
+    from ckpt_controller import rpcserver
+    from ckpt_controller.zmqutil import monitor_socket
+
+    monkeypatch.setattr(rpcserver, "PEER_PING_S", 0.1)
+    monkeypatch.setattr(rpcserver, "PEER_SILENCE_S", 0.5)
+    pairs, clients = keys
+    agent_pub, agent_secret = pairs["agent"]
+    with Agent("pinged", control="tcp://127.0.0.1:0", heartbeat_interval_s=0.1,
+               curve=CurveServer(agent_secret, clients)) as agent:
+        with AgentClient(agent.endpoint, timeout_s=2.0,
+                         curve=CurveClient(pairs["operator"][1], agent_pub)) as c:
+            c.subscribe()
+            drops = monitor_socket(c._sock, zmq.EVENT_DISCONNECTED)
+            beats = 0
+            end = time.monotonic() + 3  # six silence limits
+            while time.monotonic() < end:
+                beats += sum(isinstance(e, p.Heartbeat) for e in c.poll_events(0.2))
+            assert not drops.poll(0), "the connection dropped: zmq's heartbeats went unanswered"
+            c._sock.disable_monitor()
+            drops.close(linger=0)
+            assert len(agent._subscribers) == 1
+            assert beats >= 15
+            assert c.status().state == "running"
