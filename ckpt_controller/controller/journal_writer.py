@@ -101,23 +101,7 @@ class GroupWriter:
         written once ``wait`` is called for it (its caller makes the round, or the one under
         way does), so call ``wait`` right away."""
         entry = Entry(sql, args, barrier, takes_failures)
-        with self._lock:
-            while len(self._queue) >= MAX_QUEUED and self._usable():
-                self._room.wait()
-            self._check_usable()
-            if refuses_after_failure and self._failure is not None:
-                raise self._take_failure()
-            self._pos += 1
-            entry.pos = self._pos
-            if numbered:
-                entry.number = self._next_number
-                self._next_number += 1
-                entry.args = (entry.number, *args)
-            self._queue.append(entry)
-            if len(self._queue) == 1:
-                self._queued_since = time.monotonic()
-            if self._idle and not barrier and len(self._queue) in (1, WRITE_BATCH):
-                self._work.notify()  # a plain row after the first waits ``WRITE_AFTER_S``
+        self._enqueue([entry], numbered, refuses_after_failure)
         return entry
 
     def submit_rows(self, sql: str, rows: list[tuple]) -> int:
@@ -125,22 +109,35 @@ class GroupWriter:
         numbered=True)`` each, under one lock): returns the first row's number, the others
         following it one by one."""
         entries = [Entry(sql, row, False, True) for row in rows]
+        return self._enqueue(entries, numbered=True)
+
+    def _enqueue(self, entries: list[Entry], numbered: bool,
+                 refuses_after_failure: bool = False) -> int:
+        """Queue ``entries`` in order under one lock, placed (and numbered) one after the
+        other; the number the first took (or would have). Wakes the idle writer for the
+        first plain row queued and for a full batch; a plain row after the first waits
+        ``WRITE_AFTER_S``, and a barrier is written by whoever waits for it."""
         with self._lock:
             while len(self._queue) >= MAX_QUEUED and self._usable():
                 self._room.wait()
             self._check_usable()
+            if refuses_after_failure and self._failure is not None:
+                raise self._take_failure()
             first = self._next_number
-            if not self._queue:
-                self._queued_since = time.monotonic()
             for entry in entries:
                 self._pos += 1
-                entry.pos, entry.number = self._pos, self._next_number
-                entry.args = (self._next_number, *entry.args)
-                self._next_number += 1
+                entry.pos = self._pos
+                if numbered:
+                    entry.number = self._next_number
+                    entry.args = (self._next_number, *entry.args)
+                    self._next_number += 1
             was = len(self._queue)
+            if was == 0:
+                self._queued_since = time.monotonic()
             self._queue.extend(entries)
-            if self._idle and (was == 0 or was < WRITE_BATCH <= len(self._queue)):
-                self._work.notify()  # as ``submit``: the first wakes it, and a full batch
+            plain = not entries[-1].barrier
+            if self._idle and plain and (was == 0 or was < WRITE_BATCH <= len(self._queue)):
+                self._work.notify()
         return first
 
     def wait(self, entry: Entry) -> None:
