@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -70,6 +71,9 @@ GATHERED_BYTES = 4 << 20
 #: threads that run offloaded (slow) requests, and the jobs that may wait for one
 WORKER_THREADS = 4
 WORKER_QUEUE = 64
+#: the longest the control thread waits with nothing to do (it also wakes for each heartbeat,
+#: and at once to stop or stall): its idle wake-ups, and how old ``last_round`` gets
+IDLE_ROUND_S = 0.25
 #: the hint an ``OverloadedError`` carries
 OVERLOAD_RETRY_AFTER_S = 0.5
 
@@ -159,6 +163,7 @@ class RpcServer:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake()  # the control thread may be waiting up to ``IDLE_ROUND_S``
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         if self._workers is not None:
@@ -267,6 +272,13 @@ class RpcServer:
         """Stop the control thread for ``seconds``: no heartbeats, no answers (a fault a
         drill injects; requests queue in the socket meanwhile)."""
         self._stalled_until = time.monotonic() + seconds
+        self._wake()
+
+    def _wake(self) -> None:
+        """End the control thread's wait now (from any thread)."""
+        outbox = self._outbox
+        if outbox is not None:
+            outbox.wake()
 
     # ------------------------------------------------------------------ to override
 
@@ -304,7 +316,8 @@ class RpcServer:
         if self._zap is not None:
             poller.register(self._zap.socket, zmq.POLLIN)
             poller.register(self._monitor, zmq.POLLIN)
-        interval_ms = max(1, int(self.heartbeat_interval_s * 1000))
+        idle_s = min(self.heartbeat_interval_s, IDLE_ROUND_S) \
+            if self.heartbeat_interval_s > 0 else IDLE_ROUND_S
         next_beat = self.clock.monotonic()
         while not self._stop.is_set():
             self.before_wait()
@@ -313,7 +326,8 @@ class RpcServer:
                 continue
             self.last_round = time.monotonic()
             try:
-                events = dict(poller.poll(timeout=min(interval_ms, 100)))
+                wait_s = min(idle_s, next_beat - self.clock.monotonic())
+                events = dict(poller.poll(timeout=max(1, math.ceil(wait_s * 1000))))
             except zmq.ZMQError:  # policy: socket closed under us means we are stopping
                 break
             if self._zap is not None and self._zap.socket in events:

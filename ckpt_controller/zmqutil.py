@@ -142,6 +142,14 @@ class Outbox:
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.05)
 
+    def wake(self) -> None:
+        """Make the owner's poll of ``inbox`` return (from any thread), with or without
+        anything queued: a sign to look at its own state (stop, stall)."""
+        with self._lock:
+            if not self._closed and not self._woken:
+                self._woken = True
+                self._wake.send(b"", zmq.NOBLOCK)
+
     def gather(self, key: object, items: list,
                make: Callable[[list], list[list[bytes]]]) -> bool:
         """Queue ``items``; the owner sends ``make(run)`` (whole messages) for them together
