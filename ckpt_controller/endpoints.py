@@ -4,7 +4,7 @@
 ``$XDG_RUNTIME_DIR/ckpt-controller`` or ``/tmp/ckpt-controller-<uid>``, created mode 0700.
 ``secure_ipc(endpoint)`` makes a bound socket file mode 0600. tcp:// endpoints pass through.
 ``free_port()`` finds a loopback TCP port nobody listens on (the demo's and the drill's
-engines). Imports nothing of the project but ``errors``, so the CLI's parser may use it.
+engines); ``cannot_bind`` is the one error for an endpoint a server could not bind. Imports nothing of the project but ``errors``, so the CLI's parser may use it.
 Neighbours: ``rpc`` and ``rpcserver`` (check and secure endpoints), ``agent.server``,
 ``controller.config``, ``adapters.vllm.state`` (the runtime dir), the CLI, ``drill.runner``.
 """
@@ -16,7 +16,7 @@ import re
 import stat
 from pathlib import Path
 
-from ckpt_controller.errors import ConfigError
+from ckpt_controller.errors import CkptError, ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -108,6 +108,13 @@ def _tcp_problem(address: str) -> str | None:
 _NUMERIC_HOST = re.compile(r"[0-9.]+")
 #: a DNS name or a network interface's name (``eth0``, ``br-lan``)
 _HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*\.?[A-Za-z0-9_-])*\.?")
+
+
+def cannot_bind(endpoint: str, problem: BaseException) -> CkptError:
+    """The error of a server that could not bind ``endpoint`` (a folder that does not exist,
+    a port in use): it names the endpoint (``details['endpoint']``) and the system's reason,
+    whichever socket it was (a control endpoint, the reference engine's request API)."""
+    return CkptError(f"cannot bind {endpoint}: {problem}", endpoint=endpoint)
 
 
 def secure_ipc(endpoint: str) -> None:
