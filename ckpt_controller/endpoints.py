@@ -4,7 +4,7 @@
 ``$XDG_RUNTIME_DIR/ckpt-controller`` or ``/tmp/ckpt-controller-<uid>``, created mode 0700.
 ``secure_ipc(endpoint)`` makes a bound socket file mode 0600. tcp:// endpoints pass through.
 ``free_port()`` finds a loopback TCP port nobody listens on (the demo's and the drill's
-engines). Imports nothing of the project but ``errors``, so the CLI's parser may use it.
+engines); ``cannot_bind`` is the one error for an endpoint a server could not bind. Imports nothing of the project but ``errors``, so the CLI's parser may use it.
 Neighbours: ``rpc`` and ``rpcserver`` (check and secure endpoints), ``agent.server``,
 ``controller.config``, ``adapters.vllm.state`` (the runtime dir), the CLI, ``drill.runner``.
 """
@@ -16,7 +16,7 @@ import re
 import stat
 from pathlib import Path
 
-from ckpt_controller.errors import ConfigError
+from ckpt_controller.errors import CkptError, ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -57,9 +57,64 @@ def default_endpoint(name: str) -> str:
 
 
 def check_endpoint(endpoint: str) -> str:
-    if not endpoint.startswith(("ipc://", "tcp://", "inproc://")):
+    """``endpoint`` if it is one zmq can bind or connect: ``ipc://PATH``, ``inproc://NAME``
+    or ``tcp://HOST:PORT``, else a ``ConfigError`` naming it and what is wrong. zmq takes an
+    address it cannot use (``tcp://256.1.1.1:5``, a port past 65535) for a host name to look
+    up and keeps retrying it, which a client would report as nothing listening: such an
+    address is refused here at once. HOST is a dotted-quad IPv4 address, an IPv6 address
+    (``[::1]``), ``*`` (every interface, to bind), or a host or interface name, looked up when
+    used; PORT is 0 to 65535 (0 or ``*``: any free port, to bind)."""
+    if not isinstance(endpoint, str) or not endpoint.startswith(("ipc://", "tcp://",
+                                                                 "inproc://")):
         raise ConfigError("endpoint must start with ipc://, tcp:// or inproc://", endpoint=endpoint)
+    scheme, address = endpoint.split("://", 1)
+    if not address:
+        raise ConfigError("endpoint names no address after the scheme", endpoint=endpoint)
+    if scheme == "tcp":
+        problem = _tcp_problem(address)
+        if problem:
+            raise ConfigError(f"endpoint is not a valid tcp://HOST:PORT address: {problem}",
+                              endpoint=endpoint)
     return endpoint
+
+
+def _tcp_problem(address: str) -> str | None:
+    """What is wrong with ``HOST:PORT`` (``None``: nothing)."""
+    import ipaddress
+
+    host, colon, port = address.rpartition(":")
+    if not colon:
+        return "no :PORT"
+    if port != "*" and not (port.isascii() and port.isdigit() and int(port) <= 65535):
+        return f"port {port!r} is not a number from 0 to 65535"
+    if host == "*":
+        return None
+    bracketed = host.startswith("[") and host.endswith("]")
+    ip = host[1:-1] if bracketed else host
+    try:
+        if ":" in ip:
+            ipaddress.IPv6Address(ip)
+        elif _NUMERIC_HOST.fullmatch(ip):  # numbers: an IPv4 address, never a name
+            ipaddress.IPv4Address(ip)
+        elif bracketed or not _HOST_NAME.fullmatch(host):
+            return (f"host {host!r} is not an IP address, '*' or a host or interface name "
+                    "(letters, digits, '.', '_', '-')")
+    except ValueError as err:  # policy: the address's own fault, said with the endpoint
+        return f"host {host!r} is not an IP address ({err})"
+    return None
+
+
+#: a host of digits and dots only is meant as an IPv4 address (no top-level domain is numeric)
+_NUMERIC_HOST = re.compile(r"[0-9.]+")
+#: a DNS name or a network interface's name (``eth0``, ``br-lan``)
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*\.?[A-Za-z0-9_-])*\.?")
+
+
+def cannot_bind(endpoint: str, problem: BaseException) -> CkptError:
+    """The error of a server that could not bind ``endpoint`` (a folder that does not exist,
+    a port in use): it names the endpoint (``details['endpoint']``) and the system's reason,
+    whichever socket it was (a control endpoint, the reference engine's request API)."""
+    return CkptError(f"cannot bind {endpoint}: {problem}", endpoint=endpoint)
 
 
 def secure_ipc(endpoint: str) -> None:

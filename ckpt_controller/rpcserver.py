@@ -44,7 +44,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ckpt_controller import protocol as p
-from ckpt_controller.endpoints import secure_ipc
+from ckpt_controller.endpoints import cannot_bind, secure_ipc
 from ckpt_controller.clock import Clock
 from ckpt_controller.errors import (CkptError, EngineError, OperationError, OverloadedError,
                                     ProtocolError)
@@ -147,7 +147,7 @@ class RpcServer:
             self.close()
             if isinstance(exc, CkptError):
                 raise
-            raise CkptError(f"cannot bind {self.endpoint}: {exc}", endpoint=self.endpoint) from exc
+            raise cannot_bind(self.endpoint, exc) from exc
 
     def start(self):
         """Bind the endpoint (unless ``bind`` did) and start serving; returns once bound."""

@@ -2,7 +2,9 @@
 
 Every way in applies the same rules: the command line (``cli.common.arg_type`` turns a rule
 into an argparse ``type=``: exit 2 with the flag and the value), the Python clients (``check``
-raises ``UsageError`` naming the field and the value before anything is sent) and the wire
+raises ``UsageError`` naming the field and the value before anything is sent; a Python caller
+gives a number as a number: the text the command line parses, ``"5"``, is refused, except a
+size's, whose units have no other form: ``"512MiB"``) and the wire
 (the ``Annotated`` types below carry ``msgspec.Meta`` constraints in the protocol Structs, so
 a hand-built frame with such a value is answered with a ``ProtocolError``). NaN and infinity
 are never a number here; every duration has an upper bound (a day).
@@ -78,10 +80,18 @@ HookEnv = Annotated[dict[HookEnvKey, HookEnvValue], Meta(max_length=8)]
 @dataclass(frozen=True)
 class Rule:
     """One kind of value: ``parse`` returns it normalized or raises ``ValueError`` with what
-    a valid one looks like."""
+    a valid one looks like. ``parse`` takes the command line's text as well; ``takes`` are
+    the Python types ``check`` lets through to it (``said``: them in words)."""
 
     name: str
     parse: Callable[[Any], Any]
+    takes: tuple[type, ...] = (str,)
+    said: str = "text"
+
+
+#: what a Python caller gives for a number of seconds or a rate; for a count
+_NUMBER = {"takes": (int, float), "said": "a number (int or float), not text"}
+_WHOLE = {"takes": (int,), "said": "an int, not text or a float"}
 
 
 def _number(value: Any) -> float:
@@ -174,19 +184,19 @@ def _op_id(pattern: str, limit: int, slash: bool) -> Callable[[Any], str]:
     return parse
 
 
-DURATION = Rule("duration", _duration(lo_ok=False))
-DURATION_OR_ZERO = Rule("duration", _duration(lo_ok=True))
-RATE = Rule("rate", _rate)
-COUNT = Rule("count", _count(1, MAX_COUNT))
-TOKEN_ID = Rule("token id", _count(0, MAX_COUNT - 1))
-BYTES = Rule("size", _bytes)
+DURATION = Rule("duration", _duration(lo_ok=False), **_NUMBER)
+DURATION_OR_ZERO = Rule("duration", _duration(lo_ok=True), **_NUMBER)
+RATE = Rule("rate", _rate, **_NUMBER)
+COUNT = Rule("count", _count(1, MAX_COUNT), **_WHOLE)
+TOKEN_ID = Rule("token id", _count(0, MAX_COUNT - 1), **_WHOLE)
+BYTES = Rule("size", _bytes, takes=(int, str), said="an int of bytes or a size such as '512MiB'")
 OP_ID = Rule("operation id", _op_id(OP_ID_PATTERN, MAX_OP_ID_LENGTH, slash=False))
 STEP_OP_ID = Rule("operation id", _op_id(STEP_OP_ID_PATTERN, MAX_STEP_OP_ID_LENGTH, slash=True))
 
 
 def count(lo: int = 1, hi: int = MAX_COUNT) -> Rule:
     """A count with its own bounds (e.g. ``count(1, 100_000)`` for a history limit)."""
-    return Rule("count", _count(lo, hi))
+    return Rule("count", _count(lo, hi), **_WHOLE)
 
 
 def shown(value: Any) -> str:
@@ -197,8 +207,12 @@ def shown(value: Any) -> str:
 
 
 def check(rule: Rule, value: Any, field: str) -> Any:
-    """``value`` normalized by ``rule``, or ``UsageError`` naming ``field`` and the value."""
+    """``value`` from a Python caller normalized by ``rule``, or ``UsageError`` naming
+    ``field`` and the value; a value of a type the rule does not take (``"5"`` seconds,
+    ``2.0`` as a count) is refused so, whatever ``parse`` would make of it."""
     try:
+        if not isinstance(value, rule.takes):
+            raise ValueError(f"{type(value).__name__} given; give {rule.said}")
         return rule.parse(value)
     except ValueError as err:  # policy: a bad value is the caller's to fix (exit 2)
         raise UsageError(f"{field} = {shown(value)} is not a valid {rule.name}: {err}",

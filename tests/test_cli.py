@@ -152,6 +152,53 @@ def test_watch_prints_events(engine):
     assert timed.returncode == 0 and timed.stdout == "", timed.stderr
 
 
+def _agent_state(control: str) -> str:
+    return json.loads(ckptctl("agent", "status", "--control", control, "--json").stdout)["state"]
+
+
+def test_ctrl_c_of_an_agent_operation_says_it_goes_on(engine):
+    """Ctrl-C while ``agent prepare`` waits on a drain: exit 130 and a word on stderr, as the
+    controller's commands say it (it ended silently): the agent goes on with the operation,
+    named by its op id, and ``agent status`` shows where it got; the same op id again then
+    returns its result. With --json, as the controller's commands: nothing on stdout."""
+    prepare = [sys.executable, "-m", "ckpt_controller", "agent", "prepare", "--control",
+               engine.control, "--drain", "wait", "--drain-timeout", "2", "--on-deadline",
+               "abort", "--level", "0"]
+    for op, json_flag in (("int-a", []), ("int-b", ["--json"])):
+        engine.submit(f"slow-{op}", 100_000)  # in flight until the drain's deadline aborts it
+        wait_until(lambda: json.loads(ckptctl("agent", "status", "--control", engine.control,
+                                              "--json").stdout)["in_flight"] == 1, 10,
+                   "the request in flight")
+        with subprocess.Popen([*prepare, "--op-id", op, *json_flag], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) as run:
+            err = StreamedLines(run.stderr)
+            try:
+                if json_flag:  # no progress with --json: the agent says when it drains
+                    wait_until(lambda: _agent_state(engine.control) == "preparing", 20,
+                               "the agent draining")
+                else:
+                    wait_until(lambda: any("running -> preparing" in line
+                                           for line in err.lines), 20, "the drain begun")
+                run.send_signal(signal.SIGINT)
+                assert run.wait(timeout=20) == 130
+            finally:
+                run.kill()
+            out = run.stdout.read()
+            said = "".join(err.join())
+        assert (f"interrupted: operation {op} goes on in the agent; follow it with "
+                f"`ckptctl agent status --control {engine.control}`") in said, said
+        assert "the same --op-id again waits for its result" in said, said
+        assert "Traceback" not in said, said
+        assert out == "", out  # as `ckptctl cycle --json`: no document for Ctrl-C
+        # it went on: the drain's deadline aborted the request and the prepare ended
+        wait_until(lambda: _agent_state(engine.control) == "prepared", 20, "the prepare done")
+        again = ckptctl("agent", "prepare", "--control", engine.control, "--op-id", op,
+                        "--json")
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)["drain"]["aborted"] == 1
+        assert ckptctl("agent", "restore", "--control", engine.control).returncode == 0
+
+
 @pytest.mark.parametrize("text,value", [("1024", 1024), ("512MiB", 512 << 20), ("2GiB", 2 << 30),
                                         ("1.5 KiB", 1536), ("3GB", 3 * 10**9)])
 def test_sizes(text, value):

@@ -46,6 +46,22 @@ BAD = [
     (lambda c: c.prepare("e", tags=[]), "tags", "[]"),
     (lambda c: c.rollback("e", reason="x" * 70_000), "reason", "70000 characters"),
     (lambda c: c.history(limit=0), "limit", "0"),
+    # a Python caller gives numbers as numbers: the CLI's own rules refuse a float level
+    # ("--level 2.0") and a Python script's text where a number goes ("5" seconds); only a
+    # size takes text, as --budget does ("512MiB")
+    (lambda c: c.prepare("e", level=2.0), "level", "2.0"),
+    (lambda c: c.cycle("e", level=0.0), "level", "0.0"),
+    (lambda c: c.cycle("e", deadline="5"), "deadline", "'5'"),
+    (lambda c: c.prepare("e", drain_timeout="30"), "drain_timeout", "'30'"),
+    (lambda c: c.rollback("e", deadline=b"5"), "deadline", "b'5'"),
+    (lambda c: c.cycle("e", max_unavailable="2"), "max_unavailable", "'2'"),
+    (lambda c: c.cycle("e", max_unavailable=2.0), "max_unavailable", "2.0"),
+    (lambda c: c.history(limit="5"), "limit", "'5'"),
+    (lambda c: c.prepare("e", budget=1.5e9), "budget", "1500000000.0"),
+    (lambda c: c.restore("e", image=5), "image", "5"),
+    (lambda c: c.capture("e", timeout_s="60"), "timeout_s", "'60'"),
+    (lambda c: c.operation("cycle", "e", deadline_s="5"), "deadline_s", "'5'"),
+    (lambda c: c.operation("cycle", "e", level=2.0), "level", "2.0"),
 ]
 
 

@@ -365,3 +365,38 @@ def test_a_client_that_reads_late_still_gets_every_end(tiny, clients):
         client.poll(0.2)
     assert [client.requests[r].finish_reason for r in ids] == ["length"] * 16
     assert [len(client.requests[r].token_ids) for r in ids] == [900] * 16
+
+
+def test_an_api_endpoint_it_cannot_bind_ends_serve_with_the_typed_error(ipc_dir, model_dir):
+    """``engine serve`` whose --api is an ipc path in a folder that does not exist, or a tcp
+    port another socket holds: the control endpoint's bind error (``CkptError``, exit 1)
+    naming the endpoint, no ready line and no traceback (it ended with zmq's raw ZMQError
+    traceback); an address no host has is a ConfigError (exit 2) before torch loads."""
+    import socket
+
+    from ckpt_controller.endpoints import free_port
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", free_port()))
+    holder.listen()
+    taken = f"tcp://127.0.0.1:{holder.getsockname()[1]}"
+    cases = {f"ipc://{ipc_dir}/no-such-folder/api": ("CkptError", 1, "No such file"),
+             taken: ("CkptError", 1, "in use"),
+             "tcp://256.1.1.1:5": ("ConfigError", 2, "not a valid tcp://HOST:PORT")}
+    runs = {api: subprocess.Popen(
+        [sys.executable, "-m", "ckpt_controller", "engine", "serve", "--name", f"nb{i}",
+         "--api", api, "--control", f"ipc://{ipc_dir}/nb{i}.ctl", "--model-dir",
+         str(model_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i, api in enumerate(cases)}  # together: each loads torch
+    try:
+        for api, (kind, code, why) in cases.items():
+            out, err = runs[api].communicate(timeout=120)
+            assert runs[api].returncode == code, err
+            assert f"ckptctl: {kind}: " in err and why in err, err
+            assert f"(endpoint='{api}')" in err and "Traceback" not in err, err
+            assert out == "", out  # no ready line
+    finally:
+        holder.close()
+        for run in runs.values():
+            run.kill()
+            run.communicate()

@@ -24,7 +24,7 @@ from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.endpoints import free_port
 from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.engine.load import run_load
-from ckpt_controller.errors import UnreachableError
+from ckpt_controller.errors import ConfigError, UnreachableError
 from ckpt_controller.security import CurveClient, CurveServer, generate
 from conftest import ipc_connections, wait_connected
 
@@ -101,6 +101,46 @@ def test_the_command_line_reports_a_missing_server_at_once(ipc_dir, argv, hint):
     assert took < 8, f"took {took:.1f}s"  # the interpreter starts in about a second here
     if "--json" in argv:
         assert json.loads(out.stdout)["error"]["details"]["reason"] == "refused"
+
+
+#: addresses zmq takes for host names to look up and retries for ever (a client reported
+#: "connection refused: nothing is listening there"), and others it cannot use
+NO_ADDRESS = ["tcp://256.1.1.1:5", "tcp://999.1.1.1:5", "tcp://1.2.3:5", "tcp://1.1.1.1.1:5",
+              "tcp://host:99999", "tcp://127.0.0.1:65536", "tcp://127.0.0.1:-1",
+              "tcp://127.0.0.1", "tcp://:5", "tcp://[::1:5", "tcp://[::g]:5", "tcp://a b:5",
+              "tcp://a..b:5", "tcp://127.0.0.1:5 ", "ipc://"]
+
+
+@pytest.mark.parametrize("endpoint", NO_ADDRESS)
+def test_an_address_that_is_none_is_refused_at_once_naming_it(endpoint):
+    """Every client, the agent's bind and ckptctl refuse it at once with a ConfigError (exit
+    2) naming the endpoint, not "connection refused" after the first contact's second."""
+    for make in (ControllerClient, AgentClient, EngineClient,
+                 lambda e: Agent("bad", control=e)):
+        with pytest.raises(ConfigError) as info:
+            make(endpoint)
+        assert info.value.details["endpoint"] == endpoint and info.value.exit_code == 2
+    out = subprocess.run(CKPTCTL + ["agent", "status", "--control", endpoint, "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    err = json.loads(out.stdout)["error"]
+    assert err["kind"] == "ConfigError" and err["details"]["endpoint"] == endpoint, err
+
+
+def test_host_names_and_every_ip_form_still_work():
+    """A host name is looked up when used (``localhost`` reaches an agent bound on
+    127.0.0.1); IPv6 in brackets, ``*`` and port 0 to bind, interface names pass the check."""
+    from ckpt_controller.endpoints import check_endpoint
+
+    for good in ("tcp://localhost:5", "tcp://node-1.example.com.:80", "tcp://[::1]:5",
+                 "tcp://[fe80::1%eth0]:5", "tcp://*:5", "tcp://127.0.0.1:0",
+                 "tcp://127.0.0.1:*", "tcp://eth0:5", "tcp://10.0.0.3:65535",
+                 "ipc://@abstract", "inproc://x"):
+        assert check_endpoint(good) == good
+    with Agent("named", control="tcp://127.0.0.1:0") as agent:
+        port = agent.endpoint.rsplit(":", 1)[1]
+        with AgentClient(f"tcp://localhost:{port}", timeout_s=5) as client:
+            assert client.status().engine == "named"
 
 
 @pytest.fixture

@@ -81,13 +81,14 @@ def test_the_installed_command_exits_2_naming_the_flag_and_value(tmp_path):
 
 
 def test_valid_values_still_pass():
-    assert values.check(values.DURATION, "0.25", "s") == 0.25
+    assert values.check(values.DURATION, 0.25, "s") == 0.25
+    assert values.DURATION.parse("0.25") == 0.25  # the command line's text
     assert values.check(values.DURATION, values.MAX_DURATION_S, "s") == values.MAX_DURATION_S
     assert values.check(values.DURATION_OR_ZERO, 0, "s") == 0
     assert values.check(values.BYTES, "512MiB", "b") == 512 << 20
     assert values.check(values.OP_ID, "drill-1764600000-3", "op_id") == "drill-1764600000-3"
     assert values.check(values.STEP_OP_ID, "op1/e1/prepare", "op_id") == "op1/e1/prepare"
-    assert values.check(values.RATE, "30", "rate") == 30.0
+    assert values.check(values.RATE, 30, "rate") == 30.0
     with pytest.raises(UsageError) as info:
         values.check(values.OP_ID, "op1/e1", "op_id")  # a controller op id names one folder
     assert info.value.details["field"] == "op_id"

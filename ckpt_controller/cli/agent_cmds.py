@@ -7,6 +7,7 @@ Neighbours: ``cli.common``, ``agent.client``, ``adapters.vllm.sidecar``.
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from ckpt_controller.cli.common import (
     describe_event,
     duration,
     duration_or_zero,
+    goes_on_if_interrupted,
     human_bytes,
     prepare_flags,
     status_row,
@@ -175,18 +177,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             if action == "status":
                 result = client.status()
-            elif action == "prepare":
-                flags = prepare_flags(args, controller=False)
-                result = client.prepare(
-                    op_id=args.op_id, drain=flags.drain, drain_timeout_s=flags.drain_timeout_s,
-                    on_deadline=flags.on_deadline, level=flags.level, tags=flags.tags,
-                    residual_budget_bytes=args.budget, deadline_s=args.deadline,
-                )
-            elif action == "restore":
-                result = client.restore(op_id=args.op_id, deadline_s=args.deadline)
             else:
-                result = client.rollback(op_id=args.op_id, reason=args.reason,
-                                         deadline_s=args.deadline)
+                result = _operation(client, args)
         finally:
             if progress is not None:
                 progress.finish()
@@ -206,6 +198,29 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(describe(result))
     return 0
+
+
+def _operation(client, args: argparse.Namespace):
+    """``agent prepare|restore|rollback``: its op id chosen here (``--op-id``, else a new
+    one), so that Ctrl-C can name it: the agent goes on with the operation."""
+    from ckpt_controller.rpc import new_op_id
+
+    op_id = args.op_id or new_op_id()
+    status = f"ckptctl agent status --control {shlex.quote(args.control)}"
+    if args.curve_key is not None:
+        status += (f" --curve-key {shlex.quote(str(args.curve_key))} --curve-server-key "
+                   f"{shlex.quote(str(args.curve_server_key))}")
+    with goes_on_if_interrupted(op_id, "agent", status):
+        if args.agent_command == "prepare":
+            flags = prepare_flags(args, controller=False)
+            return client.prepare(
+                op_id=op_id, drain=flags.drain, drain_timeout_s=flags.drain_timeout_s,
+                on_deadline=flags.on_deadline, level=flags.level, tags=flags.tags,
+                residual_budget_bytes=args.budget, deadline_s=args.deadline,
+            )
+        if args.agent_command == "restore":
+            return client.restore(op_id=op_id, deadline_s=args.deadline)
+        return client.rollback(op_id=op_id, reason=args.reason, deadline_s=args.deadline)
 
 
 def agent_status(s) -> str:

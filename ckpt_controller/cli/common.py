@@ -1,7 +1,8 @@
 """Helpers every ckptctl command shares: argparse types for durations, rates, counts, sizes
 and op ids (the rules themselves live in ``values``), flags that take a ``vocab`` word,
 deprecated flag names, the prepare defaults, JSON and human output (the one table renderer
-``table`` that ``status``, ``agent status`` and ``fleet status`` print with, ``age``).
+``table`` that ``status``, ``agent status`` and ``fleet status`` print with, ``age``), and what
+an operation command says when Ctrl-C stops it (``goes_on_if_interrupted``).
 
 Building the parser (``ckptctl --help``) imports nothing heavier than ``values``: the wire
 protocol, the transport and CURVE load when a command runs. Neighbours: ``values``,
@@ -11,10 +12,11 @@ protocol, the transport and CURVE load when a command runs. Neighbours: ``values
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -278,6 +280,22 @@ def describe_event(ev: p.EventBody) -> str:
     if isinstance(ev, p.Heartbeat):
         return f"{ev.engine}: heartbeat {ev.seq} ({ev.state})"
     return repr(ev)
+
+
+@contextlib.contextmanager
+def goes_on_if_interrupted(op_id: str, where: str, follow: str) -> Iterator[None]:
+    """Around the call that waits for operation ``op_id``: on Ctrl-C, say on stderr that the
+    operation goes on in ``where`` (the controller, the agent), which command (``follow``)
+    shows where it got, and that the same ``--op-id`` again waits for its result; then the
+    ``KeyboardInterrupt`` goes on up (``main`` returns 130)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        # policy: only this command stops; the operation goes on: say which and how to
+        # follow it (main returns 130)
+        print(f"\ninterrupted: operation {op_id} goes on in the {where}; follow it with "
+              f"`{follow}` (the same --op-id again waits for its result)", file=sys.stderr)
+        raise
 
 
 # ---------------------------------------------------------------- CURVE keys

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -25,6 +24,7 @@ from ckpt_controller.cli.common import (
     count,
     curve_client,
     duration,
+    goes_on_if_interrupted,
     human_bytes,
     op_id,
     parse_bytes,
@@ -233,14 +233,8 @@ def _operation(args: argparse.Namespace) -> int:
     with _client(args, on_event=on_event) as c:
         c.subscribe()  # heartbeats bound the wait: a dead controller is noticed, not waited out
         try:
-            result = c.operation(args.op, args.engines, op_id=op_id, **params)
-        except KeyboardInterrupt:
-            # policy: only this command stops; the controller goes on: say which and how to
-            # follow it (main returns 130)
-            print(f"\ninterrupted: operation {op_id} goes on in the controller; follow it "
-                  f"with `ckptctl history --op-id {op_id}` (the same --op-id again waits for "
-                  "its result)", file=sys.stderr)
-            raise
+            with goes_on_if_interrupted(op_id, "controller", f"ckptctl history --op-id {op_id}"):
+                result = c.operation(args.op, args.engines, op_id=op_id, **params)
         finally:
             if progress is not None:
                 progress.finish()

@@ -134,6 +134,11 @@ def _connect(args: argparse.Namespace):
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from ckpt_controller.endpoints import check_endpoint
+
+    for endpoint in (args.api, args.control):  # a bad address said before torch loads
+        if endpoint is not None:
+            check_endpoint(endpoint)
     from ckpt_controller.engine.server import EngineOptions, serve
     from ckpt_controller.sdnotify import Notifier
 

@@ -59,8 +59,8 @@ def _word(words: type[enum.Enum], value, field: str):
     if value is None:
         return None
     try:
-        if isinstance(value, bool):
-            raise ValueError(value)
+        if isinstance(value, bool) or (issubclass(words, int) and not isinstance(value, int)):
+            raise ValueError(value)  # a level is a whole number: 2.0 is not 2, as on the CLI
         return words(value)
     except ValueError:  # policy: the caller's value, refused before sending (exit 2)
         allowed = ", ".join(repr(w.value) for w in words)

@@ -497,8 +497,6 @@ def _check_endpoint(value: str, file: str, key: str) -> None:
         check_endpoint(value)
     except ConfigError as err:  # policy: one rule for endpoints; re-raised with the file and key
         raise error(file, key, f"{err.message}, got {value!r}") from None
-    if not value.split("://", 1)[1]:
-        raise error(file, key, f"names no address after the scheme: {value!r}")
 
 
 def _check_engine_name(name: str, file: str, key: str) -> None:

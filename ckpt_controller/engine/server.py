@@ -41,6 +41,7 @@ import torch
 import zmq
 
 from ckpt_controller.agent import Agent, EngineHooks
+from ckpt_controller.endpoints import cannot_bind, check_endpoint
 from ckpt_controller.engine import api
 from ckpt_controller.engine.kv import BlockPool
 from ckpt_controller.engine.model import load_model, materialize
@@ -153,6 +154,7 @@ def trim_heap() -> None:
 
 class ReferenceEngine(EngineHooks):
     def __init__(self, opts: EngineOptions) -> None:
+        check_endpoint(opts.api)  # before the model loads: a bad address is said at once
         self.opts = opts
         self.weights_path = materialize(opts.model, opts.seed, opts.model_dir, opts.dtype)
         self.model = load_model(self.weights_path)
@@ -201,11 +203,20 @@ class ReferenceEngine(EngineHooks):
         self._api_sock.setsockopt(zmq.SNDHWM, OUTPUT_HWM)
         # what is over the limit is dropped by zmq while it arrives, never buffered whole
         self._api_sock.setsockopt(zmq.MAXMSGSIZE, api.MAX_MESSAGE_BYTES)
-        self._api_sock.bind(self.opts.api)
-        # as bound (a port 0 resolved), wildcard hosts kept: the agent reports it in status
-        self.api_endpoint = self._api_sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.agent.endpoints["api"] = self.api_endpoint
-        self.agent.start()
+        try:
+            try:
+                self._api_sock.bind(self.opts.api)
+            except zmq.ZMQError as exc:  # policy: said as the control endpoint's bind says it
+                raise cannot_bind(self.opts.api, exc) from exc
+            # as bound (a port 0 resolved), wildcard hosts kept: the agent reports it in status
+            self.api_endpoint = self._api_sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.agent.endpoints["api"] = self.api_endpoint
+            self.agent.start()
+        except CkptError:
+            # policy: an engine that cannot serve both endpoints closes the one it opened
+            self._api_sock.close(linger=0)
+            self._api_sock = None
+            raise
         for target, name in ((self._schedule_loop, "sched"), (self._api_loop, "api")):
             t = threading.Thread(target=guarded(target, f"engine-{name}",
                                                 stopping=self._stop.is_set),
