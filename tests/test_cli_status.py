@@ -141,3 +141,64 @@ def test_agent_status_has_the_same_columns(spawn_engine):
     assert rows[1][:6] == ["a1", "running", "0", "0", str(eng.pid), "-"]
     assert "weights: 4.0 MiB" in out.stdout and out.stderr == ""
     assert time.monotonic() - start < 30
+
+
+def test_status_takes_last_op_from_its_reply_and_asks_no_history(ipc_dir):
+    """LAST-OP comes in the status reply (``EngineView.last_op``, one journal read): the
+    command sends no ``history`` request, whatever the number of engines. A controller whose
+    reply does not carry it (one from before the field) is asked per engine, as before."""
+    from ckpt_controller.agent import Agent
+    from ckpt_controller.controller.client import ControllerClient
+    from ckpt_controller.controller.config import parse_config
+    from ckpt_controller.controller.server import ControllerServer
+
+    names = ["l0", "l1", "l2"]
+    agents = [Agent(n, control=f"ipc://{ipc_dir}/{n}.ctl", heartbeat_interval_s=0.2).start()
+              for n in names]
+    server = ControllerServer(parse_config(
+        f'[controller]\nendpoint = "ipc://{ipc_dir}/ctl.sock"\nstate_dir = "{ipc_dir}/state"\n'
+        f'heartbeat_interval_s = 0.2\nmetrics_port = 0\n[defaults]\nlevel = 0\n'
+        + _toml(*((n, f"ipc://{ipc_dir}/{n}.ctl") for n in names)))).start()
+    history_asked: list[p.HistoryCommand] = []
+    answer_history = server.controller.history
+
+    def history(cmd: p.HistoryCommand) -> p.HistoryReply:
+        history_asked.append(cmd)
+        return answer_history(cmd)
+
+    server.controller.history = history
+    try:
+        with ControllerClient(server.endpoint) as c:
+            assert c.cycle(["l0", "l1"], op_id="cy-1").status == "succeeded"
+            assert c.prepare(["l1"], op_id="pr-1").status == "succeeded"
+        out = subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
+                              server.endpoint, "status"], capture_output=True, text=True,
+                             timeout=60, cwd=ROOT)
+        assert out.returncode == 0, out.stdout + out.stderr
+        rows = {r[0]: r for r in _rows(out.stdout)}
+        assert [rows[n][6] for n in names] == ["cy-1", "pr-1", "-"], out.stdout
+        assert rows["l1"][1] == "prepared"
+        assert history_asked == []
+
+        # an older controller: no last_op in its reply, LAST-OP asked engine by engine
+        answer_status = server.controller.status
+
+        def old_status(engines: list[str]) -> p.ControllerStatusReply:
+            reply = answer_status(engines)
+            for v in reply.engines:
+                v.last_op = None
+            reply.last_ops = False
+            return reply
+
+        server.controller.status = old_status
+        out = subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
+                              server.endpoint, "status"], capture_output=True, text=True,
+                             timeout=60, cwd=ROOT)
+        assert out.returncode == 0, out.stdout + out.stderr
+        rows = {r[0]: r for r in _rows(out.stdout)}
+        assert [rows[n][6] for n in names] == ["cy-1", "pr-1", "-"], out.stdout
+        assert sorted(cmd.engine for cmd in history_asked) == names
+    finally:
+        server.close()
+        for a in agents:
+            a.close()

@@ -461,7 +461,10 @@ class Controller:
 
         views: dict[str, p.EngineView] = {}
         hub.each(lambda name: views.__setitem__(name, view(name)), engines, 64)
-        return p.ControllerStatusReply(controller_pid=os.getpid(),
+        last = self.journal.last_operations(engines)  # one query, not one per engine
+        for name, v in views.items():
+            v.last_op = last.get(name)
+        return p.ControllerStatusReply(controller_pid=os.getpid(), last_ops=True,
                                        engines=[views[e] for e in engines])
 
     def last_op(self, engine: str) -> str | None:
