@@ -360,8 +360,14 @@ def _image_line(kind: str, o: p.EngineOutcome) -> str | None:
 # ---------------------------------------------------------------- status, history, watch
 
 
+def _waiting(line: str) -> None:
+    """A request that has waited a while says so on stderr (never stdout: ``--json`` prints
+    only its document there)."""
+    print(f"ckptctl: {line}", file=sys.stderr, flush=True)
+
+
 def _status(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with _client(args, on_wait=_waiting) as c:
         reply = c.status(args.engines)
         # the same exit code for the table and --json: 4 when an engine did not answer
         code = 0 if all(v.reachable or v.moved_to for v in reply.engines) else 4
@@ -414,7 +420,7 @@ def status_table(reply: p.ControllerStatusReply, last_ops: dict[str, str | None]
 
 
 def _history(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with _client(args, on_wait=_waiting) as c:
         reply = c.history(engine=args.engine, op_id=args.op_id, limit=args.limit)
     if args.json:
         emit("history", reply)
