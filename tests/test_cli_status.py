@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -203,6 +204,17 @@ def test_status_takes_last_op_from_its_reply_and_asks_no_history(ipc_dir):
         rows = {r[0]: r for r in _rows(out.stdout)}
         assert [rows[n][6] for n in names] == ["cy-1", "pr-1", "-"], out.stdout
         assert sorted(cmd.engine for cmd in history_asked) == names
+
+        # a journal that cannot be read leaves LAST-OP empty, not the engines' states
+        server.controller.status = answer_status
+
+        def unreadable(engines: list[str]):
+            raise sqlite3.OperationalError("disk I/O error")
+
+        server.controller.journal.last_operations = unreadable
+        with ControllerClient(server.endpoint) as c:
+            reply = c.status()
+        assert [(v.reachable, v.last_op) for v in reply.engines] == [(True, None)] * 3
     finally:
         server.close()
         for a in agents:

@@ -461,7 +461,11 @@ class Controller:
 
         views: dict[str, p.EngineView] = {}
         hub.each(lambda name: views.__setitem__(name, view(name)), engines, 64)
-        last = self.journal.last_operations(engines)  # one query, not one per engine
+        try:
+            last = self.journal.last_operations(engines)  # one query, not one per engine
+        except sqlite3.Error as exc:  # policy: the agents' answers still are the reply
+            log.warning("status without LAST-OP: the journal could not be read: %s", exc)
+            last = {}
         for name, v in views.items():
             v.last_op = last.get(name)
         return p.ControllerStatusReply(controller_pid=os.getpid(), last_ops=True,
