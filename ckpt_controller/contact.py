@@ -22,11 +22,10 @@ import os
 import time
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ckpt_controller import hub
 from ckpt_controller.errors import UnreachableError
-from ckpt_controller.zmqutil import monitor_socket
+from ckpt_controller.zmqutil import monitor_socket, recv_monitor_event
 
 #: how long a refused connection may keep being refused before the first contact fails (a
 #: server that is just binding gets this long)
@@ -115,7 +114,7 @@ class FirstContact:
 
     def _read_events(self) -> None:
         while self._monitor is not None and self._monitor.poll(0, zmq.POLLIN):
-            event = recv_monitor_message(self._monitor)["event"]
+            event = recv_monitor_event(self._monitor)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self._refused_since = None
             elif event == zmq.EVENT_CONNECT_RETRIED:

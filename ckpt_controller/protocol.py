@@ -385,6 +385,19 @@ class OperationResult(msgspec.Struct, kw_only=True, tag=True):
     max_unavailable_seen: int = 0
 
 
+class LastOperation(msgspec.Struct, kw_only=True):
+    """The newest operation on one engine in the controller's journal (``EngineView``'s
+    ``last_op``): what ``ckptctl status`` shows as LAST-OP without a request per engine."""
+
+    op_id: str
+    kind: OperationKind
+    #: ``running`` while the operation is in progress
+    status: OperationStatus
+    #: when it started
+    wall: float
+    duration_s: float | None = None
+
+
 class EngineView(msgspec.Struct, kw_only=True):
     """The controller's view of one engine: the agent's own status when it answered."""
 
@@ -401,11 +414,16 @@ class EngineView(msgspec.Struct, kw_only=True):
     #: moved it there (the controller no longer drives it: it is not probed)
     moved_to: str | None = None
     moved_by: str | None = None
+    #: the newest operation on it in the journal (None: none there)
+    last_op: LastOperation | None = None
 
 
 class ControllerStatusReply(msgspec.Struct, kw_only=True, tag=True):
     controller_pid: int
     engines: list[EngineView]
+    #: the controller filled each view's ``last_op`` (one of before this field was added
+    #: leaves it False, and a client asks ``history`` per engine instead)
+    last_ops: bool = False
 
 
 class OperationSummary(msgspec.Struct, kw_only=True):

@@ -9,7 +9,9 @@ not slow (also between calls: ``poll_events`` raises ``UnreachableError`` then).
 
 Until the server is first heard from, ``contact.FirstContact`` watches the connection: a
 missing socket file, a refused port or a refused CURVE key fails the call within about a
-second instead of after every retry. An error after retries states the whole time waited.
+second instead of after every retry. An error after retries states the whole time waited;
+meanwhile ``on_wait`` (when given) hears, as a line for a person, that a request has had no
+answer for ``notice_after_s`` and then each resend (``ckptctl status`` prints them).
 Every command is checked against its field limits (``values``) before it is sent: a bad value
 is a ``UsageError`` naming the field, and nothing reaches the server.
 Not thread-safe: one client per thread. Neighbours: ``protocol`` (frames), ``contact``.
@@ -99,8 +101,14 @@ class RpcClient:
         on_event: Callable[[p.EventBody], None] | None = None,
         context: zmq.Context | None = None,
         curve: CurveClient | None = None,
+        on_wait: Callable[[str], None] | None = None,
+        notice_after_s: float = 2.0,
     ) -> None:
         self.endpoint = check_endpoint(endpoint)
+        #: told (a line for a person) when a request has had no answer for
+        #: ``notice_after_s``, and at each resend: a silent server is not waited out silently
+        self.on_wait = on_wait
+        self.notice_after_s = check(DURATION, notice_after_s, "notice_after_s")
         #: CURVE keys for a server that requires them
         self.curve = curve
         self.timeout_s = check(DURATION, timeout_s, "timeout_s")
@@ -222,11 +230,21 @@ class RpcClient:
         last_exc: UnreachableError | None = None
         self._take_pending()
         start = time.monotonic()
-        for _ in range(retries + 1):
+        attempts = retries + 1
+        for attempt in range(1, attempts + 1):
             cmd = msgspec.structs.replace(cmd, call_id=next(self._calls))
             self._sock.send_multipart(p.command_frames(rtype, cmd))
+            notice = None
+            if self.on_wait is not None:
+                if attempt > 1:
+                    self.on_wait(f"no answer from {self.endpoint} in {timeout:.1f}s; still "
+                                 f"trying (attempt {attempt} of {attempts})")
+                elif self.notice_after_s < timeout:
+                    notice = (f"no answer from {self.endpoint} yet ({self.notice_after_s:.1f}s);"
+                              f" still trying (attempt 1 of {attempts}, at most "
+                              f"{timeout * attempts:.0f}s in all)")
             try:
-                return self._await(cmd.call_id, timeout)
+                return self._await(cmd.call_id, timeout, notice)
             except UnreachableError as exc:  # policy: lazy pirate, reopen and resend
                 if exc.details.get("reason") in ("refused", "handshake"):
                     exc.details["attempts"] = 1
@@ -255,12 +273,20 @@ class RpcClient:
             if isinstance(msg, p.Event):
                 self._on_event(msg.body)
 
-    def _await(self, call_id: int, timeout: float):
+    def _await(self, call_id: int, timeout: float, notice: str | None = None):
+        """The reply to ``call_id``; ``notice`` goes to ``on_wait`` once there has been no
+        answer for ``notice_after_s``."""
         start = time.monotonic()
         last_seen = start
         while True:
             now = time.monotonic()
             left = start + timeout - now
+            if notice is not None:
+                if now - start >= self.notice_after_s:
+                    self.on_wait(notice)
+                    notice = None
+                else:
+                    left = min(left, start + self.notice_after_s - now)
             if self._subscribed and left <= 0 and now - last_seen < self.liveness_s:
                 # alive (heartbeats) but no answer in time: a deadline, not a lost peer
                 raise DeadlineError(f"no answer from {self.endpoint} in {timeout:.1f}s although "

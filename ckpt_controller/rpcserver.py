@@ -41,7 +41,6 @@ import weakref
 from collections.abc import Callable
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ckpt_controller import protocol as p
 from ckpt_controller.endpoints import cannot_bind, secure_ipc
@@ -50,7 +49,7 @@ from ckpt_controller.errors import (CkptError, EngineError, OperationError, Over
                                     ProtocolError)
 from ckpt_controller.security import CurveServer, ZapHandler, log_handshake_failures
 from ckpt_controller.zmqutil import (DeathHook, Outbox, exit_on_thread_death, guarded,
-                                     monitor_socket, more_to_read)
+                                     monitor_socket, more_to_read, recv_monitor_event)
 
 log = logging.getLogger("ckpt_controller.rpc")
 
@@ -333,7 +332,7 @@ class RpcServer:
             if self._zap is not None and self._zap.socket in events:
                 self._zap.handle()
             if self._monitor is not None and self._monitor in events:
-                log_handshake_failures(recv_monitor_message(self._monitor), self.name)
+                log_handshake_failures(recv_monitor_event(self._monitor), self.name)
             if self._outbox.inbox in events:
                 self._outbox.forward()
             if self._router in events:

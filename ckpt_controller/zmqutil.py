@@ -22,6 +22,7 @@ the process must not live on looking healthy (an agent heartbeating RUNNING whil
 API is dead). The default policy, ``exit_on_thread_death``, logs and ends the process with
 exit status ``THREAD_DEATH_EXIT`` (70, EX_SOFTWARE) so supervision sees it and restarts it;
 an embedder that must not exit (an in-process test server) passes its own hook.
+``monitor_socket`` and ``recv_monitor_event`` watch a socket's connection events.
 Neighbours: ``rpcserver`` (agent, controller) and ``engine.server`` own such sockets.
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 import time
 import uuid
@@ -292,3 +294,14 @@ def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
     pair.setsockopt(zmq.LINGER, 0)
     pair.connect(addr)
     return pair
+
+
+def recv_monitor_event(pair: zmq.Socket) -> dict:
+    """One event from a monitor socket, as pyzmq's ``recv_monitor_message`` gives it
+    (``event``, ``value``, ``endpoint``), without its module: that one imports
+    ``zmq.asyncio`` and so asyncio, a fifth of a ``ckptctl`` command's start-up."""
+    frames = pair.recv_multipart()
+    if len(frames) != 2 or len(frames[0]) != 6:
+        raise RuntimeError(f"not a zmq monitor event: {frames!r}")
+    event, value = struct.unpack("=hi", frames[0])
+    return {"event": event, "value": value, "endpoint": frames[1]}

@@ -71,6 +71,15 @@ def test_control_overhead_and_fan_out(tmp_path):
                                           for r in [res["single"]] + res["fanout"])
 
 
+def test_status_at_many_engines(tmp_path):
+    res = bench(tmp_path, "status", "--engines", "3", "--per-process", "2", "--repeat", "2",
+                "--group-ops", "1", "--single-ops", "2")
+    assert res["engines"] == 3 and res["operations"] == 3
+    (code,) = res["codes"].values()
+    assert len(code["runs_s"]) == 2 and all(positive(t) for t in code["runs_s"])
+    assert positive(code["status_request_median_s"]) and code["last_op_in_reply"] is True
+
+
 def test_journal_records_and_operations_share_fsyncs(tmp_path):
     res = bench(tmp_path, "journal", "--threads", "1,8", "--records", "400", "--ops", "16",
                 "--repeat", "1", "--dir", str(tmp_path))

@@ -1,20 +1,26 @@
 """``ckptctl status`` as a table (``fleet status``'s renderer), ``-o wide``, rows for engines
-that did not answer or moved away, ``agent status`` in the same columns; a real controller and
-real step engines, the renderer also on replies made here."""
+that did not answer or moved away, ``agent status`` in the same columns, LAST-OP from the
+status reply alone, and what it says while a stopped (SIGSTOP) controller does not answer; a
+real controller and real step engines, the renderer also on replies made here."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from ckpt_controller import protocol as p
 from ckpt_controller.cli.common import STATUS_COLUMNS, WIDE_COLUMNS, age, table
 from ckpt_controller.cli.controller_cmds import status_table
-from conftest import wait_until, write_hook
+from conftest import StreamedLines, wait_until, write_hook
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -141,3 +147,156 @@ def test_agent_status_has_the_same_columns(spawn_engine):
     assert rows[1][:6] == ["a1", "running", "0", "0", str(eng.pid), "-"]
     assert "weights: 4.0 MiB" in out.stdout and out.stderr == ""
     assert time.monotonic() - start < 30
+
+
+def test_status_takes_last_op_from_its_reply_and_asks_no_history(ipc_dir):
+    """LAST-OP comes in the status reply (``EngineView.last_op``, one journal read): the
+    command sends no ``history`` request, whatever the number of engines. A controller whose
+    reply does not carry it (one from before the field) is asked per engine, as before."""
+    from ckpt_controller.agent import Agent
+    from ckpt_controller.controller.client import ControllerClient
+    from ckpt_controller.controller.config import parse_config
+    from ckpt_controller.controller.server import ControllerServer
+
+    names = ["l0", "l1", "l2"]
+    agents = [Agent(n, control=f"ipc://{ipc_dir}/{n}.ctl", heartbeat_interval_s=0.2).start()
+              for n in names]
+    server = ControllerServer(parse_config(
+        f'[controller]\nendpoint = "ipc://{ipc_dir}/ctl.sock"\nstate_dir = "{ipc_dir}/state"\n'
+        f'heartbeat_interval_s = 0.2\nmetrics_port = 0\n[defaults]\nlevel = 0\n'
+        + _toml(*((n, f"ipc://{ipc_dir}/{n}.ctl") for n in names)))).start()
+    history_asked: list[p.HistoryCommand] = []
+    answer_history = server.controller.history
+
+    def history(cmd: p.HistoryCommand) -> p.HistoryReply:
+        history_asked.append(cmd)
+        return answer_history(cmd)
+
+    server.controller.history = history
+    try:
+        with ControllerClient(server.endpoint) as c:
+            assert c.cycle(["l0", "l1"], op_id="cy-1").status == "succeeded"
+            assert c.prepare(["l1"], op_id="pr-1").status == "succeeded"
+        out = subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
+                              server.endpoint, "status"], capture_output=True, text=True,
+                             timeout=60, cwd=ROOT)
+        assert out.returncode == 0, out.stdout + out.stderr
+        rows = {r[0]: r for r in _rows(out.stdout)}
+        assert [rows[n][6] for n in names] == ["cy-1", "pr-1", "-"], out.stdout
+        assert rows["l1"][1] == "prepared"
+        assert history_asked == []
+
+        # an older controller: no last_op in its reply, LAST-OP asked engine by engine
+        answer_status = server.controller.status
+
+        def old_status(engines: list[str]) -> p.ControllerStatusReply:
+            reply = answer_status(engines)
+            for v in reply.engines:
+                v.last_op = None
+            reply.last_ops = False
+            return reply
+
+        server.controller.status = old_status
+        out = subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
+                              server.endpoint, "status"], capture_output=True, text=True,
+                             timeout=60, cwd=ROOT)
+        assert out.returncode == 0, out.stdout + out.stderr
+        rows = {r[0]: r for r in _rows(out.stdout)}
+        assert [rows[n][6] for n in names] == ["cy-1", "pr-1", "-"], out.stdout
+        assert sorted(cmd.engine for cmd in history_asked) == names
+
+        # a journal that cannot be read leaves LAST-OP empty, not the engines' states
+        server.controller.status = answer_status
+
+        def unreadable(engines: list[str]):
+            raise sqlite3.OperationalError("disk I/O error")
+
+        server.controller.journal.last_operations = unreadable
+        with ControllerClient(server.endpoint) as c:
+            reply = c.status()
+        assert [(v.reachable, v.last_op) for v in reply.engines] == [(True, None)] * 3
+    finally:
+        server.close()
+        for a in agents:
+            a.close()
+
+
+@pytest.fixture
+def stoppable(spawn_controller, ipc_dir):
+    """A real controller process (one in-process agent behind it) that a test may SIGSTOP:
+    ``(controller, stop)``; it is sent SIGCONT at the end whatever happened."""
+    from ckpt_controller.agent import Agent
+
+    agent = Agent("z1", control=f"ipc://{ipc_dir}/z1.ctl", heartbeat_interval_s=0.2).start()
+    ctl = spawn_controller(_toml(("z1", f"ipc://{ipc_dir}/z1.ctl")))
+    out = ctl.ckptctl("status", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    try:
+        yield ctl, lambda: os.kill(ctl.pid, signal.SIGSTOP)
+    finally:
+        os.kill(ctl.pid, signal.SIGCONT)
+        agent.close()
+
+
+def test_status_says_on_stderr_that_a_stopped_controller_has_not_answered_yet(stoppable):
+    """SIGSTOPped, the controller accepts the request and answers nothing: after about 2 s
+    ``status`` says so on stderr (stdout stays for the document alone), and keeps waiting;
+    resumed, it answers that same request."""
+    ctl, stop = stoppable
+    stop()
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+                             ctl.endpoint, "status", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    err = StreamedLines(proc.stderr)
+    try:
+        wait_until(lambda: err.lines, 15, "a line on stderr")
+        said = time.monotonic() - start
+        assert err.lines == [f"ckptctl: no answer from {ctl.endpoint} yet (2.0s); still trying "
+                             "(attempt 1 of 3, at most 30s in all)\n"], err.lines
+        assert said >= 2.0 and proc.poll() is None
+    finally:
+        os.kill(ctl.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out + "".join(err.join())
+    assert json.loads(out)["engines"][0]["engine"] == "z1" and len(out.splitlines()) == 1
+
+
+def test_each_resend_to_a_stopped_controller_is_said(stoppable):
+    """The transport under it, with short timeouts: the notice, then one line per resend,
+    then the error stating the whole wait."""
+    from ckpt_controller.controller.client import ControllerClient
+    from ckpt_controller.errors import UnreachableError
+
+    ctl, stop = stoppable
+    stop()
+    said: list[str] = []
+    with ControllerClient(ctl.endpoint, timeout_s=0.6, retries=2, on_wait=said.append,
+                          notice_after_s=0.2) as c:
+        with pytest.raises(UnreachableError) as caught:
+            c.history(limit=1)
+    e = ctl.endpoint
+    assert said == [f"no answer from {e} yet (0.2s); still trying (attempt 1 of 3, at most 2s "
+                    "in all)",
+                    f"no answer from {e} in 0.6s; still trying (attempt 2 of 3)",
+                    f"no answer from {e} in 0.6s; still trying (attempt 3 of 3)"]
+    assert caught.value.details["attempts"] == 3 and "(3 attempts)" in caught.value.message
+
+
+@pytest.mark.slow
+def test_status_of_a_stopped_controller_gives_up_after_30s(stoppable):
+    """The whole documented wait (three attempts of 10 s): three lines on stderr, and with
+    ``--json`` only the error document on stdout, exit 4."""
+    ctl, stop = stoppable
+    stop()
+    start = time.monotonic()
+    out = ctl.ckptctl("status", "--json", timeout=90)
+    took = time.monotonic() - start
+    assert out.returncode == 4, out.stdout + out.stderr
+    doc = json.loads(out.stdout)
+    assert len(out.stdout.splitlines()) == 1 and doc["kind"] == "error"
+    assert doc["error"]["kind"] == "UnreachableError" and doc["error"]["details"]["attempts"] == 3
+    lines = out.stderr.splitlines()
+    assert [ln.split("still trying ")[1] for ln in lines[:3]] == [
+        "(attempt 1 of 3, at most 30s in all)", "(attempt 2 of 3)", "(attempt 3 of 3)"]
+    assert 29 < took < 45, took

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+
 import pytest
 
 from ckpt_controller import protocol as p
@@ -32,6 +34,46 @@ def test_an_old_operation_is_found_by_id_and_by_engine_under_many_newer_ones(tmp
         assert j.operations(engine="busy", op_id="old", limit=20) == []
         assert [r.op_id for r in j.records(op_id="old")] == ["old"]
         assert j.check() == []
+    finally:
+        j.close()
+
+
+def test_last_operations_are_each_engines_newest_in_one_read(tmp_path):
+    """``last_operations``: each named engine's newest operation (a running one too), none
+    for an engine without any, whatever else the journal holds; a journal from before the
+    ``wall`` index gets it when opened."""
+    j = Journal(tmp_path / "journal.sqlite3")
+    try:
+        assert j.last_operations(["a", "b"]) == {}
+        _done(j, "old-b", ["b"])
+        _done(j, "both", ["a", "b"])
+        for i in range(30):
+            _done(j, f"c{i}", ["c"])
+        _done(j, "newer-a", ["a", "c"])
+        j.begin("running-b", "prepare", ["b"], {})
+        last = j.last_operations(["a", "b", "c", "none", "ab"])
+        assert set(last) == {"a", "b", "c"}
+        assert last["a"].op_id == last["c"].op_id == "newer-a"
+        assert last["a"].kind == "cycle" and last["a"].status == "succeeded"
+        assert last["a"].duration_s is not None and last["a"].duration_s >= 0
+        assert last["b"].op_id == "running-b" and last["b"].status == "running"
+        assert last["b"].kind == "prepare" and last["b"].duration_s is None
+        assert j.last_operations(["b"])["b"].wall == last["b"].wall
+        # the same answer as asking for each engine's newest operation on its own
+        for name in ("a", "b", "c"):
+            assert j.operations(engine=name, limit=1)[0].op_id == last[name].op_id
+        assert j.last_operations([]) == {}
+    finally:
+        j.close()
+    with sqlite3.connect(tmp_path / "journal.sqlite3") as db:
+        db.execute("DROP INDEX operations_wall")
+    j = Journal(tmp_path / "journal.sqlite3")
+    try:
+        with sqlite3.connect(tmp_path / "journal.sqlite3") as db:
+            plan = db.execute("EXPLAIN QUERY PLAN SELECT op_id FROM operations "
+                              "ORDER BY wall DESC").fetchall()
+        assert "operations_wall" in str(plan), plan
+        assert j.last_operations(["a"])["a"].op_id == "newer-a"
     finally:
         j.close()
 

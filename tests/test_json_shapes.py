@@ -30,7 +30,8 @@ DOC = ROOT / "docs" / "json.md"
 STRUCT_NAMES = {"HandshakeReply", "StatusReply", "PrepareReply", "RestoreReply",
                 "HeartbeatReply", "Ack", "OperationResult", "ControllerStatusReply",
                 "HistoryReply", "StateChanged", "DrainProgress", "MemoryReported", "Heartbeat",
-                "Journaled", "EngineView", "JournalRecord", "TransitionRecord"}
+                "Journaled", "EngineView", "JournalRecord", "TransitionRecord",
+                "LastOperation"}
 
 
 # ---------------------------------------------------------------- the doc's tables
@@ -256,6 +257,10 @@ def test_controller_documents(spawn_reference, spawn_controller):
     records = [check_document(json.loads(line), "record") for line in lines]
     assert {"transition", "phase", "operation_start", "operation_end"} <= \
         {r["record_type"] for r in records}
+    last = parsed(ctl.ckptctl("status", "--json"), "status")["engines"][0]["last_op"]
+    assert last["op_id"] == "js-cycle" and last["operation"] == "cycle", last
+    assert last["status"] == "succeeded"
+    assert abs(last["started_at_unix"] - op["started_at_unix"]) < 1
 
     out = ctl.ckptctl("prepare", "js1", "--json", "--op-id", "js-prep", "--tags", "kv_cache")
     assert parsed(out, "operation")["engines"][0]["state"] == "prepared"

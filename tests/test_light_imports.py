@@ -97,6 +97,18 @@ def test_agent_client_leaves_the_engine_side_behind(code):
     assert heavy(modules, ENGINE_SIDE + SERVICE_SIDE) == []
 
 
+@pytest.mark.parametrize("code", ["from ckpt_controller.agent import AgentClient",
+                                  "from ckpt_controller.controller.client import "
+                                  "ControllerClient\nfrom ckpt_controller.cli import "
+                                  "controller_cmds"])
+def test_a_client_loads_no_asyncio(code):
+    """Nothing here uses asyncio; pyzmq's monitor helpers would load it (``zmq.asyncio``),
+    a fifth of a ``ckptctl status``'s start: the transport reads monitor events itself."""
+    modules = loaded_by(code)
+    assert "ckpt_controller.contact" in modules
+    assert heavy(modules, ("asyncio", "zmq.asyncio", "zmq.utils.monitor")) == []
+
+
 def test_the_engine_side_still_arrives_by_its_old_names():
     modules = loaded_by("from ckpt_controller.agent import Agent, AgentClient, AdmissionGate, "
                         "EngineHooks, MemoryManager, NoMemory\n"

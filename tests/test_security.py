@@ -18,6 +18,7 @@ from ckpt_controller import protocol as p
 from ckpt_controller.agent import Agent, AgentClient
 from ckpt_controller.errors import ConfigError, UnreachableError
 from ckpt_controller.security import CurveClient, CurveServer, generate, load
+from conftest import wait_until
 
 CKPTCTL = [sys.executable, "-m", "ckpt_controller"]
 
@@ -74,6 +75,10 @@ def test_only_an_authorized_key_gets_in_and_refusals_are_logged(keys, caplog):
         with client() as c:  # no CURVE at all
             with pytest.raises(UnreachableError):
                 c.status()
+        # read from the server's socket monitor: the handshake that failed, and why
+        wait_until(lambda: any("refused a connection from" in r.message and "without CURVE"
+                               in r.message for r in caplog.records), 10,
+                   "the failed handshake logged")
         with client(curve=CurveClient(pairs["operator"][1], pairs["stranger"][0])) as c:
             with pytest.raises(UnreachableError):  # the wrong server key
                 c.status()

@@ -354,31 +354,43 @@ def _image_line(kind: str, o: p.EngineOutcome) -> str | None:
 # ---------------------------------------------------------------- status, history, watch
 
 
+def _waiting(line: str) -> None:
+    """A request that has waited a while says so on stderr (never stdout: ``--json`` prints
+    only its document there)."""
+    print(f"ckptctl: {line}", file=sys.stderr, flush=True)
+
+
 def _status(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with _client(args, on_wait=_waiting) as c:
         reply = c.status(args.engines)
         # the same exit code for the table and --json: 4 when an engine did not answer
         code = 0 if all(v.reachable or v.moved_to for v in reply.engines) else 4
         if args.json:
             emit("status", reply)
             return code
-        last = {v.engine: _last_op(c, v.engine) for v in reply.engines
-                if v.moved_to is None}
+        last = None
+        if not reply.last_ops:  # a controller older than ``EngineView.last_op``: ask each
+            last = {v.engine: _last_op(c, v.engine) for v in reply.engines
+                    if v.moved_to is None}
     print(status_table(reply, last, wide=args.output == "wide"))
     return code
 
 
 def _last_op(c, engine: str) -> str | None:
-    """The newest operation on ``engine`` in the controller's journal."""
+    """The newest operation on ``engine`` in the controller's journal, asked on its own
+    (only of a controller whose status reply does not carry it)."""
     ops = c.history(engine=engine, limit=1).operations
     return ops[0].op_id if ops else None
 
 
-def status_table(reply: p.ControllerStatusReply, last_ops: dict[str, str | None],
+def status_table(reply: p.ControllerStatusReply, last_ops: dict[str, str | None] | None = None,
                  wide: bool = False, now: float | None = None) -> str:
     """``ckptctl status``'s table, then a line for each engine whose row needs one: why it
-    is unreachable, where it moved, which operation left it unsettled."""
+    is unreachable, where it moved, which operation left it unsettled. LAST-OP is each
+    view's ``last_op``, or ``last_ops[engine]`` when given (asked of an older controller)."""
     now = time.time() if now is None else now
+    if last_ops is None:
+        last_ops = {v.engine: v.last_op.op_id for v in reply.engines if v.last_op is not None}
     rows = [STATUS_COLUMNS + (WIDE_COLUMNS if wide else ())]
     notes = []
     for v in reply.engines:
@@ -402,7 +414,7 @@ def status_table(reply: p.ControllerStatusReply, last_ops: dict[str, str | None]
 
 
 def _history(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with _client(args, on_wait=_waiting) as c:
         reply = c.history(engine=args.engine, op_id=args.op_id, limit=args.limit)
     if args.json:
         emit("history", reply)

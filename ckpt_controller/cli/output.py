@@ -37,6 +37,7 @@ WALL_TIMES: dict[str, dict[str, str]] = {
     "PhaseRecord": {"wall": "started_at"},
     "OperationResult": {"wall": "started_at"},
     "OperationSummary": {"wall": "started_at"},
+    "LastOperation": {"wall": "started_at"},
     "JournalRecord": {"wall": "written_at"},
     # fleet records (``fleet.keys``, ``fleet.migration``)
     "NodeRecord": {"started": "started_at"},
@@ -52,17 +53,20 @@ WALL_TIMES: dict[str, dict[str, str]] = {
 RENAMED: dict[str, dict[str, str]] = {
     "OperationResult": {"kind": "operation"},
     "OperationSummary": {"kind": "operation"},
+    "LastOperation": {"kind": "operation"},
     "JournalRecord": {"type": "record_type"},
     "EngineView": {"kind": "engine_kind"},
     "FleetOp": {"kind": "operation"},
     "RequestEvent": {"type": "event", "timestamp": "monotonic"},
 }
 
-#: fields left out: storage details of a record (its etcd schema number), and the fleet
-#: view's own version (the document's ``version`` says it)
+#: fields left out: storage details of a record (its etcd schema number), the fleet
+#: view's own version (the document's ``version`` says it), and the status reply's mark
+#: that its views carry ``last_op`` (a transport detail for ``ckptctl status``)
 LEFT_OUT: dict[str, set[str]] = {
     "NodeRecord": {"schema"}, "EngineRecord": {"schema"}, "FleetOp": {"schema"},
     "Part": {"schema"}, "Migration": {"schema"}, "FleetView": {"version"},
+    "ControllerStatusReply": {"last_ops"},
 }
 
 

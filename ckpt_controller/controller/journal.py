@@ -49,7 +49,12 @@ import msgspec
 
 from ckpt_controller.controller.journal_writer import GroupWriter
 from ckpt_controller.errors import ConfigError
-from ckpt_controller.protocol import JournalRecord, OperationResult, OperationSummary
+from ckpt_controller.protocol import (
+    JournalRecord,
+    LastOperation,
+    OperationResult,
+    OperationSummary,
+)
 from ckpt_controller.vocab import OperationStatus
 
 SCHEMA = """
@@ -64,6 +69,7 @@ CREATE TABLE IF NOT EXISTS operations (
     ended_wall REAL,
     result     BLOB                     -- msgpack OperationResult once ended
 );
+CREATE INDEX IF NOT EXISTS operations_wall ON operations(wall);
 CREATE TABLE IF NOT EXISTS records (
     seq        INTEGER PRIMARY KEY AUTOINCREMENT,
     op_id      TEXT,
@@ -240,6 +246,30 @@ class Journal:
         return [OperationSummary(op_id=op, kind=kind, engines=json.loads(engines), status=status,
                                  wall=wall, duration_s=None if ended is None else ended - wall)
                 for op, kind, engines, status, wall, ended in rows]
+
+    def last_operations(self, engines: list[str]) -> dict[str, LastOperation]:
+        """The newest operation on each of ``engines`` (one without any is left out), in one
+        query: operations newest first (the ``wall`` index), read only until every engine
+        has been seen, so a journal whose newest operation named them all reads one row."""
+        left = set(engines)
+        found: dict[str, LastOperation] = {}
+        if not left:
+            return found
+        with self._reader() as conn:
+            for op, kind, names, status, wall, ended in conn.execute(
+                    "SELECT op_id, kind, engines, status, wall, ended_wall FROM operations "
+                    "ORDER BY wall DESC"):
+                named = left.intersection(json.loads(names))
+                if not named:
+                    continue
+                last = LastOperation(op_id=op, kind=kind, status=status, wall=wall,
+                                     duration_s=None if ended is None else ended - wall)
+                for name in named:
+                    found[name] = last
+                left -= named
+                if not left:
+                    break
+        return found
 
     # ---------------------------------------------------------------- records
 

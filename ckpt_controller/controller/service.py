@@ -461,7 +461,14 @@ class Controller:
 
         views: dict[str, p.EngineView] = {}
         hub.each(lambda name: views.__setitem__(name, view(name)), engines, 64)
-        return p.ControllerStatusReply(controller_pid=os.getpid(),
+        try:
+            last = self.journal.last_operations(engines)  # one query, not one per engine
+        except sqlite3.Error as exc:  # policy: the agents' answers still are the reply
+            log.warning("status without LAST-OP: the journal could not be read: %s", exc)
+            last = {}
+        for name, v in views.items():
+            v.last_op = last.get(name)
+        return p.ControllerStatusReply(controller_pid=os.getpid(), last_ops=True,
                                        engines=[views[e] for e in engines])
 
     def last_op(self, engine: str) -> str | None:
