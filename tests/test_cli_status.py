@@ -173,16 +173,22 @@ def test_status_takes_last_op_from_its_reply_and_asks_no_history(ipc_dir):
         return answer_history(cmd)
 
     server.controller.history = history
-    try:
-        with ControllerClient(server.endpoint) as c:
-            assert c.cycle(["l0", "l1"], op_id="cy-1").status == "succeeded"
-            assert c.prepare(["l1"], op_id="pr-1").status == "succeeded"
+
+    def status_rows() -> dict[str, list[str]]:
+        """``ckptctl status`` run for real: its rows by engine, LAST-OP checked."""
         out = subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
                               server.endpoint, "status"], capture_output=True, text=True,
                              timeout=60, cwd=ROOT)
         assert out.returncode == 0, out.stdout + out.stderr
         rows = {r[0]: r for r in _rows(out.stdout)}
         assert [rows[n][6] for n in names] == ["cy-1", "pr-1", "-"], out.stdout
+        return rows
+
+    try:
+        with ControllerClient(server.endpoint) as c:
+            assert c.cycle(["l0", "l1"], op_id="cy-1").status == "succeeded"
+            assert c.prepare(["l1"], op_id="pr-1").status == "succeeded"
+        rows = status_rows()
         assert rows["l1"][1] == "prepared"
         assert history_asked == []
 
@@ -197,12 +203,7 @@ def test_status_takes_last_op_from_its_reply_and_asks_no_history(ipc_dir):
             return reply
 
         server.controller.status = old_status
-        out = subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
-                              server.endpoint, "status"], capture_output=True, text=True,
-                             timeout=60, cwd=ROOT)
-        assert out.returncode == 0, out.stdout + out.stderr
-        rows = {r[0]: r for r in _rows(out.stdout)}
-        assert [rows[n][6] for n in names] == ["cy-1", "pr-1", "-"], out.stdout
+        status_rows()
         assert sorted(cmd.engine for cmd in history_asked) == names
 
         # a journal that cannot be read leaves LAST-OP empty, not the engines' states
