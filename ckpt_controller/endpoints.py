@@ -4,7 +4,8 @@
 ``$XDG_RUNTIME_DIR/ckpt-controller`` or ``/tmp/ckpt-controller-<uid>``, created mode 0700.
 ``secure_ipc(endpoint)`` makes a bound socket file mode 0600. tcp:// endpoints pass through.
 ``free_port()`` finds a loopback TCP port nobody listens on (the demo's and the drill's
-engines); ``cannot_bind`` is the one error for an endpoint a server could not bind. Imports nothing of the project but ``errors``, so the CLI's parser may use it.
+engines); ``cannot_bind`` is the one error for an endpoint a server could not bind. Imports
+nothing of the project but ``errors``, so the CLI's parser may use it.
 Neighbours: ``rpc`` and ``rpcserver`` (check and secure endpoints), ``agent.server``,
 ``controller.config``, ``adapters.vllm.state`` (the runtime dir), the CLI, ``drill.runner``.
 """
