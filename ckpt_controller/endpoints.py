@@ -64,7 +64,8 @@ def check_endpoint(endpoint: str) -> str:
     up and keeps retrying it, which a client would report as nothing listening: such an
     address is refused here at once. HOST is a dotted-quad IPv4 address, an IPv6 address
     (``[::1]``), ``*`` (every interface, to bind), or a host or interface name, looked up when
-    used; PORT is 0 to 65535 (0 or ``*``: any free port, to bind)."""
+    used; PORT is 0 to 65535 (0 or ``*``: any free port, to bind). zmq's
+    ``tcp://SOURCE;HOST:PORT`` (connect from SOURCE) passes when both parts do."""
     if not isinstance(endpoint, str) or not endpoint.startswith(("ipc://", "tcp://",
                                                                  "inproc://")):
         raise ConfigError("endpoint must start with ipc://, tcp:// or inproc://", endpoint=endpoint)
@@ -72,7 +73,10 @@ def check_endpoint(endpoint: str) -> str:
     if not address:
         raise ConfigError("endpoint names no address after the scheme", endpoint=endpoint)
     if scheme == "tcp":
-        problem = _tcp_problem(address)
+        # zmq's source-address form, ``tcp://SOURCE;HOST:PORT`` (connect from SOURCE, an
+        # interface or address, with or without a port): each part checked on its own
+        source, semi, address = address.rpartition(";")
+        problem = _tcp_problem(address) or (semi and _source_problem(source))
         if problem:
             raise ConfigError(f"endpoint is not a valid tcp://HOST:PORT address: {problem}",
                               endpoint=endpoint)
@@ -103,6 +107,17 @@ def _tcp_problem(address: str) -> str | None:
     except ValueError as err:  # policy: the address's own fault, said with the endpoint
         return f"host {host!r} is not an IP address ({err})"
     return None
+
+
+def _source_problem(source: str) -> str | None:
+    """What is wrong with a source address (``HOST`` or ``HOST:PORT``), ``None``: nothing."""
+    if not source:
+        return "nothing before ';' (the source address)"
+    if source.startswith("["):  # IPv6, with a port after the bracket or without one
+        return _tcp_problem(source if "]:" in source else f"{source}:0")
+    if source.count(":") == 1:  # a name or an IPv4 address, and a port
+        return _tcp_problem(source)
+    return _tcp_problem(f"{source}:0")  # a bare host
 
 
 #: a host of digits and dots only is meant as an IPv4 address (no top-level domain is numeric)

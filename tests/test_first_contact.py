@@ -108,7 +108,8 @@ def test_the_command_line_reports_a_missing_server_at_once(ipc_dir, argv, hint):
 NO_ADDRESS = ["tcp://256.1.1.1:5", "tcp://999.1.1.1:5", "tcp://1.2.3:5", "tcp://1.1.1.1.1:5",
               "tcp://host:99999", "tcp://127.0.0.1:65536", "tcp://127.0.0.1:-1",
               "tcp://127.0.0.1", "tcp://:5", "tcp://[::1:5", "tcp://[::g]:5", "tcp://a b:5",
-              "tcp://a..b:5", "tcp://127.0.0.1:5 ", "ipc://"]
+              "tcp://a..b:5", "tcp://127.0.0.1:5 ", "ipc://", "tcp://;127.0.0.1:5",
+              "tcp://256.0.0.1;127.0.0.1:5", "tcp://eth0;127.0.0.1:99999"]
 
 
 @pytest.mark.parametrize("endpoint", NO_ADDRESS)
@@ -135,7 +136,8 @@ def test_host_names_and_every_ip_form_still_work():
     for good in ("tcp://localhost:5", "tcp://node-1.example.com.:80", "tcp://[::1]:5",
                  "tcp://[fe80::1%eth0]:5", "tcp://*:5", "tcp://127.0.0.1:0",
                  "tcp://127.0.0.1:*", "tcp://eth0:5", "tcp://10.0.0.3:65535",
-                 "ipc://@abstract", "inproc://x"):
+                 "ipc://@abstract", "inproc://x", "tcp://eth0;192.168.1.1:5555",
+                 "tcp://127.0.0.1:6000;127.0.0.1:5", "tcp://[::1];[::1]:5", "tcp://[::1]:6000;[::1]:5"):
         assert check_endpoint(good) == good
     with Agent("named", control="tcp://127.0.0.1:0") as agent:
         port = agent.endpoint.rsplit(":", 1)[1]
