@@ -90,7 +90,8 @@ def _tcp_problem(address: str) -> str | None:
     host, colon, port = address.rpartition(":")
     if not colon:
         return "no :PORT"
-    if port != "*" and not (port.isascii() and port.isdigit() and int(port) <= 65535):
+    if port != "*" and not (port.isascii() and port.isdigit() and len(port) <= 5
+                            and int(port) <= 65535):
         return f"port {port!r} is not a number from 0 to 65535"
     if host == "*":
         return None
@@ -101,9 +102,9 @@ def _tcp_problem(address: str) -> str | None:
             ipaddress.IPv6Address(ip)
         elif _NUMERIC_HOST.fullmatch(ip):  # numbers: an IPv4 address, never a name
             ipaddress.IPv4Address(ip)
-        elif bracketed or not _HOST_NAME.fullmatch(host):
+        elif bracketed or len(host) > 253 or not _HOST_NAME.fullmatch(host):
             return (f"host {host!r} is not an IP address, '*' or a host or interface name "
-                    "(letters, digits, '.', '_', '-')")
+                    "(letters, digits, '.', '_', '-'; at most 253)")
     except ValueError as err:  # policy: the address's own fault, said with the endpoint
         return f"host {host!r} is not an IP address ({err})"
     return None
