@@ -153,3 +153,76 @@ def test_a_link_that_cannot_be_made_refuses_the_operation(tmp_path, spawn_engine
         assert ctl.run(_op("cycle", "ln6"), 60).status == "succeeded"  # not left held
     finally:
         ctl.close()
+
+
+def _count_status_requests(monkeypatch) -> list[str]:
+    """Each status request a link sends, by the link's name (``controller/<engine>``)."""
+    asked: list[str] = []
+    real = links_mod.AgentLink.status
+
+    def status(self, **kw):
+        asked.append(self.name)
+        return real(self, **kw)
+    monkeypatch.setattr(links_mod.AgentLink, "status", status)
+    return asked
+
+
+def test_a_link_that_heard_its_agent_just_now_asks_no_status(tmp_path, spawn_engine,
+                                                             monkeypatch):
+    """An operation starts from what the engine's link knows (the last reply, the
+    heartbeats read when it is taken) while it heard from the agent within KNOWN_FRESH_S;
+    the state it knows is the agent's own."""
+    asked = _count_status_requests(monkeypatch)
+    eng = spawn_engine("ln7", weights_mib=4, kv_mib=1)
+    ctl = _controller(tmp_path, eng)
+    try:
+        assert ctl.run(_op("cycle", "ln7"), 60).status == "succeeded"
+        assert asked == ["controller/ln7"]  # the first operation asks: the link knew nothing
+        assert ctl.run(_op("prepare", "ln7"), 60).status == "succeeded"
+        time.sleep(2 * links_mod.KNOWN_FRESH_S)  # idle: only the heartbeats tell it is alive
+        assert ctl.run(_op("restore", "ln7"), 60).status == "succeeded"
+        assert asked == ["controller/ln7"]
+        assert ctl.links.parked_knows("ln7").generation == 2
+        # an operator's own prepare, straight at the agent: the link hears of it
+        with AgentClient(eng.control) as operator:
+            operator.prepare(drain="wait", level=0)
+        time.sleep(0.3)  # the event on its way to the parked link
+        with pytest.raises(Exception, match="needs RUNNING engines; ln7 is prepared"):
+            ctl.run(_op("prepare", "ln7"), 60)
+        assert asked == ["controller/ln7"]
+        # with no heartbeats placed in time (a limit nothing can meet), it asks again
+        monkeypatch.setattr(links_mod, "KNOWN_FRESH_S", 0.0)
+        monkeypatch.setattr("ckpt_controller.controller.preflight.KNOWN_FRESH_S", 0.0)
+        monkeypatch.setattr("ckpt_controller.controller.session.KNOWN_FRESH_S", 0.0)
+        assert ctl.run(_op("restore", "ln7"), 60).status == "succeeded"
+        assert asked == ["controller/ln7"] * 3  # the preflight's, and the session's own
+    finally:
+        ctl.close()
+
+
+def test_a_stopped_agent_is_asked_once_its_link_heard_nothing_for_a_while(tmp_path,
+                                                                          spawn_engine,
+                                                                          monkeypatch):
+    """A hung agent sends no heartbeats: past KNOWN_FRESH_S its link knows nothing current,
+    the preflight asks, and the operation is refused (nothing taken out of service)."""
+    import os
+    import signal
+
+    asked = _count_status_requests(monkeypatch)
+    eng = spawn_engine("ln8", weights_mib=4, kv_mib=1)
+    ctl = _controller(tmp_path, eng)
+    try:
+        assert ctl.run(_op("cycle", "ln8"), 60).status == "succeeded"
+        os.kill(eng.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(links_mod.KNOWN_FRESH_S + 0.2)
+            with pytest.raises(UnreachableError, match="ln8 did not answer"):
+                ctl.run(_op("cycle", "ln8"), 60)
+            assert asked == ["controller/ln8"] * 2
+        finally:
+            os.kill(eng.proc.pid, signal.SIGCONT)
+        assert ctl.run(_op("cycle", "ln8"), 60).status == "succeeded"
+        with AgentClient(eng.control) as agent:
+            assert agent.status().state == "running"
+    finally:
+        ctl.close()

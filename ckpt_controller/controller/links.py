@@ -15,8 +15,14 @@ one made, exactly as without the pool:
 - it was idle less than ``IDLE_REFRESH_S`` (an idle link's heartbeats queue up unread; the
   agent forgets a subscriber whose queue is full).
 
-What queued while it was idle (heartbeats, an operator's own transitions) is read and dropped
-when it is taken: it belongs to no operation. Neighbours: ``session`` (the user of a link),
+What queued while it was idle (heartbeats, an operator's own transitions) is read when it is
+taken, and belongs to no operation; it does tell what the link knows of its engine
+(``known``). A link that asked its agent's status once follows it from then on, through the
+replies of its operations and its subscription's events and heartbeats: the state, the
+generation, and when it last heard from a live agent. While that is recent (``knows``), an
+operation starts from it instead of asking again: one request and round trip fewer per engine
+and operation. The PID stays what the status said: a restarted or restored process drops the
+connection, and a link whose connection dropped is never used again. Neighbours: ``session`` (the user of a link),
 ``service`` (owns the pool), ``preflight`` (asks a held engine's status over its link),
 ``agent.client`` (the requests), ``rpc`` (the transport).
 """
@@ -34,6 +40,7 @@ from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.errors import CkptError, ProtocolError, UnreachableError
+from ckpt_controller.vocab import CheckpointState
 from ckpt_controller.zmqutil import monitor_socket
 
 log = logging.getLogger("ckpt_controller.controller")
@@ -42,6 +49,12 @@ log = logging.getLogger("ckpt_controller.controller")
 IDLE_REFRESH_S = 60.0
 #: a request's timeout on a link (operations are bounded by heartbeats instead); one resend
 LINK_TIMEOUT_S = 2.0
+#: how recently a link must have heard from its agent for an operation to start from what
+#: it knows (``AgentLink.knows``) instead of asking the agent's status: no older than a
+#: status the operation would read just before
+KNOWN_FRESH_S = 1.0
+#: a heartbeat's state (a string on the wire) as an engine's state
+_STATES = {s.value: s for s in CheckpointState}
 
 
 class AgentLink(AgentClient):
@@ -58,6 +71,14 @@ class AgentLink(AgentClient):
         self.healthy = True
         self._monitor: zmq.Socket | None = None
         self._idle_since = time.monotonic()
+        #: the agent's status as this link last learned it: asked once, then kept current
+        #: (state, generation) by replies, events and heartbeats; None until first asked
+        self.known: p.StatusReply | None = None
+        #: our monotonic clock when the agent was last heard alive (``knows``)
+        self._heard_at = float("-inf")
+        #: our monotonic clock less the agent's, as of its last transition a reply carried:
+        #: places a heartbeat read later at the time the agent sent it (None: not yet known)
+        self._offset: float | None = None
         super().__init__(*args, **kw)
 
     def call(self, rtype, cmd, **kw):
@@ -66,9 +87,53 @@ class AgentLink(AgentClient):
         except (UnreachableError, ProtocolError):
             self.healthy = False
             raise
+        self._learn(result)
         if self.on_reply is not None:
             self.on_reply(result)
         return result
+
+    # ---------------------------------------------------------------- what it knows
+
+    def knows(self, fresh_s: float) -> p.StatusReply | None:
+        """The agent's status as this link follows it, when the agent was heard alive in the
+        last ``fresh_s`` (a reply, or a heartbeat sent since); else None: ask it."""
+        if self.known is None or time.monotonic() - self._heard_at >= fresh_s:
+            return None
+        return self.known
+
+    def _learn(self, result: object) -> None:
+        """A reply: the agent is alive now, and says its state."""
+        now = time.monotonic()
+        if isinstance(result, p.StatusReply):
+            self.known, self._heard_at = result, now
+            return
+        if self.known is None:
+            return
+        if isinstance(result, (p.PrepareReply, p.RestoreReply)):
+            self._heard_at = now
+            self.known.state = result.state
+            if isinstance(result, p.RestoreReply):
+                self.known.generation = result.generation
+            if result.transitions:
+                self._offset = now - result.transitions[-1].monotonic
+        elif isinstance(result, p.HeartbeatReply) and result.state in _STATES:
+            self._heard_at = now
+            self.known.state = _STATES[result.state]
+
+    def _on_event(self, body: p.EventBody) -> None:
+        known = self.known
+        if known is not None:
+            if isinstance(body, p.Heartbeat):
+                state = _STATES.get(body.state)
+                if state is None or body.incarnation != known.incarnation:
+                    self.known = None  # restored from an image, or not an engine: ask again
+                else:
+                    known.state = state
+                    if self._offset is not None:  # when it was sent, not when we read it
+                        self._heard_at = max(self._heard_at, body.monotonic + self._offset)
+            elif isinstance(body, p.StateChanged):
+                known.state, known.generation = body.transition.dest, body.transition.generation
+        super()._on_event(body)
 
     def _reopen(self) -> None:
         self.healthy = False  # a new socket: the subscription is no longer sure
@@ -89,9 +154,10 @@ class AgentLink(AgentClient):
             self._monitor = monitor_socket(self._sock, zmq.EVENT_DISCONNECTED)
 
     def reusable(self) -> bool:
-        """Whether this parked link may serve another operation; drops what queued while it
-        was idle. A link whose first contact never settled has no watch on its connection
-        and is not used again."""
+        """Whether this parked link may serve another operation; reads what queued while it
+        was idle (what it knows is brought up to date; the events themselves are dropped). A
+        link whose first contact never settled has no watch on its connection and is not
+        used again."""
         if not (self.healthy and self._monitor is not None):
             return False
         if time.monotonic() - self._idle_since > IDLE_REFRESH_S:
@@ -167,6 +233,13 @@ class AgentLinks:
                 self._parked[engine], old = link, None
         if old is not None:
             old.close()
+
+    def parked_knows(self, engine: str) -> p.StatusReply | None:
+        """What ``engine``'s parked link knows of it, however old (None: none parked, or it
+        knows nothing); for tests and diagnostics."""
+        with self._lock:
+            link = self._parked.get(engine)
+        return link.known if link is not None else None
 
     def drop(self, engine: str) -> None:
         """Close ``engine``'s parked link, if any: it was given away, or adopted (a link of

@@ -1,14 +1,17 @@
 """What an operation checks before it exists: every engine asked, a restore's image chosen.
 
-``ask`` sends each engine's agent one status request (concurrently, one try each) and
-refuses the whole operation if any engine does not answer or is not in a state the operation
-needs (``NEEDS``), so a group with one dead engine takes none out of service. A restore may go
-to an engine that does not answer when pre-restore hooks are installed: they may bring its
-process back from an image. ``choose_images`` gives a restore the image of each engine: the
-one the operator named, else the newest one a capture dumped at the engine's generation; an
-older one must be named. A refusal here raises, and the controller turns it into a refused
-request: nothing journaled, counted as refused. Neighbours: ``service`` calls both before it
-journals an operation; ``journal`` (the capture records); ``hooks`` (which points have hooks).
+``ask`` reads each engine's status, from its link when the link heard from the agent in the
+last ``links.KNOWN_FRESH_S`` (its replies, events and heartbeats keep it current), else by one
+status request to the agent (concurrently, one try each), and refuses the whole operation if
+any engine does not answer or is not in a state the operation needs (``NEEDS``), so a group
+with one dead engine takes none out of service (one that died within that last second is found
+by the operation itself, as one that dies just after a status request is). A restore may go to
+an engine that does not answer when pre-restore hooks are installed: they may bring its process
+back from an image. ``choose_images`` gives a restore the image of each engine: the one the
+operator named, else the newest one a capture dumped at the engine's generation; an older one
+must be named. A refusal here raises, and the controller turns it into a refused request:
+nothing journaled, counted as refused. Neighbours: ``service`` calls both before it journals an
+operation; ``journal`` (the capture records); ``hooks`` (which points have hooks).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.hooks import find_hooks
+from ckpt_controller.controller.links import KNOWN_FRESH_S, AgentLink
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.errors import CkptError, UnreachableError, UsageError
 from ckpt_controller.vocab import CheckpointState, HookPoint, OperationKind
@@ -36,20 +40,21 @@ NEEDS: dict[OperationKind, tuple[CheckpointState, ...]] = {
 PROBE_TIMEOUT_S = 2.0
 
 
-def probe(config: ControllerConfig, name: str, link: AgentClient | None = None
+def probe(config: ControllerConfig, name: str, link: AgentLink | None = None
           ) -> p.StatusReply:
-    """Engine ``name``'s status from its agent, asked once (``PROBE_TIMEOUT_S``) over
-    ``link`` when given (an open connection of the operation's), else over a new one; raises
-    the ``CkptError`` of a failure to ask (``UnreachableError`` when it does not answer)."""
+    """Engine ``name``'s status: what ``link`` (an open connection of the operation's) knows
+    when it heard from the agent in the last ``KNOWN_FRESH_S``, else asked once
+    (``PROBE_TIMEOUT_S``) over ``link`` or, without one, over a new connection; raises the
+    ``CkptError`` of a failure to ask (``UnreachableError`` when it does not answer)."""
     if link is not None:
-        return link.status(timeout_s=PROBE_TIMEOUT_S, retries=0)
+        return link.knows(KNOWN_FRESH_S) or link.status(timeout_s=PROBE_TIMEOUT_S, retries=0)
     with AgentClient(config.engine(name).control, timeout_s=PROBE_TIMEOUT_S, retries=0,
                      curve=config.agent_curve(name)) as c:
         return c.status()
 
 
 def ask(config: ControllerConfig, cmd: p.OperationCommand, engines: list[str],
-        links: dict[str, AgentClient] | None = None) -> dict[str, p.StatusReply | None]:
+        links: dict[str, AgentLink] | None = None) -> dict[str, p.StatusReply | None]:
     """Each engine's status (None: a restore's engine that may be revived), asked over its
     link in ``links`` when there is one. Raises for the first engine that refuses the
     operation, naming every one in ``details['refused']``."""

@@ -235,7 +235,7 @@ class Controller:
         try:
             self.record("operation_start", {"kind": cmd.kind, "engines": engines},
                         op_id=cmd.op_id)
-            outcomes, peak = self._execute(cmd, engines, images, links, statuses)
+            outcomes, peak = self._execute(cmd, engines, images, links)
             result = summarize(cmd.op_id, cmd.kind, outcomes, wall, time.monotonic() - start)
             result.max_unavailable_seen = peak
         except Exception as exc:  # policy: a controller bug still ends the operation, journaled
@@ -271,8 +271,8 @@ class Controller:
 
     # ---------------------------------------------------------------- running them
 
-    def _session(self, cmd: p.OperationCommand, engine: str, link: AgentLink | None = None,
-                 status: p.StatusReply | None = None) -> EngineSession:
+    def _session(self, cmd: p.OperationCommand, engine: str,
+                 link: AgentLink | None = None) -> EngineSession:
         overrides = {k: getattr(cmd, k) for k in
                      ("drain", "on_deadline", "level", "tags", "residual_budget_bytes")
                      if getattr(cmd, k) is not None}
@@ -282,21 +282,19 @@ class Controller:
         session = EngineSession(self.config, engine, cmd.op_id, params,
                                 cmd.deadline_s or self.config.deadlines.operation,
                                 self.record, self.metrics, drain_timeout_s=cmd.drain_timeout_s,
-                                links=self.links, link=link, status=status,
-                                sync=self.sync)
+                                links=self.links, link=link, sync=self.sync)
         session.hook_env = dict(cmd.hook_env)
         if self.guard is not None:  # e.g. a migration's target takes the engine over
             session.before_resume = self.guard.before_resume(cmd.op_id, engine)
         return session
 
     def _execute(self, cmd: p.OperationCommand, engines: list[str],
-                 images: dict[str, str | None], links: dict[str, AgentLink],
-                 statuses: dict[str, p.StatusReply | None]
+                 images: dict[str, str | None], links: dict[str, AgentLink]
                  ) -> tuple[list[p.EngineOutcome], int]:
         sessions = []
         try:
             for e in engines:
-                sessions.append(self._session(cmd, e, links.pop(e), statuses.get(e)))
+                sessions.append(self._session(cmd, e, links.pop(e)))
                 sessions[-1].image = images.get(e)
             if cmd.kind == OperationKind.CYCLE:
                 return rolling(sessions, cmd.max_unavailable or len(sessions))

@@ -26,7 +26,7 @@ from ckpt_controller import hub
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.config import ControllerConfig, PrepareDefaults
 from ckpt_controller.controller.hooks import HookContext, find_hooks, run_point
-from ckpt_controller.controller.links import AgentLink, AgentLinks
+from ckpt_controller.controller.links import KNOWN_FRESH_S, AgentLink, AgentLinks
 from ckpt_controller.controller.outcome import StepOutcome
 from ckpt_controller.controller.policy import hook_failed
 from ckpt_controller.errors import (
@@ -51,8 +51,6 @@ log = logging.getLogger("ckpt_controller.controller")
 Recorder = Callable[..., p.JournalRecord]
 #: engines whose capture without a dump hook was logged as a warning (later ones: debug)
 _TOLD_NO_DUMP: set[str] = set()
-#: how old the preflight's status may be for a session to start from it instead of asking
-STATUS_FRESH_S = 1.0
 
 
 class EngineSession:
@@ -60,7 +58,6 @@ class EngineSession:
                  params: PrepareDefaults, deadline_s: float, record: Recorder,
                  metrics=None, drain_timeout_s: float | None = None,
                  links: AgentLinks | None = None, link: AgentLink | None = None,
-                 status: p.StatusReply | None = None,
                  sync: Callable[[], None] | None = None) -> None:
         self.config = config
         #: how long a wait drain may take before its escalation (the operation's own value,
@@ -95,8 +92,6 @@ class EngineSession:
         #: closed with the session)
         self._parks = links is not None
         self.links = links or AgentLinks(config)
-        #: the status the operation's preflight just read over the same link, if any
-        self._status = (status, time.monotonic()) if status is not None else None
         if link is None:
             link = self.links.take(engine)
         link.on_event, link.on_reply = self._on_agent_event, self._on_agent_reply
@@ -119,7 +114,6 @@ class EngineSession:
         self.client.close()
         self.client = self.links.fresh(self.engine.name, self._on_agent_event,
                                        self._on_agent_reply)
-        self._status = None
         return self.open()
 
     def close(self) -> None:
@@ -163,16 +157,12 @@ class EngineSession:
     # ---------------------------------------------------------------- steps
 
     def open(self) -> p.StatusReply:
-        """Subscribe to the agent (a parked link still is) and read its status (the
-        preflight's, read just before over the same link, when there is one); raises
-        ``UnreachableError`` when it does not answer."""
+        """Subscribe to the agent (a parked link still is) and read its status: what the
+        link knows when it heard from the agent just now (the preflight's, or the last
+        operation's), else asked; raises ``UnreachableError`` when it does not answer."""
         if not self.client.subscribed:
             self.client.subscribe()
-        known, self._status = self._status, None
-        if known is not None and time.monotonic() - known[1] < STATUS_FRESH_S:
-            status = known[0]
-        else:
-            status = self.client.status()
+        status = self.client.knows(KNOWN_FRESH_S) or self.client.status()
         self.pid, self.outcome.state, self.generation = status.pid, status.state, status.generation
         return status
 
