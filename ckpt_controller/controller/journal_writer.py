@@ -71,6 +71,9 @@ class GroupWriter:
     def __init__(self, db: sqlite3.Connection, *, first_number: int, mark_sql: str) -> None:
         self._db, self._mark_sql = db, mark_sql
         self._db.execute("PRAGMA synchronous=NORMAL")
+        #: the connection's ``synchronous`` is FULL now (set for a barrier's round, and left
+        #: so until a round without one: rounds of barriers in a row set it once)
+        self._full = False
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)      # the writer waits here
         self._progress = threading.Condition(self._lock)  # barriers and reads
@@ -258,8 +261,9 @@ class GroupWriter:
         """Run ``batch`` in one transaction, setting each failed entry's ``error``; True when
         the transaction committed (the rows that did not fail are in it)."""
         db = self._db
-        if sync:
-            db.execute("PRAGMA synchronous=FULL")
+        if sync != self._full:
+            db.execute("PRAGMA synchronous=FULL" if sync else "PRAGMA synchronous=NORMAL")
+            self._full = sync
         try:
             db.execute("BEGIN IMMEDIATE")
             for run in _runs(batch):
@@ -280,9 +284,6 @@ class GroupWriter:
             if not any(e.sql for e in batch):
                 log.error("journal: a commit to fsync what came before failed: %s", exc)
             return False
-        finally:
-            if sync:
-                db.execute("PRAGMA synchronous=NORMAL")
 
     def _settle(self, batch: list[Entry], last: int, *, committed: bool, synced: bool) -> None:
         """Count the batch, keep its lost plain rows for the next barrier, wake its waiters."""
