@@ -14,7 +14,9 @@ other engines' agents run on other hosts).
   agents are reached; ``--round-trips`` small messages, half before the cycles and half after,
   timed one by one. Its median is the unit "bare round trips" (RT) of every table;
 - single: ``--repeat`` cycles of one engine, one after the other (median, p90), and its
-  phases as the controller timed them (each its call to the agent: request to reply);
+  phases as the controller timed them (each its call to the agent: request to reply); then
+  the same again with the journal in memory (``/dev/shm``, unless ``--state-dir`` chose
+  where): the difference is what the journal's two fsyncs per operation cost on this disk;
 - fan-out: one ``cycle`` over N engines at once (max-unavailable N) for each N, and a
   least-squares line through the medians: what each additional engine adds;
 - CPU: the controller's process and all agent hosts, read from their CPU clocks just before
@@ -41,11 +43,16 @@ from _hosts import ControllerHost, EchoHost, Fleet
 
 from ckpt_controller.vocab import OperationKind, OperationStatus
 
+#: a file system in memory: a journal there pays no disk fsync
+MEMORY_DIR = Path("/dev/shm")
 #: issue 15's limits: (key, what, limit, unit)
 GOALS = [("single_rt", "one engine, one cycle", 20.0, "bare RT"),
          ("fanout_slope_rt", "fan-out: each additional engine", 5.0, "bare RT"),
          ("controller_cpu_ms", "controller CPU per engine per cycle, net", 0.5, "ms"),
          ("agent_cpu_ms", "agent CPU per no-op prepare+restore, net", 0.5, "ms")]
+#: the first goal again, measured with the journal in ``MEMORY_DIR``
+MEMORY_ROW = ("single_memory_rt", "one engine, one cycle, less the disk's fsyncs", 20.0,
+              "bare RT")
 
 
 def config(d: Path, n: int, state: Path) -> str:
@@ -55,14 +62,15 @@ def config(d: Path, n: int, state: Path) -> str:
             f'heartbeat_interval_s = 1.0\n[defaults]\nlevel = 0\ndrain = "abort"\n' + engines)
 
 
-def run_count(d: Path, n: int, args, reps: int) -> dict:
+def run_count(d: Path, n: int, args, reps: int, state_dir: Path | None = None) -> dict:
     """``reps`` measured cycles of ``n`` engines at once, with a fleet of ``n`` agents and a
-    controller of their own, all in ``d``."""
+    controller of their own, all in ``d`` (the journal in ``state_dir`` when given, else in
+    ``--state-dir``, else in ``d``)."""
     from ckpt_controller.controller.client import ControllerClient
 
     d.mkdir()
     conf = d / "controller.toml"
-    conf.write_text(config(d, n, (args.state_dir or d) / f"state-{d.name}"))
+    conf.write_text(config(d, n, (state_dir or args.state_dir or d) / f"state-{d.name}"))
     fleet = Fleet(d, n, args.per_process)
     with contextlib.closing(fleet), ControllerHost(conf) as ctl, \
             ControllerClient(ctl.endpoint, timeout_s=120) as c:
@@ -111,7 +119,8 @@ def round_trip(before: list[float], after: list[float]) -> dict:
 def in_rt(results: dict) -> None:
     """Add each time's value in bare round trips (``*_rt``) to the rows."""
     rt = results["round_trip"]["median_s"]
-    for row in [results["single"]] + results["fanout"]:
+    for row in [results["single"]] + results["fanout"] + \
+            ([results["single_memory"]] if results.get("single_memory") else []):
         row |= {"median_rt": row["median_s"] / rt, "p90_rt": row["p90_s"] / rt,
                 "phase_median_rt": {k: v / rt for k, v in row["phase_median_s"].items()}}
         for who in ("controller", "agents"):
@@ -156,8 +165,12 @@ def goals(results: dict) -> list[dict]:
                               * 1e3, f"worst: {engines(worst['controller'])}"),
         "agent_cpu_ms": (worst["agents"]["agents_net_cpu_per_engine_cycle_s"] * 1e3,
                          f"worst: {engines(worst['agents'])}")}
+    memory = results.get("single_memory")
+    if memory is not None:  # beside the goal: the same, less what the disk's fsyncs cost
+        measured["single_memory_rt"] = (memory["median_rt"], "the same, journal in "
+                                        f"{MEMORY_DIR} (no disk fsync)")
     out = []
-    for key, what, limit, unit in GOALS:
+    for key, what, limit, unit in GOALS + ([MEMORY_ROW] if memory is not None else []):
         value, where = measured[key]
         out.append({"goal": key, "what": what, "value": value, "limit": limit, "unit": unit,
                     "where": where, "met": None if value is None else value <= limit})
@@ -173,6 +186,10 @@ def measure(args) -> dict:
         try:
             before = echo.round_trips(args.round_trips // 2)
             results["single"] = run_count(d / "single", 1, args, args.repeat)
+            if args.state_dir is None and MEMORY_DIR.is_dir():
+                with tempfile.TemporaryDirectory(prefix="ckpt-bench-", dir=MEMORY_DIR) as mem:
+                    results["single_memory"] = run_count(d / "single-memory", 1, args,
+                                                         args.repeat, Path(mem))
             for n in counts:
                 results["fanout"].append(run_count(d / f"fanout-{n}", n, args,
                                                    args.fanout_repeat))
@@ -201,6 +218,10 @@ def print_tables(results: dict) -> None:
     for what, k in phases:
         sec = s[f"{k}_s"] if k in ("median", "p90") else s["phase_median_s"].get(k, 0.0)
         rows.append([what, sec * 1e3, sec / rt["median_s"]])
+    memory = results.get("single_memory")
+    if memory is not None:
+        rows.append([f"whole cycle, journal in {MEMORY_DIR}, median", memory["median_s"] * 1e3,
+                     memory["median_rt"]])
     table("one cycle of one engine, nothing to drain, release or hook "
           f"({s['cycles']} cycles)", ["", "ms", "bare RT"], rows)
     fan = results["fanout"]
