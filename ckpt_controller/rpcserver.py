@@ -70,9 +70,12 @@ GATHERED_BYTES = 4 << 20
 #: threads that run offloaded (slow) requests, and the jobs that may wait for one
 WORKER_THREADS = 4
 WORKER_QUEUE = 64
-#: the longest the control thread waits with nothing to do (it also wakes for each heartbeat,
-#: and at once to stop or stall): its idle wake-ups, and how old ``last_round`` gets
-IDLE_ROUND_S = 0.25
+#: the longest the control thread waits with nothing to do when it sends no heartbeats (it
+#: wakes for each heartbeat, and at once to stop or stall: nothing else is timed): how old
+#: ``last_round`` gets (a watchdog's ``WatchdogSec`` must be well above it, and above the
+#: heartbeat interval). Each idle round costs CPU: at 0.25 s, rounds were half an idle
+#: agent's CPU
+IDLE_ROUND_S = 1.0
 #: the hint an ``OverloadedError`` carries
 OVERLOAD_RETRY_AFTER_S = 0.5
 
