@@ -296,6 +296,12 @@ class RpcServer:
         """Runs on the control thread after each round, just before it waits for the next:
         the place to wake another thread, which then finds the GIL about to be free."""
 
+    def wake_by(self) -> float | None:
+        """The ``time.monotonic()`` by which the control thread must begin its next round
+        (to run ``before_wait`` then), or None; asked after ``before_wait``. Another thread
+        that sets an earlier one calls ``_wake``."""
+        return None
+
     def heartbeat_body(self, seq: int) -> p.Heartbeat | None:
         """The heartbeat to publish, or None to stay silent this interval."""
         return p.Heartbeat(engine=self.name, state="serving", seq=seq,
@@ -329,6 +335,9 @@ class RpcServer:
             self.last_round = time.monotonic()
             try:
                 wait_s = min(idle_s, next_beat - self.clock.monotonic())
+                due = self.wake_by()
+                if due is not None:
+                    wait_s = min(wait_s, due - time.monotonic())
                 events = dict(poller.poll(timeout=max(1, math.ceil(wait_s * 1000))))
             except zmq.ZMQError:  # policy: socket closed under us means we are stopping
                 break

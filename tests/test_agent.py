@@ -234,10 +234,10 @@ def test_state_events_carry_the_operation(agent, client):
     # the replies list every transition of their operation
     assert [t.dest for t in prepared.transitions] == ["preparing", "prepared"]
     assert [t.dest for t in restored.transitions] == ["restoring", "running"]
-    # the caller got the transitions that began each operation as events, as they happened;
-    # the one that ended it came in the reply only
+    # operations this quick sent their caller none as events: their replies list them all
+    # (the transition that begins one goes to its callers only once it runs LIVE_HOLD_S)
     events = client.poll_events(0.3)
-    assert _changes(events) == [("preparing", "op-7"), ("restoring", "op-8")]
+    assert _changes(events) == []
     # so did the release's memory report
     assert prepared.memory.action == "release"
     assert not any(isinstance(e, p.MemoryReported) for e in events)
@@ -272,8 +272,10 @@ def test_an_operation_that_fails_sends_its_final_transition_as_an_event(ipc_dir)
             c.restore(op_id="fv-2")  # the weights came back, then the engine's check failed
         events = c.poll_events(0.3)
         got = _changes(events)
-        assert got[:2] == [("preparing", "fv-1"), ("restoring", "fv-2")]
-        assert got[2:] == [("failed", "fv-2")] and c.status().state == "failed"
+        # the prepare's transitions came in its reply; the failed restore's both as events
+        # (the one that began it too, held for the reply until then), before the error
+        assert got == [("restoring", "fv-2"), ("failed", "fv-2")]
+        assert c.status().state == "failed"
         reports = [e for e in events if isinstance(e, p.MemoryReported)]
         assert [(r.op_id, r.report.action) for r in reports] == [("fv-2", "rewake")]
 
@@ -629,3 +631,27 @@ def test_events_are_not_built_for_nobody(agent):
             agent.publish(object())
     finally:
         agent._subscribers.discard(b"someone")
+
+
+def test_an_operation_that_runs_on_sends_its_callers_the_transition_that_began_it(ipc_dir):
+    """Once an operation still runs ``LIVE_HOLD_S`` after its first transition, its caller
+    gets that transition as an event, while it runs and before any other event of it."""
+    from ckpt_controller.agent import server as agent_server
+
+    hooks = SlowPause()
+    with Agent("lv", hooks=hooks, control=f"ipc://{ipc_dir}/lv.ctl",
+               heartbeat_interval_s=1.0) as a, \
+            AgentClient(a.endpoint, timeout_s=3, heartbeat_interval_s=1.0) as c:
+        c.subscribe()
+        seen: list[tuple[float, object]] = []
+        c.on_event = lambda ev: seen.append((time.monotonic(), ev))
+        threading.Timer(0.3, hooks.release.set).start()  # a prepare that takes 0.3 s
+        start = time.monotonic()
+        reply = c.prepare(op_id="lv-1", level=0)
+        ended = time.monotonic()
+        assert [t.dest for t in reply.transitions] == ["preparing", "prepared"]
+        changes = [(at, ev) for at, ev in seen if isinstance(ev, p.StateChanged)]
+        assert [ev.transition.dest for _, ev in changes] == ["preparing"]
+        at = changes[0][0]
+        # about LIVE_HOLD_S in, long before the reply (the control thread idles up to 1 s)
+        assert at - start < agent_server.LIVE_HOLD_S + 0.15 < ended - start, (at - start)

@@ -6,7 +6,8 @@ Threads, and what each owns:
   requests (handshake, status, heartbeat, subscribe) inline, hands operations to an operation
   thread, and sends heartbeats to subscribers every ``heartbeat_interval_s``. It never blocks
   on an operation, so heartbeats go on while a long drain runs: a controller tells a slow
-  agent from a dead one.
+  agent from a dead one. It also sends an operation's callers the transition that began it
+  once the operation has run ``LIVE_HOLD_S`` (its reply lists it; a quick one needs no event).
 - one operation thread, started with the first operation and kept for the agent's life,
   runs ``Operations`` (prepare, restore, rollback, fail), one at a time: a thread per
   operation cost more CPU than a no-op operation itself. A different operation while one
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -59,6 +61,10 @@ _OPERATIONS = {
 #: (``PrepareReply``, ``RestoreReply``): the transition into a settled state that ends one,
 #: and its memory report, go to its callers in the reply only, not also as events
 _REPLY_LISTS_TRANSITIONS = frozenset({Trigger.PREPARE, Trigger.RESTORE, Trigger.ROLLBACK})
+#: a transition that begins an operation (PREPARING, RESTORING) reaches the operation's callers
+#: as an event only when the operation still runs this long after it: its reply lists it, and
+#: an operation with nothing to wait for ends sooner (one message and wake-up fewer each way)
+LIVE_HOLD_S = 0.02
 #: results of this many finished operations are kept for repeated op ids
 _OP_MEMORY = 256
 #: callers one running operation answers at its end; one more is shed (``OverloadedError``)
@@ -74,8 +80,10 @@ class _Op:
     error: CkptError | None = None
     done: bool = False
     transitions: list[p.TransitionRecord] = field(default_factory=list)
-    #: events its callers were skipped for (``Agent._publish_beside_reply``), and who they were
-    held: list[tuple[p.EventBody, frozenset[bytes]]] = field(default_factory=list)
+    #: events its callers were skipped for (``Agent._publish_beside_reply``), who they were,
+    #: and when they go to them while it still runs (None: only with an error reply)
+    held: list[tuple[p.EventBody, frozenset[bytes], float | None]] = \
+        field(default_factory=list)
 
 
 class Agent(RpcServer):
@@ -155,6 +163,9 @@ class Agent(RpcServer):
         # round ends (``before_wait``): woken while the control thread still ran Python, the
         # operation thread only fought it for the GIL (about a tenth of a no-op's CPU)
         self._handoff: tuple[_Op, p.Command] | None = None
+        #: when the earliest event held live for the running operation's callers is due
+        #: (``_publish_beside_reply``); None: none held
+        self._live_due: float | None = None
         self.lifecycle.subscribe(self._on_transition)
 
     def _on_transition(self, t: Transition) -> None:
@@ -169,28 +180,54 @@ class Agent(RpcServer):
         if record.dest not in TRANSITIONAL:
             # the transition that ends the operation: its reply, sent next, lists it
             self._publish_beside_reply(current, event)
-        else:
-            self.publish(event)
+        else:  # the one that begins it: to its callers too, if it runs on for a while
+            self._publish_beside_reply(current, event, live=True)
 
     def _emit(self, body: p.EventBody) -> None:
-        """An operation's events: a memory report goes in its reply as well."""
+        """An operation's events: a memory report goes in its reply as well; any other
+        (drain progress) to every subscriber, after what is held live for the callers."""
         current = self._current
         if current is not None and isinstance(body, p.MemoryReported):
             self._publish_beside_reply(current, body)
         else:
+            if current is not None:
+                self._send_live(current, float("inf"))
             self.publish(body)
 
-    def _publish_beside_reply(self, op: _Op, event: p.EventBody) -> None:
-        """An event whose content the operation's successful reply carries (its final
-        transition, its memory report): sent to every subscriber but the operation's callers,
-        and held for them in case the reply is an error, which carries neither."""
+    def _publish_beside_reply(self, op: _Op, event: p.EventBody, live: bool = False) -> None:
+        """An event whose content the operation's successful reply carries (its
+        transitions, its memory report): sent to every subscriber but the operation's callers,
+        and held for them in case the reply is an error, which carries none. ``live`` (a
+        transition that begins it): sent to them as well once the operation still runs
+        ``LIVE_HOLD_S`` later (the control thread sees to it, ``_send_live``)."""
         if op.kind not in _REPLY_LISTS_TRANSITIONS:
             self.publish(event)
             return
+        due = time.monotonic() + LIVE_HOLD_S if live else None
+        unwatched = False
         with self._ops_lock:
             callers = frozenset(identity for identity, _ in op.waiters)
-        op.held.append((event, callers))
+            op.held.append((event, callers, due))
+            if due is not None and self._live_due is None:
+                self._live_due, unwatched = due, True
         self.publish(event, skip=callers)
+        if unwatched:  # the control thread set no time to look, and may wait long
+            self._wake()
+
+    def _send_live(self, op: _Op, now: float) -> None:
+        """Send the callers of the running ``op`` the events held live for them that are
+        due by ``now``, in order (taken under the lock: the operation's end, which drops or
+        sends what is held, never sends one of them again)."""
+        with self._ops_lock:
+            if op.done:
+                return
+            due = [h for h in op.held if h[2] is not None and h[2] <= now]
+            op.held = [h for h in op.held if h[2] is None or h[2] > now]
+            self._live_due = min((h[2] for h in op.held if h[2] is not None), default=None)
+            if not due:
+                return
+        for event, callers, _ in due:
+            self.publish(event, only=callers)
 
     # ------------------------------------------------------------------ control thread
 
@@ -273,10 +310,19 @@ class Agent(RpcServer):
             self._current = op
         self._handoff = (op, cmd)  # one at most: the next operation is busy until it ends
 
+    def wake_by(self) -> float | None:
+        return self._live_due
+
     def before_wait(self) -> None:
+        current = self._current
+        if current is not None and self._live_due is not None:
+            self._send_live(current, time.monotonic())
         handoff, self._handoff = self._handoff, None
         if handoff is None:
             return
+        with self._ops_lock:  # the transition that begins it is due about then: look then
+            if self._live_due is None:
+                self._live_due = time.monotonic() + LIVE_HOLD_S
         self._jobs.put(handoff)
         if self._op_thread is None:  # only the control thread starts operations
             name = f"ckpt-op-{self.name}"
@@ -317,15 +363,17 @@ class Agent(RpcServer):
         else:
             log.warning("agent %s: %s %s ends: %s: %s", self.name, op.kind, op.op_id,
                         op.error.kind, op.error)
-        if op.error is not None:
-            # an error reply carries no transitions or memory report: the callers that were
-            # skipped get those events after all, before the reply
-            for event, callers in op.held:
-                self.publish(event, only=callers)
         with self._ops_lock:
             op.done = True
             self._current = None
+            self._live_due = None
             waiters, op.waiters = op.waiters, []
+            held, op.held = op.held, []
+        if op.error is not None:
+            # an error reply carries no transitions or memory report: the callers that were
+            # skipped get those events after all, before the reply
+            for event, callers, _ in held:
+                self.publish(event, only=callers)
         self._deliver(op, waiters)
 
     def _deliver(self, op: _Op, waiters: list[tuple[bytes, int]]) -> None:
