@@ -345,7 +345,7 @@ class RpcServer:
                 self._zap.handle()
             if self._monitor is not None and self._monitor in events:
                 log_handshake_failures(recv_monitor_event(self._monitor), self.name)
-            if self._outbox.inbox in events:
+            if self._outbox.inbox in events or self._outbox.lazy_pending():
                 self._outbox.forward()
             if self._router in events:
                 for _ in range(READ_BUDGET):  # the rest waits for the next round

@@ -96,6 +96,9 @@ class Outbox:
         self._hwm = hwm
         self._queue: deque[list[bytes] | _Gathered] = deque()
         self._woken = False  # a wake-up is on its way and the owner has not taken the queue
+        #: the owner forwards within a short wait of its own (``set_lazy``): gathered items
+        #: need not wake it
+        self._lazy = False
         self._send_timeout_s = send_timeout_s
         self._lock = threading.Lock()
         self._closed = False
@@ -169,7 +172,25 @@ class Outbox:
             if type(tail) is _Gathered and tail.key == key and len(tail.items) < GATHER_MAX:
                 tail.items.extend(items)  # the owner has not taken it: it is still queued
                 return True
+            if self._lazy and len(self._queue) < self._hwm:  # no wake-up: it looks soon
+                self._queue.append(_Gathered(key, items, make))
+                return True
         return self.send(_Gathered(key, items, make))  # type: ignore[arg-type]
+
+    def set_lazy(self, on: bool) -> None:
+        """On the owner thread: while on, gathered items do not wake the owner, which
+        promises to begin a round (``lazy_pending``, then ``forward``) within a short wait
+        of its own; they go with the next message that does wake it, or then. Turned off,
+        anything so queued wakes it at once."""
+        with self._lock:
+            self._lazy = on
+            if not on and self._queue and not self._woken and not self._closed:
+                self._woken = True
+                self._wake.send(b"", zmq.NOBLOCK)
+
+    def lazy_pending(self) -> bool:
+        """Whether gathered items may wait unannounced (``set_lazy``): ``forward`` now."""
+        return self._lazy and bool(self._queue)
 
     def forward(self, limit: int = FORWARD_BUDGET) -> int:
         """On the owner thread: send up to ``limit`` queued messages; returns how many went

@@ -67,6 +67,86 @@ def test_a_subscriber_gets_every_record_once_in_order(ipc_dir, monkeypatch, spli
         many, bodies.count(p.Journaled), len(ours))
 
 
+def test_records_ride_with_the_reply_and_still_flow_while_an_operation_runs(ipc_dir,
+                                                                             monkeypatch):
+    """While operations run, records do not each wake the controller's control thread: a
+    quick operation's records reach a subscriber as one event, with its reply; a long one's
+    arrive while it runs, at most about ``RECORDS_DELAY_S`` after they were journaled."""
+    import threading
+    import time
+
+    from ckpt_controller.agent.engine import EngineHooks
+    from ckpt_controller.controller import server as server_mod
+
+    class SlowPause(EngineHooks):
+        def __init__(self) -> None:
+            self.release = threading.Event()
+
+        def pause_scheduling(self) -> None:
+            assert self.release.wait(10)
+
+    slow = SlowPause()
+    agents = [Agent("q", control=f"ipc://{ipc_dir}/q.ctl", heartbeat_interval_s=0.5).start(),
+              Agent("s", hooks=slow, control=f"ipc://{ipc_dir}/s.ctl",
+                    heartbeat_interval_s=0.5).start()]
+    toml = (f'[controller]\nendpoint = "ipc://{ipc_dir}/ctl.sock"\n'
+            f'state_dir = "{ipc_dir}/state"\n[defaults]\nlevel = 0\ndrain = "abort"\n'
+            f'[[engine]]\nname = "q"\ncontrol = "ipc://{ipc_dir}/q.ctl"\n'
+            f'[[engine]]\nname = "s"\ncontrol = "ipc://{ipc_dir}/s.ctl"\n')
+    server = ControllerServer(parse_config(toml))
+    server.on_thread_death = lambda name, exc: None
+    server.start()
+    try:
+        with ControllerClient(server.endpoint, timeout_s=30) as c:
+            c.subscribe()
+            c.cycle(["q"], op_id="warm")
+            c.poll_events(0.3)
+            messages: list[tuple[float, p.Event]] = []
+            receive = c._receive
+
+            def seen():
+                msg = receive()
+                if isinstance(msg, p.Event) and isinstance(msg.body, (p.Journaled,
+                                                                      p.JournaledMany)):
+                    messages.append((time.monotonic(), msg))
+                return msg
+
+            c._receive = seen
+            delay = server_mod.RECORDS_DELAY_S
+            # long enough that no look of the control thread's own falls within the cycle,
+            # however slow this machine is now: only the reply wakes it
+            monkeypatch.setattr(server_mod, "RECORDS_DELAY_S", 10.0)
+            assert c.cycle(["q"], op_id="quick").status == "succeeded"
+            c.poll_events(0.3)
+            quick = [m for _, m in messages]
+            records = [r for m in quick for r in (m.body.records if isinstance(
+                m.body, p.JournaledMany) else [m.body.record])]
+            assert len(records) >= 10 and {r.op_id for r in records} == {"quick"}
+            assert len(quick) == 1, [type(m.body).__name__ for m in quick]
+            # a long prepare: its first records arrive while it still runs
+            monkeypatch.setattr(server_mod, "RECORDS_DELAY_S", delay)
+            messages.clear()
+            with ControllerClient(server.endpoint, timeout_s=30) as op:
+                start = time.monotonic()
+                op._sock.send_multipart(p.command_frames(  # sent, its reply not awaited
+                    p.RequestType.OPERATION, p.OperationCommand(
+                        call_id=1, op_id="long", kind="prepare", engines=["s"])))
+                deadline = time.monotonic() + 10
+                while not messages and time.monotonic() < deadline:
+                    c.poll_events(0.01)
+                assert messages, "no record while the operation ran"
+                first = messages[0][0] - start
+                assert first < server_mod.RECORDS_DELAY_S + 0.5, first
+                slow.release.set()
+                reply = op._await(1, 30)
+                assert reply.status == "succeeded"
+    finally:
+        slow.release.set()
+        server.close()
+        for a in agents:
+            a.close()
+
+
 # ---------------------------------------------------------------- subscribers that stop reading
 
 _SUBSCRIBE_AND = """
