@@ -311,7 +311,7 @@ class Agent(RpcServer):
         self._handoff = (op, cmd)  # one at most: the next operation is busy until it ends
 
     def wake_by(self) -> float | None:
-        return self._live_due
+        return self._live_due if self._current is not None else None
 
     def before_wait(self) -> None:
         current = self._current
