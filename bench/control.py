@@ -237,16 +237,18 @@ def print_tables(results: dict) -> None:
               "counts)", ["ms per engine", "RT per engine", "intercept ms", "intercept RT"],
               [[f["slope_s"] * 1e3, f["slope_rt"], f["intercept_s"] * 1e3,
                 f["intercept_rt"]]])
+    cpu_rows = [s] + fan + ([memory] if memory is not None else [])
     table("CPU per engine per cycle (ms; net: less the idle rate over an equally long "
-          "interval)", ["engines", "cycles", "controller", "net", "net RT", "idle ms/s",
-                        "agents", "net", "net RT", "idle ms/s"],
-          [[r["engines"], r["cycles"]] + [
+          "interval; 'mem': the journal in memory, no disk fsync)",
+          ["engines", "cycles", "controller", "net", "net RT", "idle ms/s",
+           "agents", "net", "net RT", "idle ms/s"],
+          [[f"{r['engines']} mem" if r is memory else r["engines"], r["cycles"]] + [
               x for who in ("controller", "agents") for x in (
                   r[f"{who}_cpu_per_engine_cycle_s"] * 1e3,
                   r[f"{who}_net_cpu_per_engine_cycle_s"] * 1e3,
                   r[f"{who}_net_cpu_per_engine_cycle_rt"],
                   r[f"{who}_idle_cpu_s"] / r["idle_s"] * 1e3)]
-           for r in [s] + fan])
+           for r in cpu_rows])
     table("goals (issue 15), each measured in this run",
           ["goal", "measured", "limit", "unit", "met", "from"],
           [[g["what"], "-" if g["value"] is None else g["value"], g["limit"], g["unit"],
