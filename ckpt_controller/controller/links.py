@@ -76,9 +76,16 @@ class AgentLink(AgentClient):
         self.known: p.StatusReply | None = None
         #: our monotonic clock when the agent was last heard alive (``knows``)
         self._heard_at = float("-inf")
-        #: our monotonic clock less the agent's, as of its last transition a reply carried:
-        #: places a heartbeat read later at the time the agent sent it (None: not yet known)
+        #: our monotonic clock less the agent's, at most: the least of (reply read at) less
+        #: (its last transition) over the replies so far, each an upper bound (a transition
+        #: made long before its reply, as a stepwise drain's, only overstates it); places a
+        #: heartbeat read later at the time the agent sent it, never later than it was
+        #: (None: not yet known)
         self._offset: float | None = None
+        #: the agent's clock at the newest transition this link knows of: a reply whose
+        #: transitions are older is one the agent kept for a repeated op id, and says
+        #: nothing of now
+        self._newest = float("-inf")
         super().__init__(*args, **kw)
 
     def call(self, rtype, cmd, **kw):
@@ -106,16 +113,24 @@ class AgentLink(AgentClient):
         now = time.monotonic()
         if isinstance(result, p.StatusReply):
             self.known, self._heard_at = result, now
+            last = result.last_transition
+            self._newest = last.monotonic if last is not None else float("-inf")
             return
         if self.known is None:
             return
         if isinstance(result, (p.PrepareReply, p.RestoreReply)):
             self._heard_at = now
+            if not result.transitions:
+                return  # it moved nothing: the state known stays (a kept reply's is old)
+            last = result.transitions[-1]
+            if last.monotonic < self._newest:
+                return  # the kept reply of a repeated op id: its state and time are then's
+            self._newest = last.monotonic
             self.known.state = result.state
             if isinstance(result, p.RestoreReply):
                 self.known.generation = result.generation
-            if result.transitions:
-                self._offset = now - result.transitions[-1].monotonic
+            bound = now - last.monotonic
+            self._offset = bound if self._offset is None else min(self._offset, bound)
         elif isinstance(result, p.HeartbeatReply) and result.state in _STATES:
             self._heard_at = now
             self.known.state = _STATES[result.state]
@@ -126,13 +141,15 @@ class AgentLink(AgentClient):
             if isinstance(body, p.Heartbeat):
                 state = _STATES.get(body.state)
                 if state is None or body.incarnation != known.incarnation:
-                    self.known = None  # restored from an image, or not an engine: ask again
+                    # restored from an image (another clock, maybe), or not an engine: ask
+                    self.known, self._offset = None, None
                 else:
                     known.state = state
                     if self._offset is not None:  # when it was sent, not when we read it
                         self._heard_at = max(self._heard_at, body.monotonic + self._offset)
             elif isinstance(body, p.StateChanged):
                 known.state, known.generation = body.transition.dest, body.transition.generation
+                self._newest = max(self._newest, body.transition.monotonic)
         super()._on_event(body)
 
     def _reopen(self) -> None:
