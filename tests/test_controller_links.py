@@ -6,6 +6,8 @@ an in-process ``Controller``."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -205,9 +207,6 @@ def test_a_stopped_agent_is_asked_once_its_link_heard_nothing_for_a_while(tmp_pa
                                                                           monkeypatch):
     """A hung agent sends no heartbeats: past KNOWN_FRESH_S its link knows nothing current,
     the preflight asks, and the operation is refused (nothing taken out of service)."""
-    import os
-    import signal
-
     asked = _count_status_requests(monkeypatch)
     eng = spawn_engine("ln8", weights_mib=4, kv_mib=1)
     ctl = _controller(tmp_path, eng)
@@ -224,5 +223,39 @@ def test_a_stopped_agent_is_asked_once_its_link_heard_nothing_for_a_while(tmp_pa
         assert ctl.run(_op("cycle", "ln8"), 60).status == "succeeded"
         with AgentClient(eng.control) as agent:
             assert agent.status().state == "running"
+    finally:
+        ctl.close()
+
+
+def test_a_repeated_op_ids_old_reply_does_not_make_the_link_know_a_stale_state(
+        tmp_path, spawn_engine):
+    """An agent answers a repeated op id with the reply it kept: its state and its
+    transitions are from then, not now. The link must not take that state as current, nor
+    learn a clock offset from transitions made long ago (heartbeats would then be placed in
+    the future, and a silent agent would look heard-from)."""
+    eng = spawn_engine("rv1", weights_mib=4, kv_mib=1)
+    ctl = _controller(tmp_path, eng)
+    try:
+        assert ctl.run(_op("cycle", "rv1"), 60).status == "succeeded"
+        link = ctl.links.take("rv1")
+        link.status()
+        link.prepare(op_id="dup-prepare", drain="wait", level=0)
+        link.restore(op_id="dup-restore")
+        time.sleep(3.0)
+        again = link.prepare(op_id="dup-prepare", drain="wait", level=0)  # the kept reply
+        assert again.state == "prepared"
+        with AgentClient(eng.control) as agent:
+            assert agent.status().state == "running"
+        known = link.knows(links_mod.KNOWN_FRESH_S)
+        assert known is None or known.state == "running", known
+        # the clock: heartbeats read now, then the agent goes silent
+        link.poll_events(0.5)
+        os.kill(eng.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(links_mod.KNOWN_FRESH_S + 0.5)
+            assert link.knows(links_mod.KNOWN_FRESH_S) is None, "a silent agent looks fresh"
+        finally:
+            os.kill(eng.proc.pid, signal.SIGCONT)
+        link.close()
     finally:
         ctl.close()
