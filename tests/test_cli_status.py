@@ -232,11 +232,27 @@ def stoppable(spawn_controller, ipc_dir):
     ctl = spawn_controller(_toml(("z1", f"ipc://{ipc_dir}/z1.ctl")))
     out = ctl.ckptctl("status", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
+    def stop() -> None:  # returns once every thread of it is stopped, not just signalled
+        os.kill(ctl.pid, signal.SIGSTOP)
+        wait_until(lambda: _stopped(ctl.pid), 10, f"controller {ctl.pid} stopped")
+
     try:
-        yield ctl, lambda: os.kill(ctl.pid, signal.SIGSTOP)
+        yield ctl, stop
     finally:
         os.kill(ctl.pid, signal.SIGCONT)
         agent.close()
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is in the stopped state (``T``)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return bool(states) and all(s == "T" for s in states)
 
 
 def test_status_says_on_stderr_that_a_stopped_controller_has_not_answered_yet(stoppable):
