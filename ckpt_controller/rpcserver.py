@@ -70,11 +70,10 @@ GATHERED_BYTES = 4 << 20
 #: threads that run offloaded (slow) requests, and the jobs that may wait for one
 WORKER_THREADS = 4
 WORKER_QUEUE = 64
-#: the longest the control thread waits with nothing to do when it sends no heartbeats (it
-#: wakes for each heartbeat, and at once to stop or stall: nothing else is timed): how old
-#: ``last_round`` gets (a watchdog's ``WatchdogSec`` must be well above it, and above the
-#: heartbeat interval). Each idle round costs CPU: at 0.25 s, rounds were half an idle
-#: agent's CPU
+#: the longest the control thread waits with nothing to do (it wakes for each heartbeat, and
+#: at once to stop or stall: nothing else is timed): how old ``last_round`` gets, unless a
+#: watchdog asks for less (``rounds_within``). Each idle round costs CPU: at 0.25 s, rounds
+#: were half an idle agent's CPU
 IDLE_ROUND_S = 1.0
 #: the hint an ``OverloadedError`` carries
 OVERLOAD_RETRY_AFTER_S = 0.5
@@ -103,6 +102,8 @@ class RpcServer:
         self._thread: threading.Thread | None = None
         self._heartbeat_seq = itertools.count(1)
         self._stalled_until = 0.0
+        #: the longest idle wait (``IDLE_ROUND_S``, or less: ``rounds_within``)
+        self._idle_cap = IDLE_ROUND_S
         #: ``time.monotonic()`` when the control thread last began a round (0.0: never): a
         #: liveness signal for a watchdog (``sdnotify``); a hung or stalled thread stops it
         self.last_round = 0.0
@@ -270,6 +271,13 @@ class RpcServer:
 
         self._workers.submit(run, what)
 
+    def rounds_within(self, seconds: float) -> None:
+        """Begin a round at least every ``seconds``, idle or not (a watchdog that pings only
+        while ``last_round`` is younger than its period asks for half of it); from any
+        thread, at once."""
+        self._idle_cap = max(0.001, min(self._idle_cap, seconds))
+        self._wake()
+
     def stall(self, seconds: float) -> None:
         """Stop the control thread for ``seconds``: no heartbeats, no answers (a fault a
         drill injects; requests queue in the socket meanwhile)."""
@@ -324,8 +332,6 @@ class RpcServer:
         if self._zap is not None:
             poller.register(self._zap.socket, zmq.POLLIN)
             poller.register(self._monitor, zmq.POLLIN)
-        idle_s = min(self.heartbeat_interval_s, IDLE_ROUND_S) \
-            if self.heartbeat_interval_s > 0 else IDLE_ROUND_S
         next_beat = self.clock.monotonic()
         while not self._stop.is_set():
             self.before_wait()
@@ -334,7 +340,7 @@ class RpcServer:
                 continue
             self.last_round = time.monotonic()
             try:
-                wait_s = min(idle_s, next_beat - self.clock.monotonic())
+                wait_s = min(self._idle_cap, next_beat - self.clock.monotonic())
                 due = self.wake_by()
                 if due is not None:
                     wait_s = min(wait_s, due - time.monotonic())

@@ -113,11 +113,16 @@ class Notifier:
             return False
         return True
 
-    def ready(self, status: str, last_round: Callable[[], float] | None = None) -> None:
+    def ready(self, status: str, last_round: Callable[[], float] | None = None,
+              rounds_within: Callable[[float], None] | None = None) -> None:
         """``READY=1`` with ``status`` and this process as ``MAINPID``, then the watchdog
-        pings while ``last_round()`` is recent (when ``$WATCHDOG_USEC`` asks for them)."""
+        pings while ``last_round()`` is recent (when ``$WATCHDOG_USEC`` asks for them);
+        ``rounds_within(seconds)`` is then told how often the loop must begin a round, idle
+        or not (half the ping period: ``RpcServer.rounds_within``)."""
         self.send(ready=1, status=status, mainpid=self.pid)
         if last_round is not None:
+            if rounds_within is not None and self.watchdog_s is not None:
+                rounds_within(self.watchdog_s / 2)
             self.start_watchdog(last_round)
 
     def status(self, text: str) -> None:

@@ -183,6 +183,24 @@ class _Server(RpcServer):
     """The bare socket loop the controller and the agents share (no requests served)."""
 
 
+def test_an_idle_loop_rounds_as_often_as_its_watchdog_needs(notify, ipc_dir):
+    """A server idles up to its heartbeat interval (here 5 s); told the watchdog's period, it
+    begins a round at least every half of it, so an idle, healthy loop keeps the pings going."""
+    server = _Server(f"ipc://{ipc_dir}/idle.sock", name="test", heartbeat_interval_s=5.0)
+    server.on_thread_death = lambda name, exc: None
+    server.start()
+    n = Notifier({"NOTIFY_SOCKET": str(ipc_dir / "notify.sock"), "WATCHDOG_USEC": "400000"})
+    try:
+        n.ready("serving", last_round=lambda: server.last_round,
+                rounds_within=server.rounds_within)
+        assert notify.wait_for("READY", 5)["READY"] == "1"
+        wait_until(lambda: notify.pings(0.3), 5, "pings from a live loop")
+        assert notify.pings(1.6) >= 5  # one each 0.2 s: never a period without a round
+    finally:
+        n.close()
+        server.close()
+
+
 def test_a_hung_control_thread_stops_the_pings(notify, ipc_dir):
     server = _Server(f"ipc://{ipc_dir}/rpc.sock", name="test", heartbeat_interval_s=0.1)
     server.on_thread_death = lambda name, exc: None

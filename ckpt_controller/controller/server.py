@@ -202,7 +202,8 @@ def serve(config: ControllerConfig, ready=None, notifier=None) -> None:
         if notifier is not None:
             notifier.ready(f"serving {server.endpoint}: {len(config.engines)} engines, "
                            f"{len(recovered)} operations recovered",
-                           last_round=lambda: server.last_round)
+                           last_round=lambda: server.last_round,
+                           rounds_within=server.rounds_within)
         stop.wait()
     finally:
         if notifier is not None:

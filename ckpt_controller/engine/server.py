@@ -457,7 +457,8 @@ def serve(opts: EngineOptions, ready: Callable[[dict], None] | None = None,
     (ready or (lambda info: print(json.dumps(info), flush=True)))(engine.info())
     if notifier is not None:
         notifier.ready(f"engine {opts.name} serving on {opts.api}",
-                       last_round=lambda: engine.agent.last_round)
+                       last_round=lambda: engine.agent.last_round,
+                       rounds_within=engine.agent.rounds_within)
     try:
         stop.wait()
     finally:

@@ -630,7 +630,8 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
     (ready or (lambda i: print(json.dumps(i), flush=True)))(info)
     if notifier is not None:
         notifier.ready(f"serving {agent.endpoint} for vLLM at {http.url} "
-                       f"({agent.lifecycle.state.value})", last_round=lambda: agent.last_round)
+                       f"({agent.lifecycle.state.value})", last_round=lambda: agent.last_round,
+                       rounds_within=agent.rounds_within)
     try:
         stop.wait()
     finally:
