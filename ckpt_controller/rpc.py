@@ -29,6 +29,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from ckpt_controller import hub
 from ckpt_controller import protocol as p
 from ckpt_controller.contact import FirstContact
 from ckpt_controller.endpoints import check_endpoint
@@ -42,7 +43,7 @@ from ckpt_controller.errors import (
 )
 from ckpt_controller.security import CurveClient
 from ckpt_controller.values import COUNT, DURATION, check, count, shown
-from ckpt_controller.zmqutil import recv_frames
+from ckpt_controller.zmqutil import recv_frames, send_frames
 
 
 #: plain ints: zmq's flag enums cost an enum operation on every use
@@ -233,7 +234,6 @@ class RpcClient:
         attempts = retries + 1
         for attempt in range(1, attempts + 1):
             cmd = msgspec.structs.replace(cmd, call_id=next(self._calls))
-            self._sock.send_multipart(p.command_frames(rtype, cmd))
             notice = None
             if self.on_wait is not None:
                 if attempt > 1:
@@ -244,6 +244,7 @@ class RpcClient:
                               f" still trying (attempt 1 of {attempts}, at most "
                               f"{timeout * attempts:.0f}s in all)")
             try:
+                self._send(p.command_frames(rtype, cmd), timeout)
                 return self._await(cmd.call_id, timeout, notice)
             except UnreachableError as exc:  # policy: lazy pirate, reopen and resend
                 if exc.details.get("reason") in ("refused", "handshake"):
@@ -255,7 +256,10 @@ class RpcClient:
                     # the new socket is a new peer: subscribe again without waiting (its Ack
                     # is dropped as stale); heartbeats then bound the next attempt as well
                     sub = p.SubscribeCommand(call_id=next(self._calls))
-                    self._sock.send_multipart(p.command_frames(p.RequestType.SUBSCRIBE, sub))
+                    try:
+                        send_frames(self._sock, p.command_frames(p.RequestType.SUBSCRIBE, sub))
+                    except zmq.Again:  # policy: no connection yet: the next attempt's wait
+                        pass           # tells, and a resend subscribes again
         assert last_exc is not None
         waited = time.monotonic() - start
         details = dict(last_exc.details, attempts=retries + 1, waited_s=round(waited, 3))
@@ -265,6 +269,26 @@ class RpcClient:
             if not found:
                 what += f" ({waited:.1f}s in all, {n} attempts)"
         raise UnreachableError(what, **details)
+
+    def _send(self, frames: list[bytes], timeout: float) -> None:
+        """Queue a request. zmq keeps no connection to queue it on while a refused handshake
+        is tried again (a blocking send then waited forever): wait up to ``timeout`` for
+        one, a refused first contact raised at once (``contact``), else
+        ``UnreachableError``."""
+        start = time.monotonic()
+        while True:
+            try:
+                send_frames(self._sock, frames)
+                return
+            except zmq.Again:  # policy: no connection to queue on yet: wait for one
+                pass
+            left = start + timeout - time.monotonic()
+            if left <= 0:
+                raise UnreachableError(
+                    f"no connection to {self.endpoint} in {timeout:.1f}s",
+                    endpoint=self.endpoint, waited_s=round(time.monotonic() - start, 3))
+            if self._contact.poll(min(left, 0.05)):  # readable (an old reply): no wait there
+                hub.sleep(min(left, 0.01))
 
     def _take_pending(self) -> None:
         """Handle events that arrived between calls, so they never pile up on the server."""

@@ -207,6 +207,33 @@ def test_a_peer_that_accepted_but_never_answers_gets_the_retries_and_the_real_ti
     assert abs(err.details["waited_s"] - took) < 0.3
 
 
+def test_a_request_with_no_connection_to_queue_on_is_not_waited_on_forever(ipc_dir):
+    """zmq holds no connection to queue a request on while none completed its handshake
+    (here: a socket set to queue only on complete connections, towards a raw listener that
+    never speaks ZMTP; a refused CURVE handshake that zmq retries does the same): the
+    request waits for one up to its timeout, each attempt, then ``UnreachableError``. A
+    blocking send waited forever (under load in CI, a refused CURVE client for 300 s)."""
+    import socket as pysocket
+
+    listener = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    path = ipc_dir / "raw.sock"
+    listener.bind(str(path))
+    listener.listen(8)
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.IMMEDIATE, 1)
+    try:
+        with AgentClient(f"ipc://{path}", timeout_s=0.4, retries=1, context=ctx) as c:
+            start = time.monotonic()
+            with pytest.raises(UnreachableError) as info:
+                c.status()
+            took = time.monotonic() - start
+        assert took < 5, took
+        assert info.value.details["attempts"] == 2
+    finally:
+        listener.close()
+        ctx.destroy(linger=0)
+
+
 #: a client per engine, as a controller opens them for one cycle over a thousand engines
 HOLD_CLIENTS = r"""
 import resource, sys
