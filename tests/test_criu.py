@@ -20,6 +20,7 @@ import pytest
 
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.engine.client import EngineClient
+from ckpt_controller.errors import OperationError
 from conftest import kill_naming, pids_naming
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,9 +52,17 @@ def free_port() -> int:
 
 
 def tcp_engine(spawn_reference, name: str):
-    api, ctl = free_port(), free_port()
-    return spawn_reference(name, api=f"tcp://127.0.0.1:{api}",
-                           control=f"tcp://127.0.0.1:{ctl}")
+    """A reference engine on two free TCP ports. A port found free may be taken before the
+    engine binds it (another test's outgoing connection draws from the same range): then it
+    starts again on two others, up to three times."""
+    for attempt in range(3):
+        api, ctl = free_port(), free_port()
+        try:
+            return spawn_reference(name, api=f"tcp://127.0.0.1:{api}",
+                                   control=f"tcp://127.0.0.1:{ctl}")
+        except OperationError as err:
+            if "Address already in use" not in str(err.details) or attempt == 2:
+                raise
 
 
 def install_hook(ctl, point: str, name: str, hook: str) -> None:
