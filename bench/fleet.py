@@ -13,7 +13,9 @@ sees every node and every engine RUNNING, one direct and one fleet cycle are run
   runs until the last of them has answered;
 - fleet: ``ckptctl fleet cycle --all --max-unavailable <nodes x agents> --json``, run in
   this process through the CLI's own ``main``, until it returns (the operation ended);
-- quiet: nothing, for as long as the fleet cycle took.
+- quiet: nothing, for as long as the fleet cycle took, and at least ``QUIET_MIN_S`` (a
+  lease renewal of every node falls within it: a quiet interval shorter than that, after a
+  fast cycle, could see no request at all and make the idle rate look nil).
 
 etcd requests are read from the member's own Prometheus metrics (``/metrics``):
 ``grpc_server_handled_total``, by method, summed over result codes. Each call of the JSON
@@ -60,6 +62,10 @@ READY_S = 120.0
 CYCLE_TIMEOUT_S = 300.0
 HANDLED = re.compile(r'^grpc_server_handled_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$')
 LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+#: the shortest quiet interval: more than a third of the nodes' lease TTL (5 s here, renewed
+#: when a third has passed) plus a publish round (0.5 s)
+QUIET_MIN_S = 2.5
 
 
 def node_config(d: Path, node: int, names: list[str], etcd_url: str) -> Path:
@@ -180,7 +186,7 @@ def one_round(url: str, endpoints: list[str], per_node: int, engines: int) -> di
     fleet_s, op_id = fleet_cycle(url, engines)
     c2 = requests(url)
     t0 = time.perf_counter()
-    time.sleep(fleet_s)  # the quiet interval: the same nodes, doing only what they always do
+    time.sleep(max(fleet_s, QUIET_MIN_S))  # the same nodes, doing only what they always do
     quiet_s = time.perf_counter() - t0
     c3 = requests(url)
     return {"direct_s": direct_s, "fleet_s": fleet_s, "quiet_s": quiet_s, "fleet_op": op_id,
