@@ -304,8 +304,8 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
             report = json.loads(out)
             assert report["lost"] == 0 and report["errored"] == 0, out + err
             assert report["completed"] > 0 and report["sent"] == 200, report
-            assert all(r.kind in ("RejectedError", "OverloadedError") and "retry_after_s" in r.details
-                       for r in refused), refused
+            assert all(r.kind in ("RejectedError", "OverloadedError")
+                       and "retry_after_s" in r.details for r in refused), refused
         # the registry names n2 and its endpoints; n1 shows the engine as moved
         rec = wait_until(lambda: pair.running_on("n2"), timeout_s=15, every_s=0.2,
                          what="m0 RUNNING on n2 in the registry")
