@@ -259,3 +259,22 @@ def test_a_repeated_op_ids_old_reply_does_not_make_the_link_know_a_stale_state(
         link.close()
     finally:
         ctl.close()
+
+
+@pytest.mark.parametrize("sent", [float("inf"), float("nan"), 1e300])
+def test_a_heartbeat_from_the_future_does_not_make_a_link_fresh(ipc_dir, sent):
+    """A heartbeat whose clock reading is absurd (a broken or hostile agent) is not placed
+    after now: the link still asks once it heard nothing real for KNOWN_FRESH_S."""
+    link = links_mod.AgentLink(f"ipc://{ipc_dir}/none.ctl", timeout_s=0.2, retries=0)
+    try:
+        link.known = p.StatusReply(engine="x", pid=1, state="running", is_restored=False,
+                                   generation=0, in_flight=0, kept=0, released_tags=[],
+                                   registered_bytes={}, incarnation=0,
+                                   restored_from_image=False)
+        link._offset = 0.0
+        link._heard_at = time.monotonic() - 10
+        link._on_event(p.Heartbeat(engine="x", state="running", seq=1, monotonic=sent,
+                                   incarnation=0))
+        assert link.knows(links_mod.KNOWN_FRESH_S) is None
+    finally:
+        link.close()

@@ -22,8 +22,9 @@ replies of its operations and its subscription's events and heartbeats: the stat
 generation, and when it last heard from a live agent. While that is recent (``knows``), an
 operation starts from it instead of asking again: one request and round trip fewer per engine
 and operation. The PID stays what the status said: a restarted or restored process drops the
-connection, and a link whose connection dropped is never used again. Neighbours: ``session`` (the user of a link),
-``service`` (owns the pool), ``preflight`` (asks a held engine's status over its link),
+connection, and a link whose connection dropped is never used again. Neighbours: ``session``
+(the user of a link), ``service`` (owns the pool), ``preflight`` (asks a held engine's status
+over its link),
 ``agent.client`` (the requests), ``rpc`` (the transport).
 """
 
@@ -146,7 +147,9 @@ class AgentLink(AgentClient):
                 else:
                     known.state = state
                     if self._offset is not None:  # when it was sent, not when we read it
-                        self._heard_at = max(self._heard_at, body.monotonic + self._offset)
+                        sent = body.monotonic + self._offset
+                        if sent <= time.monotonic():  # never later than now (NaN, inf: no)
+                            self._heard_at = max(self._heard_at, sent)
             elif isinstance(body, p.StateChanged):
                 known.state, known.generation = body.transition.dest, body.transition.generation
                 self._newest = max(self._newest, body.transition.monotonic)
