@@ -235,6 +235,19 @@ def test_bad_migrations_are_refused_up_front(fleet):
     with pytest.raises(BusyError, match="held by operation other-op"):
         m.submit(f.c, K, op_id="x4", engine="m0", to="n2", params={})
     f.c.delete(K.lock("m0"))
+    # its node could not reach it: retryable (exit 4), not a usage error
+    for rec in (EngineRecord(engine="m0", node="n1", state=None, reachable=False),
+                EngineRecord(engine="m0", node="n1", state=None)):
+        f.c.put(K.engine("m0"), encode(rec))
+        with pytest.raises(e.UnreachableError, match="n1 could not reach m0") as got:
+            m.submit(f.c, K, op_id="x5", engine="m0", to="n2", params={})
+        assert got.value.exit_code == 4
+    f.c.put(K.engine("m0"), encode(EngineRecord(engine="m0", node="n1", state="prepared")))
+    with pytest.raises(UsageError, match="m0 is prepared on n1; only a RUNNING") as got:
+        m.submit(f.c, K, op_id="x6", engine="m0", to="n2", params={})
+    assert got.value.exit_code == 2
+    f.c.put(K.engine("m0"), encode(EngineRecord(engine="m0", node="n1", state="running",
+                                                generation=0)))
     first = submit(f)
     assert submit(f) == first  # the same id again follows the same migration
     with pytest.raises(UsageError, match="already used"):

@@ -173,6 +173,12 @@ def submit(client: e.Etcd, keys: Keys, *, op_id: str, engine: str, to: str,
     if held is not None:
         raise BusyError(f"{engine} is held by operation {held.value.decode()}",
                         engine=engine, holder=held.value.decode())
+    if not record.reachable or record.state is None:
+        # its node's last look found the agent silent: a busy or stalled engine as often as
+        # a dead one, so retryable (exit 4), unlike an engine that says it is not RUNNING
+        raise UnreachableError(f"{source} could not reach {engine} when it last looked; "
+                               "nothing was started: try again once `ckptctl fleet status` "
+                               "shows it running", engine=engine, node=source)
     if record.state != "running":
         raise UsageError(f"{engine} is {record.state} on {source}; only a RUNNING engine "
                          "migrates", engine=engine, state=record.state)
