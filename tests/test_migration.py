@@ -59,6 +59,7 @@ class Pair:
         self.ttl = ttl
         tag = run_tag()
         self.d, self.model_dir = d, model_dir
+        self.held: list[int] = []  # the pause hooks' FIFOs, open for writing (go)
         self.level, self.engine_args = level, tuple(engine_args)
         self.ns = {"n1": f"ckpt-m1-{tag}", "n2": f"ckpt-m2-{tag}"}
         self.made = Namespaces.or_skip(self.ns["n1"])
@@ -127,14 +128,21 @@ class Pair:
 
     def pause(self, node: str, point: str) -> None:
         """A hook at ``point`` on ``node`` that runs before the real ones: it says it is
-        there (``at``) and waits for ``go``, so the test acts at that exact moment."""
+        there (``at``) and waits for ``go``, so the test acts at that exact moment. It waits
+        reading a FIFO, not polling with ``sleep``: while vLLM keeps both CPUs busy, starting
+        a process takes 0.1 s on average here and once took seconds, and a polling hook then
+        went on long after ``go``."""
         marks = self.d / "marks"
         marks.mkdir(exist_ok=True)
+        fifo = marks / f"{node}-{point}.fifo"
+        if not fifo.exists():
+            os.mkfifo(fifo, 0o600)
         folder = self.d / node / "hooks" / point
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         hook = folder / "05-pause"
         hook.write_text(f"#!/bin/sh\ntouch {marks}/{node}-{point}.at\n"
-                        f"while [ ! -e {marks}/{node}-{point}.go ]; do sleep 0.05; done\n")
+                        f"[ -e {marks}/{node}-{point}.go ] || read line < {fifo}\n"
+                        f": > {marks}/{node}-{point}.left\n")  # a builtin: no process
         hook.chmod(0o700)
 
     def paused(self, node: str, point: str, timeout_s: float = 120) -> None:
@@ -142,7 +150,14 @@ class Pair:
                    timeout_s=timeout_s, every_s=0.05, what=f"{node} at its {point} hooks")
 
     def go(self, node: str, point: str) -> None:
-        (self.d / "marks" / f"{node}-{point}.go").touch()
+        """Lets the hooks at ``point`` go on: one waiting now reads a line from the FIFO
+        (held open here, so the lines stay until it reads), one that starts later sees
+        ``go``."""
+        marks = self.d / "marks"
+        (marks / f"{node}-{point}.go").touch()
+        fd = os.open(marks / f"{node}-{point}.fifo", os.O_RDWR | os.O_NONBLOCK)
+        os.write(fd, b"go\n" * 16)
+        self.held.append(fd)
 
     def migrate(self, *extra: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd", self.url,
@@ -211,6 +226,8 @@ class Pair:
         return pids_naming(str(self.model_dir))
 
     def close(self) -> None:
+        for fd in self.held:  # a hook still reading sees the end of its FIFO and goes on
+            os.close(fd)
         # the engines first, by SIGKILL: a PID namespace's init ignores SIGTERM
         kill_naming(str(self.model_dir))
         stop_all(self.started)
