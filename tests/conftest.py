@@ -398,6 +398,13 @@ def spawn_controller(ipc_dir):
 # ---------------------------------------------------------------------------- vLLM (-m vllm)
 
 VLLM_PY = ROOT / ".cache" / "vllm" / "bin" / "python"
+#: vLLM runs on the first CPU only, its OpenMP threads bound there: on a 2-CPU machine a vLLM
+#: generating on both stalled every other process (the controllers, their hooks, etcd, the
+#: test itself) for seconds at a time, process starts most of all (one took 5.9 s), and
+#: completions ended before a drain the test had released long before could begin. The
+#: other CPU is the control plane's, as a production node keeps CPUs for its system services.
+VLLM_CPU = ("taskset", "-c", "0")
+VLLM_CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 #: asks for the AMX permission at start, which vLLM's worker may not do before using AMX
 AMX_PERMISSION = ROOT / ".cache" / "vllm" / "lib" / "amx-permission.so"
 
@@ -413,13 +420,14 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = model / "server.log"
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
-                   HF_HUB_OFFLINE="1")
+                   HF_HUB_OFFLINE="1", **VLLM_CPU_ENV)
         if AMX_PERMISSION.exists():  # on a CPU with AMX (docs/vllm.md; make vllm)
             env["LD_PRELOAD"] = str(AMX_PERMISSION)
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
-            [str(VLLM_PY), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model",
-             str(model), "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port)],
+            [*VLLM_CPU, str(VLLM_PY), "-m", "vllm.entrypoints.launchers.api_server.entry",
+             "--model", str(model), "--enforce-eager", "--dtype", "float32", "--host",
+             "127.0.0.1", "--port", str(self.port)],
             env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
         self.pid = self.proc.pid

@@ -86,7 +86,9 @@ def same_or_split_at_a_near_tie(got: Outcome, want: Outcome) -> str | None:
         return f"one output is a prefix of the other ({len(a)} and {len(b)} tokens)"
     top = want.logprobs["top_logprobs"][k] or {}
     if a[k] not in top or b[k] not in top:
-        return f"token {k}: {a[k]!r} was not among the two best ({top})"
+        mine = got.logprobs["top_logprobs"][k] or {}
+        return (f"token {k}: {a[k]!r} was not among the two best ({top}; its own run's two "
+                f"best: {mine})")
     gap = abs(top[a[k]] - top[b[k]])
     if gap > NEAR_TIE:
         return f"token {k}: {a[k]!r} instead of {b[k]!r}, {gap:.4f} apart in logprob"

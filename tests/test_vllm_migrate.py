@@ -23,7 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import AMX_PERMISSION, ROOT, VLLM_PY, pids_naming, wait_until
+from conftest import (AMX_PERMISSION, ROOT, VLLM_CPU, VLLM_CPU_ENV, VLLM_PY, pids_naming,
+                      wait_until)
 from test_migration import Pair, _reason as migration_missing, net_of
 
 URING = Path("/proc/sys/kernel/io_uring_disabled")
@@ -57,7 +58,7 @@ class VllmPair(Pair):
         from ckpt_controller.procutil import ReadyProcess
 
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
-                   HF_HUB_OFFLINE="1")
+                   HF_HUB_OFFLINE="1", **VLLM_CPU_ENV)
         if AMX_PERMISSION.exists():
             env["LD_PRELOAD"] = str(AMX_PERMISSION)
         old = URING.read_text().strip()
@@ -68,8 +69,9 @@ class VllmPair(Pair):
                  sys.executable, "-m", "ckpt_controller", "agent", "vllm-launch", "--url",
                  f"http://0.0.0.0:{HTTP_PORT}", "--control", f"tcp://0.0.0.0:{CONTROL_PORT}",
                  "--name", "v0", "--heartbeat", "1.0", "--log-dir", str(self.d / "v0-logs"),
-                 "--", str(VLLM_PY), "-m", "vllm.entrypoints.launchers.api_server.entry",
-                 "--model", str(self.model_dir), "--enforce-eager", "--host", "0.0.0.0",
+                 "--", *VLLM_CPU, str(VLLM_PY), "-m", "vllm.entrypoints.launchers.api_server.entry",
+                 "--model", str(self.model_dir), "--enforce-eager", "--dtype", "float32",
+                 "--host", "0.0.0.0",
                  "--port", str(HTTP_PORT)],
                 self.d / "v0.log", "vLLM launcher v0", cwd=ROOT, env=env, timeout_s=420)
         finally:
@@ -104,6 +106,12 @@ def _why_not_vllm() -> str | None:
 
 
 _vllm_reason = _why_not_vllm()
+
+
+def connections_to(addr: tuple[str, int]) -> list:
+    """This process's established TCP connections to ``addr``."""
+    return [c for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_ESTABLISHED and c.raddr and tuple(c.raddr) == addr]
 
 
 @pytest.fixture
@@ -145,7 +153,6 @@ class Sender(threading.Thread):
 @pytest.mark.skipif(_vllm_reason is not None, reason=_vllm_reason or "")
 def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama):
     from ckpt_controller.adapters.vllm.follow import published_http
-    from ckpt_controller.adapters.vllm.http import VllmHttp
     from ckpt_controller.fleet.keys import Keys
 
     pair = VllmPair(tmp_path, tiny_llama, "shared")
@@ -158,7 +165,7 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
         with pair.etcd.client() as c:
             n1_url = published_http(c, Keys("/ckpt"), "v0")
         assert n1_url == f"http://{pair.addr['n1']}:{HTTP_PORT}"
-        n1 = VllmHttp(n1_url, timeout_s=300)
+        n1_addr = (pair.addr["n1"], HTTP_PORT)
         # the answers of an engine that never moved, the four sent together as below
         first = [Sender(pair.url, p, start=False) for p in PROMPTS]
         for s in first:
@@ -192,18 +199,26 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
             if held.exists():
                 break
             # the command ended before the migration reached n1: a starved etcd refuses the
-            # submit (exit 4, the operation perhaps recorded); the same --op-id goes on
+            # submit (exit 4, the operation perhaps recorded), or n1 could not reach the
+            # sidecar while vLLM kept both CPUs busy (exit 4); the same --op-id goes on once
+            # the registry says RUNNING again
             out, err = mig.communicate(timeout=30)
             print(f"fleet migrate ended early: exit {mig.returncode}\n{out}\n{err}")
             assert mig.returncode == 4, out + err
+            wait_until(lambda: pair.running_on("n1", "v0"), timeout_s=60, every_s=0.2,
+                       what="v0 RUNNING on n1 in the registry again")
             mig = migrate()
         assert held.exists(), "the migration never reached n1's pre-prepare hooks"
         senders = [Sender(pair.url, p, start=False) for p in PROMPTS]
         for s in senders:  # the four together: under way at once, as the first four were
             s.start()
-        # under way when the drain begins (how many at once depends on this machine's speed)
-        wait_until(lambda: n1.metrics(timeout_s=30).running >= 1, timeout_s=60,
-                   every_s=0.05, what="completions under way on n1")
+        # the drain begins once the four are sent: their connections to n1 are open (asking
+        # vLLM's /metrics instead took seconds while it generated, and the four had ended by
+        # the time it answered)
+        wait_until(lambda: len(connections_to(n1_addr)) >= len(senders)
+                   or not all(s.is_alive() for s in senders), timeout_s=60, every_s=0.01,
+                   what="the four completions' connections to n1")
+        assert all(s.is_alive() for s in senders), [(s.text, s.error) for s in senders]
         pair.go("n1", "pre-prepare")
         out, err = mig.communicate(timeout=400)
         rc = mig.returncode
