@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -182,7 +181,7 @@ def test_a_node_stopped_cleanly_leaves_the_fleet_at_once(etcd, agents, nodes):
 def test_an_engine_name_two_nodes_claim_is_published_by_the_first_only(etcd, agents, nodes,
                                                                         ipc_dir):
     (a,) = agents("dup")
-    n1 = nodes("n1", node_toml(etcd, "n1", [a]))
+    nodes("n1", node_toml(etcd, "n1", [a]))
     wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("dup"), what="dup published")
     other = Agent("dup", control=f"ipc://{ipc_dir}/dup2.ctl", heartbeat_interval_s=0.2).start()
     try:
