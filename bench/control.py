@@ -17,7 +17,8 @@ other engines' agents run on other hosts).
   phases as the controller timed them (each its call to the agent: request to reply); then
   the same again with the journal in memory (``/dev/shm``, unless ``--state-dir`` chose
   where): the difference is what the journal's two fsyncs per operation cost on this disk;
-- fan-out: one ``cycle`` over N engines at once (max-unavailable N) for each N, and a
+- fan-out: one ``cycle`` over N engines at once (max-unavailable N) for each N,
+  ``--fanout-repeat`` times but at least ``--repeat`` engine-cycles in all, and a
   least-squares line through the medians: what each additional engine adds;
 - CPU: the controller's process and all agent hosts, read from their CPU clocks just before
   the first and just after the last measured cycle of each count, per engine per cycle; then
@@ -177,6 +178,13 @@ def goals(results: dict) -> list[dict]:
     return out
 
 
+def fanout_cycles(n: int, args) -> int:
+    """Cycles of ``n`` engines: ``--fanout-repeat``, and at least as many engine-cycles as the
+    single run's ``--repeat`` (3 cycles of one engine are a few milliseconds of CPU, where
+    one heartbeat more or less moved the agents' figure by a quarter)."""
+    return max(args.fanout_repeat, -(-args.repeat // n))
+
+
 def measure(args) -> dict:
     counts = [int(c) for c in args.counts.split(",")]
     results: dict = {"single": None, "fanout": []}
@@ -192,7 +200,7 @@ def measure(args) -> dict:
                                                          args.repeat, Path(mem))
             for n in counts:
                 results["fanout"].append(run_count(d / f"fanout-{n}", n, args,
-                                                   args.fanout_repeat))
+                                                   fanout_cycles(n, args)))
             after = echo.round_trips(args.round_trips - args.round_trips // 2)
         finally:
             echo.close()
@@ -261,7 +269,7 @@ def main() -> int:
     p.add_argument("--counts", default="1,10,100,1000", help="engine counts for the fan-out")
     p.add_argument("--per-process", type=int, default=50, help="agents per host process")
     p.add_argument("--repeat", type=int, default=30, help="single-engine cycles")
-    p.add_argument("--fanout-repeat", type=int, default=3, help="cycles per fan-out count")
+    p.add_argument("--fanout-repeat", type=int, default=3, help="cycles per fan-out count (at least --repeat engine-cycles)")
     p.add_argument("--round-trips", type=int, default=4000,
                    help="bare round trips, half before the cycles and half after")
     p.add_argument("--state-dir", type=Path, default=None,
