@@ -269,7 +269,8 @@ def main() -> int:
     p.add_argument("--counts", default="1,10,100,1000", help="engine counts for the fan-out")
     p.add_argument("--per-process", type=int, default=50, help="agents per host process")
     p.add_argument("--repeat", type=int, default=30, help="single-engine cycles")
-    p.add_argument("--fanout-repeat", type=int, default=3, help="cycles per fan-out count (at least --repeat engine-cycles)")
+    p.add_argument("--fanout-repeat", type=int, default=3,
+                   help="cycles per fan-out count (at least --repeat engine-cycles)")
     p.add_argument("--round-trips", type=int, default=4000,
                    help="bare round trips, half before the cycles and half after")
     p.add_argument("--state-dir", type=Path, default=None,

@@ -69,9 +69,9 @@ class VllmPair(Pair):
                  sys.executable, "-m", "ckpt_controller", "agent", "vllm-launch", "--url",
                  f"http://0.0.0.0:{HTTP_PORT}", "--control", f"tcp://0.0.0.0:{CONTROL_PORT}",
                  "--name", "v0", "--heartbeat", "1.0", "--log-dir", str(self.d / "v0-logs"),
-                 "--", *VLLM_CPU, str(VLLM_PY), "-m", "vllm.entrypoints.launchers.api_server.entry",
-                 "--model", str(self.model_dir), "--enforce-eager", "--dtype", "float32",
-                 "--host", "0.0.0.0",
+                 "--", *VLLM_CPU, str(VLLM_PY), "-m",
+                 "vllm.entrypoints.launchers.api_server.entry", "--model", str(self.model_dir),
+                 "--enforce-eager", "--dtype", "float32", "--host", "0.0.0.0",
                  "--port", str(HTTP_PORT)],
                 self.d / "v0.log", "vLLM launcher v0", cwd=ROOT, env=env, timeout_s=420)
         finally:
@@ -199,9 +199,9 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
             if held.exists():
                 break
             # the command ended before the migration reached n1: a starved etcd refuses the
-            # submit (exit 4, the operation perhaps recorded), or n1 could not reach the
-            # sidecar while vLLM kept both CPUs busy (exit 4); the same --op-id goes on once
-            # the registry says RUNNING again
+            # submit (exit 4, the operation perhaps recorded), or n1's last look did not
+            # reach the sidecar (exit 4); the same --op-id goes on once the registry says
+            # RUNNING again
             out, err = mig.communicate(timeout=30)
             print(f"fleet migrate ended early: exit {mig.returncode}\n{out}\n{err}")
             assert mig.returncode == 4, out + err
