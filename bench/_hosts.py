@@ -8,6 +8,9 @@ them spent.
   process, as ``ckptctl serve`` runs it (``ControllerHost.many``: several started at once);
 - ``EchoHost`` and ``round_trips``: a ROUTER that sends every message back, and a DEALER that
   times each round trip: the transport's own cost, with none of this project's code in it;
+- ``FloorHost``: a ROUTER that answers each request after doing the I/O a one-engine cycle
+  must do at the least (two fsynced SQLite commits, two round trips to an agent, the reply),
+  with none of this project's code: what a controller could not spend less than;
 - ``cpu_s(pid)``: a process's CPU time (user + system, all its threads, also those that
   have ended) from its POSIX CPU clock, in nanoseconds; ``/proc/<pid>/stat`` counts in 10 ms
   ticks, too coarse for a few cycles.
@@ -71,6 +74,47 @@ while True:
         break
     sock.send_multipart(frames)
 sock.close()
+ctx.term()
+"""
+
+FLOOR_HOST = r"""
+import sys, json, sqlite3, zmq
+endpoint, agent, path, records = *sys.argv[1:4], int(sys.argv[4])
+ctx = zmq.Context()
+front = ctx.socket(zmq.ROUTER)
+front.setsockopt(zmq.LINGER, 0)
+front.bind(endpoint)
+back = ctx.socket(zmq.DEALER)
+back.setsockopt(zmq.LINGER, 0)
+back.connect(agent)
+db = sqlite3.connect(path, isolation_level=None)
+db.execute("PRAGMA journal_mode=WAL")
+db.execute("PRAGMA synchronous=FULL")
+db.execute("CREATE TABLE operations (op_id TEXT PRIMARY KEY, status TEXT, result BLOB)")
+db.execute("CREATE TABLE records (seq INTEGER PRIMARY KEY, op_id TEXT, data TEXT)")
+command, result = [b"\x01", bytes(64)], bytes(512)
+print(json.dumps({"event": "ready"}), flush=True)
+n = 0
+while True:
+    frames = front.recv_multipart()
+    if frames[1:] == [b"stop"]:
+        break
+    n += 1
+    op = str(n)
+    db.execute("BEGIN IMMEDIATE")  # the operation's row, durable before any engine moves
+    db.execute("INSERT INTO operations VALUES (?, 'running', NULL)", (op,))
+    db.execute("COMMIT")
+    for _ in range(2):  # prepare, restore
+        back.send_multipart(command)
+        back.recv_multipart()
+    db.execute("BEGIN IMMEDIATE")  # its records and result, durable before the reply
+    db.executemany("INSERT INTO records (op_id, data) VALUES (?, '{}')", [(op,)] * records)
+    db.execute("UPDATE operations SET status = 'succeeded', result = ? WHERE op_id = ?",
+               (result, op))
+    db.execute("COMMIT")
+    front.send_multipart([frames[0], frames[1], result])
+front.close()
+back.close()
 ctx.term()
 """
 
@@ -197,6 +241,56 @@ class ControllerHost:
         self.close()
 
 
+class FloorHost:
+    """``FLOOR_HOST`` in its own process: a journal at ``journal`` (made there) and an agent
+    at ``agent`` (an ``EchoHost``); ``cycles`` times each request's round trip."""
+
+    #: records a one-engine cycle with nothing to drain or hook journals
+    RECORDS = 12
+
+    def __init__(self, endpoint: str, agent: str, journal: Path, log: Path) -> None:
+        self.endpoint = endpoint
+        self.proc, _ = _spawn(FLOOR_HOST, endpoint, agent, str(journal), str(self.RECORDS),
+                              log=log)
+
+    def cycles(self, count: int, warm: int = 10) -> list[float]:
+        """Seconds of each of ``count`` requests, request to answer, after ``warm`` untimed
+        ones."""
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, ECHO_TIMEOUT_MS)
+        sock.connect(self.endpoint)
+        times = []
+        try:
+            for i in range(warm + count):
+                t0 = time.perf_counter()
+                sock.send_multipart([b"\x01", bytes(64)])
+                sock.recv_multipart()  # zmq.Again after ECHO_TIMEOUT_MS: the floor is broken
+                if i >= warm:
+                    times.append(time.perf_counter() - t0)
+        finally:
+            sock.close()
+        return times
+
+    def cpu_s(self) -> float:
+        return cpu_s(self.proc.pid)
+
+    def close(self) -> None:
+        _stop(self.endpoint)
+        _end([self.proc])
+
+
+def _stop(endpoint: str) -> None:
+    """Tell a ROUTER host (the echo, the floor) to end."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1_000)
+    sock.connect(endpoint)
+    sock.send(b"stop")
+    sock.close()
+
+
 class EchoHost:
     """A bare ROUTER in its own process that sends each message back as it came."""
 
@@ -225,11 +319,9 @@ class EchoHost:
             sock.close()
         return times
 
+    def cpu_s(self) -> float:
+        return cpu_s(self.proc.pid)
+
     def close(self) -> None:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 1_000)
-        sock.connect(self.endpoint)
-        sock.send(b"stop")
-        sock.close()
+        _stop(self.endpoint)
         _end([self.proc])

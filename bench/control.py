@@ -24,6 +24,11 @@ other engines' agents run on other hosts).
   the first and just after the last measured cycle of each count, per engine per cycle; then
   read again over an idle interval as long, right after (heartbeats, reconciler ticks):
   "net" takes that idle rate, over the measured time, off;
+- floor: the same I/O as one engine's cycle with none of this project's code (``FloorHost``:
+  a request, two fsynced SQLite commits holding the operation's row and its records and
+  result, two round trips to the echo as its agent, the answer), ``--floor-cycles`` times,
+  its journal on disk and in memory: its wall time, its own CPU and the echo's, per cycle.
+  What this project's code adds is each figure over its floor;
 - goals: issue 15's goals, each measured above, against its limit.
 
 Each controller starts with a warm-up cycle that is not measured (connections, imports).
@@ -40,7 +45,7 @@ import time
 from pathlib import Path
 
 from _common import median, p90, parser, table, write
-from _hosts import ControllerHost, EchoHost, Fleet
+from _hosts import ControllerHost, EchoHost, FloorHost, Fleet
 
 from ckpt_controller.vocab import OperationKind, OperationStatus
 
@@ -127,6 +132,8 @@ def in_rt(results: dict) -> None:
         for who in ("controller", "agents"):
             row[f"{who}_net_cpu_per_engine_cycle_rt"] = \
                 row[f"{who}_net_cpu_per_engine_cycle_s"] / rt
+    for row in results.get("floor", {}).values():
+        row["median_rt"] = row["median_s"] / rt
 
 
 def fit(results: dict) -> dict | None:
@@ -141,6 +148,23 @@ def fit(results: dict) -> dict | None:
     return {"counts": [r["engines"] for r in rows], "slope_s": line.slope,
             "intercept_s": line.intercept, "slope_rt": line.slope / rt,
             "intercept_rt": line.intercept / rt}
+
+
+def floor(d: Path, echo: EchoHost, journal_dir: Path, cycles: int) -> dict:
+    """``cycles`` requests to a ``FloorHost`` whose journal is in ``journal_dir`` and whose
+    agent is ``echo``: per cycle its median wall time, its CPU and the echo's."""
+    host = FloorHost(f"ipc://{d}/floor-{journal_dir.name}.sock", echo.endpoint,
+                     journal_dir / "floor.sqlite3", d / "floor.log")
+    try:
+        host.cycles(10)  # warm (and a first checkpoint of the WAL, if any, not measured)
+        cpu0 = (host.cpu_s(), echo.cpu_s())
+        times = host.cycles(cycles, warm=0)
+        cpu1 = (host.cpu_s(), echo.cpu_s())
+    finally:
+        host.close()
+    return {"cycles": cycles, "median_s": median(times), "p90_s": p90(times),
+            "controller_cpu_per_cycle_s": (cpu1[0] - cpu0[0]) / cycles,
+            "agent_cpu_per_cycle_s": (cpu1[1] - cpu0[1]) / cycles}
 
 
 def plural(count: int, word: str) -> str:
@@ -181,7 +205,8 @@ def goals(results: dict) -> list[dict]:
 def fanout_cycles(n: int, args) -> int:
     """Cycles of ``n`` engines: ``--fanout-repeat``, and at least as many engine-cycles as the
     single run's ``--repeat`` (3 cycles of one engine are a few milliseconds of CPU, where
-    one heartbeat more or less moved the agents' figure by a quarter)."""
+    one heartbeat more or less moved the agents' figure by a quarter; with 30, two runs of
+    the same count in one run still differed by 0.39 against 0.55 ms)."""
     return max(args.fanout_repeat, -(-args.repeat // n))
 
 
@@ -198,6 +223,10 @@ def measure(args) -> dict:
                 with tempfile.TemporaryDirectory(prefix="ckpt-bench-", dir=MEMORY_DIR) as mem:
                     results["single_memory"] = run_count(d / "single-memory", 1, args,
                                                          args.repeat, Path(mem))
+            results["floor"] = {"disk": floor(d, echo, args.state_dir or d, args.floor_cycles)}
+            if args.state_dir is None and MEMORY_DIR.is_dir():
+                with tempfile.TemporaryDirectory(prefix="ckpt-bench-", dir=MEMORY_DIR) as mem:
+                    results["floor"]["memory"] = floor(d, echo, Path(mem), args.floor_cycles)
             for n in counts:
                 results["fanout"].append(run_count(d / f"fanout-{n}", n, args,
                                                    fanout_cycles(n, args)))
@@ -257,6 +286,25 @@ def print_tables(results: dict) -> None:
                   r[f"{who}_net_cpu_per_engine_cycle_rt"],
                   r[f"{who}_idle_cpu_s"] / r["idle_s"] * 1e3)]
            for r in cpu_rows])
+    floors = results.get("floor", {})
+    ours = {"disk": s, "memory": memory}
+    rows = []
+    for where, f in floors.items():
+        o = ours[where]
+        if o is None:
+            continue
+        cpu = (o["controller_net_cpu_per_engine_cycle_s"], o["agents_net_cpu_per_engine_cycle_s"])
+        rows.append([f"journal {'in ' + str(MEMORY_DIR) if where == 'memory' else 'on disk'}",
+                     f["median_rt"], o["median_rt"] / f["median_rt"],
+                     f["controller_cpu_per_cycle_s"] * 1e3,
+                     cpu[0] / f["controller_cpu_per_cycle_s"],
+                     f["agent_cpu_per_cycle_s"] * 1e3, cpu[1] / f["agent_cpu_per_cycle_s"]])
+    if rows:
+        table("floor: one engine's cycle as bare I/O, none of this project's code (two fsynced "
+              f"commits, two agent round trips, the answer; {next(iter(floors.values()))['cycles']} "
+              "cycles), and this project's one-engine cycle over it",
+              ["journal", "floor RT", "ours / floor", "floor controller CPU ms",
+               "ours / floor", "floor agent CPU ms", "ours / floor"], rows)
     table("goals (issue 15), each measured in this run",
           ["goal", "measured", "limit", "unit", "met", "from"],
           [[g["what"], "-" if g["value"] is None else g["value"], g["limit"], g["unit"],
@@ -268,17 +316,21 @@ def main() -> int:
     p = parser("control", __doc__)
     p.add_argument("--counts", default="1,10,100,1000", help="engine counts for the fan-out")
     p.add_argument("--per-process", type=int, default=50, help="agents per host process")
-    p.add_argument("--repeat", type=int, default=30, help="single-engine cycles")
+    p.add_argument("--repeat", type=int, default=100, help="single-engine cycles")
     p.add_argument("--fanout-repeat", type=int, default=3,
                    help="cycles per fan-out count (at least --repeat engine-cycles)")
     p.add_argument("--round-trips", type=int, default=4000,
                    help="bare round trips, half before the cycles and half after")
+    p.add_argument("--floor-cycles", type=int, default=300,
+                   help="cycles of the floor (bare I/O), each journal")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="the journal's directory (default: a temp dir on disk; /dev/shm "
                         "takes the disk's fsync out)")
     args = p.parse_args()
     if args.round_trips < 2:
         p.error("--round-trips must be at least 2")
+    if args.floor_cycles < 1:
+        p.error("--floor-cycles must be at least 1")
     results = measure(args)
     print_tables(results)
     write(args.out, "control", args, results)

@@ -37,7 +37,7 @@ def positive(value) -> bool:
 
 def test_control_overhead_and_fan_out(tmp_path):
     res = bench(tmp_path, "control", "--counts", "1,3", "--repeat", "3", "--fanout-repeat",
-                "1", "--round-trips", "200")
+                "1", "--round-trips", "200", "--floor-cycles", "20")
     assert len(res["single"]["runs_s"]) == 3 and res["single"]["median_s"] > 0
     assert {"prepare", "restore"} <= set(res["single"]["phase_median_s"])
     assert [row["engines"] for row in res["fanout"]] == [1, 3]
@@ -54,6 +54,13 @@ def test_control_overhead_and_fan_out(tmp_path):
         assert row["idle_s"] >= row["measured_s"]  # idle as long as the cycles measured
         assert row["controller_idle_cpu_s"] >= 0 and row["agents_idle_cpu_s"] >= 0
         assert set(row["phase_median_rt"]) == set(row["phase_median_s"])
+    # the floor: the same I/O with none of the project's code, journal on disk and in memory
+    assert set(res["floor"]) == {"disk", "memory"}
+    for row in res["floor"].values():
+        assert row["cycles"] == 20
+        assert all(positive(row[k]) for k in ("median_s", "p90_s", "median_rt",
+                                              "controller_cpu_per_cycle_s",
+                                              "agent_cpu_per_cycle_s"))
     fit = res["fit"]
     assert fit["counts"] == [1, 3]
     # a line through two noisy counts: its sign is the machine's to say, not this test's
@@ -74,6 +81,21 @@ def test_control_overhead_and_fan_out(tmp_path):
         assert positive(goals[key]["value"])  # the worst count's, in ms
         assert goals[key]["value"] == max(r[f"{who}_net_cpu_per_engine_cycle_s"] * 1e3
                                           for r in [res["single"]] + res["fanout"])
+
+
+def test_cycle_timeline_stamps_every_step_in_order(tmp_path):
+    res = bench(tmp_path, "cycle_timeline", "--repeat", "5", "--round-trips", "50")
+    assert positive(res["round_trip_s"])
+    assert set(res["journals"]) == {"disk", "memory"}
+    steps = ["request", "op_thread", "begun", "call1_sent", "call1_back", "call2_sent",
+             "call2_back", "finishing", "finished", "reply_queued", "reply_sent", "client"]
+    for journal in res["journals"].values():
+        assert journal["cycles"] == 5
+        at = journal["median_offset_s"]
+        assert list(at) == steps
+        # each cycle passes the steps in this order, so their medians keep it
+        offsets = [at[k] for k in steps]
+        assert all(positive(t) for t in offsets) and offsets == sorted(offsets), at
 
 
 def test_status_at_many_engines(tmp_path):
