@@ -30,6 +30,7 @@ demo: $(STAMP)
 # (their JSON goes to bench/results/quick/, so the recorded full runs stay as they are)
 bench: $(STAMP)
 	$(PY) bench/control.py --counts 1,10,100 --repeat 20 --out bench/results/quick/control.json
+	$(PY) bench/cycle_timeline.py --repeat 100 --out bench/results/quick/cycle_timeline.json
 	$(PY) bench/agent_ops.py --pairs 500 --out bench/results/quick/agent_ops.json
 	$(PY) bench/memory.py --sizes 1,2 --out bench/results/quick/memory.json
 	$(PY) bench/pages.py --repeat 3 --out bench/results/quick/pages.json
@@ -43,6 +44,7 @@ bench: $(STAMP)
 # the full sizes: 1,000 agents, 1 to 8 GiB (about a quarter of an hour)
 bench-full: $(STAMP)
 	$(PY) bench/control.py --counts 1,10,100,1000
+	$(PY) bench/cycle_timeline.py
 	$(PY) bench/agent_ops.py
 	$(PY) bench/memory.py --sizes 1,2,4,8
 	$(PY) bench/pages.py
