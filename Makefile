@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/safetensors_write.py --mib 64 --out bench/results/quick/safetensors_write.json
 	$(PY) bench/checksum.py --mib 64 --out bench/results/quick/checksum.json
 	$(PY) bench/journal.py --records 2000 --ops 100 --out bench/results/quick/journal.json
+	$(PY) bench/journal_growth.py --ops 1000,20000 --out bench/results/quick/journal_growth.json
 
 # the full sizes: 1,000 agents, 1 to 8 GiB (about a quarter of an hour)
 bench-full: $(STAMP)
@@ -51,6 +52,7 @@ bench-full: $(STAMP)
 	$(PY) bench/drain.py
 	$(PY) bench/capture.py
 	$(PY) bench/journal.py
+	$(PY) bench/journal_growth.py
 	if [ -x .cache/etcd/bin/etcd ]; then $(PY) bench/fleet.py; else echo "bench/fleet.py: needs make etcd"; fi
 
 # the GPU's own path (needs a CUDA device): level 1 offload to pinned host memory and back

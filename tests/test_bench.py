@@ -98,6 +98,18 @@ def test_cycle_timeline_stamps_every_step_in_order(tmp_path):
         assert all(positive(t) for t in offsets) and offsets == sorted(offsets), at
 
 
+def test_journal_reads_timed_at_each_journal_size(tmp_path):
+    res = bench(tmp_path, "journal_growth", "--ops", "30,300", "--engines", "3", "--records",
+                "4", "--repeat", "2")
+    assert res["code"] == "this checkout"
+    assert [r["ops"] for r in res["sizes"]] == [30, 300]
+    for row in res["sizes"]:
+        assert row["records"] == row["ops"] * 4
+        assert positive(row["filled_s"]) and positive(row["first_start_s"])
+        assert set(row["median_s"]) == {"startup", "status", "history", "captures", "lookup"}
+        assert all(positive(t) for t in row["median_s"].values())
+
+
 def test_status_at_many_engines(tmp_path):
     res = bench(tmp_path, "status", "--engines", "3", "--per-process", "2", "--repeat", "2",
                 "--group-ops", "1", "--single-ops", "2")

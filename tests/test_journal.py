@@ -78,6 +78,114 @@ def test_last_operations_are_each_engines_newest_in_one_read(tmp_path):
         j.close()
 
 
+def _plans(j: Journal, monkeypatch, call) -> list[str]:
+    """The query plan (SQLite's ``EXPLAIN QUERY PLAN`` lines) of each read ``call`` makes."""
+    reads: list[tuple[str, tuple]] = []
+    real = Journal._read
+
+    def spy(self, sql, args=()):
+        reads.append((sql, args))
+        return real(self, sql, args)
+
+    monkeypatch.setattr(Journal, "_read", spy)
+    call()
+    monkeypatch.setattr(Journal, "_read", real)
+    assert reads
+    with sqlite3.connect(j.path) as db:
+        return [" | ".join(row[3] for row in db.execute(f"EXPLAIN QUERY PLAN {sql}", args))
+                for sql, args in reads]
+
+
+def test_an_engines_operations_and_records_are_read_by_index_not_by_scan(tmp_path, monkeypatch):
+    """What ``status``, ``history``, a restore's image choice and a starting controller ask
+    of one engine is found through an index, never by reading the whole journal: the
+    journal of a year answers as fast as a new one (``bench/journal_growth.py``)."""
+    j = Journal(tmp_path / "journal.sqlite3")
+    try:
+        for i in range(20):
+            _done(j, f"op{i}", [f"e{i % 3}"])
+        j.record("capture", {"dumped": True, "generation": 1}, op_id="op4", engine="e1")
+        j.record("contact_lost", {}, op_id="op5", engine="e2")
+        for call, index in [
+                (lambda: j.operations(engine="e1", limit=5), "operation_engines"),
+                (lambda: j.operations(engine="e1", op_id="op4"), "operation_engines"),
+                (lambda: j.last_operations(["e0", "e1", "never"]), "operation_engines"),
+                (lambda: j.records(engine="e1", op_ids=["op1", "op4"]), "records_op"),
+                (lambda: j.captures("e1"), "records_captures"),
+                (lambda: j.captures("e1", limit=1), "records_captures"),
+                (lambda: j.captures("e1", limit=1, dumped=True), "records_images"),
+                (lambda: j.captures("e1", dumped=True), "records_images"),
+                (lambda: j.unsettled(), "records_contact")]:
+            for plan in _plans(j, monkeypatch, call):
+                scans = [step for step in plan.split(" | ") if step.startswith("SCAN ")
+                         and "VIRTUAL TABLE" not in step]  # the names or ids asked for
+                assert not scans, plan
+                assert "SEARCH" in plan and (index in plan or "PRIMARY KEY" in plan), plan
+        assert [c[0] for c in j.captures("e1", limit=1)] == ["op4"]
+        j.record("capture", {"dumped": False, "generation": 1}, op_id="op7", engine="e1")
+        assert [c[0] for c in j.captures("e1")] == ["op7", "op4"]
+        assert [c[0] for c in j.captures("e1", dumped=True)] == ["op4"]
+        assert [(r.op_id, r.type) for r in j.records(engine="e1", op_ids=["op4", "op1"])] == [
+            ("op1", "phase"), ("op4", "phase"), ("op4", "capture")]
+        assert j.unsettled() == {"e2": "op5"}
+    finally:
+        j.close()
+
+
+def test_a_journal_from_before_operation_engines_is_indexed_once_when_opened(tmp_path):
+    """A journal written before ``operation_engines`` (``user_version`` 0, no table, no
+    trigger) answers by engine as before once opened: its operations are filled in, once."""
+    path = tmp_path / "journal.sqlite3"
+    j = Journal(path)
+    try:
+        _done(j, "first", ["a"])
+    finally:
+        j.close()
+    with sqlite3.connect(path) as db:  # as an older controller left it
+        db.execute("DROP TRIGGER operation_engines_fill")
+        db.execute("DROP TABLE operation_engines")
+        db.execute("PRAGMA user_version = 0")
+    with sqlite3.connect(path) as db:  # and an operation an older controller journaled
+        db.execute("INSERT INTO operations (op_id, kind, engines, params, status, wall, "
+                   "monotonic) VALUES ('second', 'cycle', '[\"a\", \"b\"]', '{}', "
+                   "'running', 2e9, 0)")
+    j = Journal(path)
+    try:
+        assert [o.op_id for o in j.operations(engine="a", limit=5)] == ["second", "first"]
+        assert [o.op_id for o in j.operations(engine="b", limit=5)] == ["second"]
+        assert {k: v.op_id for k, v in j.last_operations(["a", "b"]).items()} == {
+            "a": "second", "b": "second"}
+        assert j.check() == []
+        with sqlite3.connect(path) as db:
+            assert db.execute("PRAGMA user_version").fetchone() == (1,)
+            rows = db.execute("SELECT COUNT(*) FROM operation_engines").fetchone()
+        assert rows == (3,)
+    finally:
+        j.close()
+    with sqlite3.connect(path) as db:  # a row lost from the index is a problem check names
+        db.execute("DELETE FROM operation_engines WHERE op_id = 'first'")
+    j = Journal(path)  # at the version already: not filled again
+    try:
+        assert j.operations(engine="a", limit=5)[0].op_id == "second"
+        assert j.check() == ["1 engines of operations missing from operation_engines"]
+    finally:
+        j.close()
+
+
+def test_begin_indexes_each_engine_once_and_a_refused_begin_none(tmp_path):
+    j = Journal(tmp_path / "journal.sqlite3")
+    try:
+        j.begin("op", "prepare", ["a", "b", "a"], {})
+        with pytest.raises(sqlite3.IntegrityError):
+            j.begin("op", "prepare", ["c"], {})
+        with sqlite3.connect(j.path) as db:
+            rows = db.execute("SELECT engine, op_id FROM operation_engines ORDER BY engine")
+            assert rows.fetchall() == [("a", "op"), ("b", "op")]
+        assert j.operations(engine="c", limit=5) == []
+    finally:
+        j.close()
+
+
 def test_concurrent_writes_are_each_kept(tmp_path):
     """Writers on many threads at once (a fan-out's sessions): every record is there
     afterwards, in order per writer, with its own sequence number."""

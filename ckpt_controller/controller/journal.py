@@ -6,7 +6,12 @@ Tables: ``operations`` (one row per operation id: kind, engines, parameters, sta
 runs, notes; each with wall and monotonic time) and ``roster`` (append-only: each engine the
 controller adopted or gave away, by which operation, from or to which node, and an adopted
 engine's whole configuration; an engine's newest row says where it is, ``controller.roster``
-reads them). Writes go through one writer thread that
+reads them). ``operation_engines`` (an operation's engines, a row each, filled by a trigger
+with the operation's row) and partial indexes on ``records`` (captures, the images among
+them, lost contact) let every read the controller makes of one engine (``status``'s LAST-OP,
+``history``, a restore's image, a start's carried-over metrics) go by index: as fast in a
+journal of years as in a new one. A journal written before them is brought up to
+``SCHEMA_VERSION`` when opened, once. Writes go through one writer thread that
 commits whatever has queued in one transaction (group commit, ``journal_writer``), in the
 order they were made, so the file is always a prefix of what was journaled and a controller
 killed at any instant leaves a journal that opens clean: an operation whose row still says
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -56,6 +62,8 @@ from ckpt_controller.protocol import (
     OperationSummary,
 )
 from ckpt_controller.vocab import OperationStatus
+
+log = logging.getLogger("ckpt_controller.journal")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS operations (
@@ -94,7 +102,31 @@ CREATE TABLE IF NOT EXISTS sync_mark (
     id         INTEGER PRIMARY KEY CHECK (id = 1),
     wall       REAL NOT NULL            -- rewritten by a barrier so its commit has a page to fsync
 );
+-- each operation's engines, a row each, filled by the trigger with the operation's row (in
+-- its statement): an engine's operations, newest first, by index however long the journal
+CREATE TABLE IF NOT EXISTS operation_engines (
+    engine     TEXT NOT NULL,
+    wall       REAL NOT NULL,           -- the operation's
+    op_id      TEXT NOT NULL,
+    PRIMARY KEY (engine, wall, op_id)
+) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS operation_engines_fill AFTER INSERT ON operations BEGIN
+    INSERT OR IGNORE INTO operation_engines (engine, wall, op_id)
+    SELECT value, NEW.wall, NEW.op_id FROM json_each(NEW.engines);
+END;
+-- the records a restore chooses its image by, and those that leave an engine unsettled
+CREATE INDEX IF NOT EXISTS records_captures ON records(engine, seq) WHERE type = 'capture';
+CREATE INDEX IF NOT EXISTS records_images ON records(engine, seq)
+    WHERE type = 'capture' AND json_extract(data, '$.dumped') = 1;
+CREATE INDEX IF NOT EXISTS records_contact ON records(engine, seq)
+    WHERE type IN ('contact_lost', 'reconciled');
 """
+#: ``PRAGMA user_version`` of a journal with the tables above filled (0: written before
+#: ``operation_engines``, which opening fills once from ``operations``)
+SCHEMA_VERSION = 1
+BACKFILL_ENGINES = ("INSERT OR IGNORE INTO operation_engines (engine, wall, op_id) "
+                    "SELECT j.value, o.wall, o.op_id "
+                    "FROM operations AS o, json_each(o.engines) AS j")
 
 INSERT_RECORD = ("INSERT INTO records (seq, op_id, engine, type, wall, monotonic, data) "
                  "VALUES (?, ?, ?, ?, ?, ?, ?)")
@@ -117,7 +149,7 @@ class Journal:
             db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
                                  timeout=30)
             db.execute("PRAGMA journal_mode=WAL")
-            db.executescript(SCHEMA)
+            _open_schema(db, self.path)
             # AUTOINCREMENT's own counter too: a seq is never reused, even one deleted
             first = 1 + max(n or 0 for (n,) in db.execute(
                 "SELECT MAX(seq) FROM records UNION ALL "
@@ -236,39 +268,40 @@ class Journal:
     def operations(self, engine: str | None = None, op_id: str | None = None,
                    limit: int = 50) -> list[OperationSummary]:
         """The newest ``limit`` operations, newest first; only those on ``engine`` and/or with
-        ``op_id`` when given (filtered before the limit, however old the match)."""
-        where, args = _where(
-            ("EXISTS (SELECT 1 FROM json_each(operations.engines) WHERE value = ?)", engine),
-            ("op_id = ?", op_id))
+        ``op_id`` when given (filtered before the limit, however old the match). An engine's
+        are read through ``operation_engines``: as fast in a journal of a million operations
+        as in a new one."""
+        if engine:
+            source, order, where, args = _ENGINE_OPERATIONS, "e.wall", ["e.engine = ?"], [engine]
+        else:
+            source, order, where, args = "operations AS o", "o.wall", [], []
+        if op_id:
+            where.append("o.op_id = ?")
+            args.append(op_id)
         rows = self._read(
-            f"SELECT op_id, kind, engines, status, wall, ended_wall FROM operations {where} "
-            "ORDER BY wall DESC LIMIT ?", (*args, max(limit, 1)))
+            f"SELECT o.op_id, o.kind, o.engines, o.status, o.wall, o.ended_wall FROM {source} "
+            + (f"WHERE {' AND '.join(where)} " if where else "")
+            + f"ORDER BY {order} DESC LIMIT ?", (*args, max(limit, 1)))
         return [OperationSummary(op_id=op, kind=kind, engines=json.loads(engines), status=status,
                                  wall=wall, duration_s=None if ended is None else ended - wall)
                 for op, kind, engines, status, wall, ended in rows]
 
     def last_operations(self, engines: list[str]) -> dict[str, LastOperation]:
         """The newest operation on each of ``engines`` (one without any is left out), in one
-        query: operations newest first (the ``wall`` index), read only until every engine
-        has been seen, so a journal whose newest operation named them all reads one row."""
-        left = set(engines)
+        query: one look into ``operation_engines``'s index per engine, however long the
+        journal and whether or not an engine ever had one."""
         found: dict[str, LastOperation] = {}
-        if not left:
+        if not engines:
             return found
-        with self._reader() as conn:
-            for op, kind, names, status, wall, ended in conn.execute(
-                    "SELECT op_id, kind, engines, status, wall, ended_wall FROM operations "
-                    "ORDER BY wall DESC"):
-                named = left.intersection(json.loads(names))
-                if not named:
-                    continue
-                last = LastOperation(op_id=op, kind=kind, status=status, wall=wall,
-                                     duration_s=None if ended is None else ended - wall)
-                for name in named:
-                    found[name] = last
-                left -= named
-                if not left:
-                    break
+        rows = self._read(
+            "SELECT n.value, o.op_id, o.kind, o.status, o.wall, o.ended_wall "
+            "FROM json_each(?) AS n JOIN operation_engines AS e ON e.engine = n.value "
+            "AND e.wall = (SELECT MAX(wall) FROM operation_engines WHERE engine = n.value) "
+            "JOIN operations AS o ON o.op_id = e.op_id",
+            (json.dumps(list(dict.fromkeys(engines))),))
+        for name, op, kind, status, wall, ended in rows:
+            found[name] = LastOperation(op_id=op, kind=kind, status=status, wall=wall,
+                                        duration_s=None if ended is None else ended - wall)
         return found
 
     # ---------------------------------------------------------------- records
@@ -305,12 +338,16 @@ class Journal:
         self._writer.wait_written()
         where, args = _where(("seq > ?", since), ("engine = ?", engine), ("op_id = ?", op_id),
                              keep=("seq > ?",))
+        source = "records"
         if op_ids is not None:
-            where = f"{where} AND " if where else "WHERE "
-            where += "op_id IN (SELECT value FROM json_each(?))"
-            args = (*args, json.dumps(list(op_ids)))
-        sql = (f"SELECT seq, op_id, engine, type, wall, monotonic, data FROM records {where} "
-               "ORDER BY seq DESC LIMIT ?")
+            # the operations' own records (by ``records_op``), not all of an engine's read
+            # back until they are found: the named operations drive the join (CROSS JOIN
+            # keeps SQLite from reordering it)
+            source = "json_each(?) AS ids CROSS JOIN records ON records.op_id = ids.value"
+            args = (json.dumps(list(dict.fromkeys(op_ids))), *args)
+        sql = ("SELECT records.seq, records.op_id, records.engine, records.type, records.wall, "
+               f"records.monotonic, records.data FROM {source} {where} "
+               "ORDER BY records.seq DESC LIMIT ?")
         if max_bytes is None:
             rows = self._read(sql, (*args, limit))
         else:
@@ -325,12 +362,17 @@ class Journal:
         return [JournalRecord(seq=r[0], op_id=r[1], engine=r[2], type=r[3], wall=r[4],
                               monotonic=r[5], data=json.loads(r[6])) for r in reversed(rows)]
 
-    def captures(self, engine: str) -> list[tuple[str, dict[str, Any]]]:
-        """``(op_id, data)`` of every ``capture`` record of ``engine``, newest first: whether
-        it dumped an image, and the engine's generation then."""
+    def captures(self, engine: str, limit: int | None = None,
+                 dumped: bool = False) -> list[tuple[str, dict[str, Any]]]:
+        """``(op_id, data)`` of every ``capture`` record of ``engine`` (the newest ``limit``;
+        with ``dumped``, of those that dumped an image), newest first: whether it dumped an
+        image, and the engine's generation then. Read by the ``records_captures`` index (and
+        ``records_images`` for those that dumped): no other record is looked at."""
         self._writer.wait_written()
+        only = "AND json_extract(data, '$.dumped') = 1 " if dumped else ""
         rows = self._read("SELECT op_id, data FROM records WHERE engine = ? AND type = "
-                          "'capture' ORDER BY seq DESC", (engine,))
+                          f"'capture' {only}ORDER BY seq DESC LIMIT ?",
+                          (engine, -1 if limit is None else max(limit, 1)))
         return [(op, json.loads(data)) for op, data in rows]
 
     # ---------------------------------------------------------------- adopted, given away
@@ -366,7 +408,8 @@ class Journal:
 
     def check(self) -> list[str]:
         """Problems found (empty when consistent): SQLite's own integrity check, records of
-        unknown operations, operations ended without a result."""
+        unknown operations, operations whose engines ``operation_engines`` lacks, operations
+        ended without a result."""
         self._writer.wait_written()
         problems = []
         ok = self._read("PRAGMA integrity_check")
@@ -376,11 +419,44 @@ class Journal:
                              "NOT IN (SELECT op_id FROM operations)")[0][0]
         if orphans:
             problems.append(f"{orphans} records of unknown operations")
+        unindexed = self._read(
+            "SELECT COUNT(*) FROM operations AS o, json_each(o.engines) AS j WHERE NOT EXISTS "
+            "(SELECT 1 FROM operation_engines AS e WHERE e.engine = j.value "
+            "AND e.wall = o.wall AND e.op_id = o.op_id)")[0][0]
+        if unindexed:
+            problems.append(f"{unindexed} engines of operations missing from operation_engines")
         no_result = self._read("SELECT op_id FROM operations WHERE status != ? "
                                "AND result IS NULL", (OperationStatus.RUNNING,))
         if no_result:
             problems.append(f"ended without a result: {[r[0] for r in no_result]}")
         return problems
+
+
+#: an engine's operations: ``operation_engines`` (``e``, by its index) joined to ``operations``
+_ENGINE_OPERATIONS = "operation_engines AS e JOIN operations AS o ON o.op_id = e.op_id"
+
+
+def _open_schema(db: sqlite3.Connection, path: Path) -> None:
+    """Make the tables (those missing), and bring a journal written before
+    ``operation_engines`` up to ``SCHEMA_VERSION``: its operations' engines are filled in
+    once, in one transaction with the version (a controller killed meanwhile leaves the
+    journal as it was, and the next start does it again)."""
+    db.executescript(SCHEMA)
+    (version,) = db.execute("PRAGMA user_version").fetchone()
+    if version >= SCHEMA_VERSION:
+        return
+    start = time.monotonic()
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        filled = db.execute(BACKFILL_ENGINES).rowcount
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        db.execute("COMMIT")
+    except BaseException:  # policy: nothing half done: the next start fills it again
+        db.execute("ROLLBACK")
+        raise
+    if filled:
+        log.info("journal %s: each operation's engines indexed (%d rows, once, in %.1f s)",
+                 path, filled, time.monotonic() - start)
 
 
 def _where(*conditions: tuple[str, Any], keep: tuple[str, ...] = ()) -> tuple[str, tuple]:

@@ -105,26 +105,28 @@ def choose_images(config: ControllerConfig, journal: Journal, cmd: p.OperationCo
     hooks = bool(find_hooks(config.hooks_dir, HookPoint.PRE_RESTORE))
     images: dict[str, str | None] = {}
     for engine, status in statuses.items():
-        captures = journal.captures(engine)
-        dumped = [(op, data) for op, data in captures if data.get("dumped")]
         if cmd.image is not None:
+            dumped = journal.captures(engine, dumped=True)
             if cmd.image not in [op for op, _ in dumped]:
                 raise UsageError(f"no image of {engine} from operation {cmd.image}; its "
                                  f"images: {', '.join(op for op, _ in dumped) or 'none'}",
                                  engine=engine, image=cmd.image)
             images[engine] = cmd.image
             continue
+        # the newest capture and the newest that dumped: two rows, however many captures
+        dumped = journal.captures(engine, limit=1, dumped=True)
         if not dumped:
             images[engine] = None
             continue
         op, data = dumped[0]
-        later = captures[0][0] != op  # a later capture that dumped nothing
+        newest = journal.captures(engine, limit=1)[0][0]
+        later = newest != op  # a later capture that dumped nothing
         taken = data.get("generation")
         generation = status.generation if status is not None else taken
         if not later and generation == taken:
             images[engine] = op
         elif hooks:
-            why = (f"capture {captures[0][0]} dumped nothing since" if later else
+            why = (f"capture {newest} dumped nothing since" if later else
                    f"{engine} is at generation {generation} now")
             raise UsageError(f"the newest image of {engine} is from operation {op}, taken at "
                              f"generation {taken}, and {why}: restore --image {op} to restore "
