@@ -172,6 +172,36 @@ def test_a_journal_from_before_operation_engines_is_indexed_once_when_opened(tmp
         j.close()
 
 
+def test_an_indexing_that_fails_leaves_the_journal_as_it_was_for_the_next_start(tmp_path):
+    from ckpt_controller.errors import ConfigError
+
+    path = tmp_path / "journal.sqlite3"
+    j = Journal(path)
+    try:
+        _done(j, "first", ["a"])
+        _done(j, "second", ["a", "b"])
+    finally:
+        j.close()
+    with sqlite3.connect(path) as db:  # as an older controller left it, and a disk that
+        db.execute("DELETE FROM operation_engines")  # fails once a row was written
+        db.execute("PRAGMA user_version = 0")
+        db.execute("CREATE TRIGGER full BEFORE INSERT ON operation_engines WHEN (SELECT "
+                   "COUNT(*) FROM operation_engines) >= 1 BEGIN "
+                   "SELECT RAISE(ABORT, 'database or disk is full'); END")
+    with pytest.raises(ConfigError, match="disk is full"):
+        Journal(path)
+    with sqlite3.connect(path) as db:  # nothing of it stayed
+        assert db.execute("PRAGMA user_version").fetchone() == (0,)
+        assert db.execute("SELECT COUNT(*) FROM operation_engines").fetchone() == (0,)
+        db.execute("DROP TRIGGER full")
+    j = Journal(path)  # the next start does it all
+    try:
+        assert [o.op_id for o in j.operations(engine="a", limit=5)] == ["second", "first"]
+        assert j.check() == []
+    finally:
+        j.close()
+
+
 def test_begin_indexes_each_engine_once_and_a_refused_begin_none(tmp_path):
     j = Journal(tmp_path / "journal.sqlite3")
     try:

@@ -145,6 +145,7 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        db = None
         try:
             db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
                                  timeout=30)
@@ -155,6 +156,8 @@ class Journal:
                 "SELECT MAX(seq) FROM records UNION ALL "
                 "SELECT seq FROM sqlite_sequence WHERE name = 'records'"))
         except sqlite3.DatabaseError as exc:  # policy: an unusable journal stops the controller
+            if db is not None:
+                db.close()
             raise ConfigError(f"cannot open the journal: {exc}", file=str(self.path),
                               key="controller.state_dir", problem=str(exc)) from None
         #: from here on only the writer's thread uses ``db``
