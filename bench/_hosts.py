@@ -241,7 +241,47 @@ class ControllerHost:
         self.close()
 
 
-class FloorHost:
+class _RouterHost:
+    """A ROUTER host in a process of its own (the echo, the floor): timed round trips to it,
+    its CPU clock, and the end of it."""
+
+    endpoint: str
+    proc: subprocess.Popen
+
+    def _timed(self, frames: list[bytes], count: int, warm: int) -> list[float]:
+        """Seconds of each of ``count`` round trips of ``frames``, after ``warm`` untimed
+        ones; ``zmq.Again`` when an answer takes ``ECHO_TIMEOUT_MS`` (the host is broken)."""
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, ECHO_TIMEOUT_MS)
+        sock.connect(self.endpoint)
+        times = []
+        try:
+            for i in range(warm + count):
+                t0 = time.perf_counter()
+                sock.send_multipart(frames)
+                sock.recv_multipart()
+                if i >= warm:
+                    times.append(time.perf_counter() - t0)
+        finally:
+            sock.close()
+        return times
+
+    def cpu_s(self) -> float:
+        return cpu_s(self.proc.pid)
+
+    def close(self) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1_000)
+        sock.connect(self.endpoint)
+        sock.send(b"stop")
+        sock.close()
+        _end([self.proc])
+
+
+class FloorHost(_RouterHost):
     """``FLOOR_HOST`` in its own process: a journal at ``journal`` (made there) and an agent
     at ``agent`` (an ``EchoHost``); ``cycles`` times each request's round trip."""
 
@@ -256,42 +296,10 @@ class FloorHost:
     def cycles(self, count: int, warm: int = 10) -> list[float]:
         """Seconds of each of ``count`` requests, request to answer, after ``warm`` untimed
         ones."""
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, ECHO_TIMEOUT_MS)
-        sock.connect(self.endpoint)
-        times = []
-        try:
-            for i in range(warm + count):
-                t0 = time.perf_counter()
-                sock.send_multipart([b"\x01", bytes(64)])
-                sock.recv_multipart()  # zmq.Again after ECHO_TIMEOUT_MS: the floor is broken
-                if i >= warm:
-                    times.append(time.perf_counter() - t0)
-        finally:
-            sock.close()
-        return times
-
-    def cpu_s(self) -> float:
-        return cpu_s(self.proc.pid)
-
-    def close(self) -> None:
-        _stop(self.endpoint)
-        _end([self.proc])
+        return self._timed([b"\x01", bytes(64)], count, warm)
 
 
-def _stop(endpoint: str) -> None:
-    """Tell a ROUTER host (the echo, the floor) to end."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 1_000)
-    sock.connect(endpoint)
-    sock.send(b"stop")
-    sock.close()
-
-
-class EchoHost:
+class EchoHost(_RouterHost):
     """A bare ROUTER in its own process that sends each message back as it came."""
 
     def __init__(self, endpoint: str, log: Path) -> None:
@@ -301,27 +309,4 @@ class EchoHost:
     def round_trips(self, count: int, body_bytes: int = 64, warm: int = 100) -> list[float]:
         """Seconds of each of ``count`` round trips of a two-frame message (a type byte and a
         ``body_bytes`` body, as a protocol frame), after ``warm`` untimed ones."""
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, ECHO_TIMEOUT_MS)
-        sock.connect(self.endpoint)
-        frames = [b"\x01", bytes(body_bytes)]
-        times = []
-        try:
-            for i in range(warm + count):
-                t0 = time.perf_counter()
-                sock.send_multipart(frames)
-                sock.recv_multipart()  # zmq.Again after ECHO_TIMEOUT_MS: the echo is broken
-                if i >= warm:
-                    times.append(time.perf_counter() - t0)
-        finally:
-            sock.close()
-        return times
-
-    def cpu_s(self) -> float:
-        return cpu_s(self.proc.pid)
-
-    def close(self) -> None:
-        _stop(self.endpoint)
-        _end([self.proc])
+        return self._timed([b"\x01", bytes(body_bytes)], count, warm)
