@@ -551,3 +551,44 @@ def test_barrier_rounds_commit_with_fsync_and_plain_ones_without(tmp_path):
         assert j.stats()["syncs"] == 3
     finally:
         j.close()
+
+
+def test_a_starting_controller_finds_the_last_good_cycle_behind_many_failed_ones(tmp_path):
+    """The gauge of an engine's last successful cycle is carried over from the journal: the
+    newest cycle that succeeded on it, also behind more failed ones than the first look
+    reads, and none for an engine whose cycles all failed."""
+    from ckpt_controller.controller import service
+    from ckpt_controller.controller.config import parse_config
+    from ckpt_controller.controller.metrics import Metrics
+
+    state = tmp_path / "state"
+    j = Journal(state / "journal.sqlite3")
+
+    def cycle(op_id: str, engine: str, status: str, wall: float) -> None:
+        j.begin(op_id, "cycle", [engine], {})
+        j.finish(p.OperationResult(op_id=op_id, kind="cycle", status=status, wall=wall,
+                                   duration_s=1.0, engines=[p.EngineOutcome(
+                                       engine=engine, status=status)]))
+
+    try:
+        cycle("good", "a", "succeeded", 0.0)
+        for i in range(service.CARRY_OVER_FIRST + 4):
+            cycle(f"bad{i}", "a", "failed", 0.0)
+            cycle(f"other{i}", "b", "failed", 0.0)
+        with sqlite3.connect(j.path) as db:
+            ended = db.execute("SELECT ended_wall FROM operations WHERE op_id = 'good'"
+                               ).fetchone()[0]
+    finally:
+        j.close()
+    config = parse_config(f'[controller]\nstate_dir = "{state}"\n'
+                          f'endpoint = "ipc://{tmp_path}/c"\n'
+                          f'[[engine]]\nname = "a"\ncontrol = "ipc://{tmp_path}/a"\n'
+                          f'[[engine]]\nname = "b"\ncontrol = "ipc://{tmp_path}/b"\n')
+    metrics = Metrics()
+    ctl = service.Controller(config, metrics=metrics)
+    try:
+        gauge = "ckpt_last_successful_cycle_timestamp_seconds"
+        assert metrics.registry.get_sample_value(gauge, {"engine": "a"}) == ended
+        assert metrics.registry.get_sample_value(gauge, {"engine": "b"}) is None
+    finally:
+        ctl.close()

@@ -116,8 +116,20 @@ class Controller:
             self._carry_over_engine(engine.name)
 
     def _carry_over_engine(self, engine: str) -> None:
+        ended = self._last_good_cycle(engine)
+        if ended is not None:
+            self.metrics.last_cycle(engine, ended)
+        captures = self.journal.captures(engine, limit=1)
+        if captures:
+            image_dir = captures[0][1].get("image_dir")
+            self.metrics.image_written(engine, Path(image_dir) if image_dir else None)
+
+    def _last_good_cycle(self, engine: str) -> float | None:
+        """When the newest cycle that succeeded on ``engine`` ended, among its newest
+        ``CARRY_OVER_OPERATIONS`` operations (the newest ``CARRY_OVER_FIRST`` read first:
+        most find it there); None: none did."""
         looked = 0
-        for limit in (CARRY_OVER_FIRST, CARRY_OVER_OPERATIONS):  # most find it at once
+        for limit in (CARRY_OVER_FIRST, CARRY_OVER_OPERATIONS):
             ops = self.journal.operations(engine=engine, limit=limit)
             for op in ops[looked:]:
                 if op.kind != OperationKind.CYCLE or op.duration_s is None:
@@ -130,17 +142,11 @@ class Controller:
                 if result is not None and any(o.engine == engine
                                               and o.status == OutcomeStatus.SUCCEEDED
                                               for o in result.engines):
-                    self.metrics.last_cycle(engine, op.wall + op.duration_s)
-                    break
-            else:
-                if len(ops) == limit:  # more to look through
-                    looked = len(ops)
-                    continue
-            break
-        captures = self.journal.captures(engine, limit=1)
-        if captures:
-            image_dir = captures[0][1].get("image_dir")
-            self.metrics.image_written(engine, Path(image_dir) if image_dir else None)
+                    return op.wall + op.duration_s
+            if len(ops) < limit:  # the engine has no more
+                return None
+            looked = len(ops)
+        return None
 
     def close(self) -> None:
         self._operations.close()
