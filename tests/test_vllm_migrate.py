@@ -295,10 +295,11 @@ def test_the_launcher_is_its_engines_init(tmp_path):
                         sys.executable, str(ROOT / "tests" / "vllm" / "standin_server.py"),
                         "--host", "0.0.0.0", "--port", str(port)],
                        tmp_path / "st.log", "launcher st", cwd=ROOT)
+    tree: list[psutil.Process] = []
     try:
         launcher = psutil.Process(eng.info["pid"])
         assert "vllm-launch" in launcher.cmdline()
-        tree = [launcher, *launcher.children()]
+        tree += [launcher, *launcher.children()]
         assert len(tree) == 3
         with AgentClient(eng.info["control"], timeout_s=10) as agent:
             st = agent.status()
@@ -314,4 +315,45 @@ def test_the_launcher_is_its_engines_init(tmp_path):
                    timeout_s=30, what="the tree ended")
         assert eng.proc.wait(10) == 0
     finally:
+        for proc in tree:  # a failure above must not leave a stopped tree behind
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    proc.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    break
         eng.stop()
+
+
+def test_a_stop_signal_while_the_launcher_starts_ends_what_it_started(tmp_path):
+    """The launcher catches SIGTERM from its first moment: one that comes while it waits for
+    vLLM to serve ends vLLM too, and the launcher says why; it does not die leaving its
+    children behind. (Its handlers were set only once it served: a SIGCONT right after the
+    ready line once continued the launcher alone.)"""
+    from ckpt_controller.endpoints import free_port
+
+    port, control = free_port(), free_port()  # nothing will ever serve on the port
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_controller", "agent", "vllm-launch", "--url",
+         f"http://127.0.0.1:{port}", "--control", f"tcp://127.0.0.1:{control}", "--name",
+         "st", "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "-c",
+         "import time; time.sleep(600)"], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    child: list[psutil.Process] = []
+    try:
+        proc = psutil.Process(launcher.pid)
+        child += wait_until(lambda: proc.children(), what="vLLM started")
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=30)
+        assert launcher.returncode > 0, (launcher.returncode, err)  # handled, not killed
+        assert "SIGTERM before vLLM served" in err, err
+        wait_until(lambda: not child[0].is_running() or child[0].status() == "zombie",
+                   timeout_s=30, what="vLLM ended")
+    finally:
+        for proc in child:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()

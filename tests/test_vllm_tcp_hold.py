@@ -9,6 +9,7 @@ against a real vLLM is in ``test_vllm_criu.py`` (``-m vllm``). Needs CRIU 4.2+ a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -179,7 +180,11 @@ def test_no_request_is_lost_across_a_stop_capture_and_restore(standin, spawn_con
 
 
 def run_hook(action: str, pid: int, tmp: Path, **env: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CKPT_ACTION": action, "CKPT_ENGINE": "th",
+    """``hooks/tcp-hold`` for ``action``, as the engine named after ``tmp``: its nftables
+    table is this test's own (one name for two tests run at once by two workers, and one's
+    ``pre-restore`` lifted the other's hold)."""
+    engine = "th_" + hashlib.sha256(str(tmp).encode()).hexdigest()[:12]
+    env = {**os.environ, "CKPT_ACTION": action, "CKPT_ENGINE": engine,
            "CKPT_ENGINE_PID": str(pid), "CKPT_IMAGE_DIR": str(tmp), **env}
     return subprocess.run([str(ROOT / "hooks" / "tcp-hold")], capture_output=True, text=True,
                           timeout=60, env=env)

@@ -17,7 +17,9 @@ where the copy runs under another host PID. Then it prints one JSON ready line a
   passed on to every process of its PID namespace;
 - any other process that ends in the namespace is reaped, as an init must.
 
-The signal handlers only set flags; the loop polls them and reaps every 0.2 s. (Not
+The signal handlers are set before anything starts (a SIGTERM while vLLM starts ends what
+started; a SIGCONT right after the ready line is passed on) and only set flags; the loop
+polls them and reaps every 0.2 s. (Not
 ``sigtimedwait``: after a CRIU restore, and after a stopped dump's SIGCONT, it was seen to
 return a SIGINT nobody sent, ``si_pid`` garbage, and the launcher ended the engine.) Neighbours: ``sidecar`` (the agent it starts), ``cli.agent_cmds`` (the command),
 ``docs/vllm.md`` ("Migrating vLLM").
@@ -55,6 +57,24 @@ class Launcher:
         self.log_dir, self.start_timeout_s = log_dir, start_timeout_s
         self.vllm: subprocess.Popen | None = None
         self.sidecar: subprocess.Popen | None = None
+        #: the signals caught and not yet acted on (``catch_signals``)
+        self.flags: dict[int, bool] = {}
+
+    def catch_signals(self) -> None:
+        """From now on SIGTERM, SIGINT and SIGCONT only set a flag, which ``start`` and
+        ``run`` act on. Called before anything starts: a signal that came between the ready
+        line and ``run`` was once missed (a SIGCONT to a tree stopped right after it started
+        continued the launcher alone), and a SIGTERM then ended the launcher untidily."""
+        def flag(signum: int, frame: object) -> None:
+            self.flags[signum] = True  # a signal handler only sets a flag
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCONT):
+            signal.signal(sig, flag)
+
+    def _stop_asked(self) -> int | None:
+        """SIGTERM or SIGINT, when one came (taken), else None."""
+        stop = [s for s in (signal.SIGTERM, signal.SIGINT) if self.flags.pop(s, False)]
+        return stop[0] if stop else None
 
     def _spawn(self, args: list[str], log_name: str, stdout=None) -> subprocess.Popen:
         with open(self.log_dir / log_name, "ab") as out:
@@ -69,6 +89,9 @@ class Launcher:
             http = VllmHttp(self.url, timeout_s=5.0)
             deadline = time.monotonic() + self.start_timeout_s
             while not http.healthy(timeout_s=2.0):
+                if (sig := self._stop_asked()) is not None:
+                    raise OperationError(f"{signal.Signals(sig).name} before vLLM served: "
+                                         "ended", signal=signal.Signals(sig).name)
                 if self.vllm.poll() is not None:
                     raise OperationError(f"vLLM exited ({self.vllm.returncode}) before it "
                                          f"served; see {self.log_dir / 'vllm.log'}",
@@ -102,22 +125,13 @@ class Launcher:
         """Reap until a stop signal or a child's end; the exit status: 0 after a stop
         signal, else the status of the child that ended first."""
         children = {self.vllm.pid: "vLLM", self.sidecar.pid: "sidecar"}
-        flags: dict[int, bool] = {}
-
-        def flag(signum: int, frame: object) -> None:
-            flags[signum] = True  # a signal handler only sets a flag
-
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCONT):
-            signal.signal(sig, flag)
         while True:
-            time.sleep(TICK_S)
-            stop = [s for s in (signal.SIGTERM, signal.SIGINT) if flags.pop(s, False)]
-            if stop:
+            if (sig := self._stop_asked()) is not None:  # also one that came while starting
                 log.warning("launcher: %s: ending vLLM and its sidecar",
-                            signal.Signals(stop[0]).name)
+                            signal.Signals(sig).name)
                 self.stop()
                 return 0
-            if flags.pop(signal.SIGCONT, False) and os.getpid() == 1:
+            if self.flags.pop(signal.SIGCONT, False) and os.getpid() == 1:
                 os.kill(-1, signal.SIGCONT)  # from a PID namespace's init: all of its own
             ended = self._reap()
             if ended:
@@ -128,6 +142,7 @@ class Launcher:
                                 children[pid], pid, status)
                     self.stop()
                     return status if status > 0 else 128 - status
+            time.sleep(TICK_S)
 
     def _reap(self) -> list[tuple[int, int]]:
         """Every child that ended, reaped: (pid, exit status, or minus the signal)."""
@@ -175,6 +190,7 @@ def launch(vllm_cmd: list[str], *, url: str, sidecar_args: list[str], log_dir: P
     log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     launcher = Launcher(vllm_cmd, url=url, sidecar_args=sidecar_args, log_dir=log_dir,
                         start_timeout_s=start_timeout_s)
+    launcher.catch_signals()
     ready = launcher.start()
     print(json.dumps(ready), flush=True)
     own = os.open(log_dir / "launcher.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
