@@ -381,6 +381,20 @@ def test_wait_with_fail_escalation_rolls_back_and_requests_go_on(agent, client):
     assert agent.gate.totals.ended["stop"] == 1
 
 
+def test_a_wait_drain_past_the_operations_deadline_fails_and_does_not_escalate(agent, client):
+    """The operation's deadline (0.2 s) comes before the drain's (30 s): exit 3, rolled back,
+    and the request is not aborted although the caller chose ``abort`` at the drain's."""
+    agent.gate.admit("slow")
+    with pytest.raises(DeadlineError) as info:
+        client.prepare(drain="wait", drain_timeout_s=30, on_deadline="abort", deadline_s=0.2,
+                       level=0)
+    assert info.value.exit_code == 3 and info.value.details["rolled_back"]
+    assert info.value.details["step"] == "drain" and info.value.details["engine"] == "unit"
+    assert client.status().state == "running"
+    agent.gate.finish("slow", "stop")
+    assert agent.gate.totals.ended["stop"] == 1 and agent.gate.totals.ended["abort"] == 0
+
+
 def test_gate_rejects_unless_running(agent, client):
     hooks = agent.operations.hooks
     hooks.release.clear()

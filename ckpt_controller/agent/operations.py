@@ -11,8 +11,9 @@ failpoint it hits and where it checks the deadline; one loop (``Operations._run`
 for a whole chain (``step="all"``, a rollback) or one step a controller asks for. A failure
 becomes an outcome (``Failed``: rolled back, or left in a state) that is turned into the
 error's details in one place.
-Neighbours: ``gate`` (admission, drain counts), ``engine`` (hooks, memory), ``server``
-(which threads and sockets run this), ``failpoints``, ``vocab`` (steps, triggers, modes).
+Neighbours: ``gate`` (admission, drain counts), ``drain`` (what a wait drain does at its
+deadline), ``engine`` (hooks, memory), ``server`` (which threads and sockets run this),
+``failpoints``, ``vocab`` (steps, triggers, modes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from ckpt_controller.agent.drain import DrainPolicy
 from ckpt_controller.agent.engine import EngineHooks, ExternalDrain, MemoryManager
 from ckpt_controller.agent.failpoints import Failpoints
 from ckpt_controller.agent.gate import AdmissionGate
@@ -298,18 +300,10 @@ class Operations:
         try:
             mode = DrainMode(cmd.drain)
             if mode is DrainMode.WAIT:
-                drain_deadline = Deadline.after(cmd.drain_timeout_s, self.clock).earlier(deadline)
-                if not self._wait_idle(drain_deadline, cmd.op_id, start):
-                    # the operation's own deadline is a failure, not a reason to escalate
-                    self._check(deadline, cmd.op_id, PrepareStep.DRAIN)
-                    if cmd.on_deadline == Escalation.FAIL:
-                        raise DrainError(
-                            "requests still in flight at the drain deadline",
-                            engine=self.name, in_flight=len(self.gate.in_flight()),
-                            drain_timeout_s=cmd.drain_timeout_s,
-                        )
-                    escalated, mode = cmd.on_deadline, DrainMode(cmd.on_deadline)
-                    log.info("%s: drain deadline passed, escalating to %s", self.name, mode)
+                policy = DrainPolicy(cmd, deadline, engine=self.name)
+                if not self._wait_idle(policy.drain_deadline, cmd.op_id, start):
+                    then = policy.escalate(lambda: len(self.gate.in_flight()))
+                    mode, escalated = then.mode, then.escalated_to
             if mode is DrainMode.ABORT:
                 ids = self.gate.in_flight()
                 if ids:
@@ -435,7 +429,9 @@ class Operations:
     def _call_engine(self, step: str, fn: Callable[..., R], *args) -> R:
         try:
             return fn(*args)
-        except CkptError:
+        except CkptError as exc:  # policy: ours already, typed; it names this engine too
+            if exc.details.get("engine") is None:
+                exc.details["engine"] = self.name
             raise
         except Exception as exc:  # policy: any engine bug becomes a typed EngineError
             log.exception("%s: engine hook %s raised", self.name, step)

@@ -1,7 +1,8 @@
 """A stand-in for a vLLM server (not vLLM): the dev-mode endpoints the sidecar drives, with
 vLLM 0.32's behaviours (a request sent while paused waits for ``/resume``; ``is_sleeping`` is
 true while merely paused; a full ``wake_up`` resumes), ``/metrics``, and completions that
-take ``--gen-s`` seconds and answer a text derived from the prompt. Standard library only, one
+take ``--gen-s`` seconds (or the request's own ``standin_gen_s``: one long request beside short
+ones) and answer a text derived from the prompt. Standard library only, one
 process, so CRIU can capture and restore it where a real vLLM cannot run. Prints one JSON ready
 line (``url``, ``pid``), then serves until killed.
 
@@ -109,7 +110,7 @@ def main() -> None:
                 st.lock.wait_for(lambda: not st.paused)  # held while paused, as vLLM 0.32
                 st.waiting -= 1
                 st.running += 1
-            time.sleep(args.gen_s)
+            time.sleep(float(req.get("standin_gen_s", args.gen_s)))
             text = hashlib.sha256(str(req.get("prompt")).encode()).hexdigest()[:16]
             with st.lock:
                 st.running -= 1

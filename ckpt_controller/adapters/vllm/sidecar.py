@@ -59,12 +59,11 @@ import psutil
 
 from ckpt_controller.adapters.vllm.http import RequestMetrics, VllmHttp
 from ckpt_controller.adapters.vllm.state import Progress, StateFile, state_path
+from ckpt_controller.agent.drain import DrainPolicy
 from ckpt_controller.agent.engine import EngineHooks
 from ckpt_controller.agent.incarnation import Fingerprint, IncarnationTracker
 from ckpt_controller.clock import Deadline
 from ckpt_controller.errors import (
-    DeadlineError,
-    DrainError,
     EngineError,
     ResidualOverBudgetError,
     UnreachableError,
@@ -80,10 +79,8 @@ from ckpt_controller.protocol import (
 )
 from ckpt_controller.vocab import (
     DrainMode,
-    Escalation,
     FinishReason,
     MemoryAction,
-    PrepareStep,
     ReleaseLevel,
     Trigger,
 )
@@ -190,24 +187,17 @@ class VllmEngine(EngineHooks):
         before = self.http.metrics()
         mode, escalated = DrainMode(cmd.drain), None
         if mode is DrainMode.WAIT:
-            drain_deadline = Deadline.after(cmd.drain_timeout_s, deadline.clock).earlier(deadline)
+            policy = DrainPolicy(cmd, deadline, url=self.http.url)
             waiting = _Call(lambda: self.http.pause(DrainMode.WAIT, timeout_s=self._left(deadline)))
             while not waiting.done.wait(self.tick_s):
-                if drain_deadline.passed():
+                if policy.drain_deadline.passed():
                     break
                 self._progress(progress, cmd, before, start)
             if waiting.done.is_set():
                 waiting.result()  # a failed pause raises here
-            else:
-                if deadline.passed():  # the operation's own deadline: a failure, exit 3
-                    raise DeadlineError("operation deadline passed while draining",
-                                        step=PrepareStep.DRAIN, url=self.http.url)
-                if cmd.on_deadline == Escalation.FAIL:
-                    raise DrainError("requests still in flight at the drain deadline",
-                                     in_flight=self.http.metrics().in_flight,
-                                     drain_timeout_s=cmd.drain_timeout_s)
-                escalated, mode = cmd.on_deadline, DrainMode(cmd.on_deadline)
-                log.info("vLLM drain deadline passed, escalating to %s", mode)
+            else:  # a pending wait is overtaken by the pause it escalates to
+                then = policy.escalate(lambda: self.http.metrics().in_flight)
+                mode, escalated = then.mode, then.escalated_to
         if mode in (DrainMode.ABORT, DrainMode.KEEP):
             self.http.pause(mode, timeout_s=self._left(deadline))
         after = self.http.metrics()
