@@ -11,6 +11,8 @@
   gzip'd tar archive, for shipping through etcd (bounds: ``MAX_SMALL_FILES`` files,
   ``MAX_SMALL_BYTES`` in all, before compression).
 - ``PageServer``: ``criu page-server`` receiving one dump's pages into a folder.
+- ``image_bytes(folder)``: the size of an image on disk (the controller's ``ckpt_image_bytes``
+  gauge, a drill's report); ``read_stats``: CRIU's own dump and restore statistics.
 
 CRIU's image format (read from CRIU's images/pagemap.proto, criu/include/magic.h and
 criu/pagemap.c; our own reader): a file starts with two u32 magics (IMG_COMMON_MAGIC, then
@@ -22,7 +24,8 @@ unless ``in_parent``), one page each, in entry order; PE_PARENT and lazy-only en
 none there. Pages files are raw (no magic).
 
 Neighbours: ``errors`` (``ImageError``); ``hooks/criu-dump`` (``CKPT_PAGE_SERVER``) and
-``hooks/criu-restore`` (runs ``check``); the fleet's migration phases use the rest.
+``hooks/criu-restore`` (runs ``check``); the fleet's migration phases use the rest;
+``controller.metrics`` and ``drill.runner`` measure images with ``image_bytes``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import re
 import select
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -397,6 +401,22 @@ def criu_path() -> str:
 
 
 # ---------------------------------------------------------------- statistics
+
+def image_bytes(folder: Path | str) -> int:
+    """The bytes of the regular files under ``folder``, at their apparent sizes (``st_size``,
+    what copying the image moves), 0 when it is gone. Links are neither followed nor counted;
+    a file or folder removed while we count is left out, never an error."""
+    total = 0
+    for root, _dirs, files in os.walk(folder):  # unreadable or vanished folders: skipped
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:  # policy: a file removed while we count is not counted
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
 
 #: CRIU's stats images (stats-dump, stats-restore) start with these two magics
 _IMG_SERVICE_MAGIC, _STATS_MAGIC = 0x55105940, 0x57093306

@@ -174,3 +174,42 @@ def test_a_page_server_without_criu_is_a_typed_error(tmp_path):
 
     with pytest.raises(OperationError, match="cannot start criu page-server"):
         PageServer(tmp_path / "no-criu", tmp_path, "127.0.0.1", 4711)
+
+
+def test_image_bytes_counts_regular_files_at_their_apparent_size(tmp_path):
+    from ckpt_controller.criu_images import image_bytes
+
+    image = tmp_path / "image"
+    (image / "sub").mkdir(parents=True)
+    (image / "core-1.img").write_bytes(b"x" * 1000)
+    (image / "sub" / "pages-1.img").write_bytes(b"y" * 24)
+    with (image / "sparse.img").open("wb") as f:
+        f.truncate(1 << 20)  # a hole: 1 MiB apparent, next to nothing in blocks
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "big").write_bytes(b"z" * 5000)
+    (image / "to-file").symlink_to(outside / "big")  # links: neither followed nor counted
+    (image / "to-folder").symlink_to(outside)
+    (image / "dangling").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(image / "fifo")  # not a regular file
+    assert image_bytes(image) == 1000 + 24 + (1 << 20)
+    assert image_bytes(str(image)) == image_bytes(image)
+    assert image_bytes(tmp_path / "gone") == 0
+
+
+def test_image_bytes_leaves_out_a_file_removed_while_it_counts(tmp_path, monkeypatch):
+    """A file listed, then removed before its size is read (a capture cleaning up beside
+    the gauge), is not counted and is no error."""
+    from ckpt_controller.criu_images import image_bytes
+
+    (tmp_path / "stays.img").write_bytes(b"x" * 10)
+    (tmp_path / "goes.img").write_bytes(b"x" * 99)
+    real_lstat = os.lstat
+
+    def lstat_after_removal(path, *args, **kwargs):
+        if os.path.basename(path) == "goes.img":
+            os.unlink(path)  # really removed, between the listing and the lstat
+        return real_lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(criu_images.os, "lstat", lstat_after_removal)
+    assert image_bytes(tmp_path) == 10

@@ -19,9 +19,7 @@ from __future__ import annotations
 import http.server
 import logging
 import math
-import os
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -31,6 +29,7 @@ from urllib.parse import urlsplit
 import prometheus_client as prom
 
 from ckpt_controller import protocol as p
+from ckpt_controller.criu_images import image_bytes
 from ckpt_controller.errors import ConfigError
 from ckpt_controller.lifecycle import CheckpointState
 from ckpt_controller.vocab import OperationKind, OutcomeStatus
@@ -181,7 +180,7 @@ class Metrics:
     def image_written(self, engine: str, image_dir: Path | None) -> None:
         """Set ``engine``'s image size from what a capture left in ``image_dir`` (None: it
         dumped nothing, 0)."""
-        self._image.labels(str(engine)).set(0 if image_dir is None else dir_bytes(image_dir))
+        self._image.labels(str(engine)).set(0 if image_dir is None else image_bytes(image_dir))
 
     def journaled(self, rec: p.JournalRecord) -> None:
         """Count what one journal record tells: a failed hook run, a drain escalation, an
@@ -268,20 +267,6 @@ class Metrics:
     def render(self) -> str:
         """All metrics as exposition text (format 0.0.4), ending with a newline."""
         return prom.generate_latest(self.registry).decode("utf-8")
-
-
-def dir_bytes(path: Path) -> int:
-    """The bytes of the regular files under ``path`` (0 when it is gone); links not followed."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(root, name))
-            except OSError:  # policy: a file removed while we count is not counted
-                continue
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
-    return total
 
 
 class MetricsServer:

@@ -30,6 +30,7 @@ from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.hooks import install_criu_dump_hook
+from ckpt_controller.criu_images import image_bytes
 from ckpt_controller.drill.faults import RUNS_WITH, Fault
 from ckpt_controller.endpoints import free_port
 from ckpt_controller.engine.load import LoadControl, LoadReport, replay, run_load
@@ -394,7 +395,7 @@ class Drill:
             mismatched = sorted(rid for rid, tokens in completed.items() if again[rid] != tokens)
         o = next((o for o in result.engines if o.engine == e.name), None)
         image = self.work / "images" / e.name / op_id
-        image_bytes = _du(image) if image.exists() else None
+        image_size = image_bytes(image) if image.exists() else None
         shutil.rmtree(self.work / "images" / e.name, ignore_errors=True)
         return {
             "engine": e.name, "incarnation": e.incarnation, "state": o.state if o else None,
@@ -407,7 +408,7 @@ class Drill:
                 "rewoken_bytes": o.rewoken.tensor_bytes if o and o.rewoken else None,
                 "verified_tensors": o.rewoken.verified_tensors if o and o.rewoken else None,
             },
-            "image_bytes": image_bytes,
+            "image_bytes": image_size,
             "verification": {"compared": len(completed), "mismatched": mismatched},
             "requests": {
                 "sent": report.sent, "completed": report.completed, "aborted": report.aborted,
@@ -478,10 +479,6 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:  # policy: no such process
         return False
-
-
-def _du(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def _install_dump_hook(hooks_dir: Path) -> None:
