@@ -568,6 +568,22 @@ def test_word_sums_match_a_plain_python_reference(data, row_words, chunk_rows):
     assert got == _reference_sums(data, row_words)
 
 
+def test_without_glibc_trimming_is_a_no_op_that_says_so(monkeypatch):
+    """Where ``malloc_trim`` is absent (musl, macOS; the reference engine trims after a
+    flood through this one function too) nothing is trimmed and nothing fails."""
+    def no_glibc(_name):
+        raise OSError("no such library")
+
+    measure._malloc_trim.cache_clear()
+    monkeypatch.setattr(measure.ctypes, "CDLL", no_glibc)
+    try:
+        assert trim_host_heap() is False
+    finally:
+        monkeypatch.undo()
+        measure._malloc_trim.cache_clear()
+    assert isinstance(trim_host_heap(), bool)
+
+
 def test_measure_on_a_cpu_only_host():
     assert measure.rss_bytes() > 0
     assert isinstance(trim_host_heap(), bool)

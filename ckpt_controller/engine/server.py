@@ -15,18 +15,17 @@ engine's ``EngineHooks`` map the agent's drain and pause/resume calls onto the s
 ``verify`` re-runs a golden prompt before the engine serves again, twice: through the
 cache-free path (``TinyLM.forced_tokens``: the weights) and through blocks of the re-woken
 KV pool (``TinyLM.paged_forced``: the path requests take), each on the prompt and its greedy
-continuation taken at start, so one pass checks every token (teacher forcing). After a flood was shed, the heap
-gives back what it left free (``trim_heap``). A request sent again with an id the engine holds
-(a client that reconnected, e.g. after the engine moved to another node) keeps its one run and
-is answered with its whole output so far; one that ended recently (``RecentEnds``) with its
-end again.
+continuation taken at start, so one pass checks every token (teacher forcing). After a flood
+was shed, the heap gives back what it left free (``memory.trim_host_heap``, glibc's
+``malloc_trim``). A request sent again with an id the engine holds (a client that reconnected,
+e.g. after the engine moved to another node) keeps its one run and is answered with its whole
+output so far; one that ended recently (``RecentEnds``) with its end again.
 Neighbours: ``scheduler``, ``model``, ``kv``, ``api``; ``agent`` (embedded), ``memory`` (the
 ``MemoryRegistry`` holding ``weights`` and ``kv_cache``), ``zmqutil`` (``Outbox``, ``guarded``).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -48,7 +47,7 @@ from ckpt_controller.engine.model import load_model, materialize
 from ckpt_controller.engine.scheduler import DEFAULT_MAX_WAITING, Request, Scheduler
 from ckpt_controller.errors import (CkptError, OperationError, OverloadedError, ProtocolError,
                                     UsageError, VerificationError)
-from ckpt_controller.memory import MemoryRegistry
+from ckpt_controller.memory import MemoryRegistry, trim_host_heap
 from ckpt_controller.zmqutil import Outbox, guarded
 
 log = logging.getLogger("ckpt_controller.engine")
@@ -81,7 +80,7 @@ OUTPUT_HWM = 1_000_000
 #: requests the API thread reads per round before it forwards outputs again
 READ_BUDGET = 256
 #: once requests were shed and then none was for this long (the flood is over), the C heap
-#: gives back what the flood left free (``trim_heap``)
+#: gives back what the flood left free (``memory.trim_host_heap``)
 TRIM_AFTER_QUIET_S = 1.0
 #: the ends of at most this many recently ended requests are kept for resends (encoded: a few
 #: bytes per token, so at most a few tens of MiB with the largest models' outputs)
@@ -131,25 +130,6 @@ class RecentEnds:
 
     def __len__(self) -> int:
         return len(self._ends)
-
-
-def _malloc_trim():
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # policy: not glibc: nothing to trim with
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
-def trim_heap() -> None:
-    """Give the free memory of every malloc arena back to the system (glibc's ``malloc_trim``).
-    A flood handled by several threads (zmq's I/O thread, the API and scheduler threads) frees
-    its memory into their arenas, which glibc keeps: the process would stay tens of MiB larger
-    after each burst. A no-op without glibc."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 class ReferenceEngine(EngineHooks):
@@ -285,7 +265,9 @@ class ReferenceEngine(EngineHooks):
                 log.info("engine %s: shed %d requests in a flood; the heap gives back what it "
                          "left free", self.opts.name, self._shed)
                 self._shed = shed_before = 0
-                trim_heap()
+                # the flood's threads (zmq's I/O thread, the API and scheduler threads) freed
+                # its memory into their malloc arenas, which glibc keeps: give it back
+                trim_host_heap()  # False (a no-op) without glibc
 
     def _handle(self, client: bytes, frames: list[bytes]) -> None:
         try:

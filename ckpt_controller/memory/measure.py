@@ -7,7 +7,8 @@ is guarded: nothing CUDA runs unless a tensor actually lives on a CUDA device, s
 imports and works on a CPU-only torch.
 
 Neighbours: ``registry`` measures before and after a release or re-wake with ``usage`` and
-calls ``return_freed`` after freeing storages; nothing here knows about tags.
+calls ``return_freed`` after freeing storages; the reference engine (``engine.server``) calls
+``trim_host_heap`` after a flood of requests; nothing here knows about tags.
 """
 
 from __future__ import annotations
