@@ -47,6 +47,7 @@ restore = 40.0
 hook = 50.0
 hook_grace = 2.5
 operation = 600.0
+probe = 7.5
 
 [defaults]
 drain = "abort"
@@ -93,7 +94,7 @@ def test_full_file(tmp_path):
     assert (cfg.metrics_port, cfg.metrics_host) == (9400, "0.0.0.0")
     assert (cfg.heartbeat_interval_s, cfg.missed_beats) == (0.25, 4)
     assert cfg.deadlines == Deadlines(drain=10.0, release=20.5, capture=30.0, restore=40.0,
-                                      hook=50.0, hook_grace=2.5, operation=600.0)
+                                      hook=50.0, hook_grace=2.5, operation=600.0, probe=7.5)
     assert isinstance(cfg.deadlines.drain, float)
     assert cfg.defaults == PrepareDefaults(drain="abort", on_deadline="fail", level=2, tags=None,
                                            residual_budget_bytes=1 << 30)
@@ -112,7 +113,7 @@ def test_defaults(tmp_path):
     assert cfg.image_dir == cfg.state_dir / "images"
     assert cfg.hooks_dir is None and cfg.metrics_port is None
     assert (cfg.metrics_host, cfg.heartbeat_interval_s, cfg.missed_beats) == ("127.0.0.1", 0.5, 6)
-    assert cfg.deadlines == Deadlines(30.0, 60.0, 600.0, 300.0, 60.0, 900.0, 5.0)
+    assert cfg.deadlines == Deadlines(30.0, 60.0, 600.0, 300.0, 60.0, 900.0, 5.0, 2.0)
     assert cfg.defaults == PrepareDefaults("wait", "abort", 2, None, None)
     assert cfg.engines == ()
     assert not cfg.state_dir.exists()  # the server creates it, not the parser
@@ -188,6 +189,8 @@ BAD = [
     ("[deadlines]\nhook = 1e12\n", "deadlines.hook", "at most 86400"),
     ("[deadlines]\noperation = 1e12\n", "deadlines.operation", "at most 86400"),
     ("[deadlines]\nhook_grace = 86401\n", "deadlines.hook_grace", "at most 86400"),
+    ("[deadlines]\nprobe = 0\n", "deadlines.probe", "> 0"),
+    ("[deadlines]\nprobe = 86401\n", "deadlines.probe", "at most 86400"),
     ("[controller]\nrequire_dump = 1\n", "controller.require_dump", "true or false"),
     # engines
     ("[engine]\nname = \"a\"\n", "engine", "[[engine]]"),

@@ -1,7 +1,8 @@
 """What the controller checks before an operation exists, and who goes first: an operator's
 operation before the reconciler's probing, refusals that leave no journal operation, and a
-group operation that looks at every engine before it takes any out of service. Real
-``ckptctl serve`` processes and real engine processes."""
+group operation that looks at every engine before it takes any out of service, and how long
+an engine slow to answer is waited for (``[deadlines] probe``). Real ``ckptctl serve``
+processes and real engine processes, or agents in this process."""
 
 from __future__ import annotations
 
@@ -130,3 +131,58 @@ def test_a_group_with_one_dead_engine_takes_none_out_of_service(spawn_controller
     finally:
         for a in agents:
             a.close()
+
+
+class SlowToAnswer:
+    """A stand-in engine's memory (``NoMemory`` otherwise) that makes each status answer take
+    ``delay_s``: a busy engine on a loaded host, slow to say its status. It holds the agent's
+    control thread, heartbeats included, as such a host would."""
+
+    def __init__(self) -> None:
+        from ckpt_controller.agent.engine import NoMemory
+
+        self._none = NoMemory()
+        self.delay_s = 0.0
+
+    def registered_bytes(self) -> dict[str, int]:
+        time.sleep(self.delay_s)
+        return {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._none, name)
+
+
+def _prepare_slowly(ctl, memory: SlowToAnswer):
+    """``ckptctl prepare`` (with its own retries) while every status answer takes 3 s."""
+    memory.delay_s = 3.0
+    try:
+        return ctl.ckptctl("prepare", "sl1", "--json", "--level", "0")
+    finally:
+        memory.delay_s = 0.0
+
+
+def test_the_preflight_probe_waits_as_long_as_the_config_says(spawn_controller, ipc_dir):
+    """An engine slower than the 2 s default to answer its status is refused as unreachable,
+    however often the CLI tries; with ``[deadlines] probe = 30`` the same engine is waited for
+    and the prepare runs. ``missed_beats`` is high: the held heartbeats do not count it dead."""
+    from ckpt_controller.agent import Agent
+
+    memory = SlowToAnswer()
+    agent = Agent("sl1", memory=memory, control=f"ipc://{ipc_dir}/sl1.ctl",
+                  heartbeat_interval_s=0.2).start()
+    try:
+        keys = "missed_beats = 500\n"
+        ctl = spawn_controller(_toml(agent), controller_keys=keys)
+        out = _prepare_slowly(ctl, memory)
+        assert out.returncode == 4, out.stdout + out.stderr
+        err = json.loads(out.stdout)["error"]
+        assert err["kind"] == "UnreachableError" and "sl1 did not answer" in err["message"]
+        _untouched([agent])
+        ctl.stop()
+        ctl = spawn_controller(_toml(agent) + "[deadlines]\nprobe = 30\n", controller_keys=keys)
+        out = _prepare_slowly(ctl, memory)
+        assert out.returncode == 0, out.stdout + out.stderr
+        with AgentClient(agent.endpoint) as c:
+            assert c.status().state == "prepared"
+    finally:
+        agent.close()

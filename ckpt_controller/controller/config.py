@@ -72,6 +72,9 @@ class Deadlines:
     operation: float = 900.0
     #: a hook past its timeout gets SIGTERM, then this long before SIGKILL of its group
     hook_grace: float = 5.0
+    #: how long an engine has to answer the one status request asked before an operation
+    #: (``preflight``), for ``status`` and by the reconciler; slower is unreachable
+    probe: float = 2.0
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ class DeadlinesTable(_Table):
     hook: Seconds | UnsetType = UNSET
     operation: Seconds | UnsetType = UNSET
     hook_grace: Seconds | UnsetType = UNSET
+    probe: Seconds | UnsetType = UNSET
 
 
 class DefaultsTable(_Table):

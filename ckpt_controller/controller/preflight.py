@@ -2,8 +2,9 @@
 
 ``ask`` reads each engine's status, from its link when the link heard from the agent in the
 last ``links.KNOWN_FRESH_S`` (its replies, events and heartbeats keep it current), else by one
-status request to the agent (concurrently, one try each), and refuses the whole operation if
-any engine does not answer or is not in a state the operation needs (``NEEDS``), so a group
+status request to the agent (concurrently, one try each, answered within ``[deadlines] probe``:
+2 s unless configured longer for busy engines on loaded hosts), and refuses the whole operation
+if any engine does not answer or is not in a state the operation needs (``NEEDS``), so a group
 with one dead engine takes none out of service (one that died within that last second is found
 by the operation itself, as one that dies just after a status request is). A restore may go to
 an engine that does not answer when pre-restore hooks are installed: they may bring its process
@@ -36,19 +37,17 @@ NEEDS: dict[OperationKind, tuple[CheckpointState, ...]] = {
 }
 
 
-#: one quick status request, one try: a probe never holds an engine or waits out retries
-PROBE_TIMEOUT_S = 2.0
-
-
 def probe(config: ControllerConfig, name: str, link: AgentLink | None = None
           ) -> p.StatusReply:
     """Engine ``name``'s status: what ``link`` (an open connection of the operation's) knows
-    when it heard from the agent in the last ``KNOWN_FRESH_S``, else asked once
-    (``PROBE_TIMEOUT_S``) over ``link`` or, without one, over a new connection; raises the
-    ``CkptError`` of a failure to ask (``UnreachableError`` when it does not answer)."""
+    when it heard from the agent in the last ``KNOWN_FRESH_S``, else asked once over ``link``
+    or, without one, over a new connection; raises the ``CkptError`` of a failure to ask
+    (``UnreachableError`` when it does not answer within ``[deadlines] probe``). One quick
+    status request, one try: a probe never holds an engine or waits out retries."""
+    timeout_s = config.deadlines.probe
     if link is not None:
-        return link.knows(KNOWN_FRESH_S) or link.status(timeout_s=PROBE_TIMEOUT_S, retries=0)
-    with AgentClient(config.engine(name).control, timeout_s=PROBE_TIMEOUT_S, retries=0,
+        return link.knows(KNOWN_FRESH_S) or link.status(timeout_s=timeout_s, retries=0)
+    with AgentClient(config.engine(name).control, timeout_s=timeout_s, retries=0,
                      curve=config.agent_curve(name)) as c:
         return c.status()
 
