@@ -9,8 +9,8 @@ step        vLLM calls (``http``)
 ==========  ================================================================================
 baseline    golden completion (temperature 0) and weight checksums, before pausing
 drain       ``/pause?mode=wait|abort|keep``; the drain deadline and its escalation are ours
-            (a pending ``wait`` is overtaken by ``/pause?mode=abort|keep``); counts come
-            from ``/metrics`` deltas
+            (``agent.drain``, as for any agent: a pending ``wait`` is overtaken by
+            ``/pause?mode=abort|keep``); counts come from ``/metrics`` deltas
 release     level 1/2: ``/sleep?level=N&mode=keep`` (already drained: nothing queued is
             lost); tags ``kv_cache``: ``/release_kv_cache_memory``; then ``collective_rpc
             checkpoint_prepare``
