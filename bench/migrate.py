@@ -152,11 +152,13 @@ def migrate(nodes: Nodes, kept: int, max_tokens: int, follow_after_s: float) -> 
     """The engine moved n1 to n2 under a following client: downtime, the migration's wall
     time and record."""
     from ckpt_controller.engine.client import EngineClient
+    from ckpt_controller.fleet.registry import Resolver
 
     nodes.start_engine()
     wait_until(lambda: nodes.running_on("n1"), timeout_s=60, every_s=0.2,
                what="m0 RUNNING on n1 in the registry")
-    with EngineClient.for_engine("m0", etcd=nodes.url, follow_after_s=follow_after_s) as client:
+    with EngineClient.for_engine("m0", Resolver(nodes.url),
+                                follow_after_s=follow_after_s) as client:
         stream = Stream(client, kept, max_tokens)
         wait_until(lambda: client.poll(0.02) is not None and stream.under_way(),
                    timeout_s=60, what="every kept request under way")

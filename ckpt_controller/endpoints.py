@@ -4,7 +4,9 @@
 ``$XDG_RUNTIME_DIR/ckpt-controller`` or ``/tmp/ckpt-controller-<uid>``, created mode 0700.
 ``secure_ipc(endpoint)`` makes a bound socket file mode 0600. tcp:// endpoints pass through.
 ``free_port()`` finds a loopback TCP port nobody listens on (the demo's and the drill's
-engines); ``cannot_bind`` is the one error for an endpoint a server could not bind. Imports
+engines); ``cannot_bind`` is the one error for an endpoint a server could not bind;
+``Resolve`` is the shape of what tells a client where an engine is reached now (the fleet's
+registry supplies one: ``fleet.registry.Resolver``). Imports
 nothing of the project but ``errors``, so the CLI's parser may use it.
 Neighbours: ``rpc`` and ``rpcserver`` (check and secure endpoints), ``agent.server``,
 ``controller.config``, ``adapters.vllm.state`` (the runtime dir), the CLI, ``drill.runner``.
@@ -16,8 +18,20 @@ import os
 import re
 import stat
 from pathlib import Path
+from typing import Protocol
 
 from ckpt_controller.errors import CkptError, ConfigError
+
+
+class Resolve(Protocol):
+    """Where an engine is reached now: ``resolve(engine, kind)`` is its endpoint of ``kind``
+    (``api``, ``http``); ``close`` ends what the resolver holds. Clients that follow an engine
+    across migrations take one (``EngineClient.for_engine``, ``FollowingVllm``)."""
+
+    def __call__(self, engine: str, kind: str) -> str: ...
+
+    def close(self) -> None: ...
+
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 

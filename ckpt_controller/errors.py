@@ -10,10 +10,13 @@ back into the same class on the other side. Neighbours: ``protocol`` carries err
     |   +-- ConfigError                a bad configuration value
     |   +-- InvalidTransitionError     a trigger not allowed in the current state
     |   +-- ImageError                 a CRIU image is damaged or not what was promised
+    |   +-- EtcdRefusedError           etcd answered a fleet request with an error
     +-- ProtocolError          exit 2  a frame broke the wire contract
     |   +-- VersionMismatchError       the peer speaks another protocol version
+    |   +-- DamagedRecordError         a fleet record in etcd cannot be read (names the key)
     +-- RejectedError          exit 1  admission closed: retry after ``retry_after_s`` (temporary)
     +-- BusyError              exit 1  another operation holds the engine (temporary)
+    |   +-- NodeNameTakenError         another controller holds this node's name in etcd
     +-- OperationError         exit 1  an operation ran and failed (it was rolled back or FAILED)
     |   +-- DrainError                 in-flight requests could not be drained as asked
     |   +-- MemoryError_               releasing or re-waking memory failed
@@ -83,9 +86,21 @@ class BusyError(CkptError):
     retryable = True
 
 
+class NodeNameTakenError(BusyError):
+    """Raised when another controller holds this node's name in etcd (a second copy of the
+    node, or this one's previous life whose lease has not expired yet); ``details['node']``.
+    The node tries again each round: a restarted one waits out its old lease."""
+
+
 class ImageError(UsageError):
     """Raised when a CRIU image (or its shipped small files) is damaged or not what its dump
     promised; ``details`` names the file. Do not restore it: dump again."""
+
+
+class EtcdRefusedError(UsageError):
+    """Raised when etcd answered a fleet request with an error of its own (a request too
+    large, a lease it does not know), not a member being down; ``details``: ``etcd`` (the
+    member), ``said`` (its message)."""
 
 
 class ProtocolError(CkptError):
@@ -96,6 +111,12 @@ class ProtocolError(CkptError):
 
 class VersionMismatchError(ProtocolError):
     """Raised when the peer speaks another protocol version; upgrade one side."""
+
+
+class DamagedRecordError(ProtocolError):
+    """Raised when a fleet record in etcd cannot be read: malformed, of a newer schema, or not
+    the shape its key holds. ``details['key']`` names it; nothing that needs the record goes on
+    (what does not need it is not affected). Repair or delete the key (docs/fleet.md)."""
 
 
 class RejectedError(CkptError):

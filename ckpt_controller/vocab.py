@@ -11,9 +11,14 @@ Renamed words stay readable: a journal written before the triggers took the step
 (``prepared``/``restored``, now ``seal``/``resume``) still decodes, through ``_missing_``.
 
 This module imports nothing but ``enum``: anything may import it.
+The fleet's words (``FleetKind``, ``PartStatus``, ``MigrationStep``, ``MigrationOutcome``,
+``NodeRole``, ``ImageTransport``, ``LimitRule``) are here too: etcd's records are typed with
+them, and their JSON words are the values below.
+
 Neighbours: ``lifecycle`` builds its machine from ``CheckpointState`` and ``Trigger``;
 ``protocol`` types its Structs with these enums; ``controller.policy`` maps ``HookPoint`` to
-``HookFailure``.
+``HookFailure``; ``fleet.records`` types etcd's records with the fleet's words, and
+``fleet.kinds`` is the table of ``FleetKind``.
 """
 
 from __future__ import annotations
@@ -193,3 +198,92 @@ class RosterChange(enum.StrEnum):
 
     ADOPTED = "adopted"  # the controller drives it from now on (it came from another node)
     GIVEN_AWAY = "given_away"  # the controller no longer drives it: it lives on another node
+
+
+# ---------------------------------------------------------------- the fleet (docs/fleet.md)
+
+class FleetKind(enum.StrEnum):
+    """What a fleet operation does (``ckptctl fleet KIND``); ``fleet.kinds`` says, for each,
+    how it runs. The per-engine kinds share their words with ``OperationKind``: each engine's
+    part is that node-local operation."""
+
+    PREPARE = "prepare"
+    CAPTURE = "capture"
+    RESTORE = "restore"
+    CYCLE = "cycle"
+    ROLLBACK = "rollback"
+    MIGRATE = "migrate"  # one engine to another node, in ``MigrationStep``s
+
+    @property
+    def local(self) -> OperationKind | None:
+        """The node-local operation each engine's part is (None: not per-engine parts)."""
+        try:
+            return OperationKind(self.value)
+        except ValueError:  # policy: a kind of the fleet's own (migrate) has no local twin
+            return None
+
+
+class PartStatus(enum.StrEnum):
+    """Where one engine's part of a fleet operation stands (also how a migration step
+    ended: succeeded, failed or lost)."""
+
+    PENDING = "pending"  # not started yet
+    STARTED = "started"  # in its node's inbox, running there
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    LOST = "lost"  # its node died (its lease expired) while it ran
+    SKIPPED = "skipped"  # never started: the operation stopped at a failure
+
+    @property
+    def ended(self) -> bool:
+        return self not in (PartStatus.PENDING, PartStatus.STARTED)
+
+
+class MigrationStep(enum.StrEnum):
+    """The steps of a migration, each run on one node (``fleet.migration``)."""
+
+    RECEIVE = "receive"  # target: the image folder (and the page server)
+    SEND = "send"  # source: prepare, capture (dump, left stopped), the small files
+    ADOPT = "adopt"  # target: the engine adopted and restored, then taken over
+    FINISH = "finish"  # source: the stopped copy ended, the engine given away
+    RESUME = "resume"  # source: the engine continued and restored (it did not move)
+    ABANDON = "abandon"  # target: what a failed send left there removed
+
+    @property
+    def runs_on(self) -> NodeRole:
+        return NodeRole.TARGET if self in _ON_TARGET else NodeRole.SOURCE
+
+
+class NodeRole(enum.StrEnum):
+    """A node's side of a migration."""
+
+    SOURCE = "source"
+    TARGET = "target"
+
+
+_ON_TARGET = frozenset({MigrationStep.RECEIVE, MigrationStep.ADOPT, MigrationStep.ABANDON})
+
+
+class MigrationOutcome(enum.StrEnum):
+    """How a migration ended (``running`` until it has)."""
+
+    RUNNING = "running"
+    MOVED = "moved"  # RUNNING on the target
+    STAYED = "stayed"  # RUNNING on the source
+    LOST = "lost"  # the engine died on the way
+    FAILED = "failed"  # not RUNNING for now: its error says where, and what the nodes do
+
+
+class ImageTransport(enum.StrEnum):
+    """How a migrating engine's image reaches its target (the target's ``[migration]``)."""
+
+    PAGE_SERVER = "page-server"  # pages streamed into the target's ``criu page-server``
+    SHARED = "shared"  # dumped into a folder both nodes see
+
+
+class LimitRule(enum.StrEnum):
+    """How a fleet kind counts against ``--max-unavailable`` (``fleet.kinds``)."""
+
+    NONE = "none"  # its parts take no engine out of service
+    HOLDS_ALL = "holds-all"  # every engine it names stays out until restored (prepare)
+    ROLLING = "rolling"  # each part takes its engine out and brings it back (cycle, migrate)

@@ -22,8 +22,14 @@ from ckpt_controller.agent import Agent, AgentClient
 from ckpt_controller.engine import api
 from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.engine.server import RecentEnds
-from ckpt_controller.errors import ProtocolError, UnreachableError, UsageError
+from ckpt_controller.errors import (
+    DamagedRecordError,
+    ProtocolError,
+    UnreachableError,
+    UsageError,
+)
 from ckpt_controller.fleet.node import published_endpoints, reachable_at
+from ckpt_controller.fleet.registry import Resolver
 
 
 @pytest.fixture
@@ -234,7 +240,8 @@ def test_wildcard_hosts_are_published_at_the_node_address():
 
 def _record(etcd, name: str, endpoints: dict[str, str], node: str = "n1") -> None:
     from ckpt_controller.fleet.etcd import Etcd
-    from ckpt_controller.fleet.keys import EngineRecord, Keys, encode
+    from ckpt_controller.fleet.keys import Keys
+    from ckpt_controller.fleet.records import EngineRecord, encode
 
     with Etcd(etcd.urls) as store:
         store.put(Keys("/ckpt").engine(name), encode(EngineRecord(
@@ -251,7 +258,8 @@ def test_a_node_publishes_its_engines_endpoints_at_its_address(etcd, ipc_dir):
     """An agent that reports an api endpoint bound to 0.0.0.0: its record in etcd names the
     node's ``[fleet] address`` instead, and the control endpoint as the agent has it."""
     from ckpt_controller.fleet.etcd import Etcd
-    from ckpt_controller.fleet.keys import Keys, decode_engine
+    from ckpt_controller.fleet.keys import Keys
+    from ckpt_controller.fleet.records import EngineRecord, decode
 
     agent = Agent("pub", control=f"ipc://{ipc_dir}/pub.ctl", heartbeat_interval_s=0.2,
                   endpoints={"api": "tcp://0.0.0.0:5599"}).start()
@@ -263,7 +271,7 @@ def test_a_node_publishes_its_engines_endpoints_at_its_address(etcd, ipc_dir):
     try:
         with Etcd(etcd.urls) as store:
             rec = wait_until(lambda: (kv := store.get(Keys("/ckpt").engine("pub")))
-                             and decode_engine(kv.value), what="the engine's record")
+                             and decode(EngineRecord, kv.value, kv.key), what="the engine's record")
         assert rec.endpoints == {"api": "tcp://169.254.77.2:5599", "control": agent.endpoint}
         assert rec.pid == os.getpid()
     finally:
@@ -281,7 +289,7 @@ def test_a_client_follows_an_engine_through_the_registry(etcd, engine, spawn_ref
     with EngineClient(engine.api) as ref:
         want = [ref.generate(pr, 500).token_ids for pr in prompts]
     _record(etcd, "llama-f", {"api": engine.api, "control": engine.control})
-    c = EngineClient.for_engine("llama-f", etcd=",".join(etcd.urls), follow_after_s=0.5)
+    c = EngineClient.for_engine("llama-f", Resolver(",".join(etcd.urls)), follow_after_s=0.5)
     ctl = AgentClient(engine.control, timeout_s=30)
     try:
         assert c.endpoint == engine.api and c.engine == "llama-f"
@@ -314,18 +322,20 @@ def test_following_an_engine_says_what_is_wrong_and_the_cli_follows_too(etcd, en
 
     urls = ",".join(etcd.urls)
     with pytest.raises(UsageError, match="not in the fleet's registry"):
-        EngineClient.for_engine("nobody", etcd=urls)
+        EngineClient.for_engine("nobody", Resolver(urls))
     _record(etcd, "ctl-only", {"control": "ipc:///x.ctl"})
     with pytest.raises(UsageError, match="publishes no api endpoint") as info:
-        EngineClient.for_engine("ctl-only", etcd=urls)
+        EngineClient.for_engine("ctl-only", Resolver(urls))
     assert info.value.details["published"] == ["control"]
     with Etcd(etcd.urls) as store:
         store.put(Keys("/ckpt").engine("damaged"), b"{not json")
-    with pytest.raises(ProtocolError, match="cannot be read"):
-        EngineClient.for_engine("damaged", etcd=urls)
+    with pytest.raises(ProtocolError, match="cannot be read") as info:
+        EngineClient.for_engine("damaged", Resolver(urls))
+    assert isinstance(info.value, DamagedRecordError)
+    assert info.value.details["key"] == "/ckpt/engines/damaged"
     away = f"http://127.0.0.1:{etcd_cluster.free_port()}"
     with pytest.raises(UnreachableError):
-        EngineClient.for_engine("nobody", etcd=away, timeout_s=0.5)
+        EngineClient.for_engine("nobody", Resolver(away, timeout_s=0.5))
 
     _record(etcd, "by-name", {"api": engine.api, "control": engine.control})
     with EngineClient(engine.api) as ref:

@@ -307,10 +307,10 @@ def test_a_fleet_cycle_rolls_across_nodes_under_max_unavailable(etcd, agents, no
     assert shared["most"] == 2  # two at once across the nodes, never three
     # back in service: nothing counted as unavailable, every engine RUNNING, one generation on
     with etcd.client() as c:
-        from ckpt_controller.fleet import ops
+        from ckpt_controller.fleet import unavailable
         from ckpt_controller.fleet.keys import Keys
 
-        assert ops.read_unavailable(c, Keys("/ckpt"))[0] == {}
+        assert unavailable.read(c, Keys("/ckpt"))[0] == {}
     recs = wait_until(lambda: (e := engines_of(fleet_json(etcd)[1])) and all(
         x["generation"] > 0 for x in e.values()) and e, what="generations published")
     assert {x["state"] for x in recs.values()} == {"running"}
@@ -535,17 +535,17 @@ def test_a_node_killed_mid_operation_its_part_is_lost_and_it_converges(etcd, ipc
         assert parts["a0"]["status"] == parts["a1"]["status"] == "skipped"  # none started
         assert shared["pauses"] == {"b0": 1}
         with etcd.client() as c:
-            from ckpt_controller.fleet import ops
+            from ckpt_controller.fleet import unavailable
             from ckpt_controller.fleet.keys import Keys
 
-            out_of_service = ops.read_unavailable(c, Keys("/ckpt"))[0]
+            out_of_service = unavailable.read(c, Keys("/ckpt"))[0]
             assert out_of_service == {"b0": "lost:lose-n2"}
         # the node comes back: it reconciles b0 from its own journal, and the fleet converges
         nodes("n2", text)
         wait_until(lambda: (x := engines_of(fleet_json(etcd)[1]).get("b0")) and x["node_up"]
                    and x["state"] == "running", timeout_s=30, what="b0 RUNNING, its node up")
         with etcd.client() as c:
-            wait_until(lambda: ops.read_unavailable(c, Keys("/ckpt"))[0] == {}, timeout_s=10,
+            wait_until(lambda: unavailable.read(c, Keys("/ckpt"))[0] == {}, timeout_s=10,
                        what="b0 back in service")
     finally:
         for agent in fast + slow:
@@ -740,7 +740,8 @@ def test_damaged_keys_and_a_second_copy_of_a_node_leave_the_fleet_working(etcd, 
     with etcd.client() as c:
         c.put(k.unavailable, b"[[[")
     r = fleet(etcd, "cycle", "--all")
-    assert r.returncode == 1 and "is damaged" in r.stderr and "etcdctl put" in r.stderr
+    assert r.returncode == 2 and "DamagedRecordError" in r.stderr and "is damaged" in r.stderr
+    assert "etcdctl put" in r.stderr
     assert n1.ckptctl("cycle", "a0", "--json").returncode == 0
     with etcd.client() as c:
         c.put(k.unavailable, b"{}")

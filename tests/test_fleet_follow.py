@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from ckpt_controller.fleet import ops
-from ckpt_controller.fleet.keys import FleetOp
+from ckpt_controller.fleet.records import FleetOp
 
 
 @pytest.mark.fleet
@@ -20,9 +20,10 @@ def test_following_outlasts_an_etcd_that_stops_answering_for_a_while(etcd, capsy
     import threading
     import time
 
-    from ckpt_controller.cli import fleet_cmd
+    from ckpt_controller.cli import fleet_follow
     from ckpt_controller.errors import UnreachableError
-    from ckpt_controller.fleet.keys import Keys, Part, encode
+    from ckpt_controller.fleet.keys import Keys
+    from ckpt_controller.fleet.records import Part, encode
 
     keys = Keys("/ckpt-test")
     op = FleetOp(op_id="op-9", kind="cycle", engines=["e0"], params={}, max_unavailable=1,
@@ -33,7 +34,7 @@ def test_following_outlasts_an_etcd_that_stops_answering_for_a_while(etcd, capsy
         c.put(keys.op("op-9"), encode(op))
         box: list = []
         t = threading.Thread(target=lambda: box.append(
-            fleet_cmd.follow(c, keys, "op-9", progress=True, every_s=0.05)), daemon=True)
+            fleet_follow.follow(c, keys, "op-9", progress=True, every_s=0.05)), daemon=True)
         proc = etcd.procs[0]
         proc.send_signal(signal.SIGSTOP)
         try:
@@ -48,7 +49,7 @@ def test_following_outlasts_an_etcd_that_stops_answering_for_a_while(etcd, capsy
             proc.send_signal(signal.SIGCONT)
         with etcd.client() as w:
             w.put(keys.part("op-9", "e0"), encode(msgspec.structs.replace(
-                part, status="succeeded", state="RUNNING", ended=time.time())))
+                part, status="succeeded", state="running", ended=time.time())))
             w.put(keys.op("op-9"), encode(msgspec.structs.replace(
                 op, status="succeeded", ended=time.time())))
         t.join(30)
@@ -60,7 +61,7 @@ def test_following_outlasts_an_etcd_that_stops_answering_for_a_while(etcd, capsy
         # past its patience the command gives up, with etcd's error
         proc.send_signal(signal.SIGSTOP)
         try:
-            patient = fleet_cmd.Patient("op-9", patience_s=1.0)
+            patient = fleet_follow.Patient("op-9", patience_s=1.0)
             t0 = time.monotonic()
             with pytest.raises(UnreachableError):
                 patient.read(lambda: ops.read_op(c, keys, "op-9"))

@@ -3,18 +3,19 @@ value does to the decoders the coordinator and the nodes use."""
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 
-from ckpt_controller.fleet import ops
-from ckpt_controller.fleet.keys import FleetOp, encode
+from ckpt_controller.errors import DamagedRecordError
+from ckpt_controller.fleet import unavailable
+from ckpt_controller.fleet.records import FleetOp, Task, decode, encode
 
 
-@pytest.mark.parametrize("decoder", [ops._op_dec, ops.task_dec], ids=["op", "task"])
-def test_parameters_nested_without_end_are_a_decode_error_not_a_recursion(decoder):
+@pytest.mark.parametrize("kind", [FleetOp, Task], ids=["op", "task"])
+def test_parameters_nested_without_end_are_a_damaged_record_not_a_recursion(kind):
     deep = b'{"params":{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
-    with pytest.raises(msgspec.DecodeError):
-        decoder.decode(deep)
+    with pytest.raises(DamagedRecordError) as info:
+        decode(kind, deep, "/ckpt/ops/x")
+    assert info.value.details["key"] == "/ckpt/ops/x" and info.value.exit_code == 2
 
 
 def test_every_parameter_the_cli_sends_round_trips():
@@ -23,7 +24,7 @@ def test_every_parameter_the_cli_sends_round_trips():
               "residual_budget_bytes": 1 << 30, "image": "op-1"}
     op = FleetOp(op_id="x", kind="prepare", engines=["a"], params=params, max_unavailable=1,
                  created=1.0)
-    assert ops._op_dec.decode(encode(op)).params == params
+    assert decode(FleetOp, encode(op), "k").params == params
 
 
 class _OneKey:
@@ -44,10 +45,11 @@ class _OneKey:
 def test_a_damaged_unavailable_record_is_said_and_nothing_counts_on_it(value):
     from ckpt_controller.fleet.keys import Keys
 
-    with pytest.raises(ops.DamagedRecord) as info:
-        ops.read_unavailable(_OneKey(value), Keys("/ckpt"))
+    with pytest.raises(DamagedRecordError) as info:
+        unavailable.read(_OneKey(value), Keys("/ckpt"))
     assert "etcdctl put /ckpt/unavailable '{}'" in info.value.message
-    assert ops.read_unavailable(_OneKey(b'{"a": "op-1"}'), Keys("/ckpt")) == ({"a": "op-1"}, 7)
+    assert info.value.details["key"] == "/ckpt/unavailable"
+    assert unavailable.read(_OneKey(b'{"a": "op-1"}'), Keys("/ckpt")) == ({"a": "op-1"}, 7)
 
 
 class _StderrInterruptedOnce:
@@ -75,16 +77,18 @@ def test_ctrl_c_at_any_moment_says_what_became_of_the_operation(when, monkeypatc
     import contextlib
 
     from ckpt_controller.cli import fleet_cmd, main
+    from ckpt_controller.fleet.drivers import SUBMIT
+    from ckpt_controller.fleet.kinds import Drive
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    def submitted(client, keys, **kw):
-        return FleetOp(op_id=kw["op_id"], kind=kw["kind"], engines=kw["engines"],
+    def submitted(client, keys, spec, **kw):
+        return FleetOp(op_id=kw["op_id"], kind=spec.kind, engines=kw["engines"],
                        params=kw["params"], max_unavailable=1, created=1.0)
 
     monkeypatch.setattr(fleet_cmd, "client", lambda args: contextlib.nullcontext(None))
-    monkeypatch.setattr(ops, "submit", interrupted if when == "submitting" else submitted)
+    monkeypatch.setitem(SUBMIT, Drive.PARTS, interrupted if when == "submitting" else submitted)
     monkeypatch.setattr(fleet_cmd, "follow", interrupted)
     stderr = _StderrInterruptedOnce()
     if when == "announcing":
@@ -96,3 +100,55 @@ def test_ctrl_c_at_any_moment_says_what_became_of_the_operation(when, monkeypatc
         assert "may be recorded" in err and "--op-id op-7" in err
     else:
         assert "fleet operation op-7 goes on" in err
+
+
+def test_an_inbox_written_by_the_earlier_shape_still_reads():
+    """An earlier version wrote a migration step's task with kind ``migrate-<step>``; it
+    reads as kind ``migrate`` with its step. Any other word stays a damaged record."""
+    from ckpt_controller.vocab import FleetKind, MigrationStep
+
+    old = (b'{"op_id":"mv","kind":"migrate-adopt","engine":"m0","node":"n2",'
+           b'"local_op":"mv.m0.adopt","params":{"source":"n1"},"started":1.5}')
+    task = decode(Task, old, "/ckpt/todo/n2/mv/m0")
+    assert (task.kind, task.step, task.params) == (FleetKind.MIGRATE, MigrationStep.ADOPT,
+                                                   {"source": "n1"})
+    for word in (b"migrate-teleport", b"teleport", b"migrate-"):
+        with pytest.raises(DamagedRecordError):
+            decode(Task, old.replace(b"migrate-adopt", word), "/ckpt/todo/n2/mv/m0")
+    new = encode(task)
+    assert b'"kind":"migrate"' in new and b'"step":"adopt"' in new
+
+
+@pytest.mark.parametrize("kind", ["NodeRecord", "EngineRecord", "FleetOp", "Part", "Task",
+                                  "StepEnd", "Migration", "Unavailable"])
+@pytest.mark.parametrize("raw", [b"{not json", b"[]", b'{"schema": 99}', b"\xff\xfe",
+                                 b'{"state": 5}'], ids=["garbage", "list", "schema", "bytes",
+                                                        "shape"])
+def test_every_record_kind_damaged_is_one_typed_error_naming_its_key(kind, raw):
+    from ckpt_controller.fleet import records
+
+    with pytest.raises(DamagedRecordError) as info:
+        decode(getattr(records, kind), raw, "/ckpt/some/key")
+    assert info.value.details["key"] == "/ckpt/some/key"
+    assert "/ckpt/some/key" in info.value.message and info.value.exit_code == 2
+
+
+def test_a_record_of_a_newer_schema_is_refused_by_name():
+    from ckpt_controller.fleet.records import SCHEMA, NodeRecord
+
+    rec = NodeRecord(schema=SCHEMA + 1, node="n", controller="c", pid=1, host="h",
+                     started=0.0, version="9", lease=1)
+    with pytest.raises(DamagedRecordError, match="newer than this version"):
+        decode(NodeRecord, encode(rec), "/ckpt/nodes/n")
+
+
+def test_a_word_the_vocabulary_does_not_have_is_a_damaged_record():
+    from ckpt_controller.fleet.records import Part
+
+    good = encode(Part(engine="a", node="n", local_op="op.a", status="failed",
+                       state="prepared"))
+    assert decode(Part, good, "k").status == "failed"
+    for bad in (good.replace(b'"failed"', b'"FAILED"'),
+                good.replace(b'"prepared"', b'"sleepy"')):
+        with pytest.raises(DamagedRecordError, match="k is damaged"):
+            decode(Part, bad, "k")

@@ -261,6 +261,7 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
                                                                       model_dir_private,
                                                                       transport):
     from ckpt_controller.engine.client import EngineClient
+    from ckpt_controller.fleet.registry import Resolver
 
     pair = Pair(tmp_path, model_dir_private, transport)
     try:
@@ -270,7 +271,7 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
         rec = pair.engine_record()
         assert rec["endpoints"]["api"] == f"tcp://{pair.addr['n1']}:{API_PORT}"
         before = pair.engine_pids()
-        with EngineClient.for_engine("m0", etcd=pair.url) as client:
+        with EngineClient.for_engine("m0", Resolver(pair.url)) as client:
             want = exact_outputs(client)
             kept = [client.submit(p, LONG) for p in PROMPTS]
             # in flight when the migration starts: each has tokens, none has ended
@@ -356,12 +357,13 @@ class Moving:
 
     def __init__(self, pair: Pair) -> None:
         from ckpt_controller.engine.client import EngineClient
+        from ckpt_controller.fleet.registry import Resolver
 
         self.pair = pair
         pair.start_engine()
         wait_until(lambda: pair.running_on("n1"), timeout_s=30, every_s=0.2,
                    what="m0 RUNNING on n1 in the registry")
-        self.client = EngineClient.for_engine("m0", etcd=pair.url)
+        self.client = EngineClient.for_engine("m0", Resolver(pair.url))
         self.want = exact_outputs(self.client)
         self.kept = [self.client.submit(p, LONG) for p in PROMPTS]
         wait_until(lambda: self.client.poll(0.05) is not None and all(

@@ -1,6 +1,6 @@
 """The migration's coordinator side against a real etcd (``make etcd``), with the nodes played
 by the test: each step the driver starts lands in its node's inbox, and the test writes its
-end as a node would (``NodeMigration.write_end``) or lets its node's lease run out. What is
+end as a node would (``record.write_end``) or lets its node's lease run out. What is
 checked is what decides where the engine ends: the next step after every end, the single
 transaction on ``moving/<engine>`` that lets either the target take the engine over or the
 source resume it (never both), and what the operation, its part, the engine's lock and
@@ -15,9 +15,22 @@ import pytest
 
 from ckpt_controller.errors import BusyError, UsageError
 from ckpt_controller.fleet import etcd as e
-from ckpt_controller.fleet import migration as m
-from ckpt_controller.fleet import ops
-from ckpt_controller.fleet.keys import EngineRecord, Keys, NodeRecord, encode
+from ckpt_controller.fleet import ops, parts, unavailable
+from ckpt_controller.fleet.coordinator import Coordinator
+from ckpt_controller.fleet.keys import Keys
+from ckpt_controller.fleet.kinds import spec
+from ckpt_controller.fleet.migration import record as m
+from ckpt_controller.fleet.migration.driver import MigrationDriver
+from ckpt_controller.fleet.records import (
+    EngineRecord,
+    Migration,
+    NodeRecord,
+    StepEnd,
+    Task,
+    decode,
+    encode,
+)
+from ckpt_controller.vocab import FleetKind
 
 pytestmark = pytest.mark.fleet
 
@@ -35,7 +48,7 @@ class Fleet:
         self.c.put(K.owner("m0"), "n1")
         self.c.put(K.engine("m0"), encode(EngineRecord(engine="m0", node="n1",
                                                        state="running", generation=0)))
-        self.coordinator = ops.Coordinator(client, K)
+        self.coordinator = Coordinator(client, K)
 
     def up(self, node: str) -> None:
         lease = self.c.grant(60)
@@ -55,15 +68,13 @@ class Fleet:
     def task(self, node: str):
         """The one task in ``node``'s inbox, with its revision."""
         (kv,) = self.c.get_prefix(K.inbox(node))
-        return ops.task_dec.decode(kv.value), kv.create_revision
+        return decode(Task, kv.value, kv.key), kv.create_revision
 
     def end(self, node: str, status: str = "succeeded", **detail) -> str:
         """``node`` ends the step in its inbox; returns the step's name."""
         task, rev = self.task(node)
-        step = task.kind.removeprefix("migrate-")
-        node_side = m.NodeMigration.__new__(m.NodeMigration)
-        node_side.node = type("N", (), {"keys": K, "etcd": self.c})()
-        assert node_side.write_end(task, rev, m.StepEnd(
+        step = task.step
+        assert m.write_end(self.c, K, task, rev, StepEnd(
             step=step, node=node, status=status, ended=time.time(), detail=detail,
             error=None if status == "succeeded" else f"{step} failed"))
         return step
@@ -77,7 +88,7 @@ class Fleet:
         self.end("n1", pid=4242)
         self.drive()
 
-    def mig(self) -> m.Migration:
+    def mig(self) -> Migration:
         return m.read(self.c, K, "mv")[0]
 
     def op(self):
@@ -90,8 +101,11 @@ def fleet(etcd):
         yield Fleet(c)
 
 
+MIGRATE = spec(FleetKind.MIGRATE)
+
+
 def submit(f: Fleet, **params):
-    return m.submit(f.c, K, op_id="mv", engine="m0", to="n2", params=params)
+    return m.submit(f.c, K, MIGRATE, op_id="mv", engine="m0", to="n2", params=params)
 
 
 def test_a_migration_that_goes_well_moves_the_engine_and_frees_it(fleet):
@@ -99,17 +113,17 @@ def test_a_migration_that_goes_well_moves_the_engine_and_frees_it(fleet):
     submit(f, drain="keep")
     f.drive()
     assert f.c.get(K.lock("m0")).value == b"mv"  # one operation on it, fleet-wide
-    assert ops.read_unavailable(f.c, K)[0] == {"m0": "mv"}
+    assert unavailable.read(f.c, K)[0] == {"m0": "mv"}
     task, _ = f.task("n2")
-    assert task.kind == "migrate-receive" and task.params["drain"] == "keep"
+    assert task.step == "receive" and task.params["drain"] == "keep"
     assert f.end("n2", transport="page-server", page_server="169.254.77.2:7000") == "receive"
     f.drive()
     assert f.end("n1", pid=4242, control="tcp://0.0.0.0:7701") == "send"
     f.drive()
-    assert f.c.get(m.moving_key(K, "m0")).value == b"mv"  # the target may take it now
+    assert f.c.get(K.moving("m0")).value == b"mv"  # the target may take it now
     # the target takes it over between re-wake and re-admission (NodeMigration._take_over)
-    ok, _ = f.c.txn([e.compare_value(m.moving_key(K, "m0"), "mv")],
-                    [e.put_op(K.owner("m0"), "n2"), e.delete_op(m.moving_key(K, "m0"))])
+    ok, _ = f.c.txn([e.compare_value(K.moving("m0"), "mv")],
+                    [e.put_op(K.owner("m0"), "n2"), e.delete_op(K.moving("m0"))])
     assert ok
     assert f.end("n2", state="running") == "adopt"
     f.drive()
@@ -121,8 +135,8 @@ def test_a_migration_that_goes_well_moves_the_engine_and_frees_it(fleet):
     assert f.op().status == "succeeded"
     (part, _), = ops.read_parts(f.c, K, "mv").values()
     assert (part.node, part.status, part.state) == ("n2", "succeeded", "running")
-    assert f.c.get(K.lock("m0")) is None and f.c.get(m.moving_key(K, "m0")) is None
-    assert ops.read_unavailable(f.c, K)[0] == {}
+    assert f.c.get(K.lock("m0")) is None and f.c.get(K.moving("m0")) is None
+    assert unavailable.read(f.c, K)[0] == {}
     assert f.c.get(K.owner("m0")).value == b"n2"
     assert f.c.get_prefix(K.inbox("n1")) == [] and f.c.get_prefix(K.inbox("n2")) == []
 
@@ -132,28 +146,28 @@ def test_a_failed_restore_on_the_target_resumes_the_source(fleet):
     f.at_adopt()
     assert f.end("n2", status="failed") == "adopt"  # before it took the engine over
     f.drive()
-    assert f.c.get(m.moving_key(K, "m0")) is None  # the target can no longer take it
+    assert f.c.get(K.moving("m0")) is None  # the target can no longer take it
     task, _ = f.task("n1")
-    assert task.kind == "migrate-resume"
+    assert task.step == "resume"
     f.end("n1", state="running")
     f.drive()
     mig = f.mig()
     assert mig.outcome == "stayed" and "the target did not take it" in mig.error
     assert f.op().status == "failed" and f.c.get(K.owner("m0")).value == b"n1"
-    assert ops.read_unavailable(f.c, K)[0] == {}
+    assert unavailable.read(f.c, K)[0] == {}
 
 
 def test_the_target_lost_after_it_took_the_engine_over_finishes_not_resumes(fleet):
     f = fleet
     f.at_adopt()
-    ok, _ = f.c.txn([e.compare_value(m.moving_key(K, "m0"), "mv")],
-                    [e.put_op(K.owner("m0"), "n2"), e.delete_op(m.moving_key(K, "m0"))])
+    ok, _ = f.c.txn([e.compare_value(K.moving("m0"), "mv")],
+                    [e.put_op(K.owner("m0"), "n2"), e.delete_op(K.moving("m0"))])
     assert ok
     f.down("n2")  # died before it wrote the adopt's end
     f.drive()
     assert f.mig().done[-1].status == "lost"
     task, _ = f.task("n1")
-    assert task.kind == "migrate-finish"  # it is the target's: the source's copy is ended
+    assert task.step == "finish"  # it is the target's: the source's copy is ended
     f.end("n1")
     f.drive()
     assert f.mig().outcome == "moved" and f.op().status == "succeeded"
@@ -165,9 +179,9 @@ def test_the_target_lost_before_it_took_the_engine_over_resumes_the_source(fleet
     f.down("n2")
     f.drive()
     # from now on the target's own take-over transaction fails: moving/m0 is gone
-    assert f.c.get(m.moving_key(K, "m0")) is None
-    assert f.task("n1")[0].kind == "migrate-resume"
-    ok, _ = f.c.txn([e.compare_value(m.moving_key(K, "m0"), "mv")],
+    assert f.c.get(K.moving("m0")) is None
+    assert f.task("n1")[0].step == "resume"
+    ok, _ = f.c.txn([e.compare_value(K.moving("m0"), "mv")],
                     [e.put_op(K.owner("m0"), "n2")])
     assert not ok and f.c.get(K.owner("m0")).value == b"n1"
 
@@ -180,7 +194,7 @@ def test_a_failed_send_abandons_the_target_and_the_engine_stays(fleet):
     f.drive()
     f.end("n1", status="failed", state="running")  # the source's own rules rolled it back
     f.drive()
-    assert f.task("n2")[0].kind == "migrate-abandon"
+    assert f.task("n2")[0].step == "abandon"
     f.end("n2")
     f.drive()
     mig = f.mig()
@@ -201,7 +215,7 @@ def test_an_engine_that_died_in_the_dump_is_reported_lost(fleet):
     assert f.mig().outcome == "lost"
     (part, _), = ops.read_parts(f.c, K, "mv").values()
     assert part.status == "lost" and f.op().status == "failed"
-    assert ops.read_unavailable(f.c, K)[0] == {"m0": "lost:mv"}  # out until it is back
+    assert unavailable.read(f.c, K)[0] == {"m0": "lost:mv"}  # out until it is back
 
 
 def test_a_coordinator_killed_between_any_two_writes_leaves_a_state_the_next_goes_on_from(
@@ -214,9 +228,9 @@ def test_a_coordinator_killed_between_any_two_writes_leaves_a_state_the_next_goe
     f.end("n2")
     stale = m.read(f.c, K, "mv")
     f.drive(rounds=1)  # the receive's end applied: send is next
-    other = m.Driver(f.c, K)
+    other = MigrationDriver(f.c, K)
     op = f.op()
-    other._after(op, stale[0], stale[1], m.StepEnd(step="receive", node="n2",
+    other._after(op, stale[0], stale[1], StepEnd(step="receive", node="n2",
                                                     status="succeeded", ended=time.time()))
     assert [d.step for d in f.mig().done] == ["receive"]  # not twice
 
@@ -224,35 +238,35 @@ def test_a_coordinator_killed_between_any_two_writes_leaves_a_state_the_next_goe
 def test_bad_migrations_are_refused_up_front(fleet):
     f = fleet
     with pytest.raises(UsageError, match="on n1 already"):
-        m.submit(f.c, K, op_id="x1", engine="m0", to="n1", params={})
+        m.submit(f.c, K, MIGRATE, op_id="x1", engine="m0", to="n1", params={})
     with pytest.raises(UsageError, match="not registered"):
-        m.submit(f.c, K, op_id="x2", engine="nope", to="n2", params={})
+        m.submit(f.c, K, MIGRATE, op_id="x2", engine="nope", to="n2", params={})
     f.down("n2")
     with pytest.raises(e.UnreachableError, match="the target n2 is not registered"):
-        m.submit(f.c, K, op_id="x3", engine="m0", to="n2", params={})
+        m.submit(f.c, K, MIGRATE, op_id="x3", engine="m0", to="n2", params={})
     f.up("n2")
     f.c.put(K.lock("m0"), "other-op")
     with pytest.raises(BusyError, match="held by operation other-op"):
-        m.submit(f.c, K, op_id="x4", engine="m0", to="n2", params={})
+        m.submit(f.c, K, MIGRATE, op_id="x4", engine="m0", to="n2", params={})
     f.c.delete(K.lock("m0"))
     # its node could not reach it: retryable (exit 4), not a usage error
     for rec in (EngineRecord(engine="m0", node="n1", state=None, reachable=False),
                 EngineRecord(engine="m0", node="n1", state=None)):
         f.c.put(K.engine("m0"), encode(rec))
         with pytest.raises(e.UnreachableError, match="n1 could not reach m0") as got:
-            m.submit(f.c, K, op_id="x5", engine="m0", to="n2", params={})
+            m.submit(f.c, K, MIGRATE, op_id="x5", engine="m0", to="n2", params={})
         assert got.value.exit_code == 4
     f.c.put(K.engine("m0"), encode(EngineRecord(engine="m0", node="n1", state="prepared")))
     with pytest.raises(UsageError, match="m0 is prepared on n1; only a RUNNING") as got:
-        m.submit(f.c, K, op_id="x6", engine="m0", to="n2", params={})
+        m.submit(f.c, K, MIGRATE, op_id="x6", engine="m0", to="n2", params={})
     assert got.value.exit_code == 2
     f.c.put(K.engine("m0"), encode(EngineRecord(engine="m0", node="n1", state="running",
                                                 generation=0)))
     first = submit(f)
     assert submit(f) == first  # the same id again follows the same migration
     with pytest.raises(UsageError, match="already used"):
-        ops.submit(f.c, K, op_id="mv", kind="cycle", engines=["m0"], params={},
-                   max_unavailable=None)
+        parts.submit(f.c, K, spec(FleetKind.CYCLE), op_id="mv", engines=["m0"], params={},
+                     max_unavailable=None)
 
 
 @pytest.mark.parametrize("handed_back", [True, False])
@@ -263,15 +277,15 @@ def test_a_target_that_failed_after_its_take_over_resumes_the_source_only_if_it_
     not, keeps the engine (the migration finishes with the engine there, said)."""
     f = fleet
     f.at_adopt()
-    ok, _ = f.c.txn([e.compare_value(m.moving_key(K, "m0"), "mv")],
-                    [e.put_op(K.owner("m0"), "n2"), e.delete_op(m.moving_key(K, "m0"))])
+    ok, _ = f.c.txn([e.compare_value(K.moving("m0"), "mv")],
+                    [e.put_op(K.owner("m0"), "n2"), e.delete_op(K.moving("m0"))])
     assert ok
     if handed_back:
         f.c.put(K.owner("m0"), "n1")
     f.end("n2", status="failed", handed_back=handed_back)
     f.drive()
     task, _ = f.task("n1")
-    assert task.kind == ("migrate-resume" if handed_back else "migrate-finish")
+    assert task.step == ("resume" if handed_back else "finish")
 
 
 def test_a_target_down_before_the_adopt_starts_resumes_the_source(fleet):
@@ -285,7 +299,7 @@ def test_a_target_down_before_the_adopt_starts_resumes_the_source(fleet):
     f.down("n2")
     f.end("n1", pid=4242)
     f.drive()
-    assert f.task("n1")[0].kind == "migrate-resume"
+    assert f.task("n1")[0].step == "resume"
     f.end("n1", state="running")
     f.drive()
     assert f.mig().outcome == "stayed" and f.c.get(K.owner("m0")).value == b"n1"
@@ -298,7 +312,7 @@ def test_a_source_down_before_the_send_starts_the_target_abandons(fleet):
     f.down("n1")
     f.end("n2", transport="page-server")
     f.drive()
-    assert f.task("n2")[0].kind == "migrate-abandon"  # its page server stopped
+    assert f.task("n2")[0].step == "abandon"  # its page server stopped
     f.end("n2")
     f.drive()
     mig = f.mig()
@@ -323,9 +337,9 @@ def test_a_coordinator_that_died_after_taking_moving_back_decides_the_same_again
     f = fleet
     f.at_adopt()
     f.end("n2", status="failed")
-    f.c.delete(m.moving_key(K, "m0"))  # what the dead coordinator did before it died
+    f.c.delete(K.moving("m0"))  # what the dead coordinator did before it died
     f.drive()
-    assert f.task("n1")[0].kind == "migrate-resume"
+    assert f.task("n1")[0].step == "resume"
 
 
 @pytest.mark.parametrize("when", ["before", "while"])
@@ -335,15 +349,15 @@ def test_a_source_down_at_the_finish_the_engine_has_moved_either_way(fleet, when
     source ends its stopped copy when it is back."""
     f = fleet
     f.at_adopt()
-    ok, _ = f.c.txn([e.compare_value(m.moving_key(K, "m0"), "mv")],
-                    [e.put_op(K.owner("m0"), "n2"), e.delete_op(m.moving_key(K, "m0"))])
+    ok, _ = f.c.txn([e.compare_value(K.moving("m0"), "mv")],
+                    [e.put_op(K.owner("m0"), "n2"), e.delete_op(K.moving("m0"))])
     assert ok
     if when == "before":
         f.down("n1")
     f.end("n2", state="running")
     f.drive()
     if when == "while":
-        assert f.task("n1")[0].kind == "migrate-finish"
+        assert f.task("n1")[0].step == "finish"
         f.down("n1")
         f.drive()
     mig = f.mig()
@@ -358,7 +372,7 @@ def test_a_damaged_step_end_counts_as_lost_and_the_migration_goes_on(fleet, raw)
     f = fleet
     submit(f)
     f.drive()
-    f.c.put(m.keys_of(K, "mv")["steps"] + "receive", raw)
+    f.c.put(K.step_end("mv", "receive"), raw)
     f.drive()
     mig = f.mig()
     assert mig.done[-1].status == "lost" and "damaged" in mig.done[-1].error

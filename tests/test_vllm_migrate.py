@@ -130,8 +130,9 @@ class Sender(threading.Thread):
         so that several send at once however long their reads took."""
         super().__init__(daemon=True)
         from ckpt_controller.adapters.vllm.follow import FollowingVllm
+        from ckpt_controller.fleet.registry import Resolver
 
-        self.client = FollowingVllm("v0", etcd=url, follow_for_s=240)
+        self.client = FollowingVllm("v0", Resolver(url), follow_for_s=240)
         self.prompt, self.tokens = prompt, tokens
         self.text: str | None = None
         self.error: BaseException | None = None
@@ -152,8 +153,8 @@ class Sender(threading.Thread):
 @pytest.mark.fleet
 @pytest.mark.skipif(_vllm_reason is not None, reason=_vllm_reason or "")
 def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama):
-    from ckpt_controller.adapters.vllm.follow import published_http
     from ckpt_controller.fleet.keys import Keys
+    from ckpt_controller.fleet.registry import engine_endpoint
 
     pair = VllmPair(tmp_path, tiny_llama, "shared")
     try:
@@ -163,7 +164,7 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
         assert rec["pid"] == eng.info["pid"]  # the launcher's host PID: the whole tree
         print(f"\nregistry before: {rec['endpoints']}")
         with pair.etcd.client() as c:
-            n1_url = published_http(c, Keys("/ckpt"), "v0")
+            n1_url = engine_endpoint(c, Keys("/ckpt"), "v0", "http")
         assert n1_url == f"http://{pair.addr['n1']}:{HTTP_PORT}"
         n1_addr = (pair.addr["n1"], HTTP_PORT)
         # the answers of an engine that never moved, the four sent together as below
@@ -258,7 +259,7 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
                          what="v0 RUNNING on n2 in the registry")
         print(f"registry after: {rec['endpoints']}")
         with pair.etcd.client() as c:
-            assert published_http(c, Keys("/ckpt"), "v0") == n2_url
+            assert engine_endpoint(c, Keys("/ckpt"), "v0", "http") == n2_url
         # exactly one launcher runs, in n2's network namespace; the status names its host PID
         live = wait_until(lambda: len(got := pair.live_tree()) == 1 and got, timeout_s=30,
                           what="exactly one vLLM launcher running")

@@ -16,7 +16,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ckpt_controller import __version__
 from ckpt_controller.cli import (
     agent_cmds,
     completion,
@@ -35,6 +34,7 @@ from ckpt_controller.cli.common import (
 )
 from ckpt_controller.endpoints import default_controller_endpoint
 from ckpt_controller.errors import CkptError
+from ckpt_controller.version import __version__
 
 __all__ = ["build_parser", "human_bytes", "main", "parse_bytes"]
 
@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys_cmd.add_parser(sub)
     fleet_cmd.add_parser(sub)
     completion.add_parser(sub)
+    parser.set_defaults(root_parser=parser)  # what ``completion`` walks
     return parser
 
 

@@ -8,7 +8,8 @@ them (``--drain wait|abort|keep``); a positional with choices (``completion bash
 offered as words. The scripts hold the tables and a small function that walks the words typed
 so far through them; a flag's value without choices completes as a file name. The bash
 function reads its tables with defaults (``${t[k]-}``): it works in a shell with ``set -u``.
-Neighbours: ``cli`` (``build_parser``), ``cli.common`` (exit codes).
+Neighbours: ``cli`` (``build_parser``, which hands this its parser), ``cli.common`` (exit
+codes).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import argparse
 import shlex
 from dataclasses import dataclass, field
 
-from ckpt_controller import __version__
+from ckpt_controller.version import __version__
 
 SHELLS = ("bash", "zsh")
 
@@ -38,9 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ckpt_controller.cli import build_parser
-
-    tree = walk(build_parser(), "ckptctl")
+    tree = walk(args.root_parser, "ckptctl")  # the whole command line, as ``cli`` built it
     print(bash_script(tree) if args.shell == "bash" else zsh_script(tree), end="")
     return 0
 

@@ -185,7 +185,7 @@ def _client(args: argparse.Namespace, **kw):
 
 def _serve(args: argparse.Namespace) -> int:
     from ckpt_controller.controller.config import load_config
-    from ckpt_controller.controller.server import serve
+    from ckpt_controller.serve import serve
     from ckpt_controller.sdnotify import Notifier
 
     notifier = Notifier.from_env()  # taken out of the environment: hooks do not inherit it

@@ -129,8 +129,9 @@ def _connect(args: argparse.Namespace):
     if args.api is not None:
         return EngineClient(args.api)
     from ckpt_controller.cli.fleet_cmd import client
+    from ckpt_controller.fleet.registry import Resolver
 
-    return EngineClient.for_engine(args.engine, etcd=client(args), prefix=args.etcd_prefix)
+    return EngineClient.for_engine(args.engine, Resolver(client(args), prefix=args.etcd_prefix))
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -1,13 +1,15 @@
-"""``ckptctl serve``: the controller's socket in front of ``service.Controller``.
+"""The controller's socket in front of ``service.Controller`` (what ``ckptctl serve`` runs,
+composed with the fleet in ``ckpt_controller.serve``).
 
 Serves handshake, status, operation, history, heartbeat and subscribe (``watch``: every
 journal record as it is written, plus heartbeats). Operations run on their own threads; status
 and history queries on the server's bounded workers (``RpcServer.offload``: a burst of them is
 shed with ``OverloadedError``); all answer through the outbox, so the control thread never
-blocks. On start it binds its endpoint and the optional Prometheus endpoint, reconciles
-operations a previous controller left unfinished, then serves and starts the ``monitor`` that
-keeps its engine gauges current. Neighbours:
-``rpcserver`` (socket loop), ``service``, ``metrics``, ``monitor``.
+blocks. It binds its endpoint and the optional Prometheus endpoint (``bind``), then serves
+and starts the ``monitor`` that keeps its engine gauges current (``start``); recovering what a
+previous controller left unfinished comes between the two (``ckpt_controller.serve``).
+Neighbours: ``rpcserver`` (socket loop), ``service``, ``metrics``, ``monitor``; above,
+``ckpt_controller.serve`` (the process: this server, recovery, the fleet).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.metrics import Metrics, MetricsServer
 from ckpt_controller.controller.monitor import EngineMonitor
 from ckpt_controller.controller.service import Controller
-from ckpt_controller.procutil import StopSignals
 from ckpt_controller.rpcserver import RpcServer
 from ckpt_controller.security import CurveServer
 
@@ -73,7 +74,6 @@ class ControllerServer(RpcServer):
         self.controller.on_roster.append(self._roster_changed)
         self.metrics_server: MetricsServer | None = None
         self.monitor: EngineMonitor | None = None  # follows heartbeats for the engine gauges
-        self.fleet = None  # with [fleet]: the node's registration in etcd (fleet.node)
         #: records are being sent lazily (``RECORDS_DELAY_S``): operations run
         self._records_lazy = False
 
@@ -105,28 +105,9 @@ class ControllerServer(RpcServer):
         self.controller.start_reconciler()
         if self.config.metrics_port is not None:
             self.monitor = EngineMonitor(self.config, self.metrics).start()
-        self.attach_fleet()
-        if self.fleet is not None:
-            self.fleet.start()
         return self
 
-    def attach_fleet(self) -> None:
-        """For a node with [fleet]: its ``FleetNode`` and the controller's guard, made (not
-        started: nothing here waits for etcd) before recovery runs, so that a restore that
-        recovery finishes asks the guard too (an engine adopted by a migration is resumed
-        only while etcd names this node its owner). The fleet layer is loaded only here."""
-        if self.config.fleet is None or self.fleet is not None:
-            return
-        from ckpt_controller.fleet.guard import FleetGuard
-        from ckpt_controller.fleet.node import FleetNode
-
-        self.fleet = FleetNode(self.config, self.controller.status, self.controller.last_op,
-                               self.controller.start, controller=self.controller)
-        self.controller.guard = FleetGuard(self.fleet)
-
     def close(self) -> None:
-        if self.fleet is not None:
-            self.fleet.close()
         super().close()
         if self.metrics_server is not None:
             self.metrics_server.close()
@@ -176,39 +157,6 @@ class ControllerServer(RpcServer):
             self.controller.status_names(cmd.engines)  # unknown names: a UsageError now
             self.offload(identity, call_id, "STATUS",
                          lambda: self.controller.status(cmd.engines))
-
-
-def serve(config: ControllerConfig, ready=None, notifier=None) -> None:
-    """Run the controller until SIGTERM/SIGINT: reconcile, then serve. ``notifier`` (an
-    ``sdnotify.Notifier``) is told READY=1 once it serves, pinged while its control thread
-    runs, and told STOPPING=1 when it stops."""
-    server = ControllerServer(config)
-    stop = StopSignals()  # from here a SIGTERM waits for the cleanup below
-    try:
-        # bound first: an endpoint or metrics port in use is refused before anything is
-        # touched; served only after recovery: no new operation may touch an engine being
-        # reconciled (requests wait in the socket meanwhile)
-        server.bind()
-        server.attach_fleet()
-        recovered = server.controller.recover()
-        server.start()
-        for result in recovered:
-            log.warning("recovered interrupted operation %s (%s): %s", result.op_id, result.kind,
-                        ", ".join(f"{o.engine} {o.state}" for o in result.engines))
-        if ready is not None:
-            ready({"event": "ready", "endpoint": server.endpoint, "pid": os.getpid(),
-                   "state_dir": str(config.state_dir), "recovered": len(recovered),
-                   "metrics_port": server.metrics_server.port if server.metrics_server else None})
-        if notifier is not None:
-            notifier.ready(f"serving {server.endpoint}: {len(config.engines)} engines, "
-                           f"{len(recovered)} operations recovered",
-                           last_round=lambda: server.last_round,
-                           rounds_within=server.rounds_within)
-        stop.wait()
-    finally:
-        if notifier is not None:
-            notifier.stopping()
-        server.close()
 
 
 def _journaled(records: list[p.JournalRecord]) -> p.EventBody:

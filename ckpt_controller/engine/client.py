@@ -4,13 +4,13 @@
 ``generate`` is the blocking one-request form (raises the engine's typed rejection). Every
 wait has a deadline. ``move_to`` follows an engine to another endpoint (same ZMQ identity;
 every request without an end is sent again, and the engine answers each with its whole output
-so far or its end); ``for_engine`` finds an engine by name in the fleet's registry (etcd) and
-moves when the registry names another endpoint. Until the engine is first heard from,
+so far or its end); ``for_engine`` finds an engine by name through a resolver (the fleet's
+registry gives one: ``fleet.registry.Resolver``) and moves when it names another endpoint. Until the engine is first heard from,
 ``contact.FirstContact`` watches the connection, so a missing socket file or a refused port
 is an ``UnreachableError`` within about a second; token ids, counts and timeouts are checked (``values``) before anything is
 sent. Neighbours: ``api`` (messages), ``load`` (many requests at a rate), ``contact``,
-``values`` (the limits), ``endpoints`` (endpoint checks), ``fleet.registry`` (the engine's
-published endpoint; imported by ``for_engine`` only).
+``values`` (the limits), ``endpoints`` (endpoint checks); ``fleet.registry`` supplies the
+resolver (this module knows nothing of etcd).
 """
 
 from __future__ import annotations
@@ -19,24 +19,18 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import zmq
 
 from ckpt_controller.contact import FirstContact
-from ckpt_controller.endpoints import check_endpoint
+from ckpt_controller.endpoints import Resolve, check_endpoint
 from ckpt_controller.engine import api
 from ckpt_controller.errors import (CkptError, ConfigError, DeadlineError, OperationError,
                                     UnreachableError)
 from ckpt_controller.values import COUNT, DURATION, TOKEN_ID, check, check_optional
 from ckpt_controller.vocab import FinishReason
-
-if TYPE_CHECKING:
-    from ckpt_controller.fleet.etcd import Etcd
-
 
 #: outputs queued in this client before the engine's own queue takes over
 RCV_HWM = 1_000_000
@@ -118,40 +112,25 @@ class EngineClient:
         self._lookup_failed: str | None = None  # said once until it changes
 
     @classmethod
-    def for_engine(cls, name: str, *, etcd: "str | Sequence[str] | Etcd", prefix: str = "/ckpt",
-                   ca_cert: Path | None = None, cert: Path | None = None,
-                   key: Path | None = None, timeout_s: float | None = None,
-                   **kwargs) -> "EngineClient":
-        """A client of the engine ``name`` wherever the fleet's registry says it is: the
-        ``api`` endpoint that ``<prefix>/engines/<name>`` publishes, looked up again when the
-        engine is silent while requests wait (``follow_after_s``), and followed when it names
-        another. ``etcd``: client URLs (a comma-separated string or a list), or an
-        ``fleet.etcd.Etcd`` (this client closes it); ``ca_cert``, ``cert``, ``key``: TLS;
-        ``timeout_s``: per etcd member and request. Raises
-        ``UsageError`` (not in the registry, no api endpoint published), ``ProtocolError``
-        (an unreadable record), ``UnreachableError`` (etcd unavailable: exit 4)."""
+    def for_engine(cls, name: str, resolve: Resolve, **kwargs) -> "EngineClient":
+        """A client of the engine ``name`` wherever ``resolve`` says it is (its ``api``
+        endpoint), asked again when the engine is silent while requests wait
+        (``follow_after_s``), and followed when it names another. The client closes
+        ``resolve`` with itself, also when it cannot be made. For the fleet's registry:
+        ``EngineClient.for_engine("llama-a", Resolver("http://10.0.0.5:2379"))`` with
+        ``fleet.registry.Resolver``, whose errors it raises: ``UsageError`` (not in the
+        registry, no api endpoint published), ``DamagedRecordError`` (an unreadable record),
+        ``UnreachableError`` (etcd unavailable: exit 4)."""
         from ckpt_controller.endpoints import check_name
-        from ckpt_controller.fleet import registry  # the fleet layer: on this path only
-        from ckpt_controller.fleet.etcd import Etcd
-        from ckpt_controller.fleet.keys import Keys
 
-        check_name(name)
-        if isinstance(etcd, Etcd):
-            store = etcd
-        else:
-            urls = [u.strip() for u in etcd.split(",")] if isinstance(etcd, str) else list(etcd)
-            extra = {} if timeout_s is None else {"timeout_s": timeout_s}
-            store = Etcd([u for u in urls if u], ca_cert=ca_cert, cert=cert, key=key, **extra)
-        keys = Keys(prefix)
         try:
-            client = cls(registry.engine_endpoint(store, keys, name, "api"),
-                         locate=lambda: registry.engine_endpoint(store, keys, name, "api"),
-                         **kwargs)
+            check_name(name)
+            client = cls(resolve(name, "api"), locate=lambda: resolve(name, "api"), **kwargs)
         except BaseException:  # policy: nothing half made is left open; the error goes on
-            store.close()
+            resolve.close()
             raise
         client.engine = name
-        client._on_close.append(store.close)
+        client._on_close.append(resolve.close)
         return client
 
     def _socket(self) -> zmq.Socket:

@@ -7,7 +7,8 @@ get, range by prefix, put, delete, transactions, and leases (grant, keep-alive, 
 call that cannot reach a member (refused, timed out, a 5xx such as "no leader") goes on to
 the next member; when none answers it raises ``UnreachableError`` (exit 4, retryable) naming
 the URLs. An answer etcd gives (a failed compare, an unknown lease) is not an error here: the
-caller reads it. Neighbours: ``node`` and ``registry`` (its users), ``keys`` (what is stored).
+caller reads it; an error etcd answers with is an ``EtcdRefusedError``. Neighbours: ``node``,
+``coordinator`` and ``registry`` (its users), ``keys`` and ``records`` (what is stored).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ckpt_controller.errors import UnreachableError, UsageError
+from ckpt_controller.errors import EtcdRefusedError, UnreachableError, UsageError
 
 log = logging.getLogger("ckpt_controller.fleet")
 
@@ -142,7 +143,7 @@ class Etcd:
 
     def _each(self, what: str, fn: Callable[[Any], Any]) -> Any:
         """``fn(member client)`` on the first member that answers; raises
-        ``UnreachableError`` when none does, ``EtcdRefused`` for an answer that is an error."""
+        ``UnreachableError`` when none does, ``EtcdRefusedError`` for an answer that is an error."""
         from etcd3gw import exceptions as ex
 
         with self._lock:
@@ -162,7 +163,7 @@ class Etcd:
                                   f"{(err.args or ('?',))[0]!r})")
                     continue
                 # policy: etcd answered, with an error
-                raise EtcdRefused(f"etcd refused {what}: {_said(err)}", etcd=self.urls[index],
+                raise EtcdRefusedError(f"etcd refused {what}: {_said(err)}", etcd=self.urls[index],
                                   said=_said(err)) from None
             with self._lock:
                 self._current = index
@@ -272,7 +273,7 @@ class Etcd:
 
         try:
             self._each("lease revoke", lambda m: Lease(lease, m).revoke())
-        except EtcdRefused as err:  # policy: a lease already gone is what revoke wanted
+        except EtcdRefusedError as err:  # policy: a lease already gone is what revoke wanted
             if "lease not found" not in err.message:
                 raise
 
@@ -301,10 +302,6 @@ def _why_down(err: Exception) -> str:
     if "timed out" in text.lower() or "Timeout" in type(err).__name__:
         return "timed out"
     return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
-
-
-class EtcdRefused(UsageError):
-    """etcd answered a request with an error (not a member being down)."""
 
 
 def _said(err: Exception) -> str:

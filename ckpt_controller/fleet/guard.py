@@ -6,8 +6,9 @@ run (one operation per engine across the fleet), and keeps ``unavailable`` true 
 prepare or cycle adds its engines; an engine RUNNING at the end is taken out again, one left
 out of service stays), so fleet operations count it against ``--max-unavailable``. A fleet
 operation's own part is skipped: the coordinator took its lock and its place when it started
-it. Neighbours: ``node`` (the lease, whether etcd answers, the parts running here), ``ops``
-(``unavailable``), the controller's ``service`` (calls ``hold`` and ``free``).
+it. Neighbours: ``node`` (the lease, whether etcd answers, the parts running here),
+``unavailable``, ``kinds`` (which kinds take engines out), the controller's ``service``
+(calls ``hold``, ``before_resume`` and ``free``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ import logging
 
 from ckpt_controller.errors import BusyError, CkptError
 from ckpt_controller.fleet import etcd as e
-from ckpt_controller.fleet import ops as fops
+from ckpt_controller.fleet import unavailable
+from ckpt_controller.fleet.kinds import spec
 from ckpt_controller.fleet.node import FleetNode
+from ckpt_controller.vocab import CheckpointState, OperationKind
 
 log = logging.getLogger("ckpt_controller.fleet")
+
+#: node-local operations that bring an engine back into service, whoever took it out
+BRINGS_BACK = frozenset({OperationKind.RESTORE, OperationKind.ROLLBACK})
 
 
 class FleetGuard:
@@ -53,8 +59,8 @@ class FleetGuard:
                     raise BusyError(f"engine {engine} is held by operation {holder} (its lock "
                                     "in etcd)", engine=engine, holder=holder)
                 taken.append(engine)
-            if kind in fops.TAKES_OUT:
-                fops.update_unavailable(n.etcd, n.keys, lambda cur: {
+            if spec(kind).takes_out:
+                unavailable.update(n.etcd, n.keys, lambda cur: {
                     **{x: op_id for x in engines if x not in cur}, **cur})
         except BusyError:
             self._unlock(op_id, taken)
@@ -81,15 +87,15 @@ class FleetGuard:
                 if engine not in states:
                     if cur.get(engine) == op_id:  # refused before it began
                         cur.pop(engine)
-                elif states[engine] == "running":
-                    if kind in ("restore", "rollback") or cur.get(engine) == op_id:
+                elif states[engine] == CheckpointState.RUNNING:
+                    if kind in BRINGS_BACK or cur.get(engine) == op_id:
                         cur.pop(engine, None)
                 else:
                     cur.setdefault(engine, op_id)
             return cur
 
         try:
-            fops.update_unavailable(n.etcd, n.keys, change)
+            unavailable.update(n.etcd, n.keys, change)
             self._unlock(op_id, engines)
         except CkptError as err:  # policy: the lock goes with the lease; logged
             log.warning("fleet: could not free %s's fleet locks: %s", op_id, err)

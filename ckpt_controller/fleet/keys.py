@@ -1,6 +1,4 @@
-"""Where the fleet lives in etcd, and what is stored there (JSON, msgspec Structs).
-
-Under the configured prefix (default ``/ckpt``):
+"""Where the fleet lives in etcd: every key, under one prefix (default ``/ckpt``).
 
 - ``nodes/<node>``: a ``NodeRecord``, under the node controller's lease: present while the
   node is alive (it keeps the lease alive), gone within the lease's TTL after it dies, at once
@@ -15,115 +13,20 @@ Under the configured prefix (default ``/ckpt``):
   node's lease: one operation per engine across the fleet.
 - ``unavailable``: the engines out of service, fleet-wide, each with the operation that took
   it out (``{"engine": "op id"}``), changed only by transactions that check its revision:
-  what ``--max-unavailable`` counts.
+  what ``--max-unavailable`` counts (``unavailable``).
 - ``ops/<op>``: a fleet operation (``FleetOp``); ``parts/<op>/<engine>``: its part on one
-  engine (``Part``); ``todo/<node>/<op>/<engine>``: a started part, in its node's inbox until
-  the node has written its result.
+  engine (``Part``); ``todo/<node>/<op>/<engine>``: a started part or migration step
+  (``Task``), in its node's inbox until the node has written its end.
 - ``coordinator``: the node that drives the fleet operations, under that node's lease.
+- ``migrations/<op>``: a migration (``Migration``); ``migration-steps/<op>/<step>``: a step's
+  end (``StepEnd``); ``migration-images/<op>/<n>``: the image's small files while it runs;
+  ``moving/<engine>``: the migration whose target may take the engine over.
 
-The shapes are kept plain (strings, numbers, string maps), so that an operator on the same
-data (kopf, say) can read them. Neighbours: ``node`` (writes), ``registry`` (reads).
+The records stored there are in ``records``. Neighbours: ``records``, ``node`` (writes),
+``registry`` (reads), ``coordinator``.
 """
 
 from __future__ import annotations
-
-import msgspec
-
-#: the version of the records' shape; a reader refuses a newer one
-SCHEMA = 1
-
-
-class NodeRecord(msgspec.Struct, kw_only=True):
-    schema: int = SCHEMA
-    node: str
-    #: the node controller's endpoint (its own clients, e.g. ``ckptctl --controller``)
-    controller: str
-    pid: int
-    host: str
-    #: wall time the controller registered (this lease)
-    started: float
-    version: str
-    lease: int
-
-
-class EngineRecord(msgspec.Struct, kw_only=True):
-    schema: int = SCHEMA
-    engine: str
-    node: str
-    #: the agent's state; None when the node could not reach the agent (``reachable``)
-    state: str | None
-    generation: int | None = None
-    #: the operation that holds the engine now, if any
-    holder: str | None = None
-    #: the last operation that held it (this one while it runs)
-    last_op: str | None = None
-    labels: dict[str, str] = {}
-    #: where the engine is reached: ``control`` (its agent)
-    endpoints: dict[str, str] = {}
-    reachable: bool = True
-    pid: int | None = None
-    #: wall time the engine entered its state (its agent's last transition), if known
-    since: float | None = None
-    #: wall time the node wrote this record
-    updated: float = 0.0
-
-    def content(self) -> tuple:
-        """What a change is: everything but ``updated``."""
-        return (self.state, self.generation, self.holder, self.last_op,
-                tuple(sorted(self.labels.items())), tuple(sorted(self.endpoints.items())),
-                self.reachable, self.pid, self.since, self.node)
-
-
-#: a node-local operation's parameter as etcd holds it: a scalar, or a list of tags. Typed so
-#: that a value nested without end is refused at its second level (an untyped one was decoded
-#: to Python's recursion limit and stopped every fleet operation)
-Param = str | int | float | bool | None | list[str]
-
-
-class FleetOp(msgspec.Struct, kw_only=True):
-    schema: int = SCHEMA
-    op_id: str
-    kind: str
-    engines: list[str]
-    #: the node-local operation's parameters (``OperationCommand`` fields)
-    params: dict[str, Param] = {}
-    max_unavailable: int
-    created: float
-    #: running, succeeded or failed
-    status: str = "running"
-    error: str | None = None
-    ended: float | None = None
-
-
-class Part(msgspec.Struct, kw_only=True):
-    """One engine's part of a fleet operation: pending, started (in its node's inbox), then
-    succeeded, failed, lost (its node died while it ran) or skipped (never started: the
-    operation stopped at a failure)."""
-
-    engine: str
-    node: str
-    status: str = "pending"
-    #: the node-local operation's id: the same on every try, so it runs at most once
-    local_op: str
-    state: str | None = None
-    error: str | None = None
-    started: float | None = None
-    ended: float | None = None
-    #: whether ``unavailable`` has been brought up to date after the part ended
-    settled: bool = False
-
-
-_node_dec = msgspec.json.Decoder(NodeRecord)
-_engine_dec = msgspec.json.Decoder(EngineRecord)
-encode = msgspec.json.encode
-
-
-def decode_node(raw: bytes) -> NodeRecord:
-    return _node_dec.decode(raw)
-
-
-def decode_engine(raw: bytes) -> EngineRecord:
-    return _engine_dec.decode(raw)
 
 
 class Keys:
@@ -134,6 +37,12 @@ class Keys:
         self.nodes = f"{self.prefix}/nodes/"
         self.owners = f"{self.prefix}/owners/"
         self.engines = f"{self.prefix}/engines/"
+        self.ops = f"{self.prefix}/ops/"
+        #: every migration record (a range read of it gets the records only: the steps and
+        #: images live under other prefixes)
+        self.migrations = f"{self.prefix}/migrations/"
+        self.unavailable = f"{self.prefix}/unavailable"
+        self.coordinator = f"{self.prefix}/coordinator"
 
     def node(self, name: str) -> str:
         return self.nodes + name
@@ -144,23 +53,11 @@ class Keys:
     def engine(self, engine: str) -> str:
         return self.engines + engine
 
-    @property
-    def unavailable(self) -> str:
-        return f"{self.prefix}/unavailable"
-
-    @property
-    def coordinator(self) -> str:
-        return f"{self.prefix}/coordinator"
-
     def lock(self, engine: str) -> str:
         return f"{self.prefix}/locks/{engine}"
 
     def op(self, op_id: str) -> str:
-        return f"{self.prefix}/ops/{op_id}"
-
-    @property
-    def ops(self) -> str:
-        return f"{self.prefix}/ops/"
+        return self.ops + op_id
 
     def parts(self, op_id: str) -> str:
         return f"{self.prefix}/parts/{op_id}/"
@@ -173,3 +70,30 @@ class Keys:
 
     def todo(self, node: str, op_id: str, engine: str) -> str:
         return f"{self.prefix}/todo/{node}/{op_id}/{engine}"
+
+    def migration(self, op_id: str) -> str:
+        return self.migrations + op_id
+
+    def step_ends(self, op_id: str) -> str:
+        return f"{self.prefix}/migration-steps/{op_id}/"
+
+    def step_end(self, op_id: str, step: str) -> str:
+        return self.step_ends(op_id) + step
+
+    def images(self, op_id: str) -> str:
+        """The prefix of a migration's small image files (``<n>``: their chunks in order)."""
+        return f"{self.prefix}/migration-images/{op_id}/"
+
+    def moving(self, engine: str) -> str:
+        """``moving/<engine>``: the migration whose target may take the engine over."""
+        return f"{self.prefix}/moving/{engine}"
+
+    def watched_by_coordinator(self) -> list[tuple[str, str]]:
+        """The key ranges ``[start, end)`` whose changes may give the coordinator work: the
+        operations and their parts (``ops/`` up to the end of ``parts/``), the migrations
+        and the ends of their steps (``migration*``)."""
+        from ckpt_controller.fleet.etcd import prefix_end
+
+        migration = f"{self.prefix}/migration"
+        return [(self.ops, prefix_end(f"{self.prefix}/parts/")),
+                (migration, prefix_end(migration))]

@@ -25,16 +25,20 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 
-import msgspec
-
-from ckpt_controller import __version__
 from ckpt_controller.controller.config import ControllerConfig
-from ckpt_controller.errors import CkptError
+from ckpt_controller.errors import CkptError, DamagedRecordError, NodeNameTakenError
 from ckpt_controller.fleet import etcd as e
-from ckpt_controller.fleet import ops as fops
-from ckpt_controller.fleet.keys import EngineRecord, Keys, NodeRecord, encode
+from ckpt_controller.fleet import records as r
+from ckpt_controller.fleet import unavailable
+from ckpt_controller.fleet.coordinator import Coordinator
+from ckpt_controller.fleet.drivers import node_runners
+from ckpt_controller.fleet.keys import Keys
+from ckpt_controller.fleet.kinds import KINDS, Drive
+from ckpt_controller.fleet.migration.record import local_ids
+from ckpt_controller.fleet.records import EngineRecord, NodeRecord, encode
+from ckpt_controller.version import __version__
+from ckpt_controller.vocab import CheckpointState
 
 log = logging.getLogger("ckpt_controller.fleet")
 
@@ -73,15 +77,18 @@ def reachable_at(endpoint: str, address: str) -> str:
 
 
 class FleetNode:
-    def __init__(self, config: ControllerConfig, status: Callable[[list[str]], object],
-                 last_op: Callable[[str], str | None] = lambda name: None,
-                 start: Callable | None = None, controller=None) -> None:
+    """A node controller's registration in etcd and its part of the fleet's work, beside
+    ``controller`` (the node's ``service.Controller``: its engines' status and last
+    operations, the node-local operations the fleet runs here, adoptions and give-aways)."""
+
+    def __init__(self, config: ControllerConfig, controller) -> None:
         assert config.fleet is not None
         self.config = config
         self.fleet = config.fleet
         self.keys = Keys(self.fleet.prefix)
-        self._status = status
-        self._last_op_of = last_op
+        self.controller = controller
+        self._status = controller.status
+        self._last_op_of = controller.last_op
         self.etcd = e.Etcd(self.fleet.etcd, ca_cert=self.fleet.ca_cert, cert=self.fleet.cert,
                            key=self.fleet.key)
         self.lease: int | None = None
@@ -102,20 +109,16 @@ class FleetNode:
         self._thread: threading.Thread | None = None
         self.available = False  # whether the last round reached etcd
         self.rounds = 0
-        #: runs a node-local operation: ``start(OperationCommand, done)`` (the controller's)
-        self._start_local = start
-        #: parts of fleet operations running here: local op id -> (task, its inbox revision)
-        self._running: dict[str, tuple] = {}
+        #: tasks of fleet operations running here: local op id -> the task
+        self._running: dict[str, r.Task] = {}
         self._running_lock = threading.Lock()
-        self.coordinator = fops.Coordinator(self.etcd, self.keys)
+        self.coordinator = Coordinator(self.etcd, self.keys)
         self.is_coordinator = False
-        #: runs the migration steps this node's inbox holds (``migration``): with the
-        #: controller, which it asks to adopt and give away engines
-        self.migration = None
-        if controller is not None:
-            from ckpt_controller.fleet.migration import NodeMigration
-
-            self.migration = NodeMigration(self, controller)
+        #: what runs the tasks in this node's inbox, by ``kinds.Drive`` (with the
+        #: controller, which runs parts and adopts and gives away migrating engines)
+        self.runners = node_runners(self, controller)
+        #: the migration steps' runner (``migration.steps.NodeMigration``), if any
+        self.migration = self.runners.get(Drive.STEPS)
         #: what the watches saw change since it was last looked at (the rounds look at each
         #: anyway every ``SAFETY_S``, in case a watch missed something)
         self._woken = {"inbox": True, "ops": True, "coordinator": True}
@@ -180,12 +183,12 @@ class FleetNode:
                     log.info("fleet: node %s registered in etcd (%s)", self.fleet.node,
                              ", ".join(self.fleet.etcd))
                 self.available = True
-            except NodeNameTaken:  # policy: said once by register; tried again each round
+            except NodeNameTakenError:  # policy: said once by register; tried each round
                 self.available = False
                 self.rounds += 1
-            except fops.DamagedRecord as err:  # policy: etcd answers; the record does not
+            except DamagedRecordError as err:  # policy: etcd answers; the record does not
                 if not self._said_damaged:
-                    log.error("fleet: %s", err)
+                    log.error("fleet: %s", err.message)
                     self._said_damaged = True
             except CkptError as err:  # policy: etcd down: the node goes on; tried again
                 if self.available or self.rounds == 0:
@@ -206,11 +209,8 @@ class FleetNode:
 
         inbox = self.keys.inbox(self.fleet.node)
         ranges = [("inbox", inbox, prefix_end(inbox))]
-        if self.fleet.coordinator:  # ops/ ... parts/ (owners/ between them changes rarely)
-            ranges.append(("ops", self.keys.ops, prefix_end(f"{self.keys.prefix}/parts/")))
-            # and the migrations: their records and the ends of their steps
-            migrations = f"{self.keys.prefix}/migration"
-            ranges.append(("ops", migrations, prefix_end(migrations)))
+        if self.fleet.coordinator:  # operations, parts, migrations and their steps' ends
+            ranges += [("ops", start, end) for start, end in self.keys.watched_by_coordinator()]
             ranges.append(("coordinator", self.keys.coordinator,
                            self.keys.coordinator + "\x00"))
         for what, start, end in ranges:
@@ -292,8 +292,8 @@ class FleetNode:
                           "is a configuration error; a restarted one waits out its old lease)",
                           self.fleet.node, held.decode(errors="replace")[:300])
                 self._said_taken = True
-            raise NodeNameTaken(f"node name {self.fleet.node} is registered already",
-                                node=self.fleet.node)
+            raise NodeNameTakenError(f"node name {self.fleet.node} is registered already",
+                                     node=self.fleet.node)
         self._said_taken = False
         self.lease = lease
         self._woken = dict.fromkeys(self._woken, True)  # look at everything again
@@ -325,8 +325,7 @@ class FleetNode:
                 self.owned.add(name)
                 self._last_ops.setdefault(name, self._last_op_of(name))
             elif owner is not None:
-                migrated = (self.migration is not None
-                            and self.migration.controller.adopted_by(name) is not None)
+                migrated = self.controller.adopted_by(name) is not None
                 if self._said_conflict.get(name) != owner and not migrated:
                     log.error("fleet: engine %s is registered by node %s; this node does not "
                               "publish it (engine names are unique in the fleet)", name, owner)
@@ -353,13 +352,13 @@ class FleetNode:
     def _back_from_lost(self, views) -> None:
         """An engine whose part was lost with this node counts as out of service until the
         node is back and sees it RUNNING and free: then it counts no more."""
-        out, _ = fops.read_unavailable(self.etcd, self.keys)
+        out, _ = unavailable.read(self.etcd, self.keys)
         back = {v.engine for v in views
-                if out.get(v.engine, "").startswith("lost:") and v.status is not None
-                and v.status.state == "running" and v.holder is None}
+                if unavailable.is_lost(out.get(v.engine, "")) and v.status is not None
+                and v.status.state == CheckpointState.RUNNING and v.holder is None}
         if back:
-            fops.update_unavailable(self.etcd, self.keys, lambda cur: {
-                k: v for k, v in cur.items() if not (k in back and v.startswith("lost:"))})
+            unavailable.update(self.etcd, self.keys, lambda cur: {
+                k: v for k, v in cur.items() if not (k in back and unavailable.is_lost(v))})
             log.info("fleet: %s back in service after a lost part", ", ".join(sorted(back)))
 
     def record(self, view, eng=None) -> EngineRecord:
@@ -389,21 +388,21 @@ class FleetNode:
 
     def _write(self, records: list[EngineRecord]) -> None:
         me = self.fleet.node
-        compare = [e.compare_value(self.keys.owner(r.engine), me) for r in records]
-        puts = [e.put_op(self.keys.engine(r.engine), encode(r)) for r in records]
+        compare = [e.compare_value(self.keys.owner(rec.engine), me) for rec in records]
+        puts = [e.put_op(self.keys.engine(rec.engine), encode(rec)) for rec in records]
         ok, _ = self.etcd.txn(compare, puts)
         if ok:
-            for r in records:
-                self._written[r.engine] = r.content()
+            for rec in records:
+                self._written[rec.engine] = rec.content()
             return
-        for r in records:  # one of them is no longer this node's: find which, one by one
-            ok, _ = self.etcd.txn([e.compare_value(self.keys.owner(r.engine), me)],
-                                  [e.put_op(self.keys.engine(r.engine), encode(r))])
+        for rec in records:  # one of them is no longer this node's: find which, one by one
+            ok, _ = self.etcd.txn([e.compare_value(self.keys.owner(rec.engine), me)],
+                                  [e.put_op(self.keys.engine(rec.engine), encode(rec))])
             if ok:
-                self._written[r.engine] = r.content()
+                self._written[rec.engine] = rec.content()
             else:
-                self.owned.discard(r.engine)  # claimed again next round (or a conflict)
-                self._written.pop(r.engine, None)
+                self.owned.discard(rec.engine)  # claimed again next round (or a conflict)
+                self._written.pop(rec.engine, None)
 
     # ---------------------------------------------------------------- fleet operations
 
@@ -425,102 +424,46 @@ class FleetNode:
         self.is_coordinator = holder == me
 
     def take_parts(self) -> None:
-        """Run the parts in this node's inbox that are not running here yet."""
-        if self._start_local is None:
-            return
-        from ckpt_controller import protocol as p
-
-        inbox = self.keys.inbox(self.fleet.node)
-        for kv in self.etcd.get_prefix(inbox):
+        """Run the tasks in this node's inbox that are not running here yet, each by its
+        kind's runner (``kinds.KINDS[kind].drive``)."""
+        for kv in self.etcd.get_prefix(self.keys.inbox(self.fleet.node)):
             try:
-                task = fops.task_dec.decode(kv.value)
-            except msgspec.DecodeError as err:  # policy: not a task this node can run: said
-                log.error("fleet: %s in the inbox is no task (%s); removed", kv.key, err)
+                task = r.decode(r.Task, kv.value, kv.key)
+            except DamagedRecordError as err:  # policy: not a task this node can run: said
+                log.error("fleet: %s in the inbox is no task (%s); removed", kv.key,
+                          err.message)
                 self.etcd.txn([e.compare_modified(kv.key, kv.mod_revision)],
                               [e.delete_op(kv.key)])
+                continue
+            runner = self.runners.get(KINDS[task.kind].drive)
+            if runner is None:
+                log.error("fleet: %s of %s needs a node controller that runs it", task.kind,
+                          task.engine)
                 continue
             with self._running_lock:
                 if task.local_op in self._running:
                     continue
-                self._running[task.local_op] = (task, kv.create_revision)
-            if task.kind.startswith("migrate-"):
-                if self.migration is None:
-                    log.error("fleet: %s needs a node controller that runs migrations",
-                              task.kind)
-                    continue
-                log.info("fleet: migration %s of %s: %s starts here", task.op_id,
-                         task.engine, task.kind.removeprefix("migrate-"))
-                self.migration.run(task, kv.create_revision, self._migration_step_done)
-                continue
-            try:
-                cmd = msgspec.convert(dict(task.params, call_id=0, op_id=task.local_op,
-                                           kind=task.kind, engines=[task.engine]),
-                                      p.OperationCommand)
-            except msgspec.ValidationError as err:  # policy: a part that cannot run fails
-                self._local_done(task.local_op, CkptError(f"bad parameters: {err}"))
-                continue
-            log.info("fleet: %s of %s for fleet operation %s starts here", task.kind,
-                     task.engine, task.op_id)
-            try:
-                self._start_local(cmd, lambda r, lo=task.local_op: self._local_done(lo, r))
-            except CkptError as err:  # policy: refused at once (busy, bad state): the part's end
-                self._local_done(task.local_op, err)
+                self._running[task.local_op] = task
+            if task.step is not None:
+                log.info("fleet: migration %s of %s: %s starts here", task.op_id, task.engine,
+                         task.step)
+            runner.run(task, kv.create_revision, self._task_done)
+
+    def running_tasks(self) -> list[r.Task]:
+        """The tasks of fleet operations running on this node now."""
+        with self._running_lock:
+            return list(self._running.values())
 
     def is_fleet_part(self, local_op: str) -> bool:
         """Whether ``local_op`` is a fleet operation's part running here, or one of the
         node-local operations of a migration step running here (the coordinator took its
         lock and its place in ``unavailable`` for it)."""
-        from ckpt_controller.fleet.migration import local_ids
+        tasks = self.running_tasks()
+        return any(local_op == t.local_op
+                   or (t.step is not None and local_op in local_ids(t.op_id, t.engine).values())
+                   for t in tasks)
 
-        with self._running_lock:
-            if local_op in self._running:
-                return True
-            return any(local_op in local_ids(t.op_id, t.engine).values()
-                       for t, _ in self._running.values() if t.kind.startswith("migrate-"))
-
-    def _migration_step_done(self, local_op: str) -> None:
+    def _task_done(self, local_op: str) -> None:
         with self._running_lock:
             self._running.pop(local_op, None)
         self.nudge()
-
-    def _local_done(self, local_op: str, result) -> None:
-        with self._running_lock:
-            task, todo_rev = self._running[local_op]
-        try:
-            if isinstance(result, CkptError):
-                state, error = None, f"{result.kind}: {result.message}"
-            else:
-                outcome = next((o for o in result.engines if o.engine == task.engine), None)
-                state = outcome.state if outcome is not None else None
-                error = None if result.status == "succeeded" else (
-                    (outcome.error.message if outcome is not None and outcome.error else None)
-                    or (result.error.message if result.error else result.status))
-            self._part_ended(task, todo_rev, state, error)
-        except CkptError as err:  # policy: etcd away: the inbox still has it; tried again
-            log.warning("fleet: could not write the end of %s's part of %s: %s", task.engine,
-                        task.op_id, err)
-        finally:
-            with self._running_lock:
-                self._running.pop(local_op, None)
-            self.nudge()
-
-    def _part_ended(self, task, todo_rev: int, state, error: str | None) -> None:
-        """One transaction: the part's end written, out of the inbox, the lock freed; only
-        while the inbox still holds the task (a coordinator that found this node lost took it
-        out, and the part is lost then)."""
-        k = self.keys
-        ended = fops.Part(engine=task.engine, node=task.node, local_op=task.local_op,
-                          status="succeeded" if error is None else "failed",
-                          state=str(state) if state is not None else None, error=error,
-                          started=task.started, ended=time.time())
-        todo = k.todo(task.node, task.op_id, task.engine)
-        writes = [e.put_op(k.part(task.op_id, task.engine), encode(ended)), e.delete_op(todo)]
-        ok, _ = self.etcd.txn([e.compare_created(todo, todo_rev),
-                               e.compare_value(k.lock(task.engine), task.local_op)],
-                              writes + [e.delete_op(k.lock(task.engine))])
-        if not ok:  # the lock went with an expired lease (or was never there): not ours
-            self.etcd.txn([e.compare_created(todo, todo_rev)], writes)
-
-
-class NodeNameTaken(CkptError):
-    """Another controller holds this node's name in etcd."""

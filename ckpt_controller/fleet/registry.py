@@ -1,34 +1,34 @@
-"""The fleet as ``ckptctl fleet`` reads it: every node and engine etcd holds, in one view.
+"""The fleet as its readers see it: every node and engine etcd holds in one view, and where
+one engine is reached now.
 
 ``read`` takes one consistent snapshot (two ranges, nodes and engines, at one revision) and
 joins them: an engine whose node has no live record (its lease expired, or it stopped) is
 shown with ``node_up`` false and its last known state. ``engine_endpoint`` reads one engine's
-published endpoint (``EngineClient.for_engine`` follows an engine by name with it).
-Neighbours: ``keys`` (the records), ``etcd`` (the client), ``cli.fleet_cmd`` (the tables and
-JSON), ``engine.client`` (follows an engine).
+published endpoint. ``Resolver`` is what the fleet gives the clients that follow an engine
+by name (``engine.client.EngineClient.for_engine``, ``adapters.vllm.follow.FollowingVllm``):
+they ask it where the engine is, and know nothing of etcd.
+Neighbours: ``records`` (the records), ``etcd`` (the client), ``cli.fleet_cmd`` (the tables
+and JSON), ``engine.client`` and ``adapters.vllm.follow`` (resolver users).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
 import msgspec
 
-from ckpt_controller.errors import ProtocolError, UsageError
-from ckpt_controller.fleet.etcd import Etcd, prefix_end, _b64
-from ckpt_controller.fleet.keys import (
-    SCHEMA,
-    EngineRecord,
-    Keys,
-    NodeRecord,
-    decode_engine,
-    decode_node,
-)
+from ckpt_controller.errors import DamagedRecordError, UsageError
+from ckpt_controller.fleet import records as r
+from ckpt_controller.fleet.etcd import Etcd, _b64, prefix_end
+from ckpt_controller.fleet.keys import Keys
 
 #: the version of ``fleet status --json``'s shape
 VIEW_VERSION = 1
 
 
 class EngineRow(msgspec.Struct, kw_only=True):
-    engine: EngineRecord
+    engine: r.EngineRecord
     node_up: bool
 
 
@@ -36,7 +36,7 @@ class FleetView(msgspec.Struct, kw_only=True):
     version: int = VIEW_VERSION
     #: etcd's revision the view was read at
     revision: int
-    nodes: list[NodeRecord]
+    nodes: list[r.NodeRecord]
     engines: list[EngineRow]
     #: records that could not be read (a newer schema, a damaged value): key -> why
     unreadable: dict[str, str] = {}
@@ -50,51 +50,38 @@ def read(client: Etcd, keys: Keys) -> FleetView:
                                              "range_end": _b64(prefix_end(keys.engines)),
                                              "revision": revision})
     unreadable: dict[str, str] = {}
-    nodes = {rec.node: rec for rec in _readable(client.kvs(nodes_reply), decode_node,
+    nodes = {rec.node: rec for rec in _readable(client.kvs(nodes_reply), r.NodeRecord,
                                                 unreadable)}
     rows = [EngineRow(engine=rec, node_up=rec.node in nodes)
-            for rec in _readable(client.kvs(engines_reply), decode_engine, unreadable)]
-    rows.sort(key=lambda r: (r.engine.node, r.engine.engine))
+            for rec in _readable(client.kvs(engines_reply), r.EngineRecord, unreadable)]
+    rows.sort(key=lambda row: (row.engine.node, row.engine.engine))
     return FleetView(revision=revision, nodes=sorted(nodes.values(), key=lambda n: n.node),
                      engines=rows, unreadable=unreadable)
 
 
-def _readable(kvs, decode, unreadable: dict[str, str]) -> list:
-    """The records of ``kvs`` that ``decode`` reads and whose schema this ckptctl knows; the
-    others go to ``unreadable`` (key -> why)."""
+def _readable(kvs, kind: type, unreadable: dict[str, str]) -> list:
+    """The records of ``kvs`` that read as ``kind``; the others go to ``unreadable``."""
     out = []
     for kv in kvs:
         try:
-            rec = decode(kv.value)
-        except msgspec.DecodeError as err:  # policy: damaged: listed as unreadable, shown
-            unreadable[kv.key] = str(err)
-            continue
-        if rec.schema > SCHEMA:
-            unreadable[kv.key] = f"schema {rec.schema} is newer than this ckptctl's {SCHEMA}"
-            continue
-        out.append(rec)
+            out.append(r.decode(kind, kv.value, kv.key))
+        except DamagedRecordError as err:  # policy: damaged: listed as unreadable, shown
+            unreadable[kv.key] = err.message
     return out
 
 
 def engine_endpoint(client: Etcd, keys: Keys, engine: str, kind: str = "api") -> str:
-    """The endpoint of ``kind`` (``api``, ``control``) that ``engines/<engine>`` publishes:
-    where the engine is reached now (its owner writes it, the node's ``[fleet] address`` in
-    place of a wildcard host). ``UsageError`` when the engine is not in the registry or
-    publishes no such endpoint, ``ProtocolError`` for a record this ckptctl cannot read,
-    ``UnreachableError`` (exit 4) when etcd is unavailable."""
+    """The endpoint of ``kind`` (``api``, ``control``, ``http``) that ``engines/<engine>``
+    publishes: where the engine is reached now (its owner writes it, the node's ``[fleet]
+    address`` in place of a wildcard host). ``UsageError`` when the engine is not in the
+    registry or publishes no such endpoint, ``DamagedRecordError`` (a ``ProtocolError``) for
+    a record this version cannot read, ``UnreachableError`` (exit 4) when etcd is
+    unavailable."""
     key = keys.engine(engine)
-    kv = client.get(key)
-    if kv is None:
+    rec = r.read(client, key, r.EngineRecord)
+    if rec is None:
         raise UsageError(f"engine {engine} is not in the fleet's registry ({key} is absent)",
                          engine=engine, key=key)
-    try:
-        rec = decode_engine(kv.value)
-    except msgspec.DecodeError as err:  # policy: damaged: said, with the key to look at
-        raise ProtocolError(f"engine {engine}'s record in etcd cannot be read: {err}",
-                            engine=engine, key=key) from None
-    if rec.schema > SCHEMA:
-        raise ProtocolError(f"engine {engine}'s record has schema {rec.schema}, newer than "
-                            f"this ckptctl's {SCHEMA}", engine=engine, key=key)
     endpoint = rec.endpoints.get(kind)
     if not endpoint:
         raise UsageError(f"engine {engine} publishes no {kind} endpoint (it publishes: "
@@ -103,3 +90,32 @@ def engine_endpoint(client: Etcd, keys: Keys, engine: str, kind: str = "api") ->
                          f"no {kind})", engine=engine, node=rec.node, kind=kind,
                          published=sorted(rec.endpoints))
     return endpoint
+
+
+class Resolver:
+    """Where an engine is reached now, by name, from the fleet's registry: a client that
+    follows an engine across migrations calls it (``resolver(engine, kind)``: the endpoint
+    of ``kind``, ``api`` or ``http``) and ``close``s it with itself.
+
+    ``etcd``: client URLs (a comma-separated string or a list), or an ``Etcd`` (closed with
+    the resolver); ``prefix``: the fleet's keys (``[fleet] prefix``); ``ca_cert``, ``cert``,
+    ``key``: TLS; ``timeout_s``: each member's time to answer one read. Errors as
+    ``engine_endpoint``."""
+
+    def __init__(self, etcd: str | Sequence[str] | Etcd, *, prefix: str = "/ckpt",
+                 ca_cert: Path | None = None, cert: Path | None = None,
+                 key: Path | None = None, timeout_s: float | None = None) -> None:
+        if isinstance(etcd, Etcd):
+            self.etcd = etcd
+        else:
+            urls = [u.strip() for u in etcd.split(",")] if isinstance(etcd, str) else list(etcd)
+            extra = {} if timeout_s is None else {"timeout_s": timeout_s}
+            self.etcd = Etcd([u for u in urls if u], ca_cert=ca_cert, cert=cert, key=key,
+                             **extra)
+        self.keys = Keys(prefix)
+
+    def __call__(self, engine: str, kind: str) -> str:
+        return engine_endpoint(self.etcd, self.keys, engine, kind)
+
+    def close(self) -> None:
+        self.etcd.close()

@@ -1,61 +1,44 @@
-"""A vLLM client that follows its engine across a migration, through the fleet's registry.
+"""A vLLM client that follows its engine across a migration, through a resolver (the fleet's
+registry gives one: ``fleet.registry.Resolver``).
 
 A migrated vLLM answers at its new node's address; the HTTP connections open at the dump do
 not move (CRIU restores TCP connections only at the same IP: ``--tcp-established`` fails on
 another node), so a client with a request on such a connection sees it closed when the
 source's stopped copy is ended: no answer, ``EngineError(unreachable=True)`` from ``http``.
-``FollowingVllm`` then looks the engine's ``http`` endpoint up again in the registry and sends
+``FollowingVllm`` then asks its resolver for the engine's ``http`` endpoint again and sends
 the request again there (vLLM has no resend by id: the request runs again from its prompt; a
 greedy one gives the same text).
-Neighbours: ``http`` (each call), ``fleet.registry`` (``engine_endpoint``), ``fleet.etcd``.
+Neighbours: ``http`` (each call); ``fleet.registry`` supplies the resolver (this module knows
+nothing of etcd), ``endpoints.Resolve`` its shape.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from ckpt_controller.adapters.vllm.http import Completion, VllmHttp
+from ckpt_controller.endpoints import Resolve
 from ckpt_controller.errors import CkptError, EngineError
 
 log = logging.getLogger("ckpt_controller.vllm")
-
-def published_http(store, keys, engine: str) -> str:
-    """The engine's ``http`` endpoint from the registry (a wildcard host already replaced by
-    its node's ``[fleet] address``)."""
-    from ckpt_controller.fleet import registry
-
-    return registry.engine_endpoint(store, keys, engine, "http")
-
-
-#: each etcd member's time to answer one registry read: a client waits for an answer rather
-#: than failing fast as ``ckptctl fleet`` does (a busy etcd host took over 1.5 s in CI)
-ETCD_TIMEOUT_S = 5.0
 
 
 class FollowingVllm:
     """Completions from the vLLM engine ``engine`` wherever the registry says it is."""
 
-    def __init__(self, engine: str, *, etcd: "str | Sequence[str]", prefix: str = "/ckpt",
-                 timeout_s: float = 120.0, follow_for_s: float = 180.0,
-                 etcd_timeout_s: float = ETCD_TIMEOUT_S) -> None:
-        """``follow_for_s``: how long a request keeps being sent again while the engine is
-        out of reach (moving) before its last error is raised; ``etcd_timeout_s``: each etcd
-        member's time to answer a registry read."""
-        from ckpt_controller.fleet.etcd import Etcd
-        from ckpt_controller.fleet.keys import Keys
-
-        urls = etcd.split(",") if isinstance(etcd, str) else list(etcd)
-        self.store = Etcd([u for u in urls if u], timeout_s=etcd_timeout_s)
-        self.keys, self.engine = Keys(prefix), engine
+    def __init__(self, engine: str, resolve: Resolve, *, timeout_s: float = 120.0,
+                 follow_for_s: float = 180.0) -> None:
+        """``resolve(engine, "http")``: where the engine is now (closed with this client,
+        also when it cannot be made); ``follow_for_s``: how long a request keeps being sent
+        again while the engine is out of reach (moving) before its last error is raised."""
+        self.resolve, self.engine = resolve, engine
         self.timeout_s, self.follow_for_s = timeout_s, follow_for_s
         try:
-            self.http = VllmHttp(published_http(self.store, self.keys, engine),
-                                 timeout_s=timeout_s)
+            self.http = VllmHttp(resolve(engine, "http"), timeout_s=timeout_s)
         except BaseException:  # policy: nothing half made is left open; raised on
-            self.store.close()
+            resolve.close()
             raise
         #: the URLs this client moved to, in order
         self.moves: list[str] = []
@@ -78,7 +61,7 @@ class FollowingVllm:
 
     def _follow(self) -> None:
         try:
-            url = published_http(self.store, self.keys, self.engine)
+            url = self.resolve(self.engine, "http")
         except CkptError as err:  # policy: the registry out of reach for now: the old URL
             log.warning("cannot look %s up in the registry: %s", self.engine, err)
             return
@@ -91,7 +74,7 @@ class FollowingVllm:
             self.moves.append(url)
 
     def close(self) -> None:
-        self.store.close()
+        self.resolve.close()
 
     def __enter__(self) -> "FollowingVllm":
         return self

@@ -1,0 +1,72 @@
+"""The dumped process tree of a migrating engine, as its nodes see it in ``/proc``.
+
+A dump with ``leave-stopped`` leaves the source's tree stopped (``continue_tree`` lets it go
+on when the engine did not move; ``kill_stopped`` ends it when it did); the criu hooks leave
+the PIDs they dumped and restored in the image folder (``dumped_pid``).
+Neighbours: ``steps`` and ``settle`` (their users), ``hooks/criu-dump`` and
+``hooks/criu-restore`` (which write ``criu-pid``, ``criu-pids``, ``criu-restored-pid``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+
+def kill_stopped(pid) -> bool:
+    """End the dumped tree the source kept stopped (its root: the PID namespace's init)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:  # policy: gone already
+        return False
+
+
+def dumped_pid(folder: Path, name: str = "criu-pid") -> int | None:
+    """The PID the criu-dump hook dumped into ``folder`` (``criu-pid``), or the one the
+    criu-restore hook restored (``criu-restored-pid``), if there is one."""
+    try:
+        return int((folder / name).read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # policy: no dump there
+        return None
+
+
+def continue_tree(folder: Path, pid) -> None:
+    """SIGCONT to every process of the tree a dump with leave-stopped left stopped: the ones
+    the criu-dump hook listed (``criu-pids``), and ``pid``."""
+    pids = set()
+    try:
+        pids.update(int(word) for word in (folder / "criu-pids").read_text().split())
+    except (OSError, ValueError):  # policy: no list (no dump got that far): the root only
+        pass
+    if isinstance(pid, int) and pid > 0:
+        pids.add(pid)
+    for each in sorted(pids):
+        if stopped(each):
+            try:
+                os.kill(each, signal.SIGCONT)
+            except ProcessLookupError:  # policy: ended meanwhile
+                continue
+
+
+def stopped(pid: int) -> bool:
+    """The process exists and is stopped (the state a dump with leave-stopped leaves)."""
+    return _state(pid) in ("T", "t")
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is no zombie."""
+    state = _state(pid)
+    return state is not None and state != "Z"
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter in ``/proc/<pid>/stat`` (None: no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:  # policy: no such process
+        return None
