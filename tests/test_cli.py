@@ -272,11 +272,6 @@ def test_every_flag_has_help_and_every_page_one_exit_code_block():
     assert sorted(a.option_strings[0] for a in hidden) == ["--load", "--load-seconds"]
 
 
-#: flags whose vocabulary choices are still written out by hand: ``cli/fleet_cmd.py`` is being
-#: changed on its own (issue 27); drop the entry once it uses ``word_arg``
-HAND_WRITTEN_CHOICES = {("ckptctl fleet migrate", "--drain")}
-
-
 def test_vocabulary_choices_come_from_the_vocab_enums():
     """A flag that takes a drain mode, an escalation, a level or any other ``vocab`` word
     lists the enum's values (``common.word_arg``) and parses to its member, so a word added to
@@ -294,13 +289,14 @@ def test_vocabulary_choices_come_from_the_vocab_enums():
                 continue
             kind = words.get(frozenset(str(c) for c in action.choices))
             where = (" ".join(page), action.option_strings[-1])
-            if kind is None or where in HAND_WRITTEN_CHOICES:
+            if kind is None:
                 continue
             seen.append(where)
             assert list(action.choices) == [m.value for m in kind], where
             assert all(action.type(str(m.value)) is m for m in kind), where
     assert ("ckptctl prepare", "--drain") in seen and ("ckptctl cycle", "--on-deadline") in seen
     assert ("ckptctl agent prepare", "--level") in seen and ("ckptctl drill", "--drain") in seen
+    assert ("ckptctl fleet migrate", "--drain") in seen
 
 
 def test_drill_takes_load_flag_names_and_old_ones_warn(capsys):
