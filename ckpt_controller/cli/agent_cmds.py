@@ -33,6 +33,7 @@ from ckpt_controller.cli.logsetup import add_log_args, log_args, setup_from_args
 from ckpt_controller.cli.progress import Progress
 from ckpt_controller.cli.output import emit, event_body, result_kind
 from ckpt_controller.errors import UsageError
+from ckpt_controller.vocab import Trigger
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,8 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          **fmt)
     common(sp)
 
-    sp = asub.add_parser("prepare", help="drain requests and release memory (-> PREPARED)",
-                         **fmt)
+    sp = asub.add_parser(Trigger.PREPARE,
+                         help="drain requests and release memory (-> PREPARED)", **fmt)
     common(sp)
     sp.add_argument("--op-id", type=step_op_id,
                     help="operation id; repeating it returns the first result")
@@ -65,15 +66,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--deadline", type=duration, metavar="S",
                     help="overall deadline in seconds (at most a day)")
 
-    for name, text in (("restore", "re-wake, verify and resume (PREPARED/FAILED -> RUNNING)"),
-                       ("rollback", "undo a prepare (PREPARING/PREPARED -> RUNNING)")):
+    for name, text in ((Trigger.RESTORE, "re-wake, verify and resume (PREPARED/FAILED -> "
+                                         "RUNNING)"),
+                       (Trigger.ROLLBACK, "undo a prepare (PREPARING/PREPARED -> RUNNING)")):
         sp = asub.add_parser(name, help=text, **fmt)
         common(sp)
         sp.add_argument("--op-id", type=step_op_id,
                         help="operation id; repeating it returns the first result")
         sp.add_argument("--deadline", type=duration, metavar="S",
                         help="deadline in seconds (at most a day)")
-        if name == "rollback":
+        if name is Trigger.ROLLBACK:
             sp.add_argument("--reason", default="", help="recorded with the transition")
 
     sp = asub.add_parser(
@@ -211,14 +213,14 @@ def _operation(client, args: argparse.Namespace):
         status += (f" --curve-key {shlex.quote(str(args.curve_key))} --curve-server-key "
                    f"{shlex.quote(str(args.curve_server_key))}")
     with goes_on_if_interrupted(op_id, "agent", status):
-        if args.agent_command == "prepare":
+        if args.agent_command == Trigger.PREPARE:
             flags = prepare_flags(args, controller=False)
             return client.prepare(
                 op_id=op_id, drain=flags.drain, drain_timeout_s=flags.drain_timeout_s,
                 on_deadline=flags.on_deadline, level=flags.level, tags=flags.tags,
                 residual_budget_bytes=args.budget, deadline_s=args.deadline,
             )
-        if args.agent_command == "restore":
+        if args.agent_command == Trigger.RESTORE:
             return client.restore(op_id=op_id, deadline_s=args.deadline)
         return client.rollback(op_id=op_id, reason=args.reason, deadline_s=args.deadline)
 

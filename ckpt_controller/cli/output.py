@@ -26,6 +26,8 @@ from typing import Any
 
 import msgspec
 
+from ckpt_controller.vocab import Trigger
+
 #: the shapes' version: it changes only when a field is removed, renamed or changes meaning
 #: (new fields may appear in any version; a reader ignores fields it does not know)
 SCHEMA_VERSION = 1
@@ -172,7 +174,7 @@ def result_kind(result: Any, action: str | None = None) -> str:
     """The kind of a reply's document; ``action`` tells a rollback's ``RestoreReply`` from a
     restore's (``agent-rollback``)."""
     name = type(result).__name__
-    if name == "RestoreReply" and action == "rollback":
+    if name == "RestoreReply" and action == Trigger.ROLLBACK:
         return "agent-rollback"
     return RESULT_KINDS[name]
 

@@ -256,7 +256,7 @@ class Drill:
             hook({CheckpointState.PREPARING: HookPoint.POST_DRAIN,
                   CheckpointState.PREPARED: HookPoint.DUMP,
                   CheckpointState.RESTORING: HookPoint.POST_RESTORE}[fault.where], "sleep 2")
-        elif fault.kind == "kill-engine" and fault.where == "capture":
+        elif fault.kind == "kill-engine" and fault.where == OperationKind.CAPTURE:
             hook(HookPoint.DUMP, 'kill -9 "$CKPT_ENGINE_PID"; sleep 1; exit 1')
         elif fault.kind == "kill-engine":
             target.start(f"{fault.where}:kill")
