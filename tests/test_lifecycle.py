@@ -1,12 +1,18 @@
-"""The transition table: every (state, trigger) pair, legal or not, and what gets recorded."""
+"""The transition table: every (state, trigger) pair, legal or not, and what gets recorded;
+the ``transitions`` machine that holds it (no shortcuts, nothing moved by a refusal, many
+threads at once)."""
 
 from __future__ import annotations
 
-import pytest
+import logging
+import threading
 
+import pytest
+from transitions import Machine
+
+from ckpt_controller import lifecycle, vocab
 from ckpt_controller.clock import Deadline, ManualClock
 from ckpt_controller.errors import InvalidTransitionError, UsageError
-from ckpt_controller import lifecycle, vocab
 from ckpt_controller.lifecycle import TRANSITIONS, Lifecycle
 from ckpt_controller.vocab import CheckpointState, Trigger
 
@@ -130,3 +136,133 @@ def test_the_earlier_of_two_deadlines():
     assert soon.earlier(late) is soon and late.earlier(soon) is soon
     assert never.earlier(late) is late and late.earlier(never) is late
     assert never.earlier(never).at is None
+
+
+# ---------------------------------------------------------------- the machine underneath
+
+
+def test_the_machine_is_transitions_without_shortcuts():
+    """Every move is a ``transitions.Machine``'s, built from the one table with
+    ``auto_transitions=False``: no ``to_<state>()`` on its model, nor on the lifecycle."""
+    lc = Lifecycle()
+    machine, model = lc._machine, lc._model
+    assert isinstance(machine, Machine) and machine.auto_transitions is False
+    assert machine.send_event is False and not machine.ignore_invalid_triggers
+    assert list(machine.states) == [s.value for s in S]  # the wire values
+    assert list(machine.events) == [t.value for t, _, _ in TRANSITIONS]
+    assert not [n for n in dir(model) if n.startswith("to_")]
+    assert not [n for n in dir(lc) if n.startswith("to_") or n in {t.value for t in T}]
+    moves = {(S(src), T(name)): S(tr.dest) for name, ev in machine.events.items()
+             for src, trs in ev.transitions.items() for tr in trs}
+    assert moves == LEGAL  # the machine holds the table, nothing more
+
+
+@pytest.mark.parametrize(("source", "trigger"), sorted(LEGAL))
+def test_every_row_moves_through_the_machine(source, trigger):
+    lc = Lifecycle(initial=source)
+    assert lc._model.state == source.value
+    rec = lc.fire(trigger)
+    assert lc._model.state == LEGAL[(source, trigger)].value  # the machine's model moved
+    assert lc.state is rec.dest is LEGAL[(source, trigger)]
+
+
+@pytest.mark.parametrize("junk", ["explode", "to_running", "trigger", "", "RUNNING", None, 3,
+                                  2.5, ["prepare"], {"trigger": "prepare"}, b"prepare"])
+def test_unknown_and_non_string_triggers_move_nothing(junk):
+    clock = ManualClock()
+    lc = Lifecycle(clock, initial=S.PREPARED, generation=4)
+    seen = []
+    lc.subscribe(seen.append)
+    for call in (lc.fire, lc.check):
+        with pytest.raises(InvalidTransitionError) as info:
+            call(junk)
+        assert info.value.details == {"state": "prepared", "trigger": str(junk),
+                                      "allowed": ["restore", "rollback", "fail"]}
+    assert (lc.state, lc.generation, lc.history, seen) == (S.PREPARED, 4, [], [])
+    assert lc._model.state == "prepared"
+
+
+def test_an_illegal_trigger_moves_nothing_and_check_agrees_with_fire():
+    lc = Lifecycle(initial=S.RESTORING, generation=2)
+    lc.fire(T.RESUME)
+    history = lc.history
+    for trig in T:
+        allowed = trig in lc.allowed()
+        try:
+            assert lc.check(trig) is trig and allowed
+        except InvalidTransitionError:
+            assert not allowed
+    with pytest.raises(InvalidTransitionError, match="cannot seal an engine that is running"):
+        lc.fire(T.SEAL)
+    assert (lc.state, lc.generation, lc.history) == (S.RUNNING, 2, history)
+
+
+def test_history_is_bounded_and_listeners_run_in_order():
+    lc = Lifecycle(history_limit=3)
+    calls = []
+    lc.subscribe(lambda t: calls.append(("a", t.trigger)))
+    lc.subscribe(lambda t: calls.append(("b", t.trigger)))
+    for t in (T.PREPARE, T.SEAL, T.RESTORE, T.RESUME):
+        lc.fire(t)
+    assert [r.trigger for r in lc.history] == [T.SEAL, T.RESTORE, T.RESUME]
+    assert calls[:2] == [("a", T.PREPARE), ("b", T.PREPARE)] and len(calls) == 8
+
+
+def test_a_listener_may_fire_again_under_the_same_lock():
+    lc = Lifecycle()
+
+    def fail_on_seal(t):
+        if t.trigger is T.SEAL:
+            lc.fire(T.FAIL, reason="listener")
+    lc.subscribe(fail_on_seal)
+    lc.fire(T.PREPARE)
+    lc.fire(T.SEAL)
+    assert lc.state is S.FAILED
+    assert [r.trigger for r in lc.history] == [T.PREPARE, T.SEAL, T.FAIL]
+
+
+def test_many_threads_firing_keep_the_state_and_history_consistent():
+    """Threads race to fire whatever the state they see allows: each move is whole (the
+    record's source is the state the previous record left), none is lost or doubled."""
+    lc = Lifecycle(history_limit=100_000)
+    seen = []
+    lc.subscribe(seen.append)
+    errors = []
+
+    def worker(seed: int) -> None:
+        order = (T.PREPARE, T.SEAL, T.RESTORE, T.RESUME, T.ROLLBACK, T.FAIL)
+        for i in range(400):
+            trig = order[(seed + i) % len(order)]
+            if trig is T.FAIL and i % 7:
+                continue
+            try:
+                lc.fire(trig)
+            except InvalidTransitionError:
+                pass  # another thread moved first: the state did not allow it any more
+            except Exception as exc:  # policy: the test reports any other error
+                errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    history = lc.history
+    assert errors == [] and history == seen and len(history) > 8
+    assert history[0].source is S.RUNNING and history[-1].dest is lc.state
+    for before, after in zip(history, history[1:]):
+        assert after.source is before.dest
+        assert LEGAL[(after.source, after.trigger)] is after.dest
+        assert after.generation >= before.generation
+    assert lc._model.state == lc.state.value
+
+
+def test_transitions_logs_nothing_per_move(caplog):
+    """transitions logs each move at INFO and DEBUG; the lifecycle turns that off, so a
+    process logging at DEBUG gets no line of it per move (and pays only the level checks)."""
+    lc = Lifecycle()
+    with caplog.at_level(logging.DEBUG):
+        for t in (T.PREPARE, T.SEAL, T.RESTORE, T.RESUME):
+            lc.fire(t)
+    assert [r for r in caplog.records if r.name.startswith("transitions")] == []
+    assert not logging.getLogger("transitions.core").isEnabledFor(logging.INFO)
