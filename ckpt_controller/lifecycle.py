@@ -13,11 +13,13 @@ trigger costs some microseconds of CPU.
     PREPARING or PREPARED --rollback--> RESTORING (--resume--> RUNNING)
 
 The lifecycle knows no sockets, no torch and no engine: the agent (``ckpt_controller.agent``)
-fires triggers on it and publishes the recorded ``Transition`` values. States come from vLLM's ``CheckpointState``; states and triggers are
+fires triggers on it and publishes the recorded ``Transition`` values (as the protocol's
+``TransitionRecord``). States come from vLLM's ``CheckpointState``; states and triggers are
 spelled once, in ``vocab`` (re-exported here). ``seal`` and ``resume`` share their names with
 the agent's last prepare and restore steps, which fire them.
 
-Neighbours: ``vocab`` (the words), ``agent.operations`` (fires the triggers), ``errors``.
+Neighbours: ``vocab`` (the words), ``agent.operations`` (fires the triggers), ``errors``,
+``protocol`` (``TransitionRecord.of``).
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def machine_config(initial: CheckpointState = S.RUNNING) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Transition:
-    """One recorded move. ``generation`` counts completed cycles after this move."""
+    """One recorded move. ``generation`` counts completed cycles after this move. On the wire
+    it is ``protocol.TransitionRecord`` (same fields; ``TransitionRecord.of`` converts)."""
 
     trigger: Trigger
     source: CheckpointState

@@ -4,16 +4,19 @@ threads at once)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
+import msgspec
 import pytest
 from transitions import Machine
 
 from ckpt_controller import lifecycle, vocab
+from ckpt_controller import protocol as p
 from ckpt_controller.clock import Deadline, ManualClock
 from ckpt_controller.errors import InvalidTransitionError, UsageError
-from ckpt_controller.lifecycle import TRANSITIONS, Lifecycle
+from ckpt_controller.lifecycle import TRANSITIONS, Lifecycle, Transition
 from ckpt_controller.vocab import CheckpointState, Trigger
 
 S, T = CheckpointState, Trigger
@@ -266,3 +269,17 @@ def test_transitions_logs_nothing_per_move(caplog):
             lc.fire(t)
     assert [r for r in caplog.records if r.name.startswith("transitions")] == []
     assert not logging.getLogger("transitions.core").isEnabledFor(logging.INFO)
+
+
+def test_the_wire_record_is_the_lifecycle_record():
+    """``protocol.TransitionRecord`` carries a ``Transition`` field for field, in order; ``of``
+    is the one conversion, and its encoding is what journals and peers read."""
+    assert tuple(f.name for f in dataclasses.fields(Transition)) == \
+        p.TransitionRecord.__struct_fields__
+    lc = Lifecycle(ManualClock())
+    t = lc.fire(T.PREPARE, reason="op 1")
+    wire = p.TransitionRecord.of(t)
+    assert msgspec.structs.asdict(wire) == dataclasses.asdict(t)
+    assert msgspec.msgpack.decode(p.encode(wire)) == {
+        "trigger": "prepare", "source": "running", "dest": "preparing", "generation": 0,
+        "monotonic": t.monotonic, "wall": t.wall, "reason": "op 1"}
