@@ -130,6 +130,10 @@ class Lifecycle:
         self._lock = threading.RLock()
         self._model = _Model()
         self._machine = _Machine(model=self._model, **machine_config(initial))
+        #: state -> the triggers the machine allows in it, in table order (read once: a
+        #: prepare checks before it moves, and get_triggers walks every event)
+        self._allowed = {s: tuple(Trigger(t) for t in self._machine.get_triggers(s.value))
+                         for s in CheckpointState}
         self._generation = generation
         self._restoring_cycle = False  # True while RESTORING came from PREPARED via restore
         self._history: list[Transition] = []
@@ -151,7 +155,7 @@ class Lifecycle:
 
     def allowed(self, state: CheckpointState | None = None) -> list[Trigger]:
         """Triggers allowed in ``state`` (default: the current one), in table order."""
-        return [Trigger(t) for t in self._machine.get_triggers((state or self.state).value)]
+        return list(self._allowed[state or self.state])
 
     def subscribe(self, listener: Callable[[Transition], None]) -> None:
         """Call ``listener(transition)`` after every move (under the lifecycle's lock)."""
@@ -161,7 +165,7 @@ class Lifecycle:
         """Raise ``InvalidTransitionError`` unless ``trigger`` is allowed now; move nothing."""
         source = self.state
         trig = self._known(trigger, source)
-        if trig not in self.allowed(source):
+        if trig not in self._allowed[source]:
             raise self._refusal(trigger, source)
         return trig
 

@@ -158,6 +158,8 @@ def test_the_machine_is_transitions_without_shortcuts():
     moves = {(S(src), T(name)): S(tr.dest) for name, ev in machine.events.items()
              for src, trs in ev.transitions.items() for tr in trs}
     assert moves == LEGAL  # the machine holds the table, nothing more
+    for s in S:  # what the lifecycle allows is what the machine has triggers for
+        assert lc.allowed(s) == [T(t) for t in machine.get_triggers(s.value)]
 
 
 @pytest.mark.parametrize(("source", "trigger"), sorted(LEGAL))
