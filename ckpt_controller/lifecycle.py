@@ -6,7 +6,7 @@ shortcut bypasses the table, and every move is the machine's, under the lifecycl
 unknown or illegal trigger is an ``InvalidTransitionError`` that moves nothing. The machine
 runs lean: ``send_event=False``, no callbacks (the lifecycle records each move and calls its
 listeners itself, after the machine moved), and transitions' own per-move log lines off; a
-trigger costs some microseconds of CPU.
+trigger costs some microseconds of CPU (bench/agent_ops.py ``--micro``).
 
     RUNNING --prepare--> PREPARING --seal--> PREPARED --restore--> RESTORING --resume--> RUNNING
     any state --fail--> FAILED;  FAILED --restore--> RESTORING (recovery)
