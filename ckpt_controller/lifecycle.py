@@ -6,11 +6,13 @@ shortcut bypasses the table, and every move is the machine's, under the lifecycl
 unknown or illegal trigger is an ``InvalidTransitionError`` that moves nothing. The machine
 runs lean: ``send_event=False``, no callbacks (the lifecycle records each move and calls its
 listeners itself, after the machine moved), and transitions' own per-move log lines off; a
-trigger costs some microseconds of CPU (bench/agent_ops.py ``--micro``).
+trigger costs some microseconds of CPU (bench/agent_ops.py ``--micro``). The same table draws
+the lifecycle's diagram (``text_diagram``, ``mermaid_diagram``; ``ckptctl lifecycle``):
 
     RUNNING --prepare--> PREPARING --seal--> PREPARED --restore--> RESTORING --resume--> RUNNING
-    any state --fail--> FAILED;  FAILED --restore--> RESTORING (recovery)
-    PREPARING or PREPARED --rollback--> RESTORING (--resume--> RUNNING)
+       FAILED --restore--> RESTORING
+       PREPARING or PREPARED --rollback--> RESTORING
+       any state --fail--> FAILED
 
 The lifecycle knows no sockets, no torch and no engine: the agent (``ckpt_controller.agent``)
 fires triggers on it and publishes the recorded ``Transition`` values (as the protocol's
@@ -19,7 +21,7 @@ spelled once, in ``vocab`` (re-exported here). ``seal`` and ``resume`` share the
 the agent's last prepare and restore steps, which fire them.
 
 Neighbours: ``vocab`` (the words), ``agent.operations`` (fires the triggers), ``errors``,
-``protocol`` (``TransitionRecord.of``).
+``protocol`` (``TransitionRecord.of``), ``cli.lifecycle_cmd`` (prints the diagrams).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ckpt_controller.vocab import TRANSITIONAL, CheckpointState, Trigger
 
 __all__ = [
     "TRANSITIONAL", "TRANSITIONS", "CheckpointState", "Lifecycle", "Transition", "Trigger",
+    "mermaid_diagram", "text_diagram",
 ]
 
 # transitions logs every move (INFO as a state is left and entered, DEBUG at each stage):
@@ -215,3 +218,39 @@ class Lifecycle:
             allowed=[t.value for t in self.allowed(source)],
         )
 
+
+# ---------------------------------------------------------------- the diagrams
+
+
+def text_diagram() -> str:
+    """The table as plain text: the cycle from RUNNING (each state's first trigger in table
+    order, until a state comes round again), then each other move, a row of the table a line
+    (``any state`` when every state is a source)."""
+    lines, drawn = [], set()
+    state, seen, cycle = S.RUNNING, set(), S.RUNNING.name
+    while state not in seen:
+        seen.add(state)
+        trig, dest = next((t, d) for t, srcs, d in TRANSITIONS if state in srcs)
+        drawn.add((state, trig))
+        cycle += f" --{trig}--> {dest.name}"
+        state = dest
+    lines.append(cycle)
+    for trig, srcs, dest in TRANSITIONS:
+        rest = [s for s in srcs if (s, trig) not in drawn]
+        if rest:
+            who = "any state" if set(rest) == set(S) else " or ".join(s.name for s in rest)
+            lines.append(f"   {who} --{trig}--> {dest.name}")
+    return "\n".join(lines) + "\n"
+
+
+def mermaid_diagram() -> str:
+    """The table as a Mermaid ``stateDiagram-v2``, drawn by transitions' diagrams extension
+    (``GraphMachine``, mermaid engine: no graphviz needed) from the same machine settings;
+    lines without trailing blanks, so the copy in the docs stays byte for byte the same."""
+    # imported here: only ``ckptctl lifecycle --format mermaid`` needs the extension
+    from transitions.extensions.diagrams import GraphMachine
+
+    machine = GraphMachine(model=_Model(), graph_engine="mermaid",
+                           title="ckpt-controller lifecycle", **machine_config())
+    source = machine.get_graph().draw(None)
+    return "\n".join(line.rstrip() for line in source.splitlines()) + "\n"

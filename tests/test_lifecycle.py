@@ -1,12 +1,17 @@
 """The transition table: every (state, trigger) pair, legal or not, and what gets recorded;
 the ``transitions`` machine that holds it (no shortcuts, nothing moved by a refusal, many
-threads at once)."""
+threads at once); ``ckptctl lifecycle``'s diagrams and the docs that show them."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import logging
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -16,10 +21,17 @@ from ckpt_controller import lifecycle, vocab
 from ckpt_controller import protocol as p
 from ckpt_controller.clock import Deadline, ManualClock
 from ckpt_controller.errors import InvalidTransitionError, UsageError
-from ckpt_controller.lifecycle import TRANSITIONS, Lifecycle, Transition
+from ckpt_controller.lifecycle import (
+    TRANSITIONS,
+    Lifecycle,
+    Transition,
+    mermaid_diagram,
+    text_diagram,
+)
 from ckpt_controller.vocab import CheckpointState, Trigger
 
 S, T = CheckpointState, Trigger
+ROOT = Path(__file__).resolve().parent.parent
 
 LEGAL = {
     (S.RUNNING, T.PREPARE): S.PREPARING,
@@ -285,3 +297,81 @@ def test_the_wire_record_is_the_lifecycle_record():
     assert msgspec.msgpack.decode(p.encode(wire)) == {
         "trigger": "prepare", "source": "running", "dest": "preparing", "generation": 0,
         "monotonic": t.monotonic, "wall": t.wall, "reason": "op 1"}
+
+
+# ---------------------------------------------------------------- the diagram
+
+
+def ckptctl_lifecycle(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckpt_controller", "lifecycle", *args],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def fenced(path: Path, after: str, lang: str = "") -> str:
+    """The first ```lang fenced block after the line ``after`` in ``path``."""
+    text = path.read_text()
+    start = text.index(f"\n```{lang}\n", text.index(after)) + len(lang) + 5
+    return text[start:text.index("\n```\n", start) + 1]
+
+
+def test_ckptctl_lifecycle_prints_the_table_as_text():
+    out = ckptctl_lifecycle()
+    assert out.returncode == 0 and out.stderr == ""
+    assert ckptctl_lifecycle("--format", "text").stdout == out.stdout == text_diagram()
+    lines = out.stdout.splitlines()
+    assert lines[0] == ("RUNNING --prepare--> PREPARING --seal--> PREPARED --restore--> "
+                        "RESTORING --resume--> RUNNING")
+    assert "   any state --fail--> FAILED" in lines
+    assert "   PREPARING or PREPARED --rollback--> RESTORING" in lines
+    assert "   FAILED --restore--> RESTORING" in lines
+    # every row of the table is drawn: each (trigger, destination) pair is on some line
+    for trig, _, dest in TRANSITIONS:
+        assert f"--{trig.value}--> {dest.name}" in out.stdout
+
+
+def test_ckptctl_lifecycle_prints_the_machine_as_mermaid():
+    out = ckptctl_lifecycle("--format", "mermaid")
+    assert out.returncode == 0 and out.stderr == ""
+    assert out.stdout == mermaid_diagram()
+    assert "stateDiagram-v2" in out.stdout and "[*] --> running" in out.stdout
+    edges = {line.strip() for line in out.stdout.splitlines() if " --> " in line}
+    for (src, trig), dst in LEGAL.items():  # each move, on its edge (several share one)
+        assert any(e.startswith(f"{src.value} --> {dst.value}: ") and
+                   trig.value in e.split(": ", 1)[1].split(" | ") for e in edges), (src, trig)
+    assert all(line == line.rstrip() for line in out.stdout.splitlines())
+
+
+def test_ckptctl_lifecycle_refuses_a_format_it_does_not_know():
+    out = ckptctl_lifecycle("--format", "dot")
+    assert out.returncode == 2 and out.stdout == ""
+    assert "usage:" in out.stderr and "invalid choice: 'dot'" in out.stderr
+    out = ckptctl_lifecycle("--help")
+    assert out.returncode == 0 and "--format {text,mermaid}" in out.stdout
+
+
+def test_the_docs_show_what_ckptctl_lifecycle_prints():
+    """The README's lifecycle, the lifecycle module's docstring and docs/agent.md's Mermaid
+    diagram are the command's output: change the table, regenerate them."""
+    text, mermaid = ckptctl_lifecycle().stdout, ckptctl_lifecycle("--format", "mermaid").stdout
+    assert fenced(ROOT / "README.md", "## The lifecycle") == text
+    assert fenced(ROOT / "docs" / "agent.md", "# The agent", "mermaid") == mermaid
+    assert textwrap.indent(text, "    ") in lifecycle.__doc__
+
+
+def test_the_diagrams_extension_loads_for_the_mermaid_form_alone():
+    """An agent's lifecycle, and the text form, load transitions' core only; the diagrams
+    extension (and no graphviz) comes with ``--format mermaid``, warning about nothing."""
+    code = ("import sys, warnings\nwarnings.simplefilter('error')\n"
+            "from ckpt_controller import lifecycle\n"
+            "lc = lifecycle.Lifecycle(); lc.fire('prepare'); lifecycle.text_diagram()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('transitions')))\n"
+            "lifecycle.mermaid_diagram()\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('transitions', 'graphviz',"
+            " 'pygraphviz'))))")
+    run = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    before, after = (set(ast.literal_eval(line)) for line in run.stdout.splitlines())
+    assert not [m for m in before if m.startswith("transitions.extensions")]
+    assert "transitions.extensions.diagrams_mermaid" in after
+    assert not [m for m in after if m.startswith(("graphviz", "pygraphviz"))]
