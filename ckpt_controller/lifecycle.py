@@ -179,9 +179,7 @@ class Lifecycle:
             trig = trigger if trigger.__class__ is Trigger else self._known(trigger, source)
             try:
                 self._model.trigger(trig)
-            except MachineError:
-                # policy: the machine refuses a trigger the table has not for this state
-                # before it moves anything: the caller gets our typed refusal instead
+            except MachineError:  # policy: refused before it moved: our typed refusal
                 raise self._refusal(trigger, source) from None
             self._count_cycle(trig, source)
             record = Transition(trig, source, _STATE[self._model.state], self._generation,
