@@ -12,6 +12,11 @@ client's, per pair (two round trips and the agent's work). ``--compare DIR`` mea
 agent from another source tree beside this checkout's, round by round in turn, so a before
 and an after see the same machine load.
 
+The lifecycle alone (``--micro CYCLES``, 0 for none): a fresh child process per tree and
+round fires ``prepare, seal, restore, resume`` on a ``Lifecycle`` CYCLES times (the four
+moves of a pair, no sockets, no listener) and reports its CPU per trigger and per pair, the
+trees in turn as above.
+
 The goal (issue 15): at most 0.5 ms of agent CPU per no-op pair.
 """
 
@@ -26,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from _common import median, parser, table, write
+from _common import ROOT, median, parser, table, write
 
 HOST = r"""
 import sys, json, os, logging
@@ -43,6 +48,45 @@ print(json.dumps({"event": "ready", "pid": os.getpid(), "src": ckpt_controller._
 sys.stdin.read()   # until the benchmark closes our stdin
 agent.close()
 """
+
+
+MICRO = r"""
+import sys, json, time
+sys.path.insert(0, sys.argv[1])
+from ckpt_controller.lifecycle import Lifecycle
+from ckpt_controller.vocab import Trigger
+import ckpt_controller
+cycle = (Trigger.PREPARE, Trigger.SEAL, Trigger.RESTORE, Trigger.RESUME)
+n = int(sys.argv[2])
+lc = Lifecycle()
+for _ in range(max(10, n // 10)):  # warm
+    for t in cycle:
+        lc.fire(t)
+c0 = time.process_time()
+for _ in range(n):
+    for t in cycle:
+        lc.fire(t)
+cpu = time.process_time() - c0
+assert lc.state == "running" and lc.generation > n, (lc.state, lc.generation)
+print(json.dumps({"src": ckpt_controller.__file__, "cpu_per_trigger_s": cpu / (4 * n)}))
+"""
+
+
+def micro(trees: list[tuple[str, Path]], cycles: int, rounds: int) -> list[dict]:
+    """The lifecycle alone: ``rounds`` fresh processes per tree, in turn, each firing the four
+    moves of a pair ``cycles`` times; CPU per trigger and per pair, median over the rounds."""
+    runs: list[list[float]] = [[] for _ in trees]
+    for _ in range(rounds):
+        for (tree, src), out in zip(trees, runs):
+            line = subprocess.run([sys.executable, "-c", MICRO, str(src), str(cycles)],
+                                  capture_output=True, text=True, check=True).stdout
+            row = json.loads(line.splitlines()[-1])
+            if not out:
+                print(f"lifecycle ({tree}) from {row['src']}", flush=True)
+            out.append(row["cpu_per_trigger_s"])
+    return [{"tree": tree, "cycles": cycles, "rounds": rounds, "cpu_per_trigger_s": median(out),
+             "cpu_per_pair_s": 4 * median(out), "runs": out}
+            for (tree, _), out in zip(trees, runs)]
 
 
 def cpu_s(proc: psutil.Process) -> float:
@@ -131,10 +175,13 @@ def main() -> int:
                    help="also measure an agent imported from this source tree (e.g. another "
                         "commit: git archive COMMIT ckpt_controller | tar -x -C DIR), round "
                         "by round in turn with this checkout's")
+    p.add_argument("--micro", type=int, default=20000, metavar="CYCLES",
+                   help="also time the lifecycle alone: CYCLES prepare+restore cycles of "
+                        "Lifecycle.fire per round and tree (0: skip)")
     args = p.parse_args()
 
     levels = [int(x) for x in args.levels.split(",")]
-    results: dict = {"levels": [], "compare": []}
+    results: dict = {"levels": [], "compare": [], "micro": []}
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp:
         hosts: list[Host] = []
         try:
@@ -148,6 +195,16 @@ def main() -> int:
         finally:
             for h in hosts:
                 h.close()
+    if args.micro > 0:
+        trees = [("this checkout", ROOT)]
+        if args.compare is not None:
+            trees.append((f"--compare {args.compare.name}", args.compare.resolve()))
+        results["micro"] = micro(trees, args.micro, args.rounds)
+        table(f"the lifecycle alone: Lifecycle.fire, CPU ({args.micro} cycles of 4 triggers "
+              f"x {args.rounds} rounds, median)",
+              ["lifecycle", "CPU us/trigger", "CPU ms/pair"],
+              [[r["tree"], r["cpu_per_trigger_s"] * 1e6, r["cpu_per_pair_s"] * 1e3]
+               for r in results["micro"]])
     rows = sorted(results["levels"] + results["compare"], key=lambda r: r["level"])
     table(f"agent cost of one no-op prepare (drain abort) + restore pair "
           f"(nothing registered, log {args.log}; {args.pairs} pairs x {args.rounds} rounds, "

@@ -1,28 +1,38 @@
 """The lifecycle: one transition table over the vocabulary's states and triggers, nothing else.
 
-The table is data (``TRANSITIONS``), read once into a map from (state, trigger) to the next
-state: a move is one lookup under a lock, and there is no other way to change the state (no
-``to_<state>()`` shortcut, an unknown or illegal trigger is an error that moves nothing).
-This used to be fed to the ``transitions`` library (``auto_transitions=False``); its generic
-event machinery (callbacks, event data, debug logging) was about 70% of the CPU of a no-op
-prepare+restore on the agent (bench/agent_ops.py), for nothing this table needs. The lifecycle knows
-no sockets, no torch and no engine: the agent (``ckpt_controller.agent``) fires triggers on it
-and publishes the recorded ``Transition`` values. States come from vLLM's ``CheckpointState``;
-states and triggers are spelled once, in ``vocab`` (re-exported here). ``seal`` and ``resume``
-share their names with the agent's last prepare and restore steps, which fire them.
+The table is data (``TRANSITIONS``), fed to a ``transitions.Machine`` (states as their wire
+values, triggers as theirs) built with ``auto_transitions=False``: no ``to_<state>()``
+shortcut bypasses the table, and every move is the machine's, under the lifecycle's lock. An
+unknown or illegal trigger is an ``InvalidTransitionError`` that moves nothing. The machine
+runs lean: ``send_event=False``, no callbacks (the lifecycle records each move and calls its
+listeners itself, after the machine moved), and transitions' own per-move log lines off; a
+trigger costs some microseconds of CPU (bench/agent_ops.py ``--micro``). The same table draws
+the lifecycle's diagram (``text_diagram``, ``mermaid_diagram``; ``ckptctl lifecycle``):
 
     RUNNING --prepare--> PREPARING --seal--> PREPARED --restore--> RESTORING --resume--> RUNNING
-    any state --fail--> FAILED;  FAILED --restore--> RESTORING (recovery)
-    PREPARING or PREPARED --rollback--> RESTORING (--resume--> RUNNING)
+       FAILED --restore--> RESTORING
+       PREPARING or PREPARED --rollback--> RESTORING
+       any state --fail--> FAILED
 
-Neighbours: ``vocab`` (the words), ``agent.operations`` (fires the triggers), ``errors``.
+The lifecycle knows no sockets, no torch and no engine: the agent (``ckpt_controller.agent``)
+fires triggers on it and publishes the recorded ``Transition`` values (as the protocol's
+``TransitionRecord``). States come from vLLM's ``CheckpointState``; states and triggers are
+spelled once, in ``vocab`` (re-exported here). ``seal`` and ``resume`` share their names with
+the agent's last prepare and restore steps, which fire them.
+
+Neighbours: ``vocab`` (the words), ``agent.operations`` (fires the triggers), ``errors``,
+``protocol`` (``TransitionRecord.of``), ``cli.lifecycle_cmd`` (prints the diagrams).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from transitions import Machine, MachineError, State
 
 from ckpt_controller.clock import Clock
 from ckpt_controller.errors import InvalidTransitionError
@@ -30,8 +40,13 @@ from ckpt_controller.vocab import TRANSITIONAL, CheckpointState, Trigger
 
 __all__ = [
     "TRANSITIONAL", "TRANSITIONS", "CheckpointState", "Lifecycle", "Transition", "Trigger",
+    "mermaid_diagram", "text_diagram",
 ]
 
+# transitions logs every move (INFO as a state is left and entered, DEBUG at each stage):
+# the lifecycle records each move itself and the agent logs what a person needs, so those
+# lines would say it twice, and cost CPU per move at INFO. Warnings and errors still show.
+logging.getLogger("transitions").setLevel(logging.WARNING)
 
 S, T = CheckpointState, Trigger
 
@@ -45,10 +60,29 @@ TRANSITIONS: tuple[tuple[Trigger, tuple[CheckpointState, ...], CheckpointState],
     (T.FAIL, tuple(S), S.FAILED),
 )
 
+#: a machine state (a wire value, what transitions keeps on the model) -> its vocab member
+_STATE: dict[str, CheckpointState] = {s.value: s for s in CheckpointState}
+
+
+def machine_config(initial: CheckpointState = S.RUNNING) -> dict[str, Any]:
+    """What a ``transitions`` machine of this lifecycle is built from: ``TRANSITIONS`` with
+    states and triggers as plain wire strings (an enum member would be named by its Python
+    name, ``RUNNING``), and the settings that keep the table the only way to move."""
+    return {
+        "states": [s.value for s in CheckpointState],
+        "transitions": [{"trigger": t.value, "source": [s.value for s in srcs], "dest": d.value}
+                        for t, srcs, d in TRANSITIONS],
+        "initial": CheckpointState(initial).value,
+        "auto_transitions": False,  # no to_<state>() around the table
+        "ignore_invalid_triggers": False,  # an illegal trigger is an error, never ignored
+        "send_event": False,
+    }
+
 
 @dataclass(frozen=True)
 class Transition:
-    """One recorded move. ``generation`` counts completed cycles after this move."""
+    """One recorded move. ``generation`` counts completed cycles after this move. On the wire
+    it is ``protocol.TransitionRecord`` (same fields; ``TransitionRecord.of`` converts)."""
 
     trigger: Trigger
     source: CheckpointState
@@ -59,14 +93,30 @@ class Transition:
     reason: str = ""
 
 
-#: (state, trigger) -> the state it leads to: the table, read for every move
-_MOVES: dict[tuple[CheckpointState, Trigger], CheckpointState] = {
-    (src, trig): dst for trig, srcs, dst in TRANSITIONS for src in srcs
-}
-#: state -> the triggers allowed in it, in table order
-_ALLOWED: dict[CheckpointState, tuple[Trigger, ...]] = {
-    state: tuple(t for t in Trigger if (state, t) in _MOVES) for state in CheckpointState
-}
+class _QuietState(State):
+    """A state whose entry and exit, without callbacks (this lifecycle has none), do nothing:
+    transitions' own ``State`` calls its empty callback list and two log methods for each."""
+
+    def enter(self, event_data) -> None:
+        if self.on_enter:
+            super().enter(event_data)
+
+    def exit(self, event_data) -> None:
+        if self.on_exit:
+            super().exit(event_data)
+
+
+class _Machine(Machine):
+    """transitions' ``Machine`` with quiet states; every other part is the library's own."""
+
+    state_cls = _QuietState
+
+
+class _Model:
+    """What the machine moves: ``state`` (a wire value) and the trigger methods transitions
+    binds to it. Private: those methods move without the lock, the record and the listeners."""
+
+    state: str
 
 
 class Lifecycle:
@@ -81,7 +131,12 @@ class Lifecycle:
     ) -> None:
         self._clock = clock or Clock()
         self._lock = threading.RLock()
-        self._state = CheckpointState(initial)
+        self._model = _Model()
+        self._machine = _Machine(model=self._model, **machine_config(initial))
+        #: state -> the triggers the machine allows in it, in table order (read once: a
+        #: prepare checks before it moves, and get_triggers walks every event)
+        self._allowed = {s: tuple(Trigger(t) for t in self._machine.get_triggers(s.value))
+                         for s in CheckpointState}
         self._generation = generation
         self._restoring_cycle = False  # True while RESTORING came from PREPARED via restore
         self._history: list[Transition] = []
@@ -90,7 +145,7 @@ class Lifecycle:
 
     @property
     def state(self) -> CheckpointState:
-        return self._state
+        return _STATE[self._model.state]
 
     @property
     def generation(self) -> int:
@@ -103,7 +158,7 @@ class Lifecycle:
 
     def allowed(self, state: CheckpointState | None = None) -> list[Trigger]:
         """Triggers allowed in ``state`` (default: the current one), in table order."""
-        return list(_ALLOWED[state or self._state])
+        return list(self._allowed[state or self.state])
 
     def subscribe(self, listener: Callable[[Transition], None]) -> None:
         """Call ``listener(transition)`` after every move (under the lifecycle's lock)."""
@@ -111,44 +166,89 @@ class Lifecycle:
 
     def check(self, trigger: Trigger | str) -> Trigger:
         """Raise ``InvalidTransitionError`` unless ``trigger`` is allowed now; move nothing."""
-        return self._next(trigger)[0]
-
-    def _next(self, trigger: Trigger | str) -> tuple[Trigger, CheckpointState]:
-        """The trigger and where it leads from the current state, or the typed refusal."""
-        source = self._state
-        try:
-            trig = Trigger(trigger)
-        except ValueError:  # policy: not a trigger at all is refused like an illegal one
-            trig = None
-        dest = _MOVES.get((source, trig)) if trig is not None else None
-        if dest is None:
-            raise InvalidTransitionError(
-                f"cannot {trigger} an engine that is {source}",
-                state=source.value,
-                trigger=str(trigger),
-                allowed=[t.value for t in _ALLOWED[source]],
-            )
-        return trig, dest
+        source = self.state
+        trig = self._known(trigger, source)
+        if trig not in self._allowed[source]:
+            raise self._refusal(trigger, source)
+        return trig
 
     def fire(self, trigger: Trigger | str, reason: str = "") -> Transition:
         """Move by ``trigger`` or raise ``InvalidTransitionError`` and change nothing."""
         with self._lock:
-            source = self._state
-            trig, dest = self._next(trigger)
-            self._state = dest
-            if trig is Trigger.RESTORE:
-                self._restoring_cycle = source is CheckpointState.PREPARED
-            elif trig is Trigger.ROLLBACK:
-                self._restoring_cycle = False
-            elif trig is Trigger.RESUME and self._restoring_cycle:
-                self._generation += 1
-                self._restoring_cycle = False
-            record = Transition(
-                trig, source, dest, self._generation,
-                self._clock.monotonic(), self._clock.wall(), reason,
-            )
+            source = _STATE[self._model.state]
+            trig = trigger if trigger.__class__ is Trigger else self._known(trigger, source)
+            try:
+                self._model.trigger(trig)
+            except MachineError:  # policy: refused before it moved: our typed refusal
+                raise self._refusal(trigger, source) from None
+            self._count_cycle(trig, source)
+            record = Transition(trig, source, _STATE[self._model.state], self._generation,
+                                self._clock.monotonic(), self._clock.wall(), reason)
             self._history.append(record)
             del self._history[: -self._history_limit]
             for listener in list(self._listeners):
                 listener(record)
             return record
+
+    def _count_cycle(self, trig: Trigger, source: CheckpointState) -> None:
+        """The generation rule: a RESUME ends a cycle when its RESTORE came from PREPARED (a
+        rollback's resume or a recovery from FAILED completes none)."""
+        if trig is Trigger.RESTORE:
+            self._restoring_cycle = source is CheckpointState.PREPARED
+        elif trig is Trigger.ROLLBACK:
+            self._restoring_cycle = False
+        elif trig is Trigger.RESUME and self._restoring_cycle:
+            self._generation += 1
+            self._restoring_cycle = False
+
+    def _known(self, trigger: object, source: CheckpointState) -> Trigger:
+        """``trigger`` as a vocab member (old names read too), or the typed refusal."""
+        try:
+            return Trigger(trigger)
+        except ValueError:  # policy: not a trigger at all is refused like an illegal one
+            raise self._refusal(trigger, source) from None
+
+    def _refusal(self, trigger: object, source: CheckpointState) -> InvalidTransitionError:
+        return InvalidTransitionError(
+            f"cannot {trigger} an engine that is {source}",
+            state=source.value,
+            trigger=str(trigger),
+            allowed=[t.value for t in self.allowed(source)],
+        )
+
+
+# ---------------------------------------------------------------- the diagrams
+
+
+def text_diagram() -> str:
+    """The table as plain text: the cycle from RUNNING (each state's first trigger in table
+    order, until a state comes round again), then each other move, a row of the table a line
+    (``any state`` when every state is a source)."""
+    lines, drawn = [], set()
+    state, seen, cycle = S.RUNNING, set(), S.RUNNING.name
+    while state not in seen:
+        seen.add(state)
+        trig, dest = next((t, d) for t, srcs, d in TRANSITIONS if state in srcs)
+        drawn.add((state, trig))
+        cycle += f" --{trig}--> {dest.name}"
+        state = dest
+    lines.append(cycle)
+    for trig, srcs, dest in TRANSITIONS:
+        rest = [s for s in srcs if (s, trig) not in drawn]
+        if rest:
+            who = "any state" if set(rest) == set(S) else " or ".join(s.name for s in rest)
+            lines.append(f"   {who} --{trig}--> {dest.name}")
+    return "\n".join(lines) + "\n"
+
+
+def mermaid_diagram() -> str:
+    """The table as a Mermaid ``stateDiagram-v2``, drawn by transitions' diagrams extension
+    (``GraphMachine``, mermaid engine: no graphviz needed) from the same machine settings;
+    lines without trailing blanks, so the copy in the docs stays byte for byte the same."""
+    # imported here: only ``ckptctl lifecycle --format mermaid`` needs the extension
+    from transitions.extensions.diagrams import GraphMachine
+
+    machine = GraphMachine(model=_Model(), graph_engine="mermaid",
+                           title="ckpt-controller lifecycle", **machine_config())
+    source = machine.get_graph().draw(None)
+    return "\n".join(line.rstrip() for line in source.splitlines()) + "\n"

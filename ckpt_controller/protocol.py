@@ -27,7 +27,7 @@ Neighbours: ``agent.server`` and ``agent.client`` move the frames; ``errors`` is
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -59,6 +59,9 @@ from ckpt_controller.vocab import (
     RestoreStep,
     Trigger,
 )
+
+if TYPE_CHECKING:  # read by name only: importing the protocol loads no lifecycle machine
+    from ckpt_controller.lifecycle import Transition
 
 PROTOCOL_VERSION = 2
 #: A frame larger than this is refused with a ``ProtocolError`` reply.
@@ -252,6 +255,11 @@ class MemoryReport(msgspec.Struct, kw_only=True):
 
 
 class TransitionRecord(msgspec.Struct, kw_only=True):
+    """A ``lifecycle.Transition`` on the wire: the same fields in the same order; ``of`` is the
+    one conversion. Two classes, not one, because the lifecycle sits below the protocol (it
+    must not import it, and the wire's Structs live here), while the protocol must not load
+    the lifecycle's machine (``transitions``) for every client that only reads records."""
+
     #: an old peer's or journal's ``prepared``/``restored`` reads as ``seal``/``resume``
     trigger: Trigger
     source: CheckpointState
@@ -260,6 +268,12 @@ class TransitionRecord(msgspec.Struct, kw_only=True):
     monotonic: float
     wall: float
     reason: str = ""
+
+    @classmethod
+    def of(cls, t: Transition) -> TransitionRecord:
+        """The record of the lifecycle's move ``t``, as peers and journals read it."""
+        return cls(trigger=t.trigger, source=t.source, dest=t.dest, generation=t.generation,
+                   monotonic=t.monotonic, wall=t.wall, reason=t.reason)
 
 
 class HandshakeReply(msgspec.Struct, kw_only=True, tag=True):

@@ -137,7 +137,7 @@ def test_journal_records_and_operations_share_fsyncs(tmp_path):
 def test_agent_cost_of_a_no_op_prepare_and_restore(tmp_path):
     # --compare: a second agent from a source tree (here this one again), measured in turn
     res = bench(tmp_path, "agent_ops", "--pairs", "100", "--rounds", "2", "--levels", "0,2",
-                "--compare", str(ROOT))
+                "--compare", str(ROOT), "--micro", "500")
     assert [row["level"] for row in res["levels"]] == [0, 2]
     assert [row["level"] for row in res["compare"]] == [0, 2]
     assert {row["tree"] for row in res["compare"]} == {f"--compare {ROOT.name}"}
@@ -147,6 +147,11 @@ def test_agent_cost_of_a_no_op_prepare_and_restore(tmp_path):
         for run in row["runs"]:  # the child's CPU was read: it cannot do 100 pairs for free
             assert run["raw_cpu_per_pair_s"] > 0 and run["wall_per_pair_s"] > 0
             assert run["idle_cpu_rate"] >= 0
+    # the lifecycle alone, each tree in its own fresh processes, in turn
+    assert [row["tree"] for row in res["micro"]] == ["this checkout", f"--compare {ROOT.name}"]
+    for row in res["micro"]:
+        assert row["cycles"] == 500 and len(row["runs"]) == 2 and all(map(positive, row["runs"]))
+        assert row["cpu_per_pair_s"] == 4 * row["cpu_per_trigger_s"]
 
 
 def test_release_and_rewake_against_the_copy_limits(tmp_path):

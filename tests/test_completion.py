@@ -71,6 +71,8 @@ def test_bash_completes_commands_flags_and_choices(bash_script):
         ["text", "json"]
     assert complete(bash_script, "ckptctl", "engine", "serve", "--log-l") == ["--log-level"]
     assert complete(bash_script, "ckptctl", "completion", "z") == ["zsh"]
+    assert complete(bash_script, "ckptctl", "lif") == ["lifecycle"]
+    assert complete(bash_script, "ckptctl", "lifecycle", "--format", "") == ["text", "mermaid"]
     # an unknown word leads nowhere: the top level's flags, not cycle's
     assert complete(bash_script, "ckptctl", "nosuch", "--max") == []
     assert complete(bash_script, "ckptctl", "nosuch", "--contr") == ["--controller"]

@@ -60,7 +60,8 @@ def test_help_loads_no_transport_engine_or_service():
 def test_each_subcommand_help_stays_light():
     code = ("import contextlib, io\nfrom ckpt_controller.cli import main\n"
             "for cmd in (['serve'], ['cycle'], ['agent', 'prepare'], ['agent', 'vllm'],\n"
-            "            ['engine', 'serve'], ['load'], ['demo'], ['drill'], ['keys']):\n"
+            "            ['engine', 'serve'], ['load'], ['demo'], ['drill'], ['keys'],\n"
+            "            ['lifecycle']):\n"
             "    with contextlib.redirect_stdout(io.StringIO()):\n"
             "        try:\n            main([*cmd, '--help'])\n"
             "        except SystemExit as e:\n            assert e.code == 0, (cmd, e.code)")

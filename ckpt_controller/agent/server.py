@@ -170,7 +170,7 @@ class Agent(RpcServer):
 
     def _on_transition(self, t: Transition) -> None:
         current = self._current
-        record = _record(t)
+        record = p.TransitionRecord.of(t)
         event = p.StateChanged(engine=self.name, transition=record,
                                op_id=current.op_id if current else None)
         if current is None:
@@ -272,7 +272,7 @@ class Agent(RpcServer):
             incarnation=self.incarnation.incarnation,
             restored_from_image=self.incarnation.restored_from_image,
             current_op=current.op_id if current else None,
-            last_transition=_record(history[-1]) if history else None,
+            last_transition=p.TransitionRecord.of(history[-1]) if history else None,
             endpoints={**self.endpoints, "control": self.endpoint},
         )
 
@@ -383,8 +383,3 @@ class Agent(RpcServer):
             else:
                 self.reply(identity, call_id, op.result)
 
-
-def _record(t: Transition) -> p.TransitionRecord:
-    return p.TransitionRecord(trigger=t.trigger, source=t.source, dest=t.dest,
-                              generation=t.generation, monotonic=t.monotonic, wall=t.wall,
-                              reason=t.reason)

@@ -25,6 +25,7 @@ from ckpt_controller.cli import (
     engine_cmds,
     fleet_cmd,
     keys_cmd,
+    lifecycle_cmd,
 )
 from ckpt_controller.cli.common import (
     EXIT_CODES,
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     drill_cmd.add_parser(sub)
     keys_cmd.add_parser(sub)
+    lifecycle_cmd.add_parser(sub)
     fleet_cmd.add_parser(sub)
     completion.add_parser(sub)
     parser.set_defaults(root_parser=parser)  # what ``completion`` walks
