@@ -1,11 +1,17 @@
-"""The hook-failure policy as one table applied in one place, steps' outcomes, and the
-drill's expectations derived from that table. (What each point does to a real engine is
-test_controller's ``test_every_hook_point_has_its_documented_effect``.)"""
+"""The hook-failure policy as one table applied in one place: every row's action allowed
+where its point runs, nothing else reading the table or deciding on a hook failure, steps'
+outcomes, and the drill's expectations derived from that table. (What each point does to a
+real engine is test_controller's ``test_every_hook_point_has_its_documented_effect``, and
+what a failure leaves behind, test_hook_outcomes.)"""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +21,7 @@ from ckpt_controller.controller.outcome import StepOutcome, from_error
 from ckpt_controller.controller.policy import Condition
 from ckpt_controller.drill import faults
 from ckpt_controller.errors import HookError, OperationError, ResidualOverBudgetError
+from ckpt_controller.lifecycle import Lifecycle
 from ckpt_controller.vocab import CheckpointState, HookFailure, HookPoint, OutcomeStatus
 
 
@@ -75,6 +82,25 @@ def test_the_table_covers_every_hook_point_with_a_policy_word():
                               (HookPoint.PRE_RESTORE, Condition.UNDOING_CAPTURE)} <= set(ROWS)
 
 
+@pytest.mark.parametrize("key", ROWS, ids=lambda k: "-".join(k))
+def test_every_action_is_allowed_in_every_state_its_point_runs_in(key):
+    """What a failure does fires a trigger the lifecycle allows wherever the point runs: a
+    roll back where the engine is not PREPARING or PREPARED would be refused by the agent."""
+    r = policy.HOOK_FAILURE[key]
+    trigger = policy.FIRES[r.action]
+    for state in r.runs_in:
+        assert trigger is None or trigger in Lifecycle().allowed(state), (key, state)
+
+
+def test_a_trigger_not_allowed_where_a_point_runs_is_caught(monkeypatch):
+    """The check above fails when a row's action does not fit its states."""
+    key = (HookPoint.POST_RESTORE, Condition.PLAIN)
+    bad = dataclasses.replace(policy.HOOK_FAILURE[key], action=HookFailure.ROLLBACK)
+    monkeypatch.setitem(policy.HOOK_FAILURE, key, bad)
+    with pytest.raises(AssertionError):
+        test_every_action_is_allowed_in_every_state_its_point_runs_in(key)
+
+
 def test_a_failure_on_a_failed_engine_is_only_logged():
     """On-fail runs after the engine was marked FAILED: anything more than a log line would
     mark it again and run on-fail again."""
@@ -133,6 +159,82 @@ def test_the_policy_follows_the_table_not_a_copy(monkeypatch):
     out = policy.hook_failed(eng, HookPoint.POST_DRAIN, err)
     assert eng.calls == [("mark_failed", f"changed: {err.message}"), ("on_failed",)]
     assert out.state == CheckpointState.FAILED
+
+
+PACKAGE = Path(policy.__file__).resolve().parents[1]
+#: calls that run a hook point (or what stands in for one): a failure there is the table's
+RUNS_A_POINT = {"hooks", "hook_phase", "run_point", "run_hook", "before_resume"}
+HOOK_ERRORS = {"HookError", "HookTimeoutError"}
+
+
+def _name(node: ast.AST) -> str | None:
+    return node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+
+
+def deciders(source: str, module: str) -> list[str]:
+    """Where ``source`` (the module ``module``, a path below the package) decides on a hook
+    failure outside the one place: reads ``HOOK_FAILURE`` outside policy.py, calls
+    ``hook_failed`` outside the runner (``EngineSession.at``), catches hook errors by name,
+    or wraps a call that runs a hook point in a ``try`` with handlers outside the runner."""
+    found = []
+    runner = {"controller/session.py": "at", "controller/policy.py": "hook_failed"}
+
+    def visit(node: ast.AST, func: str | None) -> None:
+        if isinstance(node, ast.FunctionDef):
+            func = node.name if func is None or runner.get(module) != func else func
+        name = _name(node) if isinstance(node, ast.Name | ast.Attribute) else None
+        if name == "HOOK_FAILURE" and module != "controller/policy.py":
+            found.append(f"{module}:{node.lineno} reads HOOK_FAILURE")
+        if isinstance(node, ast.Call) and _name(node.func) == "hook_failed" \
+                and func != runner.get(module):
+            found.append(f"{module}:{node.lineno} applies the table outside the runner")
+        if isinstance(node, ast.ExceptHandler) and node.type is not None:
+            types = node.type.elts if isinstance(node.type, ast.Tuple) else [node.type]
+            if HOOK_ERRORS & {_name(t) for t in types}:
+                found.append(f"{module}:{node.lineno} catches a hook error")
+        if isinstance(node, ast.Try) and node.handlers and func != runner.get(module):
+            for call in (n for stmt in node.body for n in ast.walk(stmt)):
+                if isinstance(call, ast.Call) and _name(call.func) in RUNS_A_POINT:
+                    found.append(f"{module}:{call.lineno} decides on a failure to run a point")
+        for child in ast.iter_child_nodes(node):
+            visit(child, func)
+
+    visit(ast.parse(source), None)
+    return found
+
+
+def test_the_table_is_read_and_applied_in_one_place():
+    """Only policy.py reads the table, only the session's runner applies it, and nothing in
+    the controller catches a hook point's failure to decide what it means on its own."""
+    offences = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE).as_posix()
+        offences += deciders(path.read_text(), module)
+    assert offences == []
+
+
+def test_the_one_place_check_finds_a_decision_made_elsewhere():
+    """What the check above finds: the shapes the controller had before (a step that caught
+    the capture's failure and marked the engine FAILED itself, a hook error caught by name)."""
+    before = textwrap.dedent("""
+        def capture(s):
+            try:
+                s.hooks(HookPoint.PRE_RESTORE, undo_capture=True)
+            except CkptError as undo:
+                s.mark_failed("could not undo")
+
+        def prepare(self):
+            try:
+                self.hook_phase(HookPoint.PRE_PREPARE)
+            except (HookError, HookTimeoutError) as err:
+                return hook_failed(self, HookPoint.PRE_PREPARE, err)
+            return HOOK_FAILURE[HookPoint.DUMP]
+    """)
+    found = deciders(before, "controller/steps.py")
+    assert sorted(f.split(" ", 1)[1] for f in found) == [
+        "applies the table outside the runner", "catches a hook error",
+        "decides on a failure to run a point", "decides on a failure to run a point",
+        "reads HOOK_FAILURE"]
 
 
 def test_an_agents_error_becomes_an_outcome_in_one_place():
