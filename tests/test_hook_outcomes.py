@@ -2,8 +2,9 @@
 real hooks. A failure the table only logs (post-resume, on-fail) is in the engine's outcome
 (its hook runs, with the exit code), in the journal (the run, and the table's decision:
 ``hook_failure``), in the log, and counted (``ckpt_hook_failures_total``); a refused hook is
-its point's failure as an exit is, decided by the same table. (The table itself, and that it
-is applied in one place: test_policy.)"""
+its point's failure as an exit is, decided by the same table; and the states the table says
+each point runs in are those its hooks see. (The table itself, and that it is applied in one
+place: test_policy.)"""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from ckpt_controller.controller import policy
+from ckpt_controller.controller.policy import Condition
+from ckpt_controller.vocab import HookPoint
 from conftest import wait_until, write_hook
 
 
@@ -100,3 +104,28 @@ def test_a_refused_hook_is_its_points_failure(spawn_reference, spawn_controller)
     assert (said["point"], said["action"]) == ("pre-restore", "fail")
     (ctl.dir / "hooks" / "pre-restore" / "50-bring-back").unlink()
     assert ctl.ckptctl("restore", "rf").returncode == 0  # recovery once the hook is fixed
+
+
+def test_each_point_runs_in_the_states_its_row_names(spawn_reference, spawn_controller):
+    """The states the table says each point runs in (what its action must be allowed in) are
+    the states its hooks really see (``CKPT_STATE``): a good cycle, a failed dump undone and
+    rolled back, a failed post-restore (on-fail), and the restore that recovers it."""
+    eng = spawn_reference("st")
+    ctl = spawn_controller(config(eng))
+    seen = ctl.dir / "seen.log"
+    for point in HookPoint:
+        write_hook(ctl, point, "10-note",
+                   f'echo "$CKPT_ACTION $CKPT_STATE ${{CKPT_UNDO_CAPTURE:-0}}" >> {seen}')
+    assert cycle(ctl, "st", "good")[0] == 0
+    write_hook(ctl, "dump", "20-fail", "exit 1")
+    assert cycle(ctl, "st", "undone")[2]["status"] == "rolled_back"
+    (ctl.dir / "hooks" / "dump" / "20-fail").unlink()
+    write_hook(ctl, "post-restore", "20-fail", "exit 7")
+    assert cycle(ctl, "st", "failed")[2]["state"] == "failed"
+    (ctl.dir / "hooks" / "post-restore" / "20-fail").unlink()
+    assert ctl.ckptctl("restore", "st").returncode == 0
+    lines = [line.split() for line in seen.read_text().splitlines()]
+    assert {HookPoint(point) for point, _, _ in lines} == set(HookPoint)  # each one ran
+    for point, state, undo in lines:
+        condition = Condition.UNDOING_CAPTURE if undo == "1" else Condition.PLAIN
+        assert state in policy.row(point, condition).runs_in, (point, state, undo)
