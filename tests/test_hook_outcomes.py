@@ -69,7 +69,8 @@ def test_a_failure_only_logged_is_recorded_and_counted(spawn_reference, spawn_co
     write_hook(ctl, "post-restore", "50-verify", "exit 7")
     write_hook(ctl, "on-fail", "50-page", "exit 5")
     code, doc, o = cycle(ctl, "lo", "fail-logged")
-    assert code == 1 and o["state"] == "failed" and o["error"]["details"]["point"] == "post-restore"
+    assert code == 1 and o["state"] == "failed"
+    assert o["error"]["details"]["point"] == "post-restore"
     assert [(h["point"], h["exit_code"]) for h in o["hooks"]] == [("post-restore", 7),
                                                                   ("on-fail", 5)]
     said = decisions(ctl, "fail-logged")

@@ -9,8 +9,9 @@ any failure to run them into the step's outcome as the table says (``policy.HOOK
 ``prepare``, ``capture`` and ``restore`` return a ``StepOutcome``; other failures raise, for
 the step to turn into an outcome. Agent operation ids are derived from the controller's
 operation id (``<op>/<engine>/<step>``), so a step sent again (a retry, a restarted
-controller) is not run twice. Neighbours: ``steps`` (what each operation does with a session), ``service`` (which
-sessions run when), ``hooks``, ``policy``, ``outcome``, ``journal``.
+controller) is not run twice. Neighbours: ``steps`` (what each operation does with a
+session), ``service`` (which sessions run when), ``hooks``, ``policy``, ``outcome``,
+``journal``.
 """
 
 from __future__ import annotations
@@ -226,16 +227,20 @@ class EngineSession:
         one is named. On a failure the table's row for the point that failed, under
         ``condition`` (undoing ``cause``), is applied (``policy.hook_failed``): returns the
         step's outcome, or ``None`` when every point passed or the failure is only logged.
-        The one place a failure to run a hook point is caught and decided on."""
+
+        The one place a failure to run a hook point is caught and decided on, with one catch
+        set, ``CkptError``: every typed failure while a point runs is that point's failure (a
+        hook's exit, ``HookError``, or timeout, ``HookTimeoutError``; a refused hook,
+        ``ConfigError``; the capture deadline, ``DeadlineError``; a missing dump hook or the
+        take-over check's no, ``OperationError``); anything untyped is a bug, which the step's
+        guard (``steps.guarded``) reports."""
         points = ((point, run or (lambda: self.hook_phase(point))), *then)
         failed = point
         try:
             with self.phase(phase) if phase else nullcontext():
                 for failed, step in points:
                     step()
-        except CkptError as err:  # policy: any typed failure to run a point (a hook's exit
-            # or timeout, a refused hook, the point's deadline, the take-over check's no) is
-            # the point's failure, and the table decides; an untyped one is a bug: the step's
+        except CkptError as err:  # policy: a typed failure to run a point: the table decides
             return hook_failed(self, failed, err, condition, cause)
         return None
 
