@@ -1,38 +1,117 @@
-"""What a hook's failure at each point does: one table, applied in one place.
+"""What a failure at each hook point does: one table, applied in one place.
 
-``HOOK_FAILURE`` says, for every ``HookPoint``, what a hook's non-zero exit or timeout there
-means (``HookFailure``): a veto (nothing moved yet; the engine stays RUNNING), a roll back to
-RUNNING, FAILED, or a log line. ``hook_failed`` applies it to one engine and returns the step's
-outcome (``None`` for a log-only point: the operation goes on). The session and the steps call
-it; the drill derives what each injected hook fault must lead to from the same table.
-Neighbours: ``vocab`` (the words), ``outcome`` (what a step returns), ``session`` and
-``steps`` (the callers), ``hooks`` (which points exist), ``drill.faults``.
+``HOOK_FAILURE`` has a row for every hook point, and for the conditions under which a point's
+failure means something else (``Condition``): the pre-restore hooks undoing a failed capture,
+a point whose engine's process is gone, the fleet's take-over check before a migrated engine
+is admitted. A row says what a failure there does (``HookFailure``: a veto, a roll back to
+RUNNING, FAILED, or a log line), the reason the engine's journal gives, and the states the
+engine is in when the point runs (the action's trigger must be allowed there:
+``tests/test_policy.py``). ``hook_failed`` applies a row; its one caller is the session's
+runner (``EngineSession.at``), which runs a point and turns any failure to run it into the
+step's outcome. The drill derives what each injected hook fault must lead to from the same
+table (``row``). Neighbours: ``vocab`` (the words), ``outcome`` (what a step returns),
+``session`` (the runner), ``hooks`` (which points exist), ``drill.faults``; docs/hooks.md
+shows the table to people.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+from dataclasses import dataclass
 from typing import Protocol
 
 from ckpt_controller import protocol as p
-from ckpt_controller.controller.outcome import StepOutcome
+from ckpt_controller.controller.outcome import StepOutcome, from_error
 from ckpt_controller.errors import CkptError
-from ckpt_controller.vocab import CheckpointState, HookFailure, HookPoint
+from ckpt_controller.vocab import CheckpointState, HookFailure, HookPoint, Trigger
 
 log = logging.getLogger("ckpt_controller.controller")
 
-#: point -> what a non-zero exit or a timeout of one of its hooks does
-HOOK_FAILURE: dict[HookPoint, HookFailure] = {
-    HookPoint.PRE_PREPARE: HookFailure.VETO,  # nothing moved yet: the engine stays RUNNING
-    HookPoint.POST_DRAIN: HookFailure.ROLLBACK,
-    HookPoint.POST_RELEASE: HookFailure.ROLLBACK,
-    HookPoint.DUMP: HookFailure.ROLLBACK,  # if the process lives (``steps.capture``)
-    HookPoint.POST_DUMP: HookFailure.ROLLBACK,
-    HookPoint.PRE_RESTORE: HookFailure.FAIL,
-    HookPoint.POST_RESTORE: HookFailure.FAIL,
-    HookPoint.POST_RESUME: HookFailure.LOG,
-    HookPoint.ON_FAIL: HookFailure.LOG,
+
+class Condition(enum.StrEnum):
+    """What else holds when a point runs: the table's second key, beside the point."""
+
+    PLAIN = "plain"  # the point in its place in the cycle
+    #: pre-restore hooks run with ``CKPT_UNDO_CAPTURE=1`` after a failed dump or post-dump,
+    #: to give back what the dump hooks took (a GPU that cuda-checkpoint locked)
+    UNDOING_CAPTURE = "undoing-capture"
+    #: the engine's process is gone: a dump that ended it, or a restore whose pre-restore
+    #: hooks are to bring it back from its image (a stop-mode dump, a migration)
+    NO_PROCESS = "no-process"
+    #: the fleet's check that this node may admit an engine a migration brought here
+    #: (``EngineSession.before_resume``), at the post-restore moment: after re-wake, before
+    #: re-admission (or before a reconciler settles the engine)
+    TAKING_OVER = "taking-over"
+
+
+@dataclass(frozen=True)
+class Row:
+    action: HookFailure
+    #: why, as the engine's transition (rollback, FAILED), the journal and the log say it:
+    #: ``{error}`` is the failure's message, ``{cause}`` that of the failure being undone
+    reason: str
+    #: the states the engine is in when the point runs
+    runs_in: frozenset[CheckpointState]
+    #: a failed capture: if the engine still stands where the point runs, the pre-restore
+    #: hooks give back what the capture took first ((pre-restore, UNDOING_CAPTURE) says what
+    #: their failure does); if it does not, its process is gone ((point, NO_PROCESS))
+    undo: bool = False
+
+
+S, P, C, A = CheckpointState, HookPoint, Condition, HookFailure
+
+
+def _in(*states: CheckpointState) -> frozenset[CheckpointState]:
+    return frozenset(states)
+
+
+#: (point, condition) -> what a non-zero exit, a timeout or a refusal there does
+HOOK_FAILURE: dict[tuple[HookPoint, Condition], Row] = {
+    (P.PRE_PREPARE, C.PLAIN): Row(A.VETO, "vetoed by a pre-prepare hook: {error}",
+                                  _in(S.RUNNING)),  # nothing moved yet: it stays RUNNING
+    (P.POST_DRAIN, C.PLAIN): Row(A.ROLLBACK, "post-drain hook failed: {error}",
+                                 _in(S.PREPARING)),
+    (P.POST_RELEASE, C.PLAIN): Row(A.ROLLBACK, "post-release hook failed: {error}",
+                                   _in(S.PREPARING)),
+    (P.DUMP, C.PLAIN): Row(A.ROLLBACK, "capture failed: {error}", _in(S.PREPARED), undo=True),
+    (P.DUMP, C.NO_PROCESS): Row(A.VETO, "capture failed and the engine's process is gone: "
+                                "nothing to roll back: {error}", _in(S.PREPARED)),
+    (P.POST_DUMP, C.PLAIN): Row(A.ROLLBACK, "capture failed: {error}", _in(S.PREPARED),
+                                undo=True),
+    (P.POST_DUMP, C.NO_PROCESS): Row(A.VETO, "capture failed and the engine's process is "
+                                     "gone: nothing to roll back: {error}", _in(S.PREPARED)),
+    (P.PRE_RESTORE, C.PLAIN): Row(A.FAIL, "{error}", _in(S.PREPARED, S.FAILED)),
+    # what the dump took is not given back: not left RUNNING on a GPU still locked
+    (P.PRE_RESTORE, C.UNDOING_CAPTURE): Row(
+        A.FAIL, "capture failed ({cause}) and the pre-restore hooks could not undo it: {error}",
+        _in(S.PREPARED)),
+    # no engine to mark FAILED: the failure is the outcome (the image is still there)
+    (P.PRE_RESTORE, C.NO_PROCESS): Row(A.VETO, "the pre-restore hooks did not bring the "
+                                       "engine's process back: {error}",
+                                       _in(S.PREPARED, S.FAILED)),
+    (P.POST_RESTORE, C.PLAIN): Row(A.FAIL, "post-restore hook failed: {error}",
+                                   _in(S.RESTORING)),
+    # not to be admitted here: FAILED, as a failed post-restore check is (the engine never
+    # runs on two nodes); a reconciler asks before it settles a PREPARING or PREPARED one too
+    (P.POST_RESTORE, C.TAKING_OVER): Row(A.FAIL, "not resumed: {error}",
+                                         _in(S.PREPARING, S.PREPARED, S.RESTORING)),
+    (P.POST_RESUME, C.PLAIN): Row(A.LOG, "post-resume hook failed (logged only): {error}",
+                                  _in(S.RUNNING)),
+    # the engine is FAILED already; anything but a log line would run on-fail again
+    (P.ON_FAIL, C.PLAIN): Row(A.LOG, "on-fail hook failed (logged only): {error}",
+                              _in(S.FAILED)),
 }
+
+#: the lifecycle trigger each action fires on the engine (None: it moves nothing)
+FIRES: dict[HookFailure, Trigger | None] = {
+    A.VETO: None, A.ROLLBACK: Trigger.ROLLBACK, A.FAIL: Trigger.FAIL, A.LOG: None,
+}
+
+
+def row(point: HookPoint | str, condition: Condition = Condition.PLAIN) -> Row:
+    """The table's row for ``point`` under ``condition`` (what the drill expects by)."""
+    return HOOK_FAILURE[HookPoint(point), condition]
 
 
 class Engine(Protocol):
@@ -43,25 +122,45 @@ class Engine(Protocol):
     @property
     def name(self) -> str: ...
 
+    def record(self, type_: str, data: dict, **kw) -> None: ...
+
+    def refresh_state(self) -> str | None: ...
+
     def rollback(self, reason: str, step: str = ...) -> None: ...
 
     def mark_failed(self, reason: str) -> None: ...
 
+    def undo_capture(self, cause: CkptError) -> StepOutcome | None: ...
 
-def hook_failed(s: Engine, point: HookPoint | str, err: CkptError,
-                reason: str | None = None) -> StepOutcome | None:
-    """Apply ``HOOK_FAILURE[point]`` to the engine after ``err`` (a failure of ``point``'s
-    hooks): roll it back, or mark it FAILED (``reason``, default the error's message, is what
-    the engine's transition says), and return the step's outcome; ``None`` when the failure
-    is only logged and the operation goes on. A rollback that fails raises its own error."""
-    action = HOOK_FAILURE[HookPoint(point)]
-    if action is HookFailure.LOG:
-        log.warning("%s: %s", s.name, err)
+    def on_failed(self) -> StepOutcome | None: ...
+
+
+def hook_failed(s: Engine, point: HookPoint, err: CkptError,
+                condition: Condition = Condition.PLAIN,
+                cause: CkptError | None = None) -> StepOutcome | None:
+    """Apply the row for ``(point, condition)`` after ``err`` (a failure to run the point,
+    while undoing ``cause`` if given): journal it (``hook_failure``), then log it, or roll the
+    engine back, or mark it FAILED (and run its on-fail hooks), and return the step's outcome;
+    ``None`` when the failure is only logged and the operation goes on. Called by the
+    session's runner (``EngineSession.at``) only. A rollback that fails raises its own error."""
+    rule = HOOK_FAILURE[point, condition]
+    if rule.undo:
+        if s.refresh_state() not in rule.runs_in:
+            return hook_failed(s, point, err, Condition.NO_PROCESS)
+        if (undone := s.undo_capture(err)) is not None:
+            return undone
+    reason = rule.reason.format(error=err.message, cause=cause.message if cause else "")
+    s.record("hook_failure", {"point": point, "condition": condition, "action": rule.action,
+                              "kind": err.kind, "message": err.message, "reason": reason})
+    if rule.action is HookFailure.LOG:
+        log.warning("%s: %s", s.name, reason)
         return None
-    if action is HookFailure.VETO:
-        return StepOutcome.failed(err)  # the state is asked for: nothing moved
-    if action is HookFailure.FAIL:
-        s.mark_failed(reason or err.message)
-        return StepOutcome.failed(err, CheckpointState.FAILED)
-    s.rollback(reason or err.message)
-    return StepOutcome.rolled_back(err, s.outcome.state)
+    if rule.action is HookFailure.VETO:
+        return from_error(err)  # nothing moved: where the error says, or ask the agent
+    if rule.action is HookFailure.ROLLBACK:
+        s.rollback(reason)
+        return StepOutcome.rolled_back(err, s.outcome.state)
+    if cause is not None:  # the outcome is the failure being undone, the undo's beside it
+        cause.details["undo_error"] = err.message
+    s.mark_failed(reason)
+    return s.on_failed() or StepOutcome.failed(cause or err, CheckpointState.FAILED)

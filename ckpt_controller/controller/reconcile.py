@@ -218,14 +218,10 @@ def settle_state(s: EngineSession, found: str, reason: str, step: str) -> str:
     resume (re-woken and verified) is resumed; RUNNING and FAILED stay. Either way the engine
     would serve again: the session's ``before_resume`` (``Controller.guard``: an engine a
     migration brought here that etcd no longer names this node's) may refuse it, and then
-    it is FAILED, with the reason."""
+    it is as the table's (post-restore, TAKING_OVER) row says: FAILED, with the reason."""
     if found in (CheckpointState.PREPARED, CheckpointState.PREPARING,
-                 CheckpointState.RESTORING) and s.before_resume is not None:
-        try:
-            s.before_resume()
-        except CkptError as err:  # policy: not to serve here: FAILED, said why
-            s.mark_failed(f"not resumed: {err.message}")
-            return s.refresh_state() or CheckpointState.FAILED
+                 CheckpointState.RESTORING) and s.taken_over() is not None:
+        return s.refresh_state() or CheckpointState.FAILED  # not to serve here
     if found in (CheckpointState.PREPARED, CheckpointState.PREPARING):
         s.rollback(reason, step=step)
     elif found == CheckpointState.RESTORING:

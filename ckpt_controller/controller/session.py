@@ -3,12 +3,15 @@
 An ``EngineSession`` talks to the engine's agent (subscribed, so the agent's heartbeats bound
 every wait: a dead engine fails the session within a few heartbeat intervals), runs the hook
 points around each phase, journals the agent's transitions, drain and memory reports, and
-fills an ``EngineOutcome``. ``prepare`` and ``restore`` return a ``StepOutcome``: a hook
-failure inside them is applied there (``policy.hook_failed``); other failures raise, for the
-step to turn into an outcome. Agent operation ids are derived from the controller's operation id
-(``<op>/<engine>/<step>``), so a step sent again (a retry, a restarted controller) is not run
-twice. Neighbours: ``steps`` (what each operation does with a session), ``service`` (which
-sessions run when), ``hooks``, ``policy``, ``outcome``, ``journal``.
+fills an ``EngineOutcome``. Every hook point runs through one runner, ``at``: it runs the
+point's hooks (or what stands in for them: the capture, the fleet's take-over check) and turns
+any failure to run them into the step's outcome as the table says (``policy.HOOK_FAILURE``).
+``prepare``, ``capture`` and ``restore`` return a ``StepOutcome``; other failures raise, for
+the step to turn into an outcome. Agent operation ids are derived from the controller's
+operation id (``<op>/<engine>/<step>``), so a step sent again (a retry, a restarted
+controller) is not run twice. Neighbours: ``steps`` (what each operation does with a
+session), ``service`` (which sessions run when), ``hooks``, ``policy``, ``outcome``,
+``journal``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +32,8 @@ from ckpt_controller.controller.config import ControllerConfig, PrepareDefaults
 from ckpt_controller.controller.hooks import HookContext, find_hooks, run_point
 from ckpt_controller.controller.links import KNOWN_FRESH_S, AgentLink, AgentLinks
 from ckpt_controller.controller.outcome import StepOutcome
-from ckpt_controller.controller.policy import hook_failed
-from ckpt_controller.errors import (
-    CkptError,
-    DeadlineError,
-    HookError,
-    HookTimeoutError,
-    OperationError,
-)
+from ckpt_controller.controller.policy import Condition, hook_failed
+from ckpt_controller.errors import CkptError, DeadlineError, OperationError
 from ckpt_controller.vocab import (
     CheckpointState,
     HookPoint,
@@ -49,6 +47,8 @@ log = logging.getLogger("ckpt_controller.controller")
 
 #: records every step journals: (type, data, engine)
 Recorder = Callable[..., p.JournalRecord]
+#: what runs at a hook point: its hooks, or what stands in for them (raises when it fails)
+Run = Callable[[], object]
 #: engines whose capture without a dump hook was logged as a warning (later ones: debug)
 _TOLD_NO_DUMP: set[str] = set()
 
@@ -190,8 +190,8 @@ class EngineSession:
     def hooks(self, point: str, until_wall: float | None = None,
               undo_capture: bool = False) -> int:
         """Run ``point``'s hooks, each within the ``hook`` deadline, all of them before
-        ``until_wall`` when given, and within the operation's deadline. Returns how many ran
-        (raises at the first failure)."""
+        ``until_wall`` when given, and within the operation's deadline. Returns how many ran;
+        raises at the first failure (run a point through ``at``, which applies the table)."""
         found = find_hooks(self.config.hooks_dir, point)
         if not found:
             return 0  # nothing to run: no context to build, no image folder to make
@@ -218,6 +218,32 @@ class EngineSession:
                 self.record("hook", msgspec.to_builtins(run))
         return len(runs)
 
+    def at(self, point: HookPoint, run: Run | None = None, *,
+           condition: Condition = Condition.PLAIN, cause: CkptError | None = None,
+           phase: str | None = None, then: tuple[tuple[HookPoint, Run], ...] = ()
+           ) -> StepOutcome | None:
+        """Run ``point``: its hooks as a phase (``hook_phase``), or ``run`` in their place,
+        then each of ``then`` (further points, each with its run), all inside ``phase`` when
+        one is named. On a failure the table's row for the point that failed, under
+        ``condition`` (undoing ``cause``), is applied (``policy.hook_failed``): returns the
+        step's outcome, or ``None`` when every point passed or the failure is only logged.
+
+        The one place a failure to run a hook point is caught and decided on, with one catch
+        set, ``CkptError``: every typed failure while a point runs is that point's failure (a
+        hook's exit, ``HookError``, or timeout, ``HookTimeoutError``; a refused hook,
+        ``ConfigError``; the capture deadline, ``DeadlineError``; a missing dump hook or the
+        take-over check's no, ``OperationError``); anything untyped is a bug, which the step's
+        guard (``steps.guarded``) reports."""
+        points = ((point, run or (lambda: self.hook_phase(point))), *then)
+        failed = point
+        try:
+            with self.phase(phase) if phase else nullcontext():
+                for failed, step in points:
+                    step()
+        except CkptError as err:  # policy: a typed failure to run a point: the table decides
+            return hook_failed(self, failed, err, condition, cause)
+        return None
+
     def hook_phase(self, point: HookPoint) -> int:
         """``point``'s hooks as a phase of their own; a point with no hooks is no phase (no
         record, no timing): how many ran."""
@@ -236,10 +262,8 @@ class EngineSession:
 
     def prepare(self) -> StepOutcome:
         d = self.config.deadlines
-        try:
-            self.hook_phase(HookPoint.PRE_PREPARE)
-        except (HookError, HookTimeoutError) as err:  # policy: the table's (a veto)
-            return hook_failed(self, HookPoint.PRE_PREPARE, err)
+        if (out := self.at(HookPoint.PRE_PREPARE)) is not None:
+            return out
         prm = self.params
         args = dict(drain=prm.drain, on_deadline=prm.on_deadline, level=prm.level,
                     tags=list(prm.tags) if prm.tags else None,
@@ -260,13 +284,13 @@ class EngineSession:
                     op_id=f"{self.op_id}/{self.engine.name}/drain", step=PrepareStep.DRAIN,
                     drain_timeout_s=self.remaining(drain),
                     deadline_s=self.remaining(drain + d.release), **args)
-            if (out := self._inside(HookPoint.POST_DRAIN)) is not None:
+            if (out := self.at(HookPoint.POST_DRAIN)) is not None:
                 return out
             with self.phase(PrepareStep.RELEASE):
                 released = self.client.prepare(
                     op_id=f"{self.op_id}/{self.engine.name}/release", step=PrepareStep.RELEASE,
                     deadline_s=self.remaining(d.release), **args)
-            if (out := self._inside(HookPoint.POST_RELEASE)) is not None:
+            if (out := self.at(HookPoint.POST_RELEASE)) is not None:
                 return out
             with self.phase(PrepareStep.SEAL):
                 sealed = self.client.prepare(
@@ -285,30 +309,37 @@ class EngineSession:
     def has_hooks(self, point: str) -> bool:
         return bool(find_hooks(self.config.hooks_dir, point))
 
-    def _inside(self, point: HookPoint) -> StepOutcome | None:
-        """Hooks inside PREPARING; ``None`` when they passed, else what the table made of
-        their failure (a rollback to RUNNING)."""
-        try:
-            self.hook_phase(point)
-        except CkptError as err:  # policy: the table's, for any failure to run them
-            return hook_failed(self, point, err, reason=f"{point} hook failed: {err.message}")
-        return None
+    def capture(self) -> StepOutcome:
+        """The dump and post-dump hooks, as one phase, together within the ``capture``
+        deadline (and each within ``hook``). A failure at either (a missing dump hook where
+        ``require_dump`` asks for one, the capture deadline) is undone as the table says."""
+        if (out := self.at(HookPoint.DUMP, self._dump_hook_required)) is not None:
+            return out
+        end, ran = [0.0], [0]  # the capture's deadline (wall clock), dump hooks that ran
 
-    def capture(self) -> None:
-        """The dump and post-dump hooks, together within the ``capture`` deadline (and each
-        within ``hook``)."""
+        def dump() -> None:
+            end[0] = time.time() + self.remaining(self.config.deadlines.capture)
+            ran[0] = self.hooks(HookPoint.DUMP, until_wall=end[0])
+            if time.time() >= end[0]:
+                raise DeadlineError("capture deadline passed after the dump hooks",
+                                    engine=self.engine.name, op_id=self.op_id,
+                                    capture_s=self.config.deadlines.capture)
+
+        post_dump = (HookPoint.POST_DUMP,
+                     lambda: self.hooks(HookPoint.POST_DUMP, until_wall=end[0]))
+        out = self.at(HookPoint.DUMP, dump, phase=OperationKind.CAPTURE, then=(post_dump,))
+        if out is None:
+            self._captured(ran[0] > 0)
+        return out or StepOutcome.succeeded()
+
+    def _dump_hook_required(self) -> None:
         if self.config.require_dump and not self.has_hooks(HookPoint.DUMP):
             raise OperationError(f"no dump hook to capture {self.engine.name} with, and "
                                  f"[controller] require_dump = true", engine=self.engine.name,
                                  hooks_dir=str(self.config.hooks_dir))
-        with self.phase(OperationKind.CAPTURE):
-            end = time.time() + self.remaining(self.config.deadlines.capture)
-            dumped = self.hooks(HookPoint.DUMP, until_wall=end) > 0
-            if time.time() >= end:
-                raise DeadlineError("capture deadline passed after the dump hooks",
-                                    engine=self.engine.name, op_id=self.op_id,
-                                    capture_s=self.config.deadlines.capture)
-            self.hooks(HookPoint.POST_DUMP, until_wall=end)
+
+    def _captured(self, dumped: bool) -> None:
+        """A good capture: in the outcome, the journal and the metrics."""
         self.outcome.dumped, self.outcome.image = dumped, self.op_id if dumped else None
         # a good capture only: what a later restore chooses its image by (``service``)
         self.record("capture", {"dumped": dumped, "generation": self.generation,
@@ -326,13 +357,11 @@ class EngineSession:
     def restore(self, run_pre_restore: bool = True) -> StepOutcome:
         d = self.config.deadlines
         if run_pre_restore:
-            self.use_image()
-            try:
-                ran = self.hook_phase(HookPoint.PRE_RESTORE)
-            except (HookError, HookTimeoutError) as err:  # policy: the table's (FAILED)
-                return hook_failed(self, HookPoint.PRE_RESTORE, err)
-            if ran:
-                self.reconnect()  # a hook may have restored the process from an image
+            runs = len(self.outcome.hooks)
+            if (out := self.at(HookPoint.PRE_RESTORE, self.pre_restore)) is not None:
+                return out
+            if len(self.outcome.hooks) > runs:  # a hook ran: it may have restored the
+                self.reconnect()  # process from an image
         base = f"{self.op_id}/{self.engine.name}"
         if not self.has_hooks(HookPoint.POST_RESTORE) and self.before_resume is None:
             with self.phase(OperationKind.RESTORE):
@@ -342,19 +371,11 @@ class EngineSession:
             with self.phase(RestoreStep.REWAKE):
                 rewoken = self.client.restore(op_id=f"{base}/rewake", step=RestoreStep.REWAKE,
                                               deadline_s=self.remaining(d.restore))
-            try:
-                with self.phase(HookPoint.POST_RESTORE):
-                    self.hooks(HookPoint.POST_RESTORE)
-            except CkptError as err:  # policy: the table's (FAILED), for any failure to run
-                return hook_failed(self, HookPoint.POST_RESTORE, err,
-                                   reason=f"post-restore hook failed: {err.message}")
-            if self.before_resume is not None:
-                try:
-                    self.before_resume()
-                except CkptError as err:  # policy: not to be admitted here: FAILED, as a
-                    # failed post-restore check is (the engine is not RUNNING anywhere twice)
-                    self.mark_failed(f"not resumed: {err.message}")
-                    return StepOutcome.failed(err, CheckpointState.FAILED)
+            # a phase even when only the take-over check made the restore stepwise
+            post_restore = partial(self.hooks, HookPoint.POST_RESTORE)
+            out = self.at(HookPoint.POST_RESTORE, post_restore, phase=HookPoint.POST_RESTORE)
+            if out is not None or (out := self.taken_over()) is not None:
+                return out
             with self.phase(RestoreStep.RESUME):
                 reply = self.client.restore(op_id=f"{base}/resume", step=RestoreStep.RESUME,
                                             deadline_s=self.remaining(d.restore))
@@ -363,8 +384,30 @@ class EngineSession:
         self.outcome.generation = reply.generation
         if reply.memory is not None:
             self.record("memory", msgspec.to_builtins(reply.memory))
-        self._log_only(HookPoint.POST_RESUME)
-        return StepOutcome.succeeded()
+        post_resume = partial(self.hooks, HookPoint.POST_RESUME)
+        return self.at(HookPoint.POST_RESUME, post_resume) or StepOutcome.succeeded()
+
+    def taken_over(self) -> StepOutcome | None:
+        """The fleet's check that this node may admit the engine (``before_resume``), if
+        there is one: ``None`` when it may, else what the table says of its no."""
+        if self.before_resume is None:
+            return None
+        return self.at(HookPoint.POST_RESTORE, self.before_resume,
+                       condition=Condition.TAKING_OVER)
+
+    def undo_capture(self, cause: CkptError) -> StepOutcome | None:
+        """After the failed capture ``cause``: the pre-restore hooks with
+        ``CKPT_UNDO_CAPTURE=1`` give back what the dump hooks took. ``None`` when they did,
+        else what the table says of their failure."""
+        undo = partial(self.hooks, HookPoint.PRE_RESTORE, undo_capture=True)
+        return self.at(HookPoint.PRE_RESTORE, undo, condition=Condition.UNDOING_CAPTURE,
+                       cause=cause)
+
+    def pre_restore(self) -> None:
+        """What runs at pre-restore: this restore's image named (``use_image``), then the
+        pre-restore hooks as a phase (raises when they fail or are refused)."""
+        self.use_image()
+        self.hook_phase(HookPoint.PRE_RESTORE)
 
     def use_image(self) -> None:
         """Before the pre-restore hooks: name this restore's image in its outcome and point
@@ -391,20 +434,18 @@ class EngineSession:
         self.outcome.state, self.outcome.rewoken = reply.state, reply.memory
 
     def mark_failed(self, reason: str) -> None:
-        """Tell the agent the engine is FAILED (e.g. a pre-restore hook failed)."""
+        """Tell the agent the engine is FAILED (e.g. a pre-restore hook failed); the table
+        runs the on-fail hooks after it (``on_failed``)."""
         try:
             self.client.fail(reason=reason, op_id=f"{self.op_id}/{self.engine.name}/fail")
             self.outcome.state = CheckpointState.FAILED
         except CkptError as exc:  # policy: the original failure is what the caller reports
             log.warning("%s: could not mark FAILED: %s", self.engine.name, exc)
-        self._log_only(HookPoint.ON_FAIL)
 
-    def _log_only(self, point: HookPoint) -> None:
-        """Run hooks whose failure the table only logs (post-resume, on-fail)."""
-        try:
-            self.hooks(point)
-        except (HookError, HookTimeoutError) as exc:  # policy: the table's (logged only)
-            hook_failed(self, point, exc)
+    def on_failed(self) -> StepOutcome | None:
+        """The on-fail hooks, after the engine was marked FAILED: ``None`` when they passed
+        or their failure is only logged (as the table has it)."""
+        return self.at(HookPoint.ON_FAIL, partial(self.hooks, HookPoint.ON_FAIL))
 
     def refresh_state(self) -> str | None:
         """The agent's state now, or ``None`` if it does not answer."""

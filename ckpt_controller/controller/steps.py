@@ -4,9 +4,9 @@ A step (``prepare``, ``capture``, ``restore``, ``rollback``, ``cycle``, ...) run
 engine's ``EngineSession`` and returns a ``StepOutcome``; ``guarded`` opens the session, runs
 the step, turns an error that escaped it into an outcome (``outcome.from_error``) and writes
 the outcome into the engine's ``EngineOutcome``, so one engine's failure never stops the
-others. A failed dump or post-dump is undone as ``policy.HOOK_FAILURE`` says (rolled back,
-after the pre-restore hooks gave back what the dump hooks took), a cycle whose restore never
-ran rolls back, and an all-or-nothing prepare rolls back the engines it prepared.
+others. What a hook point's failure does is the session's runner's business (``session.at``
+applies ``policy.HOOK_FAILURE``); here a cycle whose restore never ran rolls back, and an
+all-or-nothing prepare rolls back the engines it prepared.
 Neighbours: ``session`` (the engine's phases), ``policy`` and ``outcome``; ``fanout`` runs
 steps across engines; ``service`` chooses the step for an operation.
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.hooks import find_hooks
 from ckpt_controller.controller.outcome import StepOutcome, error_info, from_error
-from ckpt_controller.controller.policy import hook_failed
+from ckpt_controller.controller.policy import Condition
 from ckpt_controller.controller.session import EngineSession
 from ckpt_controller.errors import CkptError, OperationError, UnreachableError, UsageError
 from ckpt_controller.vocab import CheckpointState, HookPoint, OutcomeStatus
@@ -71,29 +71,7 @@ def capture(s: EngineSession) -> StepOutcome:
     if s.outcome.state != CheckpointState.PREPARED:
         raise UsageError(f"capture needs a PREPARED engine; {s.engine.name} is {s.outcome.state}",
                          engine=s.engine.name, state=s.outcome.state)
-    try:
-        s.capture()
-    except CkptError as err:  # policy: the table's for the dump (below)
-        return _undo_capture(s, err)
-    return StepOutcome.succeeded()
-
-
-def _undo_capture(s: EngineSession, err: CkptError) -> StepOutcome:
-    """A failed (or refused) dump or post-dump: ``HOOK_FAILURE`` rolls it back when the
-    engine lives, after the pre-restore hooks gave back what the dump hooks took
-    (CKPT_UNDO_CAPTURE: e.g. the GPU that cuda-checkpoint locked); if they cannot, the engine
-    is FAILED. An engine whose process died is simply failed: there is nothing to roll back."""
-    if s.refresh_state() != CheckpointState.PREPARED:
-        return from_error(err)
-    try:
-        s.hooks(HookPoint.PRE_RESTORE, undo_capture=True)
-    except CkptError as undo:  # policy: what the dump took is not given back: FAILED
-        s.mark_failed(f"capture failed ({err.message}) and the pre-restore hooks "
-                      f"could not undo it: {undo.message}")
-        err.details["undo_error"] = undo.message  # for the operator, beside the dump's error
-        return StepOutcome.failed(err, CheckpointState.FAILED)
-    point = err.details.get("point", HookPoint.DUMP)  # the capture's own errors: the dump's
-    return hook_failed(s, point, err, reason=f"capture failed: {err.message}")
+    return s.capture()
 
 
 def restore(s: EngineSession) -> StepOutcome:
@@ -111,11 +89,11 @@ def revive_and_restore(s: EngineSession) -> StepOutcome:
     except UnreachableError:
         if not find_hooks(s.config.hooks_dir, HookPoint.PRE_RESTORE):
             raise
-        # policy: the process is gone and pre-restore hooks may bring it back from an image;
-        # if they fail there is no engine to mark FAILED: the failure is the outcome
-        s.use_image()
-        with s.phase(HookPoint.PRE_RESTORE):
-            s.hooks(HookPoint.PRE_RESTORE)
+        # policy: the process is gone and pre-restore hooks may bring it back from an image
+        # (what their failure does: the table's (pre-restore, NO_PROCESS))
+        out = s.at(HookPoint.PRE_RESTORE, s.pre_restore, condition=Condition.NO_PROCESS)
+        if out is not None:
+            return out
         s.reconnect()
         return s.restore(run_pre_restore=False)
     return restore(s)

@@ -5,8 +5,9 @@
 Every fault hits the drill's first engine (a ``kill-controller`` hits the controller). What
 each one must lead to is ``expected(kind, where)``; the drill checks it, handles the
 aftermath (``after``), and checks that the engine serves again. What a hook fault must lead
-to comes from the controller's own table (``controller.policy.HOOK_FAILURE``), so the drill
-checks the policy the controller applies, not a copy of it. Neighbours: ``runner`` (how each
+to comes from the controller's own table (``controller.policy.HOOK_FAILURE``, each point's
+plain row: a drill's hook fails where the cycle runs it), so the drill checks the policy the
+controller applies, not a copy of it. Neighbours: ``runner`` (how each
 is injected), ``agent.failpoints`` (the engine-side half), ``controller.policy``.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ckpt_controller.controller.policy import HOOK_FAILURE
+from ckpt_controller.controller import policy
 from ckpt_controller.errors import UsageError
 from ckpt_controller.vocab import (
     CheckpointState,
@@ -77,7 +78,7 @@ RUNS_WITH = {HookPoint.ON_FAIL: HookPoint.POST_RESTORE}
 
 
 def _hook_effect(point: HookPoint) -> tuple[str, str, str]:
-    state, status, text = _BY_POLICY[HOOK_FAILURE[RUNS_WITH.get(point, point)]]
+    state, status, text = _BY_POLICY[policy.row(RUNS_WITH.get(point, point)).action]
     if point in RUNS_WITH:
         text = f"logged only (after a failing {RUNS_WITH[point]}): {text}"
     return state, status, text
