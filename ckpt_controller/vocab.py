@@ -171,10 +171,27 @@ class HookPoint(enum.StrEnum):
 class HookFailure(enum.StrEnum):
     """What a hook's non-zero exit or timeout does at its point."""
 
-    VETO = "veto"  # the operation is refused; the engine stays RUNNING
+    VETO = "veto"  # the operation is refused where it stands: nothing moved, or nothing is left to move
     ROLLBACK = "rollback"  # the engine is rolled back to RUNNING (if its process lives)
     FAIL = "fail"  # the engine is marked FAILED
     LOG = "log"  # logged and counted; the operation goes on
+
+
+class HookCondition(enum.StrEnum):
+    """What else holds when a hook point runs: the second key of the hook-failure table
+    (``controller.policy.HOOK_FAILURE``), beside the point; journaled with a failure."""
+
+    PLAIN = "plain"  # the point in its place in the cycle
+    #: pre-restore hooks run with ``CKPT_UNDO_CAPTURE=1`` after a failed dump or post-dump,
+    #: to give back what the dump hooks took (a GPU that cuda-checkpoint locked)
+    UNDOING_CAPTURE = "undoing-capture"
+    #: the engine's process is gone: a dump that ended it, or a restore whose pre-restore
+    #: hooks are to bring it back from its image (a stop-mode dump, a migration)
+    NO_PROCESS = "no-process"
+    #: the fleet's check that this node may admit an engine a migration brought here
+    #: (``EngineSession.before_resume``), at the post-restore moment: after re-wake, before
+    #: re-admission (or before a reconciler settles the engine)
+    TAKING_OVER = "taking-over"
 
 
 class EngineKind(enum.StrEnum):

@@ -14,8 +14,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckpt_controller.controller import policy
-from ckpt_controller.controller.policy import Condition
-from ckpt_controller.vocab import HookPoint
+from ckpt_controller.vocab import HookCondition, HookPoint
 from conftest import wait_until, write_hook
 
 
@@ -128,5 +127,5 @@ def test_each_point_runs_in_the_states_its_row_names(spawn_reference, spawn_cont
     lines = [line.split() for line in seen.read_text().splitlines()]
     assert {HookPoint(point) for point, _, _ in lines} == set(HookPoint)  # each one ran
     for point, state, undo in lines:
-        condition = Condition.UNDOING_CAPTURE if undo == "1" else Condition.PLAIN
+        condition = HookCondition.UNDOING_CAPTURE if undo == "1" else HookCondition.PLAIN
         assert state in policy.row(point, condition).runs_in, (point, state, undo)

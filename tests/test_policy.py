@@ -18,11 +18,16 @@ import pytest
 from ckpt_controller import protocol as p
 from ckpt_controller.controller import policy
 from ckpt_controller.controller.outcome import StepOutcome, from_error
-from ckpt_controller.controller.policy import Condition
 from ckpt_controller.drill import faults
 from ckpt_controller.errors import HookError, OperationError, ResidualOverBudgetError
 from ckpt_controller.lifecycle import Lifecycle
-from ckpt_controller.vocab import CheckpointState, HookFailure, HookPoint, OutcomeStatus
+from ckpt_controller.vocab import (
+    CheckpointState,
+    HookCondition,
+    HookFailure,
+    HookPoint,
+    OutcomeStatus,
+)
 
 
 class RecordingEngine:
@@ -61,7 +66,7 @@ class RecordingEngine:
         if self.undo_error is None:
             return None
         return policy.hook_failed(self, HookPoint.PRE_RESTORE, self.undo_error,
-                                  Condition.UNDOING_CAPTURE, cause)
+                                  HookCondition.UNDOING_CAPTURE, cause)
 
 
 def hook_error(point: HookPoint, code: int = 7) -> HookError:
@@ -74,12 +79,12 @@ ROWS = list(policy.HOOK_FAILURE)
 
 def test_the_table_covers_every_hook_point_with_a_policy_word():
     assert {point for point, _ in ROWS} == set(HookPoint)
-    assert {(point, Condition.PLAIN) for point in HookPoint} <= set(ROWS)  # each in its place
+    assert {(point, HookCondition.PLAIN) for point in HookPoint} <= set(ROWS)  # each in its place
     assert all(isinstance(r.action, HookFailure) and r.runs_in and r.reason.count("{error}")
                for r in policy.HOOK_FAILURE.values())
     for (point, _), r in policy.HOOK_FAILURE.items():  # a row that undoes says what then
-        assert not r.undo or {(point, Condition.NO_PROCESS),
-                              (HookPoint.PRE_RESTORE, Condition.UNDOING_CAPTURE)} <= set(ROWS)
+        assert not r.undo or {(point, HookCondition.NO_PROCESS),
+                              (HookPoint.PRE_RESTORE, HookCondition.UNDOING_CAPTURE)} <= set(ROWS)
 
 
 @pytest.mark.parametrize("key", ROWS, ids=lambda k: "-".join(k))
@@ -94,7 +99,7 @@ def test_every_action_is_allowed_in_every_state_its_point_runs_in(key):
 
 def test_a_trigger_not_allowed_where_a_point_runs_is_caught(monkeypatch):
     """The check above fails when a row's action does not fit its states."""
-    key = (HookPoint.POST_RESTORE, Condition.PLAIN)
+    key = (HookPoint.POST_RESTORE, HookCondition.PLAIN)
     bad = dataclasses.replace(policy.HOOK_FAILURE[key], action=HookFailure.ROLLBACK)
     monkeypatch.setitem(policy.HOOK_FAILURE, key, bad)
     with pytest.raises(AssertionError):
@@ -114,7 +119,7 @@ def test_a_hook_failure_does_what_the_table_says(key):
     r = policy.HOOK_FAILURE[key]
     where = min(r.runs_in)  # a state the point runs in
     eng, err = RecordingEngine(where), hook_error(point)
-    cause = hook_error(HookPoint.DUMP, 1) if condition is Condition.UNDOING_CAPTURE else None
+    cause = hook_error(HookPoint.DUMP, 1) if condition is HookCondition.UNDOING_CAPTURE else None
     out = policy.hook_failed(eng, point, err, condition, cause)
     reason = r.reason.format(error=err.message, cause=cause.message if cause else "")
     done = [rec for rec in eng.records if rec[0] == "hook_failure"]
@@ -147,12 +152,12 @@ def test_a_failed_capture_is_undone_first_or_failed_if_the_undo_fails(point):
     eng = RecordingEngine(CheckpointState.FAILED)
     out = policy.hook_failed(eng, point, err)
     assert out == StepOutcome.failed(err) and eng.calls == []
-    assert eng.records[-1][1]["condition"] == Condition.NO_PROCESS
+    assert eng.records[-1][1]["condition"] == HookCondition.NO_PROCESS
 
 
 def test_the_policy_follows_the_table_not_a_copy(monkeypatch):
     """Change the table and the behaviour changes with it: nothing else decides."""
-    key = (HookPoint.POST_DRAIN, Condition.PLAIN)
+    key = (HookPoint.POST_DRAIN, HookCondition.PLAIN)
     monkeypatch.setitem(policy.HOOK_FAILURE, key, policy.Row(
         HookFailure.FAIL, "changed: {error}", frozenset({CheckpointState.PREPARING})))
     eng, err = RecordingEngine(), hook_error(HookPoint.POST_DRAIN)

@@ -31,7 +31,7 @@ import prometheus_client as prom
 from ckpt_controller import protocol as p
 from ckpt_controller.criu_images import image_bytes
 from ckpt_controller.errors import ConfigError
-from ckpt_controller.lifecycle import CheckpointState
+from ckpt_controller.vocab import CheckpointState
 from ckpt_controller.vocab import OperationKind, OutcomeStatus
 
 log = logging.getLogger("ckpt_controller.metrics")

@@ -1,9 +1,9 @@
 """What a failure at each hook point does: one table, applied in one place.
 
-``HOOK_FAILURE`` has a row for every hook point, and for the conditions under which a point's
-failure means something else (``Condition``): the pre-restore hooks undoing a failed capture,
-a point whose engine's process is gone, the fleet's take-over check before a migrated engine
-is admitted. A row says what a failure there does (``HookFailure``: a veto, a roll back to
+``HOOK_FAILURE`` has a row for every hook point, and for the conditions under which a
+point's failure means something else (``vocab.HookCondition``): the pre-restore hooks undoing
+a failed capture, a point whose engine's process is gone, the fleet's take-over check before a
+migrated engine is admitted. A row says what a failure there does (``HookFailure``: a veto, a roll back to
 RUNNING, FAILED, or a log line), the reason the engine's journal gives, and the states the
 engine is in when the point runs (the action's trigger must be allowed there:
 ``tests/test_policy.py``). ``hook_failed`` applies a row; its one caller is the session's
@@ -16,7 +16,6 @@ shows the table to people.
 
 from __future__ import annotations
 
-import enum
 import logging
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,25 +23,15 @@ from typing import Protocol
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.outcome import StepOutcome, from_error
 from ckpt_controller.errors import CkptError
-from ckpt_controller.vocab import CheckpointState, HookFailure, HookPoint, Trigger
+from ckpt_controller.vocab import (
+    CheckpointState,
+    HookCondition,
+    HookFailure,
+    HookPoint,
+    Trigger,
+)
 
 log = logging.getLogger("ckpt_controller.controller")
-
-
-class Condition(enum.StrEnum):
-    """What else holds when a point runs: the table's second key, beside the point."""
-
-    PLAIN = "plain"  # the point in its place in the cycle
-    #: pre-restore hooks run with ``CKPT_UNDO_CAPTURE=1`` after a failed dump or post-dump,
-    #: to give back what the dump hooks took (a GPU that cuda-checkpoint locked)
-    UNDOING_CAPTURE = "undoing-capture"
-    #: the engine's process is gone: a dump that ended it, or a restore whose pre-restore
-    #: hooks are to bring it back from its image (a stop-mode dump, a migration)
-    NO_PROCESS = "no-process"
-    #: the fleet's check that this node may admit an engine a migration brought here
-    #: (``EngineSession.before_resume``), at the post-restore moment: after re-wake, before
-    #: re-admission (or before a reconciler settles the engine)
-    TAKING_OVER = "taking-over"
 
 
 @dataclass(frozen=True)
@@ -59,7 +48,7 @@ class Row:
     undo: bool = False
 
 
-S, P, C, A = CheckpointState, HookPoint, Condition, HookFailure
+S, P, C, A = CheckpointState, HookPoint, HookCondition, HookFailure
 
 
 def _in(*states: CheckpointState) -> frozenset[CheckpointState]:
@@ -67,7 +56,7 @@ def _in(*states: CheckpointState) -> frozenset[CheckpointState]:
 
 
 #: (point, condition) -> what a non-zero exit, a timeout or a refusal there does
-HOOK_FAILURE: dict[tuple[HookPoint, Condition], Row] = {
+HOOK_FAILURE: dict[tuple[HookPoint, HookCondition], Row] = {
     (P.PRE_PREPARE, C.PLAIN): Row(A.VETO, "vetoed by a pre-prepare hook: {error}",
                                   _in(S.RUNNING)),  # nothing moved yet: it stays RUNNING
     (P.POST_DRAIN, C.PLAIN): Row(A.ROLLBACK, "post-drain hook failed: {error}",
@@ -109,7 +98,7 @@ FIRES: dict[HookFailure, Trigger | None] = {
 }
 
 
-def row(point: HookPoint | str, condition: Condition = Condition.PLAIN) -> Row:
+def row(point: HookPoint | str, condition: HookCondition = HookCondition.PLAIN) -> Row:
     """The table's row for ``point`` under ``condition`` (what the drill expects by)."""
     return HOOK_FAILURE[HookPoint(point), condition]
 
@@ -136,7 +125,7 @@ class Engine(Protocol):
 
 
 def hook_failed(s: Engine, point: HookPoint, err: CkptError,
-                condition: Condition = Condition.PLAIN,
+                condition: HookCondition = HookCondition.PLAIN,
                 cause: CkptError | None = None) -> StepOutcome | None:
     """Apply the row for ``(point, condition)`` after ``err`` (a failure to run the point,
     while undoing ``cause`` if given): journal it (``hook_failure``), then log it, or roll the
@@ -146,7 +135,7 @@ def hook_failed(s: Engine, point: HookPoint, err: CkptError,
     rule = HOOK_FAILURE[point, condition]
     if rule.undo:
         if s.refresh_state() not in rule.runs_in:
-            return hook_failed(s, point, err, Condition.NO_PROCESS)
+            return hook_failed(s, point, err, HookCondition.NO_PROCESS)
         if (undone := s.undo_capture(err)) is not None:
             return undone
     reason = rule.reason.format(error=err.message, cause=cause.message if cause else "")

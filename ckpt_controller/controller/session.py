@@ -32,10 +32,11 @@ from ckpt_controller.controller.config import ControllerConfig, PrepareDefaults
 from ckpt_controller.controller.hooks import HookContext, find_hooks, run_point
 from ckpt_controller.controller.links import KNOWN_FRESH_S, AgentLink, AgentLinks
 from ckpt_controller.controller.outcome import StepOutcome
-from ckpt_controller.controller.policy import Condition, hook_failed
+from ckpt_controller.controller.policy import hook_failed
 from ckpt_controller.errors import CkptError, DeadlineError, OperationError
 from ckpt_controller.vocab import (
     CheckpointState,
+    HookCondition,
     HookPoint,
     OperationKind,
     OutcomeStatus,
@@ -219,7 +220,7 @@ class EngineSession:
         return len(runs)
 
     def at(self, point: HookPoint, run: Run | None = None, *,
-           condition: Condition = Condition.PLAIN, cause: CkptError | None = None,
+           condition: HookCondition = HookCondition.PLAIN, cause: CkptError | None = None,
            phase: str | None = None, then: tuple[tuple[HookPoint, Run], ...] = ()
            ) -> StepOutcome | None:
         """Run ``point``: its hooks as a phase (``hook_phase``), or ``run`` in their place,
@@ -393,14 +394,14 @@ class EngineSession:
         if self.before_resume is None:
             return None
         return self.at(HookPoint.POST_RESTORE, self.before_resume,
-                       condition=Condition.TAKING_OVER)
+                       condition=HookCondition.TAKING_OVER)
 
     def undo_capture(self, cause: CkptError) -> StepOutcome | None:
         """After the failed capture ``cause``: the pre-restore hooks with
         ``CKPT_UNDO_CAPTURE=1`` give back what the dump hooks took. ``None`` when they did,
         else what the table says of their failure."""
         undo = partial(self.hooks, HookPoint.PRE_RESTORE, undo_capture=True)
-        return self.at(HookPoint.PRE_RESTORE, undo, condition=Condition.UNDOING_CAPTURE,
+        return self.at(HookPoint.PRE_RESTORE, undo, condition=HookCondition.UNDOING_CAPTURE,
                        cause=cause)
 
     def pre_restore(self) -> None:

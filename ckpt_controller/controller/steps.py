@@ -19,10 +19,9 @@ from collections.abc import Callable
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.hooks import find_hooks
 from ckpt_controller.controller.outcome import StepOutcome, error_info, from_error
-from ckpt_controller.controller.policy import Condition
 from ckpt_controller.controller.session import EngineSession
 from ckpt_controller.errors import CkptError, OperationError, UnreachableError, UsageError
-from ckpt_controller.vocab import CheckpointState, HookPoint, OutcomeStatus
+from ckpt_controller.vocab import CheckpointState, HookCondition, HookPoint, OutcomeStatus
 
 log = logging.getLogger("ckpt_controller.controller")
 
@@ -91,7 +90,7 @@ def revive_and_restore(s: EngineSession) -> StepOutcome:
             raise
         # policy: the process is gone and pre-restore hooks may bring it back from an image
         # (what their failure does: the table's (pre-restore, NO_PROCESS))
-        out = s.at(HookPoint.PRE_RESTORE, s.pre_restore, condition=Condition.NO_PROCESS)
+        out = s.at(HookPoint.PRE_RESTORE, s.pre_restore, condition=HookCondition.NO_PROCESS)
         if out is not None:
             return out
         s.reconnect()
