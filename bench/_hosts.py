@@ -4,8 +4,9 @@ them spent.
 
 - ``Fleet``: ``n`` real ``Agent`` objects with nothing registered, at most ``per`` to a host
   process, each on its own ipc socket;
-- ``ControllerHost``: a real ``ControllerServer`` (its config given as TOML) alone in its
-  process, as ``ckptctl serve`` runs it (``ControllerHost.many``: several started at once);
+- ``ControllerHost``: a real node controller (``serve.NodeService``: its config given as TOML,
+  with ``[fleet]`` its fleet node too) alone in its process, as ``ckptctl serve`` runs it
+  (``ControllerHost.many``: several started at once);
 - ``EchoHost`` and ``round_trips``: a ROUTER that sends every message back, and a DEALER that
   times each round trip: the transport's own cost, with none of this project's code in it;
 - ``FloorHost``: a ROUTER that answers each request after doing the I/O a one-engine cycle
@@ -54,11 +55,11 @@ CONTROLLER_HOST = r"""
 import sys, json
 from pathlib import Path
 from ckpt_controller.controller.config import parse_config
-from ckpt_controller.controller.server import ControllerServer
-server = ControllerServer(parse_config(Path(sys.argv[1]).read_text())).start()
-print(json.dumps({"event": "ready", "endpoint": server.endpoint}), flush=True)
+from ckpt_controller.serve import NodeService
+node = NodeService(parse_config(Path(sys.argv[1]).read_text())).start()
+print(json.dumps({"event": "ready", "endpoint": node.server.endpoint}), flush=True)
 sys.stdin.read()   # until the benchmark closes our stdin
-server.close()
+node.close()
 """
 
 ECHO_HOST = r"""
@@ -202,7 +203,7 @@ class Fleet:
 
 
 class ControllerHost:
-    """A ``ControllerServer`` alone in its process, configured by the TOML in ``config``
+    """A node controller alone in its process, configured by the TOML in ``config``
     (``proc``: one already started by ``many``, waited for here)."""
 
     def __init__(self, config: Path, proc: subprocess.Popen | None = None) -> None:

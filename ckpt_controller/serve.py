@@ -45,10 +45,14 @@ class NodeService:
         self.fleet = FleetNode(self.config, self.server.controller)
         self.server.controller.guard = FleetGuard(self.fleet)
 
-    def start(self) -> None:
+    def start(self) -> "NodeService":
+        """Serve (binding first if ``bind`` was not called), and with ``[fleet]`` register in
+        etcd; without a recovery first (``serve`` runs one between the two)."""
+        self.attach_fleet()
         self.server.start()
         if self.fleet is not None:
             self.fleet.start()
+        return self
 
     def close(self) -> None:
         if self.fleet is not None:
