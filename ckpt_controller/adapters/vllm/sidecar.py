@@ -164,7 +164,7 @@ class VllmEngine(EngineHooks):
             try:
                 self._metrics = self.http.metrics(timeout_s=2.0)
                 self._last_ok = time.monotonic()
-            except EngineError:  # not answering: alive() says so once it lasts
+            except EngineError:  # policy: not answering: alive() says so once it lasts
                 pass
 
     def alive(self) -> bool:
@@ -173,7 +173,7 @@ class VllmEngine(EngineHooks):
             try:
                 if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
                     return False
-            except psutil.NoSuchProcess:
+            except psutil.NoSuchProcess:  # policy: the process is gone: not alive
                 return False
         return time.monotonic() - self._last_ok < self._dead_after_s
 
@@ -230,7 +230,7 @@ class VllmEngine(EngineHooks):
                   start: float) -> None:
         try:
             now = self.http.metrics(timeout_s=min(1.0, self.tick_s * 4))
-        except EngineError:  # progress is best effort: the drain goes on
+        except EngineError:  # policy: progress is best effort: the drain goes on
             return
         progress(DrainProgress(engine="", op_id=cmd.op_id, in_flight=now.in_flight,
                                completed=now.ended_since(before, *_COMPLETED),
@@ -400,7 +400,7 @@ class VllmEngine(EngineHooks):
                     return
             try:
                 self.http.pause(DrainMode.ABORT, timeout_s=30)
-            except EngineError as err:
+            except EngineError as err:  # policy: logged; the mismatch is the error raised
                 log.error("could not pause vLLM after a golden mismatch: %s", err)
             raise VerificationError("the golden completion differs after restore",
                                     expected=self.golden, got=got, prompt=self.golden_prompt)
