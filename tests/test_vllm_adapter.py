@@ -289,7 +289,7 @@ def test_cycle_under_concurrent_completions(mode, vllm, sidecar, spawn_controlle
 
 
 def vllm_pid(http: VllmHttp) -> int:
-    from ckpt_controller.adapters.vllm.sidecar import find_server_pid
+    from ckpt_controller.adapters.vllm.process import find_server_pid
 
     return find_server_pid(http.port)
 

@@ -5,7 +5,7 @@ the task (``/proc/self/stat`` field 22) is new, and on another host so is the bo
 agent takes a fingerprint at start and compares it on every heartbeat tick and before it
 answers a request whose reply says the incarnation (handshake, status). Reading it is two
 small procfs reads with plain ``os`` calls (a few microseconds, not ``pathlib``'s tens).
-Neighbours: ``agent.server`` (ticks it), ``adapters.vllm.sidecar`` (follows vLLM's process).
+Neighbours: ``agent.server`` (ticks it), ``adapters.vllm.process`` (follows vLLM's process).
 """
 
 from __future__ import annotations

@@ -37,9 +37,10 @@ reconciler sends by itself, ``recover_uncaptured``) undoes, verifies and resumes
 its predecessor did.
 Started by ``launcher`` (``--engine-is-parent``), the sidecar is part of the engine: its status
 names the launcher's host PID (the tree a dump takes, vLLM and the sidecar in one image), read
-again after a restore moved it (``parent_host_pid``), and a migration moves both.
-Neighbours: ``http`` (vLLM's HTTP API) and ``state`` (the state file) below; ``agent`` runs it
-(``Agent`` with ``VllmEngine`` as its hooks and memory); ``cli.agent_cmds`` starts it.
+again after a restore moved it (``process.parent_host_pid``), and a migration moves both.
+Neighbours: ``http`` (vLLM's HTTP API), ``state`` (the state file) and ``process`` (vLLM's PID,
+its fingerprint, its process tree's memory) below; ``agent`` runs it (``Agent`` with
+``VllmEngine`` as its hooks and memory); ``cli.agent_cmds`` starts it.
 """
 
 from __future__ import annotations
@@ -47,21 +48,24 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 
 from ckpt_controller.adapters.vllm.http import RequestMetrics, VllmHttp
+from ckpt_controller.adapters.vllm.process import (
+    EngineFingerprint,
+    find_server_pid,
+    parent_host_pid,
+    tree_usage,
+)
 from ckpt_controller.adapters.vllm.state import Progress, StateFile, state_path
 from ckpt_controller.agent.drain import DrainPolicy
 from ckpt_controller.agent.engine import EngineHooks
-from ckpt_controller.agent.incarnation import Fingerprint, IncarnationTracker
+from ckpt_controller.agent.incarnation import IncarnationTracker
 from ckpt_controller.clock import Deadline
 from ckpt_controller.errors import (
     EngineError,
@@ -160,7 +164,7 @@ class VllmEngine(EngineHooks):
             try:
                 self._metrics = self.http.metrics(timeout_s=2.0)
                 self._last_ok = time.monotonic()
-            except EngineError:  # not answering: alive() says so once it lasts
+            except EngineError:  # policy: not answering: alive() says so once it lasts
                 pass
 
     def alive(self) -> bool:
@@ -169,7 +173,7 @@ class VllmEngine(EngineHooks):
             try:
                 if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
                     return False
-            except psutil.NoSuchProcess:
+            except psutil.NoSuchProcess:  # policy: the process is gone: not alive
                 return False
         return time.monotonic() - self._last_ok < self._dead_after_s
 
@@ -226,7 +230,7 @@ class VllmEngine(EngineHooks):
                   start: float) -> None:
         try:
             now = self.http.metrics(timeout_s=min(1.0, self.tick_s * 4))
-        except EngineError:  # progress is best effort: the drain goes on
+        except EngineError:  # policy: progress is best effort: the drain goes on
             return
         progress(DrainProgress(engine="", op_id=cmd.op_id, in_flight=now.in_flight,
                                completed=now.ended_since(before, *_COMPLETED),
@@ -260,7 +264,7 @@ class VllmEngine(EngineHooks):
 
     def release(self, plan: _Plan, residual_budget_bytes: int | None = None) -> MemoryReport:
         start = time.monotonic()
-        before = self._usage()
+        before = tree_usage(self.pid)
         # recorded first: a failed release_kv_cache_memory still marks kv_cache asleep in vLLM
         self._released, self._level = list(plan.tags), plan.level
         self._save()
@@ -273,7 +277,7 @@ class VllmEngine(EngineHooks):
         self._save()
         self.http.collective_rpc("checkpoint_prepare", timeout_s=self.step_timeout_s)
         report = self._report(MemoryAction.RELEASE, plan.level, plan.tags, before,
-                              self._usage(), start, budget=residual_budget_bytes)
+                              tree_usage(self.pid), start, budget=residual_budget_bytes)
         if residual_budget_bytes is not None and report.residual_bytes > residual_budget_bytes:
             raise ResidualOverBudgetError(
                 "more memory remains after release than the budget allows",
@@ -284,7 +288,7 @@ class VllmEngine(EngineHooks):
         """Weights back (and reloaded after level 2) and checked while still paused, then
         the KV cache: vLLM resumes by itself once fully awake."""
         start = time.monotonic()
-        before = self._usage()
+        before = tree_usage(self.pid)
         released, level = self._released, self._level
         self._undo_checkpoint_prepare()
         verified = 0
@@ -297,8 +301,8 @@ class VllmEngine(EngineHooks):
             self.http.wake_up(["kv_cache"], timeout_s=self.step_timeout_s)
         self._released, self._level = [], None
         self._save()
-        report = self._report(MemoryAction.REWAKE, level, released, before, self._usage(),
-                              start)
+        report = self._report(MemoryAction.REWAKE, level, released, before,
+                              tree_usage(self.pid), start)
         report.verified_tensors = verified
         return report
 
@@ -396,7 +400,7 @@ class VllmEngine(EngineHooks):
                     return
             try:
                 self.http.pause(DrainMode.ABORT, timeout_s=30)
-            except EngineError as err:
+            except EngineError as err:  # policy: logged; the mismatch is the error raised
                 log.error("could not pause vLLM after a golden mismatch: %s", err)
             raise VerificationError("the golden completion differs after restore",
                                     expected=self.golden, got=got, prompt=self.golden_prompt)
@@ -407,28 +411,6 @@ class VllmEngine(EngineHooks):
                                   timeout_s=self.step_timeout_s, ignore_eos=True).text
 
     # ------------------------------------------------------------------ measuring
-
-    def _usage(self) -> dict[str, int]:
-        """Bytes the engine's process tree holds, by device: host memory as the sum of its
-        processes' PSS (a page they share, such as torch's libraries mapped by all three of
-        vLLM's, counts once, not once per process as with RSS) and, where nvidia-smi can
-        tell, GPU memory of those processes."""
-        pid = self.pid
-        if pid is None:
-            return {}
-        try:
-            root = psutil.Process(pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return {}
-        out = {"cpu": 0}
-        for proc in procs:
-            try:
-                out["cpu"] += _pss(proc)
-            except psutil.Error:
-                continue
-        out.update(_gpu_bytes({p.pid for p in procs}))
-        return out
 
     def _report(self, action: MemoryAction, level: int | None, tags: list[str],
                 before: dict[str, int], after: dict[str, int], start: float, *,
@@ -453,33 +435,6 @@ class VllmEngine(EngineHooks):
     def _left(self, deadline: Deadline) -> float:
         left = deadline.remaining()
         return self.step_timeout_s if left is None else max(0.5, left + 5.0)
-
-
-def _pss(proc: psutil.Process) -> int:
-    """The proportional set size of ``proc`` (its RSS where the kernel does not tell)."""
-    try:
-        return proc.memory_full_info().pss
-    except (AttributeError, psutil.AccessDenied):  # policy: no smaps here: RSS, an upper bound
-        return proc.memory_info().rss
-
-
-def _gpu_bytes(pids: set[int]) -> dict[str, int]:
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return {}
-    try:
-        out = subprocess.run([smi, "--query-compute-apps=pid,gpu_uuid,used_memory",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                             timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    usage: dict[str, int] = {}
-    for line in out.splitlines():
-        parts = [x.strip() for x in line.split(",")]
-        if len(parts) == 3 and parts[0].isdigit() and int(parts[0]) in pids:
-            key = f"cuda:{parts[1]}"
-            usage[key] = usage.get(key, 0) + int(float(parts[2])) * 1024 * 1024
-    return usage
 
 
 def _keep_generation(state: StateFile, generation: int) -> None:
@@ -508,69 +463,6 @@ class _Call:
     def result(self) -> None:
         if self._error is not None:
             raise self._error
-
-
-class EngineFingerprint:
-    """The vLLM server's fingerprint (boot id, PID, the kernel's start time of the task) for
-    the agent's ``IncarnationTracker``: a CRIU restore of vLLM recreates its process, so its
-    start time changes, while the sidecar's own process never left. While the process is
-    gone (dumped, not yet restored) the last one seen stands; without a PID (a remote vLLM)
-    it never changes. ``pid`` may be a function read at each call (``parent_host_pid``):
-    ``on_new_pid`` then hears of each PID it gives that differs from the last."""
-
-    def __init__(self, pid: "int | None | Callable[[], int | None]",
-                 on_new_pid: Callable[[int], None] | None = None) -> None:
-        self._pid_of = pid if callable(pid) else (lambda: pid)
-        self.on_new_pid = on_new_pid
-        first = self._pid_of()
-        self._last = Fingerprint("", first or 0, 0)
-        self()
-
-    @property
-    def pid(self) -> int | None:
-        return self._pid_of()
-
-    def __call__(self) -> Fingerprint:
-        pid = self.pid
-        if pid is None:
-            return self._last
-        try:
-            boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            # field 2 (comm) may hold spaces and parentheses: split after the last ')'
-            start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
-        except (OSError, IndexError, ValueError):  # policy: gone for now: nothing new seen
-            return self._last
-        if pid != self._last.pid and self.on_new_pid is not None:
-            self.on_new_pid(pid)
-        self._last = Fingerprint(boot_id, pid, start_ticks)
-        return self._last
-
-
-def parent_host_pid() -> int | None:
-    """The host PID of this process's parent (``PPid`` of ``/proc/self/status``, which
-    procfs gives in its own mount's PID namespace: the host's, for a process started under
-    ``unshare --pid --fork`` without a /proc of its own). Read each time: the parent of a
-    restored sidecar is the restored launcher, under another host PID."""
-    try:
-        for line in Path("/proc/self/status").read_bytes().splitlines():
-            if line.startswith(b"PPid:"):
-                return int(line.split()[1]) or None
-    except (OSError, ValueError, IndexError):  # policy: no procfs: not known
-        return None
-    return None
-
-
-def find_server_pid(port: int) -> int | None:
-    """The PID of the local process listening on TCP ``port`` (None if not visible)."""
-    try:
-        for conn in psutil.net_connections(kind="tcp"):
-            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port \
-                    and conn.pid:
-                return conn.pid
-    except (psutil.Error, OSError):
-        return None
-    return None
 
 
 def serve(url: str, *, name: str, control: str | None, pid: int | None,
