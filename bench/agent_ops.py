@@ -9,8 +9,10 @@ interval as long as the run is measured just after and subtracted. The agent log
 as ``ckpt-controller engine serve`` sets it up (to /dev/null; ``--log none`` for none), and the
 client subscribes to its events as a controller's session does. Wall time is the
 client's, per pair (two round trips and the agent's work). ``--compare DIR`` measures an
-agent from another source tree beside this checkout's, round by round in turn, so a before
-and an after see the same machine load.
+agent from another source tree beside this checkout's, round by round in turn (the order
+alternating from round to round), so a before and an after see the same machine load; their
+difference is also given round by round, with its median (issue 27's goal for the lifecycle
+on ``transitions``: under 0.1 ms a pair).
 
 The lifecycle alone (``--micro CYCLES``, 0 for none): a fresh child process per tree and
 round fires ``prepare, seal, restore, resume`` on a ``Lifecycle`` CYCLES times (the four
@@ -140,12 +142,14 @@ class Host:
 
 def measure(hosts: list[Host], level: int, n: int, rounds: int) -> list[dict]:
     """``rounds`` runs of ``n`` pairs on each host in turn (so a compared tree sees the same
-    machine load), each run followed by an idle interval as long as itself."""
+    machine load; the order alternates from round to round, so neither is always first),
+    each run followed by an idle interval as long as itself."""
     for h in hosts:
         pairs(h.client, level, max(10, n // 10))  # warm: imports, first allocations
     rows: list[list[dict]] = [[] for _ in hosts]
-    for _ in range(rounds):
-        for h, out in zip(hosts, rows):
+    for r in range(rounds):
+        turn = list(zip(hosts, rows))
+        for h, out in (turn if r % 2 == 0 else turn[::-1]):
             c0 = cpu_s(h.proc)
             t0 = time.perf_counter()
             walls = pairs(h.client, level, n)
@@ -181,7 +185,7 @@ def main() -> int:
     args = p.parse_args()
 
     levels = [int(x) for x in args.levels.split(",")]
-    results: dict = {"levels": [], "compare": [], "micro": []}
+    results: dict = {"levels": [], "compare": [], "micro": [], "differences": []}
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp:
         hosts: list[Host] = []
         try:
@@ -192,6 +196,8 @@ def main() -> int:
                 mine, *other = measure(hosts, level, args.pairs, args.rounds)
                 results["levels"].append(mine)
                 results["compare"] += other
+                if other:
+                    results["differences"].append(difference(level, mine, other[0]))
         finally:
             for h in hosts:
                 h.close()
@@ -213,8 +219,22 @@ def main() -> int:
            "vs 0.5 ms goal"],
           [[r["level"], r["tree"], r["cpu_per_pair_s"] * 1e3, r["wall_per_pair_s"] * 1e3,
             r["idle_cpu_rate"] * 100, r["cpu_per_pair_s"] / 0.5e-3] for r in rows])
+    if results["differences"]:
+        table("this checkout's agent less the compared one, CPU per pair, round by round "
+              "(both measured in each round)",
+              ["level", "median ms/pair", "lowest", "highest", "rounds"],
+              [[d["level"], d["median_s"] * 1e3, min(d["rounds_s"]) * 1e3,
+                max(d["rounds_s"]) * 1e3, len(d["rounds_s"])] for d in results["differences"]])
     write(args.out, "agent_ops", args, results)
     return 0
+
+
+def difference(level: int, mine: dict, other: dict) -> dict:
+    """This checkout's agent CPU per pair less the compared one's, in each round (measured
+    minutes apart at most, under the same load), and their median."""
+    rounds = [a["cpu_per_pair_s"] - b["cpu_per_pair_s"]
+              for a, b in zip(mine["runs"], other["runs"])]
+    return {"level": level, "rounds_s": rounds, "median_s": median(rounds)}
 
 
 if __name__ == "__main__":

@@ -147,6 +147,11 @@ def test_agent_cost_of_a_no_op_prepare_and_restore(tmp_path):
         for run in row["runs"]:  # the child's CPU was read: it cannot do 100 pairs for free
             assert run["raw_cpu_per_pair_s"] > 0 and run["wall_per_pair_s"] > 0
             assert run["idle_cpu_rate"] >= 0
+    # the two agents' difference, round by round, for each level
+    assert [d["level"] for d in res["differences"]] == [0, 2]
+    for d, mine, other in zip(res["differences"], res["levels"], res["compare"]):
+        assert d["rounds_s"] == [a["cpu_per_pair_s"] - b["cpu_per_pair_s"]
+                                 for a, b in zip(mine["runs"], other["runs"])]
     # the lifecycle alone, each tree in its own fresh processes, in turn
     assert [row["tree"] for row in res["micro"]] == ["this checkout", f"--compare {ROOT.name}"]
     for row in res["micro"]:
