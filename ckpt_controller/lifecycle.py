@@ -5,8 +5,10 @@ values, triggers as theirs) built with ``auto_transitions=False``: no ``to_<stat
 shortcut bypasses the table, and every move is the machine's, under the lifecycle's lock. An
 unknown or illegal trigger is an ``InvalidTransitionError`` that moves nothing. The machine
 runs lean: ``send_event=False``, no callbacks (the lifecycle records each move and calls its
-listeners itself, after the machine moved), and transitions' own per-move log lines off; a
-trigger costs some microseconds of CPU (bench/agent_ops.py ``--micro``). The same table draws
+listeners itself, after the machine moved), transitions' own per-move log lines off, and its
+states and transitions skip the callback lists this table leaves empty (each move is still
+the library's event dispatch and state change); a trigger costs some microseconds of CPU
+(bench/agent_ops.py ``--micro``). The same table draws
 the lifecycle's diagram (``text_diagram``, ``mermaid_diagram``; ``ckptctl lifecycle``):
 
     RUNNING --prepare--> PREPARING --seal--> PREPARED --restore--> RESTORING --resume--> RUNNING
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from transitions import Machine, MachineError, State
+from transitions import Machine, MachineError, State, Transition as _LibraryTransition
 
 from ckpt_controller.clock import Clock
 from ckpt_controller.errors import InvalidTransitionError
@@ -106,10 +108,27 @@ class _QuietState(State):
             super().exit(event_data)
 
 
+class _Transition(_LibraryTransition):
+    """A transition of this table: no conditions and no callbacks (the table gives none), so
+    executing it is the library's own state change (``_change_state``: exit the source, set
+    the destination on the model, enter it), without walking four empty callback lists and
+    their log lines first. Given one of either, it runs the library's whole ``execute``."""
+
+    def execute(self, event_data) -> bool:
+        machine = event_data.machine
+        if self.prepare or self.conditions or self.before or self.after \
+                or machine.before_state_change or machine.after_state_change:
+            return super().execute(event_data)
+        self._change_state(event_data)
+        return True
+
+
 class _Machine(Machine):
-    """transitions' ``Machine`` with quiet states; every other part is the library's own."""
+    """transitions' ``Machine`` with quiet states and transitions; every move is still the
+    library's event dispatch (source check, the transition, the state set on the model)."""
 
     state_cls = _QuietState
+    transition_cls = _Transition
 
 
 class _Model:
@@ -133,6 +152,7 @@ class Lifecycle:
         self._lock = threading.RLock()
         self._model = _Model()
         self._machine = _Machine(model=self._model, **machine_config(initial))
+        self._events = self._machine.events  # trigger (its wire value) -> the machine's event
         #: state -> the triggers the machine allows in it, in table order (read once: a
         #: prepare checks before it moves, and get_triggers walks every event)
         self._allowed = {s: tuple(Trigger(t) for t in self._machine.get_triggers(s.value))
@@ -178,7 +198,7 @@ class Lifecycle:
             source = _STATE[self._model.state]
             trig = trigger if trigger.__class__ is Trigger else self._known(trigger, source)
             try:
-                self._model.trigger(trig)
+                self._events[trig].trigger(self._model)  # the machine's event: its own move
             except MachineError:  # policy: refused before it moved: our typed refusal
                 raise self._refusal(trigger, source) from None
             self._count_cycle(trig, source)
