@@ -22,7 +22,7 @@ from ckpt_controller.errors import (
     UnreachableError,
     VerificationError,
 )
-from conftest import wait_until
+from support.timing import wait_until
 
 MIB = 1 << 20
 

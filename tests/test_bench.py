@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
 
 
 def bench(tmp_path: Path, script: str, *args: str) -> dict:
@@ -203,10 +203,10 @@ def test_drain_wait_and_abort(tmp_path):
 
 
 def test_capture_against_an_unprepared_dump(tmp_path):
-    from test_criu import _reason
+    from support.criu import criu_missing
 
-    if _reason is not None:
-        pytest.skip(_reason)
+    if (why := criu_missing()) is not None:
+        pytest.skip(why)
     res = bench(tmp_path, "capture", "--repeat", "1", "--image-dir", str(tmp_path))
     levels = [d["level"] for d in res["dumps"]]
     assert levels == [None, 1, 2] and all(d["image_bytes"] > 0 for d in res["dumps"])
@@ -244,7 +244,7 @@ def test_checksum_against_torch_sum(tmp_path):
 
 @pytest.mark.fleet
 def test_fleet_cycle_against_direct_cycles_and_its_etcd_requests(tmp_path):
-    import etcd_cluster
+    from support import etcd_cluster
 
     if not etcd_cluster.installed():
         pytest.skip("etcd is not installed: run `make etcd`")
@@ -276,10 +276,10 @@ def test_fleet_cycle_against_direct_cycles_and_its_etcd_requests(tmp_path):
 
 @pytest.mark.fleet
 def test_migration_downtime_against_a_cold_start_and_the_image_it_moved(tmp_path):
-    from test_migration import _reason
+    from support.criu import migration_missing
 
-    if _reason is not None:
-        pytest.skip(_reason)
+    if (why := migration_missing()) is not None:
+        pytest.skip(why)
     res = bench(tmp_path, "migrate", "--quick")
     assert res["repeat"] == 1 and res["model_args"][:2] == ["--model", "tiny"]
     assert set(res["transports"]) == {"page-server", "shared"}

@@ -12,12 +12,9 @@ from pathlib import Path
 import pytest
 
 from ckpt_controller.cli import parse_bytes
-from conftest import StreamedLines, ipc_connections, wait_connected, wait_until
-
-
-def ckptctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt_controller", *args], capture_output=True,
-                          text=True, timeout=timeout)
+from support.cli import CKPTCTL, StreamedLines, ckptctl
+from support.net import ipc_connections, wait_connected
+from support.timing import wait_until
 
 
 @pytest.fixture
@@ -55,7 +52,7 @@ def test_a_reader_that_went_away_ends_ckptctl_quietly():
         read, write = os.pipe()
         os.close(read)  # every write to the pipe now fails with EPIPE
         try:
-            out = subprocess.run([sys.executable, "-m", "ckpt_controller", *args], stdout=write,
+            out = subprocess.run([*CKPTCTL, *args], stdout=write,
                                  stderr=subprocess.PIPE, text=True, timeout=60)
         finally:
             os.close(write)
@@ -122,7 +119,7 @@ def test_watch_prints_events(engine):
     """Each event is printed as it happens (a line of JSON, flushed: a pipe gets it at once);
     watch runs until interrupted (exit 130), or for ``--duration`` (exit 0)."""
     before = ipc_connections(engine.pid, engine.control)
-    watch = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "agent", "watch",
+    watch = subprocess.Popen([*CKPTCTL, "agent", "watch",
                               "--control", engine.control, "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     printed = StreamedLines(watch.stdout)
@@ -161,7 +158,7 @@ def test_ctrl_c_of_an_agent_operation_says_it_goes_on(engine):
     controller's commands say it (it ended silently): the agent goes on with the operation,
     named by its op id, and ``agent status`` shows where it got; the same op id again then
     returns its result. With --json, as the controller's commands: nothing on stdout."""
-    prepare = [sys.executable, "-m", "ckpt_controller", "agent", "prepare", "--control",
+    prepare = [*CKPTCTL, "agent", "prepare", "--control",
                engine.control, "--drain", "wait", "--drain-timeout", "2", "--on-deadline",
                "abort", "--level", "0"]
     for op, json_flag in (("int-a", []), ("int-b", ["--json"])):

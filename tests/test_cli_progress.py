@@ -11,16 +11,16 @@ import pty
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.cli.progress import Progress
-from conftest import StreamedLines, wait_until, write_hook
+from support import ROOT
+from support.cli import CKPTCTL, StreamedLines
+from support.hooks import write_hook
+from support.timing import wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
 STAMP = re.compile(r"^\[ *\d+\.\d\ds\] ")
-
 
 
 def _controller(spawn_engine, spawn_controller):
@@ -84,7 +84,7 @@ def test_on_a_terminal_the_running_line_is_rewritten(spawn_engine, spawn_control
     _busy(eng)
     leader, follower = pty.openpty()
     try:
-        run = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+        run = subprocess.Popen([*CKPTCTL, "--controller",
                                 ctl.endpoint, "cycle", "p1", "--drain", "wait"],
                                stdout=subprocess.PIPE, stderr=follower, text=True, cwd=ROOT)
         os.close(follower)
@@ -192,7 +192,7 @@ def test_ctrl_c_says_the_operation_goes_on(spawn_engine, spawn_controller, ipc_d
     eng, ctl = _controller(spawn_engine, spawn_controller)
     go = Path(ipc_dir) / "go"
     write_hook(ctl, "dump", "10-wait", f"while [ ! -e {go} ]; do sleep 0.05; done")
-    run = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+    run = subprocess.Popen([*CKPTCTL, "--controller",
                             ctl.endpoint, "cycle", "p1", "--op-id", "int-1"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     err = StreamedLines(run.stderr)

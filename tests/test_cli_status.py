@@ -11,7 +11,6 @@ import re
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,14 +19,11 @@ import pytest
 from ckpt_controller import protocol as p
 from ckpt_controller.cli.common import STATUS_COLUMNS, WIDE_COLUMNS, age, table
 from ckpt_controller.cli.controller_cmds import status_table
-from conftest import StreamedLines, wait_until, write_hook
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _toml(*engines: tuple[str, str]) -> str:
-    return "".join(f'[[engine]]\nname = "{n}"\ncontrol = "{c}"\n' for n, c in engines)
-
+from support import ROOT
+from support.cli import CKPTCTL, StreamedLines, ckptctl
+from support.config import controller_toml, engines_toml
+from support.hooks import write_hook
+from support.timing import wait_until
 
 
 def _rows(text: str) -> list[list[str]]:
@@ -92,7 +88,7 @@ def test_every_engine_gets_a_readable_row():
 
 def test_status_of_a_real_controller(spawn_engine, spawn_controller, ipc_dir):
     eng = spawn_engine("s1", weights_mib=4, kv_mib=4, step_s=0.01)
-    ctl = spawn_controller(_toml(("s1", eng.control), ("ghost", f"ipc://{ipc_dir}/none")))
+    ctl = spawn_controller(engines_toml(("s1", eng.control), ("ghost", f"ipc://{ipc_dir}/none")))
     out = ctl.ckptctl("cycle", "s1", "--op-id", "c-1", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     out = ctl.ckptctl("status")
@@ -119,7 +115,7 @@ def test_status_of_a_real_controller(spawn_engine, spawn_controller, ipc_dir):
 
     # held by a running operation: its id in HELD-BY until it ends
     write_hook(ctl, "dump", "10-wait", f"while [ ! -e {ipc_dir}/go ]; do sleep 0.05; done")
-    op = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+    op = subprocess.Popen([*CKPTCTL, "--controller",
                            ctl.endpoint, "cycle", "s1", "--op-id", "held-1", "--json"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -138,9 +134,7 @@ def test_status_of_a_real_controller(spawn_engine, spawn_controller, ipc_dir):
 def test_agent_status_has_the_same_columns(spawn_engine):
     eng = spawn_engine("a1", weights_mib=4, kv_mib=4)
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "ckpt_controller", "agent", "status",
-                          "--control", eng.control], capture_output=True, text=True,
-                         timeout=60, cwd=ROOT)
+    out = ckptctl("agent", "status", "--control", eng.control)
     assert out.returncode == 0, out.stderr
     rows = _rows(out.stdout)
     assert rows[0] == list(STATUS_COLUMNS)
@@ -161,10 +155,9 @@ def test_status_takes_last_op_from_its_reply_and_asks_no_history(ipc_dir):
     names = ["l0", "l1", "l2"]
     agents = [Agent(n, control=f"ipc://{ipc_dir}/{n}.ctl", heartbeat_interval_s=0.2).start()
               for n in names]
-    server = ControllerServer(parse_config(
-        f'[controller]\nendpoint = "ipc://{ipc_dir}/ctl.sock"\nstate_dir = "{ipc_dir}/state"\n'
-        f'heartbeat_interval_s = 0.2\nmetrics_port = 0\n[defaults]\nlevel = 0\n'
-        + _toml(*((n, f"ipc://{ipc_dir}/{n}.ctl") for n in names)))).start()
+    server = ControllerServer(parse_config(controller_toml(
+        ipc_dir, *agents, keys="heartbeat_interval_s = 0.2\nmetrics_port = 0\n",
+        defaults="level = 0"))).start()
     history_asked: list[p.HistoryCommand] = []
     answer_history = server.controller.history
 
@@ -176,9 +169,7 @@ def test_status_takes_last_op_from_its_reply_and_asks_no_history(ipc_dir):
 
     def status_rows() -> dict[str, list[str]]:
         """``ckptctl status`` run for real: its rows by engine, LAST-OP checked."""
-        out = subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
-                              server.endpoint, "status"], capture_output=True, text=True,
-                             timeout=60, cwd=ROOT)
+        out = ckptctl("--controller", server.endpoint, "status")
         assert out.returncode == 0, out.stdout + out.stderr
         rows = {r[0]: r for r in _rows(out.stdout)}
         assert [rows[n][6] for n in names] == ["cy-1", "pr-1", "-"], out.stdout
@@ -229,7 +220,7 @@ def stoppable(spawn_controller, ipc_dir):
     from ckpt_controller.agent import Agent
 
     agent = Agent("z1", control=f"ipc://{ipc_dir}/z1.ctl", heartbeat_interval_s=0.2).start()
-    ctl = spawn_controller(_toml(("z1", f"ipc://{ipc_dir}/z1.ctl")))
+    ctl = spawn_controller(engines_toml(("z1", f"ipc://{ipc_dir}/z1.ctl")))
     out = ctl.ckptctl("status", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     def stop() -> None:  # returns once every thread of it is stopped, not just signalled
@@ -262,7 +253,7 @@ def test_status_says_on_stderr_that_a_stopped_controller_has_not_answered_yet(st
     ctl, stop = stoppable
     stop()
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+    proc = subprocess.Popen([*CKPTCTL, "--controller",
                              ctl.endpoint, "status", "--json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
     err = StreamedLines(proc.stderr)

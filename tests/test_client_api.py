@@ -10,17 +10,15 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from ckpt_controller import ControllerClient
 from ckpt_controller.errors import ConfigError, UsageError
 from ckpt_controller.vocab import DrainMode, ReleaseLevel
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
+from support import ROOT
+from support.cli import ckptctl
+from support.config import engines_toml
 
 
 #: (call, the keyword the error names, what it shows of the value)
@@ -113,13 +111,8 @@ def test_a_garbage_ckpt_controller_is_named_as_the_variable(monkeypatch):
     with pytest.raises(ConfigError) as info:
         ControllerClient("nonsense")
     assert "$CKPT_CONTROLLER" not in str(info.value)
-    out = subprocess.run([sys.executable, "-m", "ckpt_controller", "status"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = ckptctl("status")
     assert out.returncode == 2 and "$CKPT_CONTROLLER='garbage'" in out.stderr, out.stderr
-
-
-def engines_toml(*engines) -> str:
-    return "".join(f'[[engine]]\nname = "{e.name}"\ncontrol = "{e.control}"\n' for e in engines)
 
 
 def test_typed_keywords_reach_the_controller(spawn_reference, spawn_controller):

@@ -10,18 +10,16 @@ import argparse
 import shlex
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from ckpt_controller.cli import build_parser
 from ckpt_controller.cli.completion import walk
-from conftest import ROOT
+from support.cli import ckptctl
 
 
 def _script(shell: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "ckpt_controller", "completion", shell],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = ckptctl("completion", shell)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -114,6 +112,5 @@ def test_zsh_script():
 
 
 def test_a_shell_it_does_not_know_is_a_usage_error():
-    out = subprocess.run([sys.executable, "-m", "ckpt_controller", "completion", "fish"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = ckptctl("completion", "fish")
     assert out.returncode == 2 and "invalid choice: 'fish'" in out.stderr

@@ -27,6 +27,7 @@ from ckpt_controller.vocab import (
     RecoverUncaptured,
     ReleaseLevel,
 )
+from support.config import engine_table
 
 FULL = """
 [controller]
@@ -152,9 +153,10 @@ control = "ipc://@abstract-b"
     assert home.image_dir == tmp_path / "home" / "img"
 
 
-def engines(*tables: str) -> str:
-    return "".join(f'\n[[engine]]\nname = "e{i}"\ncontrol = "ipc:///tmp/e{i}"\n{extra}\n'
-                   for i, extra in enumerate(tables))
+def engines(*extras: str) -> str:
+    """An ``[[engine]]`` table for each of ``extras`` (its own lines), named e0, e1, ..."""
+    return "".join(engine_table((f"e{i}", f"ipc:///tmp/e{i}"), extra=extra)
+                   for i, extra in enumerate(extras))
 
 
 BAD = [

@@ -6,12 +6,9 @@ from __future__ import annotations
 import json
 import os
 import stat
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
-from subprocess import run
 
 import msgspec
 import psutil
@@ -24,21 +21,17 @@ from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.errors import BusyError, RejectedError
-from conftest import StreamedLines, ipc_connections, wait_connected, wait_until, write_hook
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def engines_toml(*engines, defaults: str = "") -> str:
-    text = "[defaults]\n" + defaults + "\n" if defaults else ""
-    for eng, extra in engines:
-        text += f'[[engine]]\nname = "{eng.name}"\ncontrol = "{eng.control}"\n{extra}\n'
-    return text
+from support import ROOT
+from support.cli import CKPTCTL, StreamedLines, ckptctl
+from support.config import engine_table, engines_toml
+from support.hooks import write_hook
+from support.net import ipc_connections, wait_connected
+from support.timing import wait_until
 
 
 def test_full_cycle_through_the_cli_with_json(spawn_reference, spawn_controller):
     eng = spawn_reference("e1")
-    ctl = spawn_controller(engines_toml((eng, ""), defaults='drain = "keep"\nlevel = 2'))
+    ctl = spawn_controller(engines_toml(eng, defaults='drain = "keep"\nlevel = 2'))
     out = ctl.ckptctl("cycle", "e1", "--json", "--op-id", "first")
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout)
@@ -65,8 +58,8 @@ def test_prepare_options_rollback_reason_and_journal_contents(spawn_reference,
     rollback's --reason is journaled with its transition, and the journal keeps hook runs
     (with output tails), phase durations and wall times, in WAL mode."""
     a, b = spawn_reference("o1"), spawn_reference("o2")
-    ctl = spawn_controller(engines_toml(
-        (a, "[engine.defaults]\nresidual_budget = \"1B\""), (b, "")))
+    ctl = spawn_controller(engine_table(a, extra='[engine.defaults]\nresidual_budget = "1B"')
+                           + engines_toml(b))
     write_hook(ctl, "pre-prepare", "10-say", 'echo "checked $CKPT_ENGINE"')
     out = ctl.ckptctl("prepare", "o2", "--tags", "kv_cache", "--json", "--op-id", "kv")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -109,7 +102,7 @@ def _on_a_terminal(ctl, *args: str) -> tuple[int, str, str]:
     import subprocess
 
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+    proc = subprocess.Popen([*CKPTCTL, "--controller",
                              ctl.endpoint, *args], stdout=subprocess.PIPE, stderr=slave,
                             text=True, cwd=ROOT)
     os.close(slave)
@@ -131,7 +124,7 @@ def _on_a_terminal(ctl, *args: str) -> tuple[int, str, str]:
 
 def test_progress_on_a_terminal_and_none_with_json(spawn_reference, spawn_controller):
     eng = spawn_reference("tty")
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     code, out, terminal = _on_a_terminal(ctl, "cycle", "tty")
     assert code == 0, out + terminal
     for line in ("tty: running -> preparing", "tty: prepare done in", "tty: restore done in",
@@ -145,7 +138,7 @@ def test_progress_on_a_terminal_and_none_with_json(spawn_reference, spawn_contro
 
 def test_conflicts_and_repeated_ids(spawn_reference, spawn_controller):
     eng = spawn_reference("e1")
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     gate = ctl.dir / "let-go"
     # holds the prepare in PREPARING until the test lets it go: however fast or slow the
     # machine, "long" holds the engine while the conflicting requests arrive
@@ -181,7 +174,7 @@ def test_conflicts_and_repeated_ids(spawn_reference, spawn_controller):
     # and after a controller restart, from the journal: still not run again (e1 is RUNNING
     # now; a second prepare would leave it PREPARED)
     ctl.stop()
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     out = ctl.ckptctl("prepare", "e1", "--op-id", "long", "--json")
     assert out.returncode == 0 and json.loads(out.stdout) == json.loads(
         msgspec.json.encode(document("operation", done["r"])))
@@ -196,8 +189,8 @@ def test_conflicts_and_repeated_ids(spawn_reference, spawn_controller):
 
 def test_group_prepare_is_all_or_nothing(spawn_reference, spawn_controller):
     a, b, c = (spawn_reference(n) for n in ("ga", "gb", "gc"))
-    ctl = spawn_controller(engines_toml((a, ""), (b, ""), (c, "[engine.defaults]\n"
-                                                               "residual_budget = 1\n")))
+    ctl = spawn_controller(engines_toml(a, b)
+                           + engine_table(c, extra="[engine.defaults]\nresidual_budget = 1"))
     out = ctl.ckptctl("prepare", "--all", "--json", "--level", "2")
     assert out.returncode == 1
     result = json.loads(out.stdout)
@@ -214,7 +207,7 @@ def test_group_prepare_is_all_or_nothing(spawn_reference, spawn_controller):
 
 def test_rolling_cycle_respects_max_unavailable(spawn_reference, spawn_controller):
     engines = [spawn_reference(f"r{i}") for i in range(3)]
-    ctl = spawn_controller(engines_toml(*((e, "") for e in engines)))
+    ctl = spawn_controller(engines_toml(*engines))
     out = ctl.ckptctl("cycle", "--all", "--max-unavailable", "1", "--json", "--op-id", "roll")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["max_unavailable_seen"] == 1
@@ -239,10 +232,6 @@ def _slow_agents(ipc_dir, names, seconds: float):
                   heartbeat_interval_s=0.2).start() for n in names]
 
 
-def _agents_toml(agents) -> str:
-    return "".join(f'[[engine]]\nname = "{a.name}"\ncontrol = "{a.endpoint}"\n' for a in agents)
-
-
 def _out_of_service(ctl, op_id: str) -> dict[str, list[float]]:
     """Engine -> [left RUNNING, back to RUNNING] (monotonic), from the journal's records."""
     journal = Journal(ctl.dir / "state" / "journal.sqlite3")
@@ -259,7 +248,7 @@ def _out_of_service(ctl, op_id: str) -> dict[str, list[float]]:
 def test_rolling_cycle_with_two_out_at_a_time(spawn_controller, ipc_dir):
     agents = _slow_agents(ipc_dir, [f"roll{i}" for i in range(5)], 0.4)
     try:
-        ctl = spawn_controller(_agents_toml(agents))
+        ctl = spawn_controller(engines_toml(*agents))
         out = ctl.ckptctl("cycle", "--all", "--max-unavailable", "2", "--json", "--op-id", "r2")
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
@@ -280,7 +269,7 @@ def test_rolling_cycle_gives_each_engine_its_own_deadline(spawn_controller, ipc_
     cycles of about 0.6 s one after another, each within a 1.5 s deadline, all succeed."""
     agents = _slow_agents(ipc_dir, ["dl0", "dl1", "dl2", "dl3"], 0.6)
     try:
-        ctl = spawn_controller(_agents_toml(agents))
+        ctl = spawn_controller(engines_toml(*agents))
         out = ctl.ckptctl("cycle", "--all", "--max-unavailable", "1", "--deadline", "1.5",
                           "--json")
         result = json.loads(out.stdout)
@@ -295,7 +284,7 @@ def test_rolling_cycle_gives_each_engine_its_own_deadline(spawn_controller, ipc_
 def test_rolling_cycle_stops_at_its_first_failure(spawn_controller, ipc_dir):
     agents = _slow_agents(ipc_dir, ["st0", "st1", "st2"], 0.0)
     try:
-        ctl = spawn_controller(_agents_toml(agents))
+        ctl = spawn_controller(engines_toml(*agents))
         write_hook(ctl, "pre-prepare", "10-veto", '[ "$CKPT_ENGINE" = st1 ] && exit 7; exit 0')
         out = ctl.ckptctl("cycle", "--all", "--max-unavailable", "1", "--json")
         assert out.returncode == 1
@@ -315,8 +304,7 @@ def test_rolling_cycle_stops_at_its_first_failure(spawn_controller, ipc_dir):
 def test_bad_config_and_unreachable_engine(spawn_controller, ipc_dir):
     bad = ipc_dir / "bad.toml"
     bad.write_text('[deadlines]\ndrain = -1\n')
-    out = run([sys.executable, "-m", "ckpt_controller", "serve", "--config", str(bad)],
-              capture_output=True, text=True, timeout=60)
+    out = ckptctl("serve", "--config", str(bad))
     assert out.returncode == 2
     assert "deadlines.drain" in out.stderr and str(bad) in out.stderr
     ctl = spawn_controller(f'[[engine]]\nname = "ghost"\ncontrol = "ipc://{ipc_dir}/none"\n')
@@ -333,9 +321,7 @@ def test_bad_config_and_unreachable_engine(spawn_controller, ipc_dir):
     assert out.returncode == 2 and "unknown engine 'nobody'" in out.stderr
     out = ctl.ckptctl("status")
     assert out.returncode == 4 and "ghost: UNREACHABLE" in out.stdout
-    out = run([sys.executable, "-m", "ckpt_controller", "--controller",
-               f"ipc://{ipc_dir}/nothing.sock", "status"], capture_output=True, text=True,
-              timeout=60)
+    out = ckptctl("--controller", f"ipc://{ipc_dir}/nothing.sock", "status")
     assert out.returncode == 4 and "UnreachableError" in out.stderr
 
 
@@ -369,7 +355,7 @@ def test_controller_killed_mid_preparing_recovers_to_running(spawn_engine, spawn
     # a step engine: its request (600 steps of 10 ms) holds the wait drain in PREPARING for
     # seconds on any machine, long enough to be seen there and killed
     eng = spawn_engine("k1")
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     eng.submit("long", steps=600)
     _wait_in_flight(eng.control, 1)
     _kill_mid(ctl, eng.control, "preparing", "prepare", "k1", "--drain", "wait",
@@ -386,7 +372,7 @@ def test_controller_killed_mid_preparing_recovers_to_running(spawn_engine, spawn
 
 def test_controller_killed_mid_restoring_recovers(spawn_reference, spawn_controller):
     eng = spawn_reference("k2", "--model", "small", "--kv-blocks", "256")
-    ctl = spawn_controller(engines_toml((eng, ""), defaults="level = 2"))
+    ctl = spawn_controller(engines_toml(eng, defaults="level = 2"))
     assert ctl.ckptctl("prepare", "k2").returncode == 0
     _kill_mid(ctl, eng.control, "restoring", "restore", "k2", "--op-id", "cut2")
     with AgentClient(eng.control) as agent:
@@ -402,7 +388,7 @@ def test_controller_killed_mid_restoring_recovers(spawn_reference, spawn_control
 def test_metrics_endpoint(spawn_engine, spawn_controller):
     # a step engine: its requests (600 steps of 10 ms) are surely in flight at the prepare
     eng = spawn_engine("m1")
-    ctl = spawn_controller("metrics_port = 0\n" + engines_toml((eng, "")))
+    ctl = spawn_controller("metrics_port = 0\n" + engines_toml(eng))
     ctl_conf = ctl.config.read_text()
     assert "metrics_port" in ctl_conf
     ids = [f"r{i}" for i in range(3)]
@@ -432,16 +418,15 @@ def test_metrics_endpoint(spawn_engine, spawn_controller):
 
 def test_journal_is_private(spawn_reference, spawn_controller):
     eng = spawn_reference("p1")
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     assert ctl.ckptctl("status").returncode == 0
     st = os.stat(ctl.dir / "state")
     assert stat.S_IMODE(st.st_mode) == 0o700
 
 
-
 def test_hooks_veto_and_roll_back(spawn_reference, spawn_controller):
     eng = spawn_reference("h1")
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     write_hook(ctl, "pre-prepare", "10-no",
                'echo "not today: $CKPT_ENGINE $CKPT_ACTION" >&2; exit 3')
     out = ctl.ckptctl("prepare", "h1", "--json")
@@ -471,8 +456,7 @@ def test_demo_runs_end_to_end():
     the reason there was none), every request accounted for, and nothing left behind."""
     import re
 
-    out = run([sys.executable, "-m", "ckpt_controller", "demo", "--duration", "3"],
-              capture_output=True, text=True, timeout=300)
+    out = ckptctl("demo", "--duration", "3", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
     assert "demo passed" in text and "lost 0" in text
@@ -496,7 +480,7 @@ def test_deadline_is_a_failure_with_exit_3(spawn_engine, spawn_controller):
     # a step engine: its request takes 600 steps of 10 ms whatever the machine's speed, so the
     # wait drain surely outlasts the 0.5 s deadline
     eng = spawn_engine("d1")
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     eng.submit("long", steps=600)
     _wait_in_flight(eng.control, 1)
     out = ctl.ckptctl("prepare", "d1", "--drain", "wait", "--deadline", "0.5", "--json")
@@ -512,7 +496,7 @@ def test_the_capture_deadline_bounds_the_dump_hooks_together(spawn_reference, sp
     """``[deadlines] capture`` bounds the dump hooks together (each alone is within the
     60 s ``hook`` limit here): a capture that runs over it rolls back with exit 3."""
     eng = spawn_reference("cap")
-    ctl = spawn_controller(engines_toml((eng, "")) + "[deadlines]\ncapture = 2.0\nhook = 60\n")
+    ctl = spawn_controller(engines_toml(eng) + "[deadlines]\ncapture = 2.0\nhook = 60\n")
     write_hook(ctl, "dump", "10-first", "sleep 1")
     write_hook(ctl, "dump", "20-second", "sleep 30")
     start = time.monotonic()
@@ -536,7 +520,7 @@ def test_release_and_restore_deadlines(spawn_reference, spawn_controller):
     the agent's own deadline check, not the controller's patience, decides, on a busy
     machine too."""
     eng = spawn_reference("rel")
-    ctl = spawn_controller(engines_toml((eng, ""), defaults="level = 2")
+    ctl = spawn_controller(engines_toml(eng, defaults="level = 2")
                            + "[deadlines]\nrelease = 0.001\n")
     out = ctl.ckptctl("prepare", "rel", "--json")
     assert out.returncode == 3, out.stdout + out.stderr
@@ -544,7 +528,7 @@ def test_release_and_restore_deadlines(spawn_reference, spawn_controller):
     assert o["error"]["kind"] == "DeadlineError" and o["status"] == "rolled_back"
     assert o["state"] == "running"
     ctl.stop()
-    ctl = spawn_controller(engines_toml((eng, ""), defaults="level = 2")
+    ctl = spawn_controller(engines_toml(eng, defaults="level = 2")
                            + "[deadlines]\nrestore = 0.001\n")
     assert ctl.ckptctl("prepare", "rel").returncode == 0
     out = ctl.ckptctl("restore", "rel", "--json")
@@ -554,7 +538,7 @@ def test_release_and_restore_deadlines(spawn_reference, spawn_controller):
     with EngineClient(eng.api) as api, pytest.raises(RejectedError):
         api.generate([1, 2], 3)
     ctl.stop()
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     assert ctl.ckptctl("restore", "rel").returncode == 0
     with EngineClient(eng.api) as api:
         assert api.generate([1, 2], 3).finish_reason == "length"
@@ -566,7 +550,7 @@ def test_engine_death_fails_the_operation_promptly(spawn_engine, spawn_controlle
     # limit, a second or two) could end before a busy machine's ckptctl had started, and the
     # drain then passed PREPARING too fast to be seen there
     eng = spawn_engine("dead")
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     eng.submit("forever", steps=100_000)
     _wait_in_flight(eng.control, 1)
     box = {}
@@ -591,9 +575,9 @@ def test_watch_shows_an_operation_live(spawn_reference, spawn_controller):
     import subprocess
 
     eng = spawn_reference("w1")
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     before = ipc_connections(ctl.pid, ctl.endpoint)
-    watch = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+    watch = subprocess.Popen([*CKPTCTL, "--controller",
                               ctl.endpoint, "watch", "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     printed = StreamedLines(watch.stdout)
@@ -646,8 +630,7 @@ def test_group_prepare_fans_out_concurrently(spawn_controller, ipc_dir):
                     control=f"ipc://{ipc_dir}/fan{i}.ctl", heartbeat_interval_s=0.2).start()
               for i in range(20)]
     try:
-        ctl = spawn_controller("".join(f'[[engine]]\nname = "{a.name}"\ncontrol = '
-                                       f'"{a.endpoint}"\n' for a in agents))
+        ctl = spawn_controller(engines_toml(*agents))
         with ControllerClient(ctl.endpoint, timeout_s=120) as c:
             group = c.prepare(level=0)
             assert group.status == "succeeded", group
@@ -661,7 +644,7 @@ def test_group_prepare_fans_out_concurrently(spawn_controller, ipc_dir):
 
 def test_hook_failures_of_every_kind(spawn_reference, spawn_controller):
     eng = spawn_reference("hk")
-    ctl = spawn_controller("[deadlines]\nhook = 0.5\n" + engines_toml((eng, "")))
+    ctl = spawn_controller("[deadlines]\nhook = 0.5\n" + engines_toml(eng))
     folder = ctl.dir / "hooks" / "dump"
     folder.mkdir(parents=True)
     (folder / "10-no-shebang").write_text("echo hi\n")
@@ -703,7 +686,7 @@ def _gone(pid: int) -> bool:
 def test_controller_killed_during_capture_stops_the_orphanwrite_hook(spawn_reference,
                                                                  spawn_controller):
     eng = spawn_reference("cap")
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     write_hook(ctl, "dump", "10-long", 'echo $$ > "$CKPT_IMAGE_DIR/../hook.pid"; sleep 300')
     t = threading.Thread(target=lambda: ctl.ckptctl("cycle", "cap", "--op-id", "cut3"))
     t.start()
@@ -727,7 +710,7 @@ def test_controller_killed_during_capture_stops_the_orphanwrite_hook(spawn_refer
 
 def test_hooks_inside_preparing_and_restoring(spawn_reference, spawn_controller):
     eng = spawn_reference("in")
-    ctl = spawn_controller(engines_toml((eng, ""), defaults="level = 2"))
+    ctl = spawn_controller(engines_toml(eng, defaults="level = 2"))
     log = ctl.dir / "hooks.log"
     for point in ("post-drain", "post-release", "post-restore"):
         write_hook(ctl, point, "10-note", f'echo "$CKPT_ACTION $CKPT_STATE" >> {log}')
@@ -776,7 +759,7 @@ def test_every_hook_point_has_its_documented_effect(spawn_reference, spawn_contr
 
     assert set(HOOK_EFFECTS) == set(POINTS)
     eng = spawn_reference(f"pt-{how}")
-    ctl = spawn_controller("[deadlines]\nhook = 0.4\n" + engines_toml((eng, "")))
+    ctl = spawn_controller("[deadlines]\nhook = 0.4\n" + engines_toml(eng))
     body = "exit 7" if how == "fails" else "sleep 30"
     for point, (state, status) in HOOK_EFFECTS.items():
         write_hook(ctl, point, "50-bad", body)
@@ -803,7 +786,7 @@ def test_every_hook_point_has_its_documented_effect(spawn_reference, spawn_contr
 def test_a_failed_capture_that_cannot_be_undone_leaves_the_engine_failed(spawn_reference,
                                                                           spawn_controller):
     eng = spawn_reference("undo")
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     write_hook(ctl, "dump", "10-dump", "echo dump broke >&2; exit 1")
     write_hook(ctl, "pre-restore", "10-give-back",
           '[ "$CKPT_UNDO_CAPTURE" = 1 ] && { echo "cannot give the GPU back" >&2; exit 9; }\n'
@@ -826,7 +809,7 @@ def test_a_dump_that_kills_the_engine_fails_instead_of_rolling_back(spawn_refere
                                                                     spawn_controller):
     eng = spawn_reference("killed")
     ctl = spawn_controller("missed_beats = 5\n"
-                           + engines_toml((eng, "")))
+                           + engines_toml(eng))
     write_hook(ctl, "dump", "10-dump", 'kill -9 "$CKPT_ENGINE_PID"; exit 1')
     out = ctl.ckptctl("cycle", "killed", "--json")
     assert out.returncode in (1, 4)
@@ -844,7 +827,7 @@ def test_hook_owned_by_another_user_is_refused(spawn_reference, spawn_controller
     if os.getuid() != 0:
         pytest.skip("changing a file's owner needs root")
     eng = spawn_reference("own")
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     write_hook(ctl, "pre-prepare", "10-theirs", "exit 0")
     nobody = pwd.getpwnam("nobody")
     os.chown(ctl.dir / "hooks" / "pre-prepare" / "10-theirs", nobody.pw_uid, nobody.pw_gid)
@@ -860,7 +843,7 @@ def test_the_operations_drain_timeout_reaches_the_agent(spawn_engine, spawn_cont
     # request takes 600 steps of 10 ms whatever the machine's speed, so none can end before
     # the drain has begun (a reference engine's could, on a busy machine)
     eng = spawn_engine("dt")
-    ctl = spawn_controller(engines_toml((eng, "")))
+    ctl = spawn_controller(engines_toml(eng))
     ids = [f"r{i}" for i in range(4)]
     for rid in ids:
         eng.submit(rid, steps=600)
@@ -917,7 +900,7 @@ def test_an_engine_found_failed_after_a_restart_is_resumed_if_never_captured(
     controller restores the engine by itself under ``recover_uncaptured = "resume"``, and
     leaves it under "leave"; where a capture may have begun, it leaves it FAILED."""
     eng = spawn_reference("uc")
-    ctl = spawn_controller(f'recover_uncaptured = "{policy}"\n' + engines_toml((eng, "")))
+    ctl = spawn_controller(f'recover_uncaptured = "{policy}"\n' + engines_toml(eng))
     gate, held = ctl.dir / "let-go", ctl.dir / "held"
     write_hook(ctl, point, "10-hold", f"touch {held}; while [ ! -e {gate} ]; do sleep 0.05; done")
     t = threading.Thread(target=lambda: ctl.ckptctl(op, "uc", "--op-id", "cut"))

@@ -30,7 +30,6 @@ import os
 import socket
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -43,8 +42,10 @@ from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.config import load_config
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.server import ControllerServer
-
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+from support.cli import CKPTCTL, ckptctl
+from support.config import engines_toml
+from support.hooks import write_hook
 
 
 def _config(folder: Path, name: str, endpoint: str) -> Path:
@@ -63,7 +64,7 @@ def test_an_endpoint_is_held_from_the_claim_not_only_from_the_bind(ipc_dir):
     endpoint = f"ipc://{ipc_dir}/ctl.sock"
     first = ControllerServer(load_config(_config(ipc_dir, "first", endpoint)))
     try:
-        second = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "serve",
+        second = subprocess.Popen([*CKPTCTL, "serve",
                                    "--config", str(_config(ipc_dir, "second", endpoint))],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   cwd=ROOT)
@@ -86,7 +87,6 @@ def test_an_endpoint_is_held_from_the_claim_not_only_from_the_bind(ipc_dir):
     # let go on close: a later controller of either state directory may take the endpoint
     again = ControllerServer(load_config(ipc_dir / "second.toml")).start()
     again.close()
-
 
 
 #: what the issue asks: answered "within a second"; slack for a loaded two-core machine
@@ -185,12 +185,9 @@ def test_a_restarted_controller_still_reports_the_last_cycle_and_image(spawn_eng
     from test_metrics import scrape, values
 
     eng = spawn_engine("m1", weights_mib=4, kv_mib=4, layers=1)
-    hook = ipc_dir / "hooks" / "dump" / "50-test"
-    hook.parent.mkdir(parents=True, mode=0o700)
-    hook.write_text('#!/bin/sh\nhead -c 4096 /dev/zero > "$CKPT_IMAGE_DIR/pages.img"\n')
-    hook.chmod(0o700)
-    (ipc_dir / "hooks").chmod(0o700)
-    config = f'metrics_port = 0\n[[engine]]\nname = "m1"\ncontrol = "{eng.control}"\n'
+    write_hook(ipc_dir / "hooks", "dump", "50-test",
+               'head -c 4096 /dev/zero > "$CKPT_IMAGE_DIR/pages.img"')
+    config = "metrics_port = 0\n" + engines_toml(eng)
     ctl = spawn_controller(config)
     out = ctl.ckptctl("cycle", "m1", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -263,8 +260,7 @@ def test_a_port_in_use_is_refused_before_any_engine_is_touched(spawn_engine, ipc
                       + (f"metrics_port = {port}\n" if taken == "controller.metrics_port" else "")
                       + f'[[engine]]\nname = "t1"\ncontrol = "{eng.control}"\n')
     try:
-        out = subprocess.run([sys.executable, "-m", "ckpt_controller", "serve", "--config",
-                              str(config)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        out = ckptctl("serve", "--config", str(config))
     finally:
         port_holder.close()
     assert out.returncode == 2, out.stdout + out.stderr

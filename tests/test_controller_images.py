@@ -12,6 +12,8 @@ import pytest
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.errors import UsageError
+from support.config import engines_toml
+from support.hooks import write_hook
 
 
 @pytest.fixture
@@ -23,18 +25,6 @@ def agent(ipc_dir):
     a.close()
 
 
-def _toml(agent) -> str:
-    return f'[[engine]]\nname = "{agent.name}"\ncontrol = "{agent.endpoint}"\n'
-
-
-def _hook(ctl, point: str, body: str) -> None:
-    folder = ctl.dir / "hooks" / point
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "10-stand-in"
-    path.write_text("#!/bin/sh\n" + body + "\n")
-    path.chmod(0o755)
-
-
 def _state(agent) -> tuple[str, int]:
     with AgentClient(agent.endpoint) as c:
         st = c.status()
@@ -42,7 +32,7 @@ def _state(agent) -> tuple[str, int]:
 
 
 def test_a_capture_without_a_dump_hook_says_so(spawn_controller, agent):
-    ctl = spawn_controller(_toml(agent))
+    ctl = spawn_controller(engines_toml(agent))
     assert ctl.ckptctl("prepare", "im1").returncode == 0
     out = ctl.ckptctl("capture", "im1", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -52,7 +42,7 @@ def test_a_capture_without_a_dump_hook_says_so(spawn_controller, agent):
     assert human.returncode == 0
     assert "no dump hook ran: nothing was captured" in human.stdout, human.stdout
     # with a dump hook the capture names the image it made
-    _hook(ctl, "dump", 'echo dumped > "$CKPT_IMAGE_DIR/image"')
+    write_hook(ctl, "dump", "10-stand-in", 'echo dumped > "$CKPT_IMAGE_DIR/image"')
     out = ctl.ckptctl("capture", "im1", "--json", "--op-id", "cap")
     (o,) = json.loads(out.stdout)["engines"]
     assert o["dumped"] is True and o["image"] == "cap"
@@ -61,7 +51,7 @@ def test_a_capture_without_a_dump_hook_says_so(spawn_controller, agent):
 
 
 def test_require_dump_makes_a_capture_without_one_an_error(spawn_controller, agent):
-    ctl = spawn_controller(_toml(agent), controller_keys="require_dump = true\n")
+    ctl = spawn_controller(engines_toml(agent), controller_keys="require_dump = true\n")
     out = ctl.ckptctl("cycle", "im1", "--json")
     assert out.returncode == 2, out.stdout + out.stderr
     err = json.loads(out.stdout)["error"]
@@ -73,16 +63,17 @@ def test_require_dump_makes_a_capture_without_one_an_error(spawn_controller, age
     assert _state(agent) == ("prepared", 0)  # nothing was done to it
     hist = json.loads(ctl.ckptctl("history", "--op-id", "nodump", "--json").stdout)
     assert hist["operations"] == []
-    _hook(ctl, "dump", 'echo dumped > "$CKPT_IMAGE_DIR/image"')
+    write_hook(ctl, "dump", "10-stand-in", 'echo dumped > "$CKPT_IMAGE_DIR/image"')
     out = ctl.ckptctl("capture", "im1", "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["engines"][0]["dumped"] is True
 
 
 def test_a_restore_names_its_image_and_refuses_an_older_generations(spawn_controller, agent):
-    ctl = spawn_controller(_toml(agent))
-    _hook(ctl, "dump", 'echo "$CKPT_OP_ID" > "$CKPT_IMAGE_DIR/image"')
+    ctl = spawn_controller(engines_toml(agent))
+    write_hook(ctl, "dump", "10-stand-in", 'echo "$CKPT_OP_ID" > "$CKPT_IMAGE_DIR/image"')
     # a pre-restore hook that says which image it would restore (criu-restore's default)
-    _hook(ctl, "pre-restore", 'cat "$CKPT_IMAGE_DIR/../latest/image" 2>/dev/null || echo none')
+    write_hook(ctl, "pre-restore", "10-stand-in",
+               'cat "$CKPT_IMAGE_DIR/../latest/image" 2>/dev/null || echo none')
     out = ctl.ckptctl("cycle", "im1", "--json", "--op-id", "c1")
     assert out.returncode == 0, out.stdout + out.stderr
     (o,) = json.loads(out.stdout)["engines"]

@@ -19,14 +19,13 @@ from ckpt_controller.controller.config import parse_config
 from ckpt_controller.controller.service import Controller
 from ckpt_controller.errors import UnreachableError
 from ckpt_controller.rpc import new_op_id
+from support.config import controller_toml
 
 
 def _controller(tmp_path, *engines) -> Controller:
-    toml = (f'[controller]\nendpoint = "ipc://{tmp_path}/ctl.sock"\n'
-            f'state_dir = "{tmp_path}/state"\nheartbeat_interval_s = 0.2\nmissed_beats = 3\n'
-            f'[defaults]\nlevel = 0\ndrain = "wait"\n')
-    toml += "".join(f'[[engine]]\nname = "{e.name}"\ncontrol = "{e.control}"\n' for e in engines)
-    return Controller(parse_config(toml))
+    return Controller(parse_config(controller_toml(
+        tmp_path, *engines, keys="heartbeat_interval_s = 0.2\nmissed_beats = 3\n",
+        defaults='level = 0\ndrain = "wait"')))
 
 
 def _op(kind: str, *engines: str, **kw) -> p.OperationCommand:

@@ -12,12 +12,7 @@ import time
 
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.controller.journal import Journal
-
-
-def _toml(*engines) -> str:
-    """[[engine]] tables for engine processes (``.control``) or in-process agents (``.endpoint``)."""
-    return "".join(f'[[engine]]\nname = "{e.name}"\n'
-                   f'control = "{getattr(e, "control", None) or e.endpoint}"\n' for e in engines)
+from support.config import engines_toml
 
 
 def _wait_state(control: str, state: str, timeout_s: float = 20) -> None:
@@ -49,7 +44,7 @@ def test_an_operators_restore_goes_before_the_reconcilers_probe(spawn_engine, sp
     probe waiting for an answer that never comes); an operator's restore of it is still run
     (and fails as unreachable), never refused as busy."""
     eng, ctl = _unsettled_and_dead(spawn_engine, lambda e: spawn_controller(
-        _toml(e), controller_keys="reconcile_interval_s = 0.05\n"), "un1")
+        engines_toml(e), controller_keys="reconcile_interval_s = 0.05\n"), "un1")
     status = json.loads(ctl.ckptctl("status", "--json").stdout)
     assert status["engines"][0]["unsettled_by"] == "lost"
     out = ctl.ckptctl("restore", "un1", "--json")
@@ -79,7 +74,7 @@ def test_a_refused_request_leaves_no_operation_and_counts_as_refused(spawn_contr
 
     agents = _agents(ipc_dir, ["rf1"])
     try:
-        ctl = spawn_controller(_toml(*agents), controller_keys="metrics_port = 0\n")
+        ctl = spawn_controller(engines_toml(*agents), controller_keys="metrics_port = 0\n")
         for op in ("restore", "capture", "rollback"):
             out = ctl.ckptctl(op, "rf1", "--json", "--op-id", f"refused-{op}")
             assert out.returncode == 2, out.stdout + out.stderr
@@ -110,7 +105,7 @@ def test_a_group_with_one_dead_engine_takes_none_out_of_service(spawn_controller
     agents = _agents(ipc_dir, ["gd1", "gd2"])
     try:
         ghost = f"ipc://{ipc_dir}/ghost.ctl"
-        ctl = spawn_controller(_toml(*agents)
+        ctl = spawn_controller(engines_toml(*agents)
                                + f'[[engine]]\nname = "ghost"\ncontrol = "{ghost}"\n')
         for args in (("prepare", "--all"), ("cycle", "--all", "--max-unavailable", "1")):
             start = time.monotonic()
@@ -172,14 +167,15 @@ def test_the_preflight_probe_waits_as_long_as_the_config_says(spawn_controller, 
                   heartbeat_interval_s=0.2).start()
     try:
         keys = "missed_beats = 500\n"
-        ctl = spawn_controller(_toml(agent), controller_keys=keys)
+        ctl = spawn_controller(engines_toml(agent), controller_keys=keys)
         out = _prepare_slowly(ctl, memory)
         assert out.returncode == 4, out.stdout + out.stderr
         err = json.loads(out.stdout)["error"]
         assert err["kind"] == "UnreachableError" and "sl1 did not answer" in err["message"]
         _untouched([agent])
         ctl.stop()
-        ctl = spawn_controller(_toml(agent) + "[deadlines]\nprobe = 30\n", controller_keys=keys)
+        ctl = spawn_controller(engines_toml(agent) + "[deadlines]\nprobe = 30\n",
+                               controller_keys=keys)
         out = _prepare_slowly(ctl, memory)
         assert out.returncode == 0, out.stdout + out.stderr
         with AgentClient(agent.endpoint) as c:

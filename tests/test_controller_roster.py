@@ -7,8 +7,6 @@ lives; the link, gauges and monitor follow. Real step engine processes, an in-pr
 from __future__ import annotations
 
 import sqlite3
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -23,17 +21,14 @@ from ckpt_controller.controller.service import Controller
 from ckpt_controller.errors import BusyError, ConfigError, UsageError
 from ckpt_controller.rpc import new_op_id
 from ckpt_controller.vocab import DrainMode, ReleaseLevel
-from conftest import wait_until
-
-ROOT = Path(__file__).resolve().parent.parent
+from support.cli import ckptctl
+from support.config import controller_toml
+from support.timing import wait_until
 
 
 def _toml(tmp_path: Path, *engines) -> str:
-    text = (f'[controller]\nendpoint = "ipc://{tmp_path}/ctl.sock"\n'
-            f'state_dir = "{tmp_path}/state"\nheartbeat_interval_s = 0.2\nmissed_beats = 3\n'
-            f'metrics_port = 0\n[defaults]\nlevel = 0\ndrain = "wait"\n')
-    return text + "".join(f'[[engine]]\nname = "{e.name}"\ncontrol = "{e.control}"\n'
-                          for e in engines)
+    return controller_toml(tmp_path, *engines, defaults='level = 0\ndrain = "wait"',
+                           keys="heartbeat_interval_s = 0.2\nmissed_beats = 3\nmetrics_port = 0\n")
 
 
 def _server(toml: str) -> ControllerServer:
@@ -42,12 +37,6 @@ def _server(toml: str) -> ControllerServer:
 
 def _op(kind: str, *engines: str) -> p.OperationCommand:
     return p.OperationCommand(call_id=0, op_id=new_op_id(), kind=kind, engines=list(engines))
-
-
-def _ckptctl(server: ControllerServer, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
-                           server.endpoint, *args], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
 
 
 def _views(ctl: Controller) -> dict[str, p.EngineView]:
@@ -102,10 +91,10 @@ def test_adopt_restart_give_away_restart_and_adopt_back(tmp_path, spawn_engine):
         with pytest.raises(UsageError, match="no engines are configured"):
             ctl.run(_op("prepare"), 60)
         wait_until(lambda: _up_series(server, "r2") is None, what="r2's gauges gone")
-        out = _ckptctl(server, "status")
+        out = ckptctl("status", endpoint=server.endpoint)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "r1: MOVED to node node-c by operation mig-3" in out.stdout
-        out = _ckptctl(server, "prepare", "r1")
+        out = ckptctl("prepare", "r1", endpoint=server.endpoint)
         assert out.returncode == 2 and "node node-c" in out.stderr, out.stdout + out.stderr
     finally:
         server.close()
@@ -230,9 +219,7 @@ def test_a_malformed_roster_row_refuses_the_start_clearly(tmp_path, damage, prob
         Controller(parse_config(toml))
     assert err.value.details["seq"] == 1 and err.value.details["engine"] == "g1"
     (tmp_path / "ctl.toml").write_text(toml)
-    out = subprocess.run([sys.executable, "-m", "ckpt_controller", "serve", "--config",
-                          str(tmp_path / "ctl.toml")], capture_output=True, text=True,
-                         timeout=60, cwd=ROOT)
+    out = ckptctl("serve", "--config", str(tmp_path / "ctl.toml"))
     assert out.returncode == 2 and "malformed" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     _damage(tmp_path, "DELETE FROM roster")  # the person's repair: it starts again

@@ -17,15 +17,10 @@ from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.engine.load import replay, run_load
 from ckpt_controller.errors import CkptError
+from support.config import engines_toml
+from support.hooks import write_hook
 
 KILLS = 50
-
-
-def _hook(ctl, point: str, body: str) -> None:
-    path = ctl.dir / "hooks" / point / "10-slow"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"#!/bin/sh\n{body}\n")
-    path.chmod(0o700)
 
 
 @pytest.mark.slow
@@ -34,11 +29,10 @@ def test_fifty_random_controller_kills_reconcile_every_time(spawn_reference, spa
     print(f"seed {seed}")
     rng = random.Random(seed)
     eng = spawn_reference("crash")
-    ctl = spawn_controller(f'[defaults]\ndrain = "keep"\nlevel = 2\n\n[[engine]]\nname = '
-                           f'"crash"\ncontrol = "{eng.control}"\n')
+    ctl = spawn_controller(engines_toml(eng, defaults='drain = "keep"\nlevel = 2'))
     # hooks inside each phase make a cycle last about a second, so kills land everywhere
     for point in ("post-drain", "post-release", "dump", "post-restore"):
-        _hook(ctl, point, "sleep 0.15")
+        write_hook(ctl, point, "10-slow", "sleep 0.15")
     box: dict = {}
     load = threading.Thread(target=lambda: box.update(out=run_load(
         eng.api, rate=4, duration_s=KILLS * 3.0, seed=11, settle_s=120)))

@@ -19,36 +19,18 @@ import psutil
 import pytest
 
 from ckpt_controller.agent import AgentClient
+from ckpt_controller.endpoints import free_port
 from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.errors import OperationError
-from conftest import kill_naming, pids_naming
+from support import ROOT
+from support.config import engines_toml
+from support.criu import CRIU, criu_missing, required
+from support.hooks import link_hook
+from support.processes import kill_naming, pids_naming
 
-ROOT = Path(__file__).resolve().parent.parent
-CRIU = os.environ.get("CKPT_CRIU") or str(ROOT / ".cache" / "criu" / "bin" / "criu")
-
-
-def _criu_works() -> str | None:
-    if not os.path.exists(CRIU):
-        return f"no CRIU at {CRIU}: run `make criu` (CRIU 4.2+ from Debian unstable)"
-    if os.geteuid() != 0:
-        return "CRIU needs root here"
-    check = subprocess.run([CRIU, "check"], capture_output=True, text=True, timeout=60)
-    if check.returncode != 0:
-        return f"criu check fails: {check.stdout[-300:]} {check.stderr[-300:]}"
-    return None
-
-
-_reason = _criu_works()
-if _reason is not None and os.environ.get("CKPT_REQUIRE_CRIU") == "1":
-    # CI sets this: where CRIU can be installed, a CRIU test that would skip is a failure
-    raise RuntimeError(f"CKPT_REQUIRE_CRIU=1, but the CRIU tests cannot run: {_reason}")
+# CI sets CKPT_REQUIRE_CRIU=1: where CRIU can be installed, a CRIU test that would skip fails
+_reason = required(criu_missing(), "the CRIU tests")
 pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tcp_engine(spawn_reference, name: str):
@@ -65,12 +47,6 @@ def tcp_engine(spawn_reference, name: str):
                 raise
 
 
-def install_hook(ctl, point: str, name: str, hook: str) -> None:
-    folder = ctl.dir / "hooks" / point
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).symlink_to(ROOT / "hooks" / hook)
-
-
 def dump_directly(pid: int, images: Path, timeout_s: float = 300) -> dict[str, str]:
     """Run the criu-dump hook on ``pid`` into ``images`` (made here) as the controller would,
     without one; returns the hook environment, for a criu-restore of the same image."""
@@ -84,14 +60,13 @@ def dump_directly(pid: int, images: Path, timeout_s: float = 300) -> dict[str, s
 
 
 def config_for(eng) -> str:
-    return (f'[defaults]\ndrain = "keep"\nlevel = 2\n\n[[engine]]\nname = "{eng.name}"\n'
-            f'control = "{eng.control}"\n')
+    return engines_toml(eng, defaults='drain = "keep"\nlevel = 2')
 
 
 def test_cycle_with_a_real_dump_keeps_serving(spawn_reference, spawn_controller):
     eng = tcp_engine(spawn_reference, "crl")
     ctl = spawn_controller(config_for(eng))
-    install_hook(ctl, "dump", "10-criu-dump", "criu-dump")
+    link_hook(ctl, "dump", "10-criu-dump", "criu-dump")
     with EngineClient(eng.api) as api:
         prompts = [[i, 2, 9] for i in range(4)]
         ids = [api.submit(pr, 300) for pr in prompts]
@@ -115,7 +90,7 @@ def test_an_engine_on_ipc_endpoints_cannot_be_dumped_and_is_told_why(spawn_refer
                                                                      spawn_controller):
     eng = spawn_reference("cripc")  # ipc:// endpoints: the controller's connection is a unix socket
     ctl = spawn_controller(config_for(eng))
-    install_hook(ctl, "dump", "10-criu-dump", "criu-dump")
+    link_hook(ctl, "dump", "10-criu-dump", "criu-dump")
     out = ctl.ckptctl("cycle", "cripc", "--json")
     assert out.returncode == 1
     (o,) = json.loads(out.stdout)["engines"]
@@ -139,8 +114,8 @@ def test_dump_stops_the_engine_and_restore_brings_it_back(spawn_reference, spawn
 
 def _stop_and_restore(eng, spawn_controller) -> None:
     ctl = spawn_controller(config_for(eng))
-    install_hook(ctl, "dump", "10-criu-dump", "criu-dump")
-    install_hook(ctl, "pre-restore", "10-criu-restore", "criu-restore")
+    link_hook(ctl, "dump", "10-criu-dump", "criu-dump")
+    link_hook(ctl, "pre-restore", "10-criu-restore", "criu-restore")
     with EngineClient(eng.api) as api:
         want = api.generate([5, 6, 7], 40).token_ids
         kept = api.submit([8, 8, 8], 400)
@@ -215,8 +190,8 @@ def test_under_load_dump_kill_restore_loses_nothing(spawn_reference, spawn_contr
     eng = tcp_engine(spawn_reference, "crload")
     try:
         ctl = spawn_controller(config_for(eng))
-        install_hook(ctl, "dump", "10-criu-dump", "criu-dump")
-        install_hook(ctl, "pre-restore", "10-criu-restore", "criu-restore")
+        link_hook(ctl, "dump", "10-criu-dump", "criu-dump")
+        link_hook(ctl, "pre-restore", "10-criu-restore", "criu-restore")
         box = {}
         load = threading.Thread(target=lambda: box.update(zip(("report", "requests"), run_load(
             eng.api, rate=30, duration_s=4.0, seed=5, settle_s=60))))
@@ -393,8 +368,7 @@ def test_a_restore_that_hangs_is_stopped_whole_at_the_hook_timeout(spawn_referen
         ctx = HookContext(engine=eng.name, pid=eng.pid, state="prepared", generation=1,
                           op_id="hang", image_dir=images, deadline_wall=time.time() + 120)
         hooks = eng.log_path.parent / "crhang-hooks"
-        (hooks / "pre-restore").mkdir(parents=True)
-        (hooks / "pre-restore" / "10-criu-restore").symlink_to(ROOT / "hooks" / "criu-restore")
+        link_hook(hooks, "pre-restore", "10-criu-restore", "criu-restore")
         start, runs = time.monotonic(), []
         with pytest.raises(HookTimeoutError) as info:
             run_point(hooks, "pre-restore", ctx, 4, runs, grace_s=1)
@@ -425,8 +399,8 @@ def test_a_restore_from_a_damaged_image_fails_at_once_and_the_next_one_works(
     eng = tcp_engine(spawn_reference, "crdmgctl")
     try:
         ctl = spawn_controller(config_for(eng))
-        install_hook(ctl, "dump", "10-criu-dump", "criu-dump")
-        install_hook(ctl, "pre-restore", "10-criu-restore", "criu-restore")
+        link_hook(ctl, "dump", "10-criu-dump", "criu-dump")
+        link_hook(ctl, "pre-restore", "10-criu-restore", "criu-restore")
         assert ctl.ckptctl("prepare", eng.name).returncode == 0
         out = ctl.ckptctl("capture", eng.name, "--json", "--op-id", "snap")
         assert out.returncode == 0, out.stdout + out.stderr

@@ -32,11 +32,13 @@ import psutil
 import pytest
 
 from ckpt_controller.criu_images import PageServer, pack_small, pages_expected, unpack_small
-from conftest import ROOT, wait_until
-from netns_util import Namespaces, run_tag
-from test_criu import CRIU, _reason, free_port
+from ckpt_controller.endpoints import free_port
+from support import ROOT
+from support.criu import CRIU, criu_missing
+from support.netns_util import Namespaces, run_tag
+from support.timing import wait_until
 
-pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+pytestmark = pytest.mark.skipif(criu_missing() is not None, reason=criu_missing() or "")
 
 A_IP, B_IP = "169.254.77.1", "169.254.77.2"
 PROMPT, TOKENS = [5, 6, 7], 40

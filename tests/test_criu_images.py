@@ -19,7 +19,7 @@ from ckpt_controller.criu_images import (
     IMG_COMMON_MAGIC, PAGE_SIZE, PAGEMAP_MAGIC, check, pack_small, pages_expected,
     unpack_small)
 from ckpt_controller.errors import ImageError
-from conftest import ROOT
+from support import ROOT
 
 
 def _varint(n: int) -> bytes:

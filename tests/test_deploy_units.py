@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_controller.cli import build_parser
-from conftest import ROOT
+from support import ROOT
 
 UNITS = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
 INSTALLED = "/opt/ckpt-controller/bin/ckptctl"

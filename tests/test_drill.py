@@ -7,8 +7,6 @@ in docs/drills.md, not only against the drill's own verdict."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -17,13 +15,11 @@ from ckpt_controller.drill import faults as f
 from ckpt_controller.drill import report as r
 from ckpt_controller.drill import timeline as tl
 from ckpt_controller.errors import UsageError
-
-CKPTCTL = [sys.executable, "-m", "ckpt_controller"]
+from support.cli import ckptctl
 
 
 def drill(tmp_path, *args: str, timeout: float = 900) -> tuple[int, dict, str]:
-    out = subprocess.run(CKPTCTL + ["drill", *args, "--report", str(tmp_path / "rep")],
-                         capture_output=True, text=True, timeout=timeout)
+    out = ckptctl("drill", *args, "--report", str(tmp_path / "rep"), timeout=timeout)
     path = tmp_path / "rep" / "report.json"
     rep = json.loads(path.read_text()) if path.exists() else {}
     return out.returncode, rep, out.stdout + out.stderr

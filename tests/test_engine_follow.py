@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import zmq
-
-from conftest import ROOT, ControllerProcess, wait_until
 
 from ckpt_controller.agent import Agent, AgentClient
 from ckpt_controller.engine import api
@@ -30,6 +26,10 @@ from ckpt_controller.errors import (
 )
 from ckpt_controller.fleet.node import published_endpoints, reachable_at
 from ckpt_controller.fleet.registry import Resolver
+from support.cli import ckptctl
+from support.config import node_toml
+from support.processes import ControllerProcess
+from support.timing import wait_until
 
 
 @pytest.fixture
@@ -248,11 +248,6 @@ def _record(etcd, name: str, endpoints: dict[str, str], node: str = "n1") -> Non
             engine=name, node=node, state="running", endpoints=endpoints)))
 
 
-def _ckptctl(*args: str, timeout: float = 120):
-    return subprocess.run([sys.executable, "-m", "ckpt_controller", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env=dict(os.environ))
-
-
 @pytest.mark.fleet
 def test_a_node_publishes_its_engines_endpoints_at_its_address(etcd, ipc_dir):
     """An agent that reports an api endpoint bound to 0.0.0.0: its record in etcd names the
@@ -265,9 +260,7 @@ def test_a_node_publishes_its_engines_endpoints_at_its_address(etcd, ipc_dir):
                   endpoints={"api": "tcp://0.0.0.0:5599"}).start()
     d = ipc_dir / "n1"
     d.mkdir()
-    ctl = ControllerProcess(d, f'[fleet]\n{etcd.toml()}node = "n1"\naddress = "169.254.77.2"\n'
-                               'lease_ttl_s = 2\npublish_interval_s = 0.2\n'
-                               f'[[engine]]\nname = "pub"\ncontrol = "{agent.endpoint}"\n')
+    ctl = ControllerProcess(d, node_toml(etcd, "n1", [agent], address="169.254.77.2"))
     try:
         with Etcd(etcd.urls) as store:
             rec = wait_until(lambda: (kv := store.get(Keys("/ckpt").engine("pub")))
@@ -315,7 +308,7 @@ def test_following_an_engine_says_what_is_wrong_and_the_cli_follows_too(etcd, en
     """Typed errors for an engine not in the registry, one without an api endpoint, a
     damaged record and etcd unavailable (exit 2, 2, 2 and 4 from ckptctl); ``generate`` and
     ``load`` reach an engine by name."""
-    import etcd_cluster
+    from support import etcd_cluster
 
     from ckpt_controller.fleet.etcd import Etcd
     from ckpt_controller.fleet.keys import Keys
@@ -340,18 +333,18 @@ def test_following_an_engine_says_what_is_wrong_and_the_cli_follows_too(etcd, en
     _record(etcd, "by-name", {"api": engine.api, "control": engine.control})
     with EngineClient(engine.api) as ref:
         want = ref.generate([1, 2, 3], 20).token_ids
-    r = _ckptctl("generate", "--engine", "by-name", "--etcd", urls, "--prompt-ids", "1,2,3",
-                 "--max-tokens", "20", "--json")
+    r = ckptctl("generate", "--engine", "by-name", "--etcd", urls, "--prompt-ids", "1,2,3",
+                "--max-tokens", "20", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["token_ids"] == want
-    r = _ckptctl("--etcd", urls, "load", "--engine", "by-name", "--rate", "20", "--duration",
-                 "0.5", "--json")
+    r = ckptctl("--etcd", urls, "load", "--engine", "by-name", "--rate", "20", "--duration",
+                "0.5", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["completed"] == 10
     for name, code in (("nobody", 2), ("ctl-only", 2), ("damaged", 2)):
-        r = _ckptctl("generate", "--engine", name, "--etcd", urls, "--prompt-ids", "1",
-                     "--max-tokens", "2")
+        r = ckptctl("generate", "--engine", name, "--etcd", urls, "--prompt-ids", "1",
+                    "--max-tokens", "2")
         assert r.returncode == code and name in r.stderr, (name, r.returncode, r.stderr)
-    r = _ckptctl("generate", "--engine", "by-name", "--etcd", away, "--prompt-ids", "1",
-                 "--max-tokens", "2")
+    r = ckptctl("generate", "--engine", "by-name", "--etcd", away, "--prompt-ids", "1",
+                "--max-tokens", "2")
     assert r.returncode == 4 and "UnreachableError" in r.stderr

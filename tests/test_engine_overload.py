@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import collections
 import json
-import subprocess
-import sys
 import threading
 import time
 
@@ -32,6 +30,7 @@ from ckpt_controller.agent import AgentClient
 from ckpt_controller.engine import api
 from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.errors import OverloadedError, from_wire
+from support.cli import ckptctl
 
 MIB = 1 << 20
 #: the engine trims its heap this long after a flood was shed (``engine.server``); a copy, so
@@ -41,11 +40,6 @@ TRIM_AFTER_QUIET_S = 1.0
 ANSWER_BOUND_S = 2.5
 #: a prompt whose request runs for seconds: 1,000 tokens (the tiny model's limit is 1,024)
 LONG = 1_000
-
-
-def _ckptctl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt_controller", *args], capture_output=True,
-                          text=True, timeout=60)
 
 
 def _wait_heard(client: EngineClient, ids: list[str], timeout_s: float = 30.0) -> None:
@@ -84,13 +78,13 @@ def test_an_add_past_the_waiting_queue_is_refused_at_once_typed_and_retryable(sp
         with pytest.raises(OverloadedError):
             c.generate([1, 2, 3], 5, timeout_s=10)
         assert time.monotonic() - start < ANSWER_BOUND_S  # at once, not after the queue
-        cli = _ckptctl("generate", "--api", eng.api, "--prompt-ids", "1,2,3", "--max-tokens",
-                       "5", "--json")
+        cli = ckptctl("generate", "--api", eng.api, "--prompt-ids", "1,2,3", "--max-tokens",
+                      "5", "--json")
         assert cli.returncode == 4, (cli.returncode, cli.stdout, cli.stderr)
         doc = json.loads(cli.stdout)["error"]
         assert doc["kind"] == "OverloadedError" and doc["details"]["retry_after_s"] > 0
-        load = _ckptctl("load", "--api", eng.api, "--rate", "10", "--duration", "0.3",
-                        "--settle", "5", "--json")
+        load = ckptctl("load", "--api", eng.api, "--rate", "10", "--duration", "0.3",
+                       "--settle", "5", "--json")
         assert load.returncode == 0, (load.stdout, load.stderr)
         report = json.loads(load.stdout)
         assert report["sent"] == 3 and report["rejected"] == 3 and report["lost"] == 0, report

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 
@@ -17,6 +16,7 @@ from ckpt_controller.agent import AgentClient
 from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.engine.load import replay, run_load
 from ckpt_controller.errors import RejectedError, UsageError
+from support.cli import CKPTCTL, ckptctl
 
 MIB = 1 << 20
 
@@ -90,10 +90,8 @@ def test_a_stop_token_ends_a_request_with_stop(tiny, clients):
     got = client.generate([5, 6, 7], 30, stop_token_id=free[stop_at])
     assert got.finish_reason == "stop"
     assert got.token_ids == free[:stop_at + 1]  # ends with the stop token itself
-    cli = subprocess.run([sys.executable, "-m", "ckpt_controller", "generate", "--api", eng.api,
-                          "--prompt-ids", "5,6,7", "--max-tokens", "30", "--stop-id",
-                          str(free[stop_at]), "--json"], capture_output=True, text=True,
-                         timeout=60)
+    cli = ckptctl("generate", "--api", eng.api, "--prompt-ids", "5,6,7", "--max-tokens", "30",
+                  "--stop-id", str(free[stop_at]), "--json", timeout=60)
     assert cli.returncode == 0, cli.stderr
     out = json.loads(cli.stdout)
     assert out["finish_reason"] == "stop" and out["token_ids"] == free[:stop_at + 1]
@@ -269,8 +267,7 @@ def test_a_sized_model_and_a_model_file_serve(spawn_reference, uncycled, clients
 
 def test_generate_and_load_commands(tiny):
     eng = tiny
-    run = lambda *a: subprocess.run([sys.executable, "-m", "ckpt_controller", *a],  # noqa: E731
-                                    capture_output=True, text=True, timeout=120)
+    run = ckptctl
     out = run("generate", "--api", eng.api, "--prompt-ids", "1,2,3", "--max-tokens", "7", "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
@@ -391,7 +388,7 @@ def test_an_api_endpoint_it_cannot_bind_ends_serve_with_the_typed_error(ipc_dir,
              taken: ("CkptError", 1, "in use"),
              "tcp://256.1.1.1:5": ("ConfigError", 2, "not a valid tcp://HOST:PORT")}
     runs = {api: subprocess.Popen(
-        [sys.executable, "-m", "ckpt_controller", "engine", "serve", "--name", f"nb{i}",
+        [*CKPTCTL, "engine", "serve", "--name", f"nb{i}",
          "--api", api, "--control", f"ipc://{ipc_dir}/nb{i}.ctl", "--model-dir",
          str(model_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i, api in enumerate(cases)}  # together: each loads torch

@@ -26,9 +26,9 @@ from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.engine.load import run_load
 from ckpt_controller.errors import ConfigError, UnreachableError
 from ckpt_controller.security import CurveClient, CurveServer, generate
-from conftest import ipc_connections, wait_connected
+from support.cli import CKPTCTL, ckptctl
+from support.net import ipc_connections, wait_connected
 
-CKPTCTL = [sys.executable, "-m", "ckpt_controller"]
 #: "within about a second", with room for a loaded machine
 PROMPT_S = 2.5
 
@@ -93,7 +93,7 @@ def test_engine_client_and_load_first_contact(nobody):
 def test_the_command_line_reports_a_missing_server_at_once(ipc_dir, argv, hint):
     ep = f"ipc://{ipc_dir}/gone.sock"
     start = time.monotonic()
-    out = subprocess.run(CKPTCTL + ["--controller", ep] + [a.format(ep=ep) for a in argv],
+    out = subprocess.run([*CKPTCTL, "--controller", ep] + [a.format(ep=ep) for a in argv],
                          capture_output=True, text=True, timeout=120)
     took = time.monotonic() - start
     assert out.returncode == 4, out.stdout + out.stderr
@@ -122,8 +122,7 @@ def test_an_address_that_is_none_is_refused_at_once_naming_it(endpoint):
         with pytest.raises(ConfigError) as info:
             make(endpoint)
         assert info.value.details["endpoint"] == endpoint and info.value.exit_code == 2
-    out = subprocess.run(CKPTCTL + ["agent", "status", "--control", endpoint, "--json"],
-                         capture_output=True, text=True, timeout=60)
+    out = ckptctl("agent", "status", "--control", endpoint, "--json")
     assert out.returncode == 2, out.stdout + out.stderr
     err = json.loads(out.stdout)["error"]
     assert err["kind"] == "ConfigError" and err["details"]["endpoint"] == endpoint, err
@@ -178,10 +177,8 @@ def test_a_refused_curve_client_is_told_within_5s(curve_agent):
             assert "CURVE" in str(info.value), info.value
     # the command line: exit 4, told why
     start = time.monotonic()
-    out = subprocess.run(CKPTCTL + ["agent", "status", "--control", agent.endpoint,
-                                    "--curve-key", str(pairs["stranger"][1]),
-                                    "--curve-server-key", str(agent_pub)],
-                         capture_output=True, text=True, timeout=120)
+    out = ckptctl("agent", "status", "--control", agent.endpoint, "--curve-key",
+                  str(pairs["stranger"][1]), "--curve-server-key", str(agent_pub))
     assert out.returncode == 4 and "refused this client's CURVE key" in out.stderr, out.stderr
     assert time.monotonic() - start < 6
 
@@ -276,7 +273,7 @@ def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, floa
 def test_watch_exits_4_when_the_controller_is_killed(ipc_dir, spawn_controller, duration):
     ctl = spawn_controller(f'[[engine]]\nname = "ghost"\ncontrol = "ipc://{ipc_dir}/ghost.ctl"\n')
     before = ipc_connections(ctl.pid, ctl.endpoint)
-    watch = subprocess.Popen(CKPTCTL + ["--controller", ctl.endpoint, "watch", *duration],
+    watch = subprocess.Popen([*CKPTCTL, "--controller", ctl.endpoint, "watch", *duration],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_connected(ctl.pid, ctl.endpoint, before)  # started and subscribing
     time.sleep(0.5)  # a few heartbeats followed
@@ -293,8 +290,8 @@ def test_agent_watch_exits_4_when_the_agent_is_gone(ipc_dir):
     agent = Agent("watched", control=f"ipc://{ipc_dir}/watched.ctl", heartbeat_interval_s=0.2)
     agent.start()
     before = ipc_connections(os.getpid(), agent.endpoint)
-    watch = subprocess.Popen(CKPTCTL + ["agent", "watch", "--control", agent.endpoint,
-                                        "--duration", "120"],
+    watch = subprocess.Popen([*CKPTCTL, "agent", "watch", "--control", agent.endpoint,
+                              "--duration", "120"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_connected(os.getpid(), agent.endpoint, before)  # started and subscribing

@@ -14,11 +14,13 @@ import time
 
 import pytest
 
-import etcd_cluster
-from conftest import ROOT, ControllerProcess, stop_all, wait_until
-
 from ckpt_controller.agent import Agent
 from ckpt_controller.agent.engine import EngineHooks
+from support import ROOT, etcd_cluster
+from support.cli import CKPTCTL, ckptctl
+from support.config import engines_toml, node_toml
+from support.processes import ControllerProcess, stop_all
+from support.timing import wait_until
 
 pytestmark = pytest.mark.fleet
 
@@ -41,12 +43,6 @@ class OutOfService(EngineHooks):
             self.shared["now"] -= 1
 
 
-def ckptctl(*args: str, env: dict | None = None, timeout: float = 60):
-    return subprocess.run([sys.executable, "-m", "ckpt_controller", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT,
-                          env=dict(os.environ, **(env or {})))
-
-
 def fleet_json(cluster, *extra: str) -> tuple[int, dict | None]:
     args = ["--etcd", ",".join(cluster.urls)]
     if cluster.certs is not None:
@@ -60,17 +56,6 @@ def fleet_json(cluster, *extra: str) -> tuple[int, dict | None]:
 def engines_of(doc: dict | None) -> dict[str, dict]:
     return {row["engine"]["engine"]: dict(row["engine"], node_up=row["node_up"])
             for row in (doc or {}).get("engines", [])}
-
-
-def node_toml(cluster, node: str, agents, labels: dict[str, str] | None = None,
-              ttl: int = 2) -> str:
-    out = (f"[fleet]\n{cluster.toml()}node = \"{node}\"\nlease_ttl_s = {ttl}\n"
-           "publish_interval_s = 0.2\n")
-    for a in agents:
-        out += f'[[engine]]\nname = "{a.name}"\ncontrol = "{a.endpoint}"\n'
-        if labels:
-            out += "labels = { " + ", ".join(f'{k} = "{v}"' for k, v in labels.items()) + " }\n"
-    return out
 
 
 @pytest.fixture
@@ -359,7 +344,7 @@ def test_one_operation_per_engine_across_the_fleet(etcd, agents, nodes):
     (a,) = agents("slow", hooks=OutOfService(shared, 3.0))
     ctl = nodes("n1", node_toml(etcd, "n1", [a]))
     wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("slow"), what="published")
-    proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--controller",
+    proc = subprocess.Popen([*CKPTCTL, "--controller",
                              ctl.endpoint, "prepare", "slow", "--op-id", "local-1"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -422,7 +407,7 @@ def test_the_operation_outlives_the_command_that_started_it(etcd, ipc_dir, nodes
     try:
         nodes("n1", node_toml(etcd, "n1", a))
         wait_until(lambda: len(engines_of(fleet_json(etcd)[1])) == 3, what="published")
-        args = [sys.executable, "-m", "ckpt_controller", "--etcd", etcd.urls[0], "fleet",
+        args = [*CKPTCTL, "--etcd", etcd.urls[0], "fleet",
                 "cycle", "--all", "--max-unavailable", "1", "--op-id", "outlive"]
         first = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
@@ -446,22 +431,16 @@ def test_the_operation_outlives_the_command_that_started_it(etcd, ipc_dir, nodes
             agent.close()
 
 
-def coordinator_toml(etcd, name: str) -> str:
-    """An engine-less node that may coordinate."""
-    return f"[fleet]\n{etcd.toml()}node = \"{name}\"\nlease_ttl_s = 2\npublish_interval_s = 0.2\n"
-
-
 def _coordinators_and_workers(etcd, ipc_dir, nodes, shared, seconds, engines=4):
     """Two engine-less nodes that may coordinate (c0 first, so it does) and two that may not,
     with the engines."""
-    c0 = nodes("c0", coordinator_toml(etcd, "c0"))
+    c0 = nodes("c0", node_toml(etcd, "c0"))
     wait_until(lambda: coordinator_of(etcd) == "c0", what="c0 coordinating")
-    c1 = nodes("c1", coordinator_toml(etcd, "c1"))
+    c1 = nodes("c1", node_toml(etcd, "c1"))
     half = engines // 2
     a = counted_agents(ipc_dir, [f"w{i}" for i in range(half)], shared, seconds)
     b = counted_agents(ipc_dir, [f"w{i}" for i in range(half, engines)], shared, seconds)
-    workers = [nodes(n, node_toml(etcd, n, ag).replace("[fleet]\n", "[fleet]\ncoordinator = "
-                                                                    "false\n"))
+    workers = [nodes(n, node_toml(etcd, n, ag, extra="coordinator = false\n"))
                for n, ag in (("n1", a), ("n2", b))]
     wait_until(lambda: len(engines_of(fleet_json(etcd)[1])) == engines
                and len(fleet_json(etcd)[1]["nodes"]) == 4, what="four nodes and the engines")
@@ -474,7 +453,7 @@ def test_the_coordinator_killed_mid_operation_another_finishes_it(etcd, ipc_dir,
     shared = {"lock": threading.Lock(), "now": 0, "most": 0}
     coords, _, agents_ = _coordinators_and_workers(etcd, ipc_dir, nodes, shared, 0.4)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+        proc = subprocess.Popen([*CKPTCTL, "--etcd",
                                  etcd.urls[0], "fleet", "cycle", "--all", "--max-unavailable",
                                  "1", "--op-id", "failover", "--json"], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -486,7 +465,7 @@ def test_the_coordinator_killed_mid_operation_another_finishes_it(etcd, ipc_dir,
         rc, doc = fleet_json(etcd)
         assert [o["op_id"] for o in doc["operations"]] == ["failover"]
         assert doc["operations"][0]["total"] == 4
-        watch = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+        watch = subprocess.Popen([*CKPTCTL, "--etcd",
                                   etcd.urls[0], "fleet", "watch", "failover", "--json"],
                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True)
@@ -520,7 +499,7 @@ def test_a_node_killed_mid_operation_its_part_is_lost_and_it_converges(etcd, ipc
         text = node_toml(etcd, "n2", slow)
         n2 = nodes("n2", text)
         wait_until(lambda: len(engines_of(fleet_json(etcd)[1])) == 3, what="published")
-        proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+        proc = subprocess.Popen([*CKPTCTL, "--etcd",
                                  etcd.urls[0], "fleet", "cycle", "b0", "a0", "a1",
                                  "--max-unavailable", "1", "--op-id", "lose-n2", "--json"],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -557,7 +536,7 @@ def test_two_fleet_operations_at_once_share_the_limit(etcd, agents, nodes):
 
     shared = {"lock": threading.Lock(), "now": 0, "most": 0}
     two_nodes(etcd, agents, nodes, hooks=OutOfService(shared, 0.4), per=3)
-    procs = [subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+    procs = [subprocess.Popen([*CKPTCTL, "--etcd",
                                etcd.urls[0], "fleet", "cycle", "--selector", f"pool={pool}",
                                "--max-unavailable", "2"], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for pool in ("a", "b")]
@@ -585,7 +564,7 @@ def test_the_coordinator_killed_at_twenty_random_moments(etcd, ipc_dir, nodes):
         kills = 0
         while kills < 20:
             op_id = f"kill-{kills}"
-            proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+            proc = subprocess.Popen([*CKPTCTL, "--etcd",
                                      etcd.urls[0], "fleet", "cycle", "--all",
                                      "--max-unavailable", "2", "--op-id", op_id, "--json"],
                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -602,7 +581,7 @@ def test_the_coordinator_killed_at_twenty_random_moments(etcd, ipc_dir, nodes):
                 wait_until(lambda: coordinator_of(etcd) == other, timeout_s=10,
                            what=f"{other} took over (kill {kills})")
                 assert time.monotonic() - killed < 2 + 3.0
-                coords[victim] = nodes(victim, coordinator_toml(etcd, victim))
+                coords[victim] = nodes(victim, node_toml(etcd, victim))
             out, err = proc.communicate(timeout=120)
             assert proc.returncode == 0, out + err
             parts = json.loads(out)["parts"]
@@ -628,7 +607,7 @@ def test_quorum_lost_mid_operation_local_work_goes_on_and_the_fleet_resumes(tmp_
     try:
         ctl = nodes("n1", node_toml(cluster, "n1", a))
         wait_until(lambda: len(engines_of(fleet_json(cluster)[1])) == 3, what="published")
-        proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+        proc = subprocess.Popen([*CKPTCTL, "--etcd",
                                  ",".join(cluster.urls), "fleet", "cycle", "q0", "q1",
                                  "--max-unavailable", "1", "--op-id", "quorum", "--json"],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -679,9 +658,8 @@ def test_reference_engines_under_load_cycled_by_the_fleet_lose_nothing(etcd, nod
     engines = [spawn_reference("r1"), spawn_reference("r2")]
     straight = spawn_reference("straight")
     for i, eng in enumerate(engines, 1):
-        nodes(f"n{i}", f"[fleet]\n{etcd.toml()}node = \"n{i}\"\nlease_ttl_s = 2\n"
-                       f"publish_interval_s = 0.2\n[defaults]\ndrain = \"keep\"\nlevel = 2\n"
-                       f"[[engine]]\nname = \"{eng.name}\"\ncontrol = \"{eng.control}\"\n")
+        nodes(f"n{i}", node_toml(etcd, f"n{i}")
+              + engines_toml(eng, defaults='drain = "keep"\nlevel = 2'))
     wait_until(lambda: len(engines_of(fleet_json(etcd)[1])) == 2, what="both published")
     results: dict[str, tuple] = {}
     loads = [threading.Thread(target=lambda e=eng, s=seed: results.__setitem__(

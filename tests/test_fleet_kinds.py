@@ -5,17 +5,14 @@ the rows say, and nothing outside the table dispatches on a kind by name."""
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from ckpt_controller.fleet import drivers
 from ckpt_controller.fleet.kinds import KINDS, Drive, Option, spec
 from ckpt_controller.vocab import FleetKind, LimitRule
-
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+from support.cli import ckptctl
 
 
 def test_every_kind_has_a_row_and_every_row_its_code():
@@ -37,8 +34,7 @@ def test_every_kind_has_a_row_and_every_row_its_code():
 
 def _options(kind: FleetKind) -> set[str]:
     """The flags ``ckptctl fleet KIND --help`` lists."""
-    out = subprocess.run([sys.executable, "-m", "ckpt_controller", "fleet", kind, "--help"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    out = ckptctl("fleet", kind, "--help")
     assert out.returncode == 0, out.stderr
     return {word.strip("[],") for word in out.stdout.split() if word.startswith(("--", "[--"))}
 

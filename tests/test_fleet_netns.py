@@ -13,19 +13,20 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-import etcd_cluster
-from conftest import ROOT, ControllerProcess, stop_all, wait_until
-from netns_util import Namespaces, ip, run_tag
-
 from ckpt_controller.procutil import ReadyProcess
+from support import ROOT, etcd_cluster
+from support.cli import ckptctl
+from support.config import node_toml
+from support.netns_util import Namespaces, ip, run_tag
+from support.processes import ControllerProcess, stop_all
+from support.timing import wait_until
 
 pytestmark = pytest.mark.fleet
 
-AGENTS = Path(__file__).resolve().parent / "engines" / "agents.py"
+AGENTS = ROOT / "tests" / "engines" / "agents.py"
 TTL_S = 2
 #: each node's engines, on its namespace's own loopback: no other namespace can reach them
 ENGINES = {"n1": {"a0": "tcp://127.0.0.1:7701", "a1": "tcp://127.0.0.1:7702"},
@@ -64,8 +65,7 @@ def etcd_on_links(apart, tmp_path):
 
 def fleet(url: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """``ckptctl --etcd URL fleet ARGS`` in the root namespace."""
-    return subprocess.run([sys.executable, "-m", "ckpt_controller", "--etcd", url, "fleet",
-                           *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return ckptctl("--etcd", url, "fleet", *args, timeout=timeout)
 
 
 def status(url: str) -> tuple[int, dict]:
@@ -89,14 +89,6 @@ def in_namespace(pid: int, ns: str) -> bool:
     return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{ns}").st_ino
 
 
-def node_toml(cluster, root_ip: str, node: str) -> str:
-    out = (f"[fleet]\n{cluster.toml(root_ip)}node = \"{node}\"\nlease_ttl_s = {TTL_S}\n"
-           "publish_interval_s = 0.2\n")
-    for name, control in ENGINES[node].items():
-        out += f'[[engine]]\nname = "{name}"\ncontrol = "{control}"\n'
-    return out
-
-
 def test_nodes_in_network_namespaces_cycle_and_one_cut_off_comes_back(apart, etcd_on_links,
                                                                        ipc_dir):
     from ckpt_controller.fleet.keys import Keys
@@ -112,8 +104,8 @@ def test_nodes_in_network_namespaces_cycle_and_one_cut_off_comes_back(apart, etc
             pairs = [f"{name}={control}" for name, control in ENGINES[node].items()]
             started.append(ReadyProcess([*host["wrap"], sys.executable, str(AGENTS), *pairs],
                                         d / "agents.log", f"{node}'s agents", cwd=ROOT))
-            controllers[node] = ControllerProcess(d, node_toml(etcd, host["root_ip"], node),
-                                                  wrap=host["wrap"])
+            text = node_toml(etcd, node, ENGINES[node].items(), ttl=TTL_S, host=host["root_ip"])
+            controllers[node] = ControllerProcess(d, text, wrap=host["wrap"])
             started.append(controllers[node])
             assert in_namespace(started[-2].pid, host["ns"])
             assert in_namespace(started[-1].pid, host["ns"])
@@ -159,7 +151,7 @@ def test_nodes_in_network_namespaces_cycle_and_one_cut_off_comes_back(apart, etc
 
         # cut off, n2's own controller still cycles its engines (nothing local waits for etcd)
         t0 = time.monotonic()
-        r = n2.ckptctl("cycle", "b0", "--json", timeout=60)
+        r = n2.ckptctl("cycle", "b0", "--json")
         local_s = time.monotonic() - t0
         assert r.returncode == 0, r.stdout + r.stderr
         assert json.loads(r.stdout)["status"] == "succeeded"

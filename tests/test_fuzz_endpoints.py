@@ -19,6 +19,7 @@ from ckpt_controller.agent import Agent, AgentClient
 from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.config import parse_config
 from ckpt_controller.controller.server import ControllerServer
+from support.config import controller_toml
 
 VALID_COMMANDS = [
     (p.RequestType.HANDSHAKE, p.Handshake(call_id=1, client="fuzz")),
@@ -87,8 +88,7 @@ def agent(tmp_path_factory):
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory):
     d = tmp_path_factory.mktemp("fuzz-ctl")
-    cfg = parse_config(f'[controller]\nendpoint = "ipc://{d}/c.sock"\nstate_dir = "{d}/state"\n'
-                       f'[[engine]]\nname = "nobody"\ncontrol = "ipc://{d}/nobody.ctl"\n')
+    cfg = parse_config(controller_toml(d, ("nobody", f"ipc://{d}/nobody.ctl")))
     server = ControllerServer(cfg).start()
     yield server
     server.close()
@@ -175,9 +175,7 @@ def test_the_agent_answers_commands_in_any_order(agent, steps):
 def controller_with_engine(tmp_path_factory):
     d = tmp_path_factory.mktemp("fuzz-ooo")
     eng = Agent("ooo", control=f"ipc://{d}/ooo.ctl", heartbeat_interval_s=0.2).start()
-    cfg = parse_config(f'[controller]\nendpoint = "ipc://{d}/c.sock"\nstate_dir = "{d}/state"\n'
-                       f'[defaults]\nlevel = 0\ndrain = "abort"\n'
-                       f'[[engine]]\nname = "ooo"\ncontrol = "{eng.endpoint}"\n')
+    cfg = parse_config(controller_toml(d, eng, defaults='level = 0\ndrain = "abort"'))
     server = ControllerServer(cfg).start()
     yield server, eng
     server.close()

@@ -15,11 +15,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckpt_controller.controller import policy
 from ckpt_controller.vocab import HookCondition, HookPoint
-from conftest import wait_until, write_hook
+from support.config import engines_toml
+from support.hooks import write_hook
+from support.timing import wait_until
 
 
 def config(eng) -> str:
-    return f'metrics_port = 0\n[[engine]]\nname = "{eng.name}"\ncontrol = "{eng.control}"\n'
+    return "metrics_port = 0\n" + engines_toml(eng)
 
 
 def cycle(ctl, engine: str, op_id: str) -> tuple[int, dict, dict]:

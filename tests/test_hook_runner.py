@@ -12,7 +12,10 @@ import pytest
 
 from ckpt_controller.controller.hooks import TAIL_BYTES, HookContext, run_hook, run_point
 from ckpt_controller.errors import ConfigError, HookError, HookTimeoutError
-from conftest import gone, wait_until
+from support import ROOT
+from support.hooks import write_hook
+from support.processes import gone
+from support.timing import wait_until
 
 
 def ctx(tmp_path: Path, **kw) -> HookContext:
@@ -23,24 +26,16 @@ def ctx(tmp_path: Path, **kw) -> HookContext:
     return HookContext(**{**base, **kw})
 
 
-def hook(folder: Path, name: str, body: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    path.write_text("#!/bin/sh\n" + body + "\n")
-    path.chmod(0o755)
-    return path
-
-
 def test_hooks_run_in_name_order_and_the_first_failure_stops_the_point(tmp_path):
     log = tmp_path / "order.log"
     hooks = tmp_path / "hooks"
     for name in ("30-c", "10-a", "20-b"):
-        hook(hooks / "dump", name, f'echo "$(basename "$0")" >> {log}')
+        write_hook(hooks, "dump", name, f'echo "$(basename "$0")" >> {log}')
     runs = []
     run_point(hooks, "dump", ctx(tmp_path), 10, runs)
     assert log.read_text().split() == ["10-a", "20-b", "30-c"]
     log.unlink()
-    hook(hooks / "dump", "20-b", f'echo "$(basename "$0")" >> {log}; exit 4')
+    write_hook(hooks, "dump", "20-b", f'echo "$(basename "$0")" >> {log}; exit 4')
     runs = []
     with pytest.raises(HookError) as info:
         run_point(hooks, "dump", ctx(tmp_path), 10, runs)
@@ -50,8 +45,8 @@ def test_hooks_run_in_name_order_and_the_first_failure_stops_the_point(tmp_path)
 
 def test_a_hook_deaf_to_sigterm_is_killed_with_its_children(tmp_path):
     pidfile = tmp_path / "child.pid"
-    path = hook(tmp_path / "hooks" / "dump", "10-deaf",
-                f"trap '' TERM\nsleep 300 &\necho $! > {pidfile}\nwhile :; do sleep 1; done")
+    path = write_hook(tmp_path / "hooks", "dump", "10-deaf",
+                      f"trap '' TERM\nsleep 300 &\necho $! > {pidfile}\nwhile :; do sleep 1; done")
     start = time.monotonic()
     run = run_hook(path, "dump", ctx(tmp_path), timeout_s=0.5, grace_s=0.5)
     took = time.monotonic() - start
@@ -65,7 +60,7 @@ def test_a_hook_deaf_to_sigterm_is_killed_with_its_children(tmp_path):
 @pytest.mark.parametrize("mode", [0o020, 0o002])  # group-writable, world-writable
 def test_a_hook_anyone_else_may_change_is_refused(tmp_path, where, mode):
     ran = tmp_path / "ran"
-    path = hook(tmp_path / "hooks" / "dump", "10-ok", f"touch {ran}")
+    path = write_hook(tmp_path / "hooks", "dump", "10-ok", f"touch {ran}")
     target = {"hook": path, "point folder": path.parent, "hooks folder": path.parent.parent}
     target[where].chmod(target[where].stat().st_mode | mode)
     with pytest.raises(ConfigError) as info:
@@ -76,7 +71,7 @@ def test_a_hook_anyone_else_may_change_is_refused(tmp_path, where, mode):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder to another user")
 def test_a_hook_folder_owned_by_another_user_is_refused(tmp_path):
-    path = hook(tmp_path / "hooks" / "dump", "10-ok", "true")
+    path = write_hook(tmp_path / "hooks", "dump", "10-ok", "true")
     os.chown(path.parent, 65534, 65534)  # nobody
     with pytest.raises(ConfigError) as info:
         run_point(tmp_path / "hooks", "dump", ctx(tmp_path), 10, [])
@@ -85,7 +80,7 @@ def test_a_hook_folder_owned_by_another_user_is_refused(tmp_path):
 
 def test_the_grace_period_is_the_configured_one(tmp_path):
     hooks = tmp_path / "hooks"
-    hook(hooks / "dump", "10-deaf", "trap '' TERM\nwhile :; do sleep 0.1; done")
+    write_hook(hooks, "dump", "10-deaf", "trap '' TERM\nwhile :; do sleep 0.1; done")
     for grace in (0.2, 2.0):
         runs = []
         start = time.monotonic()
@@ -97,7 +92,7 @@ def test_the_grace_period_is_the_configured_one(tmp_path):
 
 def test_the_environment_contract(tmp_path):
     out = tmp_path / "env.txt"
-    path = hook(tmp_path / "hooks" / "dump", "10-env", f"env > {out}; pwd >> {out}")
+    path = write_hook(tmp_path / "hooks", "dump", "10-env", f"env > {out}; pwd >> {out}")
     c = ctx(tmp_path)
     run = run_hook(path, "dump", c, timeout_s=10)
     assert run.exit_code == 0
@@ -125,7 +120,7 @@ def test_an_operations_own_hook_settings_reach_its_hooks_and_only_known_ones_pas
     from ckpt_controller import protocol as p
 
     out = tmp_path / "env.txt"
-    path = hook(tmp_path / "hooks" / "dump", "10-env", f"env > {out}")
+    path = write_hook(tmp_path / "hooks", "dump", "10-env", f"env > {out}")
     cmd = msgspec.convert({"call_id": 1, "op_id": "m1", "kind": "capture", "hook_env": {
         "CKPT_CRIU_MODE": "leave-stopped", "CKPT_PAGE_SERVER": "169.254.77.2:7000"}},
         p.OperationCommand)
@@ -142,8 +137,9 @@ def test_an_operations_own_hook_settings_reach_its_hooks_and_only_known_ones_pas
 
 
 def test_output_tails_keep_the_last_bytes(tmp_path):
-    path = hook(tmp_path / "hooks" / "post-dump", "10-loud",
-                "i=0; while [ $i -lt 2000 ]; do echo line-$i; i=$((i+1)); done\necho oops >&2")
+    path = write_hook(tmp_path / "hooks", "post-dump", "10-loud",
+                      "i=0; while [ $i -lt 2000 ]; do echo line-$i; i=$((i+1)); done\n"
+                      "echo oops >&2")
     run = run_hook(path, "post-dump", ctx(tmp_path), timeout_s=10)
     assert len(run.stdout_tail.encode()) == TAIL_BYTES
     assert run.stdout_tail.endswith("line-1999\n") and run.stderr_tail == "oops\n"
@@ -185,8 +181,8 @@ def detached_pidfile(tmp_path):
 
 
 def test_a_detached_tree_is_killed_whole_at_the_timeout(tmp_path, detached_pidfile):
-    path = hook(tmp_path / "hooks" / "pre-restore", "10-hang",
-                DETACH.format(pidfile=detached_pidfile) + "sleep 300")
+    path = write_hook(tmp_path / "hooks", "pre-restore", "10-hang",
+                      DETACH.format(pidfile=detached_pidfile) + "sleep 300")
     start = time.monotonic()
     run = run_hook(path, "pre-restore", ctx(tmp_path), timeout_s=1.0, grace_s=0.5)
     assert run.timed_out and time.monotonic() - start < 5
@@ -197,8 +193,8 @@ def test_a_detached_tree_is_killed_whole_at_the_timeout(tmp_path, detached_pidfi
 
 
 def test_what_a_failed_hook_leaves_running_is_ended(tmp_path, detached_pidfile):
-    path = hook(tmp_path / "hooks" / "pre-restore", "10-fail",
-                DETACH.format(pidfile=detached_pidfile) + "sleep 0.6; exit 3")
+    path = write_hook(tmp_path / "hooks", "pre-restore", "10-fail",
+                      DETACH.format(pidfile=detached_pidfile) + "sleep 0.6; exit 3")
     run = run_hook(path, "pre-restore", ctx(tmp_path), timeout_s=30, grace_s=0.5)
     assert run.exit_code == 3 and not run.timed_out
     assert _gone(_detached(detached_pidfile))
@@ -207,8 +203,8 @@ def test_what_a_failed_hook_leaves_running_is_ended(tmp_path, detached_pidfile):
 
 def test_what_a_good_hook_starts_is_left_running(tmp_path, detached_pidfile):
     # a restored engine is such a process: it must outlive the criu-restore hook
-    path = hook(tmp_path / "hooks" / "pre-restore", "10-ok",
-                DETACH.format(pidfile=detached_pidfile) + "sleep 0.6")
+    path = write_hook(tmp_path / "hooks", "pre-restore", "10-ok",
+                      DETACH.format(pidfile=detached_pidfile) + "sleep 0.6")
     run = run_hook(path, "pre-restore", ctx(tmp_path), timeout_s=30, grace_s=0.5)
     assert run.exit_code == 0
     assert not _gone(_detached(detached_pidfile), within_s=1.0)
@@ -219,7 +215,7 @@ def test_what_a_good_hook_starts_is_left_running(tmp_path, detached_pidfile):
 def _linked_hook(tmp_path: Path, target_folder: Path) -> tuple[Path, Path]:
     """A hook at ``target_folder/hook``, linked from the dump point; returns (target, ran)."""
     ran = tmp_path / "ran"
-    target = hook(target_folder, "hook", f"touch {ran}")
+    target = write_hook(target_folder.parent, target_folder.name, "hook", f"touch {ran}")
     (tmp_path / "hooks" / "dump").mkdir(parents=True)
     (tmp_path / "hooks" / "dump" / "10-linked").symlink_to(target)
     return target, ran
@@ -270,13 +266,13 @@ def test_a_linked_hook_in_a_safe_folder_runs_even_below_a_sticky_one(tmp_path):
 
 def test_a_failed_hooks_error_says_what_the_hook_said_first(tmp_path):
     hooks = tmp_path / "hooks"
-    hook(hooks / "pre-restore", "10-say", "echo 'the image in /srv/img is damaged' >&2\n"
+    write_hook(hooks, "pre-restore", "10-say", "echo 'the image in /srv/img is damaged' >&2\n"
                                           "echo 'more detail' >&2; exit 4")
     with pytest.raises(HookError) as info:
         run_point(hooks, "pre-restore", ctx(tmp_path), 10, [])
     assert info.value.message == \
         "pre-restore hook 10-say exited 4: the image in /srv/img is damaged"
-    hook(hooks / "pre-restore", "10-say", "echo 'stuck restoring /srv/img' >&2; sleep 30")
+    write_hook(hooks, "pre-restore", "10-say", "echo 'stuck restoring /srv/img' >&2; sleep 30")
     with pytest.raises(HookTimeoutError) as info:
         run_point(hooks, "pre-restore", ctx(tmp_path), 0.5, [], grace_s=0.5)
     assert info.value.message == "pre-restore hook 10-say timed out: stuck restoring /srv/img"
@@ -291,8 +287,8 @@ def test_a_detached_tree_left_by_a_killed_controller_is_stopped_by_the_next(tmp_
 
     from ckpt_controller.controller.hooks import stop_orphan_hooks
 
-    path = hook(tmp_path / "hooks" / "pre-restore", "10-hang",
-                DETACH.format(pidfile=detached_pidfile) + "sleep 300")
+    path = write_hook(tmp_path / "hooks", "pre-restore", "10-hang",
+                      DETACH.format(pidfile=detached_pidfile) + "sleep 300")
     c = ctx(tmp_path)
     runner = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from pathlib import Path\n"
@@ -300,7 +296,7 @@ def test_a_detached_tree_left_by_a_killed_controller_is_stopped_by_the_next(tmp_
         f"ctx = HookContext(engine='e1', pid=None, state='restoring', generation=1, "
         f"op_id='op-42', image_dir=Path({str(c.image_dir)!r}), deadline_wall=time.time() + 300)\n"
         f"run_hook(Path({str(path)!r}), 'pre-restore', ctx, timeout_s=300)\n")],
-        cwd=Path(__file__).resolve().parent.parent)
+        cwd=ROOT)
     try:
         deadline = time.monotonic() + 30
         while not detached_pidfile.exists() and time.monotonic() < deadline:
@@ -322,8 +318,8 @@ def test_a_detached_tree_left_by_a_killed_controller_is_stopped_by_the_next(tmp_
 def test_a_hook_that_is_not_executable_is_refused_not_skipped(tmp_path):
     hooks = tmp_path / "hooks"
     ran = tmp_path / "ran"
-    hook(hooks / "dump", "10-ok", f"touch {ran}")
-    forgotten = hook(hooks / "dump", "20-criu-dump", "exit 0")
+    write_hook(hooks, "dump", "10-ok", f"touch {ran}")
+    forgotten = write_hook(hooks, "dump", "20-criu-dump", "exit 0")
     forgotten.chmod(0o644)  # installed without chmod +x: it would silently capture nothing
     with pytest.raises(ConfigError) as info:
         run_point(hooks, "dump", ctx(tmp_path), 10, [])

@@ -12,9 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import wait_until
-
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+from support.timing import wait_until
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,

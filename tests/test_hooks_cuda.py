@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+
+
 HOOK = ROOT / "hooks" / "cuda-checkpoint"
 STANDIN = ROOT / "tests" / "standins" / "cuda-checkpoint"
 

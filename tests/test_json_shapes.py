@@ -5,7 +5,7 @@ cannot drift from the code): every key documented, every documented key there, e
 its documented type, no ``type`` key naming an internal Struct, every ``*_at`` ISO 8601.
 
 Set ``CKPT_JSON_EXAMPLES=DIR`` to keep each document in DIR (the doc's examples come from there).
-Neighbours: ``cli.output`` (the shapes), docs/json.md, ``conftest`` (the processes).
+Neighbours: ``cli.output`` (the shapes), docs/json.md, ``support`` (the processes).
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ckpt_controller.cli.output import SCHEMA_VERSION
-from conftest import StreamedLines, ipc_connections, wait_connected, wait_until
+from support import ROOT
+from support.cli import CKPTCTL, StreamedLines, ckptctl
+from support.config import engines_toml
+from support.net import ipc_connections, wait_connected
+from support.timing import wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "json.md"
 
 #: the tagged protocol Structs: a ``type`` key naming one is an internal name leaking out
@@ -156,11 +158,6 @@ def parsed(out: subprocess.CompletedProcess, kind: str) -> dict:
     return check_document(json.loads(lines[0]), kind)
 
 
-def ckptctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt_controller", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-
-
 # ---------------------------------------------------------------- the doc itself
 
 
@@ -224,10 +221,6 @@ def test_a_checker_that_finds_nothing_would_be_a_defect():
 # ---------------------------------------------------------------- the controller
 
 
-def engines_toml(*engines) -> str:
-    return "".join(f'[[engine]]\nname = "{e.name}"\ncontrol = "{e.control}"\n' for e in engines)
-
-
 def test_controller_documents(spawn_reference, spawn_controller):
     eng = spawn_reference("js1")
     ctl = spawn_controller(engines_toml(eng))
@@ -236,7 +229,7 @@ def test_controller_documents(spawn_reference, spawn_controller):
 
     before = ipc_connections(ctl.pid, ctl.endpoint)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_controller", "--controller", ctl.endpoint, "watch",
+        [*CKPTCTL, "--controller", ctl.endpoint, "watch",
          "--json", "--duration", "60"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     watch = StreamedLines(proc.stdout)
     try:
@@ -308,7 +301,7 @@ def test_agent_documents(spawn_engine):
     assert parsed(ckptctl("agent", "status", *ctl), "agent-status")["state"] == "running"
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_controller", "agent", "watch", *ctl, "--heartbeats",
+        [*CKPTCTL, "agent", "watch", *ctl, "--heartbeats",
          "--duration", "60"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     watch = StreamedLines(proc.stdout)
     try:
@@ -354,8 +347,8 @@ def test_fleet_documents(etcd, ipc_dir):
     """``fleet status``, a fleet operation and ``fleet watch`` of it (a migration's documents
     need CRIU on two nodes: tests/test_migration.py reads them)."""
     from ckpt_controller.agent import Agent
-    from conftest import ControllerProcess
-    from test_fleet import node_toml
+    from support.config import node_toml
+    from support.processes import ControllerProcess
 
     agent = Agent("jf", control=f"ipc://{ipc_dir}/jf.ctl", heartbeat_interval_s=0.2).start()
     (ipc_dir / "n1").mkdir()

@@ -29,9 +29,10 @@ from ckpt_controller.lifecycle import (
     text_diagram,
 )
 from ckpt_controller.vocab import CheckpointState, Trigger
+from support import ROOT
+from support.cli import ckptctl
 
 S, T = CheckpointState, Trigger
-ROOT = Path(__file__).resolve().parent.parent
 
 LEGAL = {
     (S.RUNNING, T.PREPARE): S.PREPARING,
@@ -302,11 +303,6 @@ def test_the_wire_record_is_the_lifecycle_record():
 # ---------------------------------------------------------------- the diagram
 
 
-def ckptctl_lifecycle(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt_controller", "lifecycle", *args],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-
-
 def fenced(path: Path, after: str, lang: str = "") -> str:
     """The first ```lang fenced block after the line ``after`` in ``path``."""
     text = path.read_text()
@@ -315,9 +311,9 @@ def fenced(path: Path, after: str, lang: str = "") -> str:
 
 
 def test_ckptctl_lifecycle_prints_the_table_as_text():
-    out = ckptctl_lifecycle()
+    out = ckptctl("lifecycle")
     assert out.returncode == 0 and out.stderr == ""
-    assert ckptctl_lifecycle("--format", "text").stdout == out.stdout == text_diagram()
+    assert ckptctl("lifecycle", "--format", "text").stdout == out.stdout == text_diagram()
     lines = out.stdout.splitlines()
     assert lines[0] == ("RUNNING --prepare--> PREPARING --seal--> PREPARED --restore--> "
                         "RESTORING --resume--> RUNNING")
@@ -330,7 +326,7 @@ def test_ckptctl_lifecycle_prints_the_table_as_text():
 
 
 def test_ckptctl_lifecycle_prints_the_machine_as_mermaid():
-    out = ckptctl_lifecycle("--format", "mermaid")
+    out = ckptctl("lifecycle", "--format", "mermaid")
     assert out.returncode == 0 and out.stderr == ""
     assert out.stdout == mermaid_diagram()
     assert "stateDiagram-v2" in out.stdout and "[*] --> running" in out.stdout
@@ -342,17 +338,17 @@ def test_ckptctl_lifecycle_prints_the_machine_as_mermaid():
 
 
 def test_ckptctl_lifecycle_refuses_a_format_it_does_not_know():
-    out = ckptctl_lifecycle("--format", "dot")
+    out = ckptctl("lifecycle", "--format", "dot")
     assert out.returncode == 2 and out.stdout == ""
     assert "usage:" in out.stderr and "invalid choice: 'dot'" in out.stderr
-    out = ckptctl_lifecycle("--help")
+    out = ckptctl("lifecycle", "--help")
     assert out.returncode == 0 and "--format {text,mermaid}" in out.stdout
 
 
 def test_the_docs_show_what_ckptctl_lifecycle_prints():
     """The README's lifecycle, the lifecycle module's docstring and docs/agent.md's Mermaid
     diagram are the command's output: change the table, regenerate them."""
-    text, mermaid = ckptctl_lifecycle().stdout, ckptctl_lifecycle("--format", "mermaid").stdout
+    text, mermaid = ckptctl("lifecycle").stdout, ckptctl("lifecycle", "--format", "mermaid").stdout
     assert fenced(ROOT / "README.md", "## The lifecycle") == text
     assert fenced(ROOT / "docs" / "agent.md", "# The agent", "mermaid") == mermaid
     assert textwrap.indent(text, "    ") in lifecycle.__doc__

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+
 
 #: loaded only by a command that needs them, never to show help or to talk to an agent
 ENGINE_SIDE = ("torch", "ckpt_controller.agent.server", "ckpt_controller.agent.operations",

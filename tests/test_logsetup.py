@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import subprocess
 import sys
 import threading
 import warnings
@@ -18,7 +17,7 @@ import pytest
 
 from ckpt_controller.cli import build_parser
 from ckpt_controller.cli.logsetup import setup_logging
-from conftest import ROOT
+from support.cli import ckptctl
 
 #: every long-running command, with the arguments it requires
 COMMANDS = [["serve", "--config", "c.toml"],
@@ -53,9 +52,7 @@ def test_every_long_running_command_takes_the_flags(argv):
 
 @pytest.mark.parametrize("flag,value", [("--log-format", "yaml"), ("--log-level", "verbose")])
 def test_a_bad_value_is_a_usage_error_naming_it(flag, value):
-    out = subprocess.run([sys.executable, "-m", "ckpt_controller", "serve", "--config",
-                          "c.toml", flag, value], capture_output=True, text=True, timeout=60,
-                         cwd=ROOT)
+    out = ckptctl("serve", "--config", "c.toml", flag, value)
     assert out.returncode == 2 and f"invalid choice: '{value}'" in out.stderr
 
 
@@ -126,9 +123,7 @@ def test_json_covers_what_escapes_the_loggers(root_logging):
 def test_a_fatal_error_before_serving_is_a_json_line():
     """``serve --log-format json`` with a config it cannot read: exit 2, and stderr is JSON
     lines only (it was a plain ``ckptctl: ConfigError: ...`` line)."""
-    out = subprocess.run([sys.executable, "-m", "ckpt_controller", "serve", "--config",
-                          "/nonexistent/c.toml", "--log-format", "json"], capture_output=True,
-                         text=True, timeout=60, cwd=ROOT)
+    out = ckptctl("serve", "--config", "/nonexistent/c.toml", "--log-format", "json")
     assert out.returncode == 2, out.stderr
     (line,) = _json_lines(out.stderr)
     assert line["level"] == "error" and line["logger"] == "ckptctl"

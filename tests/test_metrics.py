@@ -30,6 +30,8 @@ from ckpt_controller.controller.metrics import (
 )
 from ckpt_controller.controller.monitor import EngineMonitor
 from ckpt_controller.errors import ConfigError
+from support.config import engines_toml
+from support.hooks import write_hook
 
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 _SAMPLE = re.compile(rf"({_NAME})(?:\{{(.*)\}})? (\S+)")
@@ -446,8 +448,7 @@ def test_concurrent_updates_add_up():
 
 
 def engines_config(*engines) -> str:
-    return "metrics_port = 0\nmissed_beats = 6\n" + "".join(
-        f'[[engine]]\nname = "{e.name}"\ncontrol = "{e.control}"\n' for e in engines)
+    return "metrics_port = 0\nmissed_beats = 6\n" + engines_toml(*engines)
 
 
 def scrape(port: int) -> list:
@@ -519,11 +520,7 @@ def test_a_cycle_dates_the_engine_and_times_its_phases_per_engine(spawn_referenc
     hooks = ipc_dir / "hooks"  # the controller's hooks_dir
     for point, body in [("dump", 'head -c 4096 /dev/zero > "$CKPT_IMAGE_DIR/pages.img"'),
                         ("post-resume", "exit 3")]:  # post-resume: logged only
-        path = hooks / point / "50-test"
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path.write_text(f"#!/bin/sh\n{body}\n")
-        path.chmod(0o700)
-    hooks.chmod(0o700)
+        write_hook(hooks, point, "50-test", body)
     ctl = spawn_controller(engines_config(eng))
     port = ctl.info["metrics_port"]
     assert get(f"http://127.0.0.1:{port}/healthz")[::2] == (200, "ok\n")  # it serves

@@ -20,32 +20,21 @@ from pathlib import Path
 import psutil
 import pytest
 
-import etcd_cluster
-from conftest import ROOT, ControllerProcess, kill_naming, stop_all, wait_until
-from netns_util import Namespaces, run_tag
-
 from ckpt_controller.procutil import ReadyProcess
+from support import ROOT, etcd_cluster
+from support.cli import CKPTCTL, ckptctl
+from support.config import engines_toml, node_toml
+from support.criu import migration_missing, required
+from support.hooks import link_hook, write_hook
+from support.netns_util import Namespaces, run_tag
+from support.processes import ControllerProcess, kill_naming, stop_all
+from support.timing import wait_until
 
 pytestmark = pytest.mark.fleet
 
-CRIU = os.environ.get("CKPT_CRIU") or str(ROOT / ".cache" / "criu" / "bin" / "criu")
 API_PORT, CONTROL_PORT = 7711, 7712
 TTL_S = 2
-
-
-def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "migration needs root (CRIU, network namespaces)"
-    if not os.path.exists(CRIU):
-        return f"no CRIU at {CRIU}: run `make criu`"
-    if not etcd_cluster.installed():
-        return "etcd is not installed: run `make etcd`"
-    return None
-
-
-_reason = _why_not()
-if _reason is not None and os.environ.get("CKPT_REQUIRE_CRIU") == "1":
-    raise RuntimeError(f"CKPT_REQUIRE_CRIU=1, but the migration tests cannot run: {_reason}")
+_reason = required(migration_missing(), "the migration tests")
 
 
 class Pair:
@@ -78,9 +67,8 @@ class Pair:
             self.shared.mkdir(mode=0o700)
             if coordinator:  # an engine-less node in the root namespace, elected first
                 (d / "c0").mkdir()
-                self.controllers["c0"] = ControllerProcess(
-                    d / "c0", f'[fleet]\n{self.etcd.toml()}node = "c0"\n'
-                    f'lease_ttl_s = {TTL_S}\npublish_interval_s = 0.2\n')
+                self.controllers["c0"] = ControllerProcess(d / "c0",
+                                                           node_toml(self.etcd, "c0", ttl=TTL_S))
                 self.started.append(self.controllers["c0"])
                 wait_until(lambda: self.coordinator() == "c0", timeout_s=20,
                            what="c0 coordinating")
@@ -91,29 +79,22 @@ class Pair:
             raise
 
     def toml(self, node: str, transport: str) -> str:
-        out = (f'[defaults]\ndrain = "keep"\nlevel = {self.level}\n\n[fleet]\n{self.etcd.toml()}'
-               f'node = "{node}"\naddress = "{self.addr[node]}"\nlease_ttl_s = {self.ttl}\n'
-               f'publish_interval_s = 0.2\n\n[migration]\nimage_transport = "{transport}"\n'
-               f'shared_dir = "{self.shared}"\n')
+        out = (f'[defaults]\ndrain = "keep"\nlevel = {self.level}\n\n'
+               + node_toml(self.etcd, node, ttl=self.ttl, address=self.addr[node])
+               + f'\n[migration]\nimage_transport = "{transport}"\nshared_dir = "{self.shared}"\n')
         if node == "n1":
             out += self.engine_table()
         return out
 
     def engine_table(self) -> str:
         """n1's engine in its TOML."""
-        return f'\n[[engine]]\nname = "m0"\ncontrol = "tcp://127.0.0.1:{CONTROL_PORT}"\n'
+        return "\n" + engines_toml(("m0", f"tcp://127.0.0.1:{CONTROL_PORT}"))
 
     def start_controller(self, node: str, transport: str) -> ControllerProcess:
         d = self.d / node
-        hooks = d / "hooks"
         for point, name, hook in (("dump", "10-criu-dump", "criu-dump"),
                                   ("pre-restore", "10-criu-restore", "criu-restore")):
-            (hooks / point).mkdir(parents=True, exist_ok=True, mode=0o700)
-            link = hooks / point / name
-            if not link.is_symlink():
-                link.symlink_to(ROOT / "hooks" / hook)
-        d.mkdir(exist_ok=True)
-        hooks.chmod(0o700)
+            link_hook(d / "hooks", point, name, hook)
         ctl = ControllerProcess(d, self.toml(node, transport), wrap=self.made.enter(self.ns[node]))
         self.controllers[node] = ctl
         self.started.append(ctl)
@@ -137,13 +118,10 @@ class Pair:
         fifo = marks / f"{node}-{point}.fifo"
         if not fifo.exists():
             os.mkfifo(fifo, 0o600)
-        folder = self.d / node / "hooks" / point
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        hook = folder / "05-pause"
-        hook.write_text(f"#!/bin/sh\ntouch {marks}/{node}-{point}.at\n"
-                        f"[ -e {marks}/{node}-{point}.go ] || read line < {fifo}\n"
-                        f": > {marks}/{node}-{point}.left\n")  # a builtin: no process
-        hook.chmod(0o700)
+        write_hook(self.d / node / "hooks", point, "05-pause",
+                   f"touch {marks}/{node}-{point}.at\n"
+                   f"[ -e {marks}/{node}-{point}.go ] || read line < {fifo}\n"
+                   f": > {marks}/{node}-{point}.left")  # a builtin: no process
 
     def paused(self, node: str, point: str, timeout_s: float = 120) -> None:
         wait_until(lambda: (self.d / "marks" / f"{node}-{point}.at").exists(),
@@ -160,7 +138,7 @@ class Pair:
         self.held.append(fd)
 
     def migrate(self, *extra: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd", self.url,
+        return subprocess.Popen([*CKPTCTL, "--etcd", self.url,
                                  "fleet", "migrate", "m0", "--to", "n2", "--drain", "keep",
                                  "--op-id", "mv", "--json", *extra], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -191,7 +169,7 @@ class Pair:
         own (so a copy restored beside its stopped original gets its PIDs), in a session of
         its own, listening on wildcard addresses."""
         eng = ReadyProcess([*self.made.enter(self.ns[node]), "unshare", "--pid", "--fork",
-                            "setsid", sys.executable, "-m", "ckpt_controller", "engine",
+                            "setsid", *CKPTCTL, "engine",
                             "serve", "--name", name, "--api", f"tcp://0.0.0.0:{api}",
                             "--control", f"tcp://0.0.0.0:{control}", "--model-dir",
                             str(self.model_dir), "--heartbeat", "0.2", *self.engine_args],
@@ -200,9 +178,7 @@ class Pair:
         return eng
 
     def fleet(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ckpt_controller", "--etcd", self.url,
-                               "fleet", *args], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT)
+        return ckptctl("--etcd", self.url, "fleet", *args, timeout=timeout)
 
     def engine_record(self, name: str = "m0") -> dict | None:
         r = self.fleet("status", "--json", timeout=60)
@@ -221,7 +197,7 @@ class Pair:
     def engine_pids(self) -> set[int]:
         """Every process of this test's engines (the originals and restored copies): their
         command lines name this test's model folder."""
-        from conftest import pids_naming
+        from support.processes import pids_naming
 
         return pids_naming(str(self.model_dir))
 
@@ -280,12 +256,12 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
                 what="every kept request under way")
             assert not any(client.requests[i].ended for i in kept)
             # and `ckptctl load`, following the engine by name, all through the move
-            load_cli = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "load",
+            load_cli = subprocess.Popen([*CKPTCTL, "load",
                                          "--engine", "m0", "--etcd", pair.url, "--rate", "10",
                                          "--duration", "20", "--json"],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, cwd=ROOT)
-            mig = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+            mig = subprocess.Popen([*CKPTCTL, "--etcd",
                                     pair.url, "fleet", "migrate", "m0", "--to", "n2",
                                     "--drain", "keep", "--op-id", "mv1", "--json"],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -429,7 +405,7 @@ def test_the_page_server_killed_mid_dump_the_engine_stays_on_the_source(pair):
     try:
         m.start()
         pair.paused("n1", "dump")
-        from conftest import pids_naming
+        from support.processes import pids_naming
 
         servers = [p for p in pids_naming(str(pair.d / "n2" / "state"))
                    if "page-server" in psutil.Process(p).cmdline()]

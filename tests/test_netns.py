@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 
 import pytest
@@ -18,8 +17,10 @@ from ckpt_controller.controller.journal import Journal
 from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.procutil import ReadyProcess
 from ckpt_controller.security import generate
-from conftest import ROOT, wait_until
-from netns_util import Namespaces, ip, run_tag
+from support import ROOT
+from support.cli import CKPTCTL, ckptctl
+from support.netns_util import Namespaces, ip, run_tag
+from support.timing import wait_until
 
 CTL_IP, ENG_IP = "169.254.77.1", "169.254.77.2"
 
@@ -38,13 +39,8 @@ def two_hosts():
         made.remove()
 
 
-def _ckptctl(endpoint: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller", endpoint,
-                           *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-
-
 def _state(endpoint: str) -> dict:
-    out = _ckptctl(endpoint, "status", "--json")
+    out = ckptctl("status", "--json", endpoint=endpoint)
     (view,) = json.loads(out.stdout)["engines"]
     return view
 
@@ -54,7 +50,7 @@ def test_cycle_and_link_cut_across_network_namespaces(two_hosts, tmp_path, model
     admitted = tmp_path / "engine-clients"
     admitted.mkdir()
     (admitted / "controller.key").write_text(keys["controller"][0].read_text())
-    py = [sys.executable, "-m", "ckpt_controller"]
+    py = list(CKPTCTL)
     api = f"ipc://{tmp_path}/far.api"  # the request API over a shared path, for the test
     eng = ReadyProcess(
         ["ip", "netns", "exec", two_hosts["eng_ns"], *py, "engine", "serve", "--name", "far",
@@ -71,7 +67,7 @@ def test_cycle_and_link_cut_across_network_namespaces(two_hosts, tmp_path, model
                         str(tmp_path / "ctl.toml")], tmp_path / "controller.log", "controller",
                        cwd=ROOT)
     try:
-        out = _ckptctl(endpoint, "cycle", "far", "--json")
+        out = ckptctl("cycle", "far", "--json", endpoint=endpoint)
         assert out.returncode == 0, out.stdout + out.stderr
         assert json.loads(out.stdout)["status"] == "succeeded"
 

@@ -40,7 +40,7 @@ from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.errors import UnreachableError, from_wire
 from ckpt_controller.rpcserver import RpcServer
 from ckpt_controller.zmqutil import Outbox
-from conftest import wait_until
+from support.timing import wait_until
 
 MIB = 1 << 20
 #: what the issue asks: answered "within a second"; slack for a loaded two-core machine

@@ -7,22 +7,21 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ckpt_controller.errors import ConfigError
 from ckpt_controller.security import private_dir
-
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+from support.cli import CKPTCTL
 
 
 def serve(tmp_path: Path, **dirs: Path) -> subprocess.CompletedProcess:
     lines = "".join(f'{key} = "{path}"\n' for key, path in dirs.items())
     config = tmp_path / "controller.toml"
     config.write_text(f'[controller]\nendpoint = "ipc://{tmp_path}/ctl.sock"\n{lines}')
-    return subprocess.run([sys.executable, "-m", "ckpt_controller", "serve", "--config",
+    return subprocess.run([*CKPTCTL, "serve", "--config",
                            str(config)], capture_output=True, text=True, timeout=20, cwd=ROOT,
                           stdin=subprocess.DEVNULL)  # a controller that starts: TimeoutExpired
 

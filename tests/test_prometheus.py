@@ -12,14 +12,16 @@ import json
 import math
 import re
 import subprocess
-from pathlib import Path
 
-from conftest import prometheus_tool, wait_until
-from prometheus_server import Prometheus, http_get
 
 from ckpt_controller.controller.metrics import Metrics
+from support import ROOT
+from support.config import engines_toml
+from support.hooks import write_hook
+from support.prometheus_server import Prometheus, http_get, prometheus_tool
+from support.timing import wait_until
 
-ROOT_DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+ROOT_DEPLOY = ROOT / "deploy"
 RULES_DIR = ROOT_DEPLOY / "prometheus"
 DASHBOARD = ROOT_DEPLOY / "grafana" / "ckpt-controller.json"
 #: Grafana's built-in variables, as the test gives them (a window holding several 1 s scrapes)
@@ -94,8 +96,7 @@ def test_promtool_checks_and_unit_tests_the_rules(tmp_path):
 
 
 def engines_config(*engines) -> str:
-    return "metrics_port = 0\n" + "".join(
-        f'[[engine]]\nname = "{e.name}"\ncontrol = "{e.control}"\n' for e in engines)
+    return "metrics_port = 0\n" + engines_toml(*engines)
 
 
 def substitute(expr: str, instance: str, engine: str) -> str:
@@ -117,10 +118,7 @@ def test_real_prometheus_scrapes_a_controller_and_runs_every_panel(
         spawn_reference, spawn_controller, ipc_dir):
     prometheus_tool("prometheus")  # or skip, saying so, before anything starts
     eng = spawn_reference("pm")
-    hook = ipc_dir / "hooks" / "post-resume" / "50-fail"  # logged only: a hook failure counted
-    hook.parent.mkdir(parents=True, mode=0o700)
-    hook.write_text("#!/bin/sh\nexit 3\n")
-    hook.chmod(0o700)
+    write_hook(ipc_dir / "hooks", "post-resume", "50-fail", "exit 3")  # logged only: counted
     ctl = spawn_controller(engines_config(eng))
     port = ctl.info["metrics_port"]
     instance = f"127.0.0.1:{port}"

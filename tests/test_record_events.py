@@ -13,6 +13,7 @@ from ckpt_controller.agent import Agent
 from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.config import parse_config
 from ckpt_controller.controller.server import ControllerServer
+from support.config import controller_toml
 
 ENGINES = 40
 
@@ -24,10 +25,7 @@ def test_a_subscriber_gets_every_record_once_in_order(ipc_dir, monkeypatch, spli
     names = [f"r{i}" for i in range(ENGINES)]
     agents = [Agent(n, control=f"ipc://{ipc_dir}/{n}.ctl", heartbeat_interval_s=0.5).start()
               for n in names]
-    toml = (f'[controller]\nendpoint = "ipc://{ipc_dir}/ctl.sock"\n'
-            f'state_dir = "{ipc_dir}/state"\n[defaults]\nlevel = 0\ndrain = "abort"\n'
-            + "".join(f'[[engine]]\nname = "{n}"\ncontrol = "ipc://{ipc_dir}/{n}.ctl"\n'
-                      for n in names))
+    toml = controller_toml(ipc_dir, *agents, defaults='level = 0\ndrain = "abort"')
     server = ControllerServer(parse_config(toml))
     server.on_thread_death = lambda name, exc: None
     server.start()
@@ -89,10 +87,7 @@ def test_records_ride_with_the_reply_and_still_flow_while_an_operation_runs(ipc_
     agents = [Agent("q", control=f"ipc://{ipc_dir}/q.ctl", heartbeat_interval_s=0.5).start(),
               Agent("s", hooks=slow, control=f"ipc://{ipc_dir}/s.ctl",
                     heartbeat_interval_s=0.5).start()]
-    toml = (f'[controller]\nendpoint = "ipc://{ipc_dir}/ctl.sock"\n'
-            f'state_dir = "{ipc_dir}/state"\n[defaults]\nlevel = 0\ndrain = "abort"\n'
-            f'[[engine]]\nname = "q"\ncontrol = "ipc://{ipc_dir}/q.ctl"\n'
-            f'[[engine]]\nname = "s"\ncontrol = "ipc://{ipc_dir}/s.ctl"\n')
+    toml = controller_toml(ipc_dir, *agents, defaults='level = 0\ndrain = "abort"')
     server = ControllerServer(parse_config(toml))
     server.on_thread_death = lambda name, exc: None
     server.start()

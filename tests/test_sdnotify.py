@@ -26,7 +26,10 @@ from ckpt_controller.sdnotify import (
     socket_address,
     watchdog_period,
 )
-from conftest import ROOT, wait_until
+from support import ROOT
+from support.cli import CKPTCTL
+from support.timing import wait_until
+from support.vllm import STANDIN_SERVER
 
 #: WATCHDOG_USEC for the tests: a ping every 0.5 s
 WATCHDOG_USEC = 1_000_000
@@ -254,7 +257,7 @@ def test_ckptctl_serve_notifies_systemd(notify, ipc_dir):
     config = ipc_dir / "c.toml"
     config.write_text(f'[controller]\nendpoint = "{endpoint}"\nstate_dir = "{ipc_dir}/state"\n')
     log = (ipc_dir / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "serve", "--config",
+    proc = subprocess.Popen([*CKPTCTL, "serve", "--config",
                              str(config), "--log-format", "json"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=log, text=True,
                             env=_env(ipc_dir / "notify.sock"), start_new_session=True)
@@ -282,14 +285,14 @@ def test_ckptctl_serve_notifies_systemd(notify, ipc_dir):
 def test_ckptctl_agent_vllm_notifies_systemd(notify, ipc_dir):
     standin_log = (ipc_dir / "standin.log").open("w")
     side_log = (ipc_dir / "side.log").open("w")
-    standin = subprocess.Popen([sys.executable, str(ROOT / "tests" / "vllm" / "standin_server.py")],
+    standin = subprocess.Popen([sys.executable, str(STANDIN_SERVER)],
                                stdout=subprocess.PIPE, stderr=standin_log, text=True,
                                start_new_session=True)
     side = None
     try:
         url = json.loads(standin.stdout.readline())["url"]
         control = f"ipc://{ipc_dir}/side.sock"
-        side = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "agent", "vllm",
+        side = subprocess.Popen([*CKPTCTL, "agent", "vllm",
                                  "--url", url, "--control", control, "--name", "standin",
                                  "--no-verify-weights", "--log-level", "debug"], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=side_log, text=True,
@@ -318,7 +321,7 @@ def test_no_ready_while_vllm_does_not_answer(notify, ipc_dir):
     with socket.socket() as free:  # a port nobody serves
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    out = subprocess.run([sys.executable, "-m", "ckpt_controller", "agent", "vllm", "--url",
+    out = subprocess.run([*CKPTCTL, "agent", "vllm", "--url",
                           f"http://127.0.0.1:{port}", "--control", f"ipc://{ipc_dir}/s.sock"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env=_env(ipc_dir / "notify.sock"))
@@ -330,7 +333,7 @@ def test_no_ready_while_vllm_does_not_answer(notify, ipc_dir):
 def test_ckptctl_engine_serve_notifies_systemd(notify, ipc_dir, model_dir):
     control = f"ipc://{ipc_dir}/eng.ctl"
     log = (ipc_dir / "engine.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "engine", "serve",
+    proc = subprocess.Popen([*CKPTCTL, "engine", "serve",
                              "--name", "eng", "--api", f"ipc://{ipc_dir}/eng.api", "--control",
                              control, "--model-dir", str(model_dir), "--heartbeat", "0.2"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,

@@ -9,8 +9,6 @@ import logging
 import os
 import socket
 import sqlite3
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,9 +17,8 @@ from ckpt_controller import protocol as p
 from ckpt_controller.agent import Agent, AgentClient
 from ckpt_controller.errors import ConfigError, UnreachableError
 from ckpt_controller.security import CurveClient, CurveServer, generate, load
-from conftest import wait_until
-
-CKPTCTL = [sys.executable, "-m", "ckpt_controller"]
+from support.cli import ckptctl
+from support.timing import wait_until
 
 
 @pytest.fixture
@@ -36,16 +33,14 @@ def keys(tmp_path):
 
 
 def test_keys_command_writes_a_private_secret(tmp_path):
-    out = subprocess.run(CKPTCTL + ["keys", "node-a", "--dir", str(tmp_path), "--json"],
-                         capture_output=True, text=True)
+    out = ckptctl("keys", "node-a", "--dir", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert os.stat(info["secret"]).st_mode & 0o777 == 0o600
     public, secret = load(info["secret"], secret=True)
     assert public.decode() == info["public_key"] and len(secret) == 40
     assert load(info["public"], secret=False) == (public, None)
-    again = subprocess.run(CKPTCTL + ["keys", "node-a", "--dir", str(tmp_path)],
-                           capture_output=True, text=True)
+    again = ckptctl("keys", "node-a", "--dir", str(tmp_path))
     assert again.returncode == 2 and "--force" in again.stderr
     os.chmod(info["secret"], 0o640)
     with pytest.raises(ConfigError, match="readable by others"):

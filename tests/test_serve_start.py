@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 from ckpt_controller.procutil import ReadyProcess
-
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+from support.cli import CKPTCTL, ckptctl
 
 
 def _config(folder: Path, name: str, extra: str = "", *, endpoint: str | None = None,
@@ -25,13 +24,8 @@ def _config(folder: Path, name: str, extra: str = "", *, endpoint: str | None = 
 
 
 def _serve(config: Path, log: Path) -> ReadyProcess:
-    return ReadyProcess([sys.executable, "-m", "ckpt_controller", "serve", "--config",
+    return ReadyProcess([*CKPTCTL, "serve", "--config",
                          str(config)], log, "controller", cwd=ROOT)
-
-
-def _ckptctl(endpoint: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller", endpoint,
-                           *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
 def test_one_controller_per_state_dir_and_its_socket_file(ipc_dir):
@@ -39,23 +33,19 @@ def test_one_controller_per_state_dir_and_its_socket_file(ipc_dir):
     config = _config(ipc_dir, "c", endpoint=f"ipc://{sock}")
     first = _serve(config, ipc_dir / "first.log")
     try:
-        second = subprocess.run([sys.executable, "-m", "ckpt_controller", "serve", "--config",
-                                 str(config)], capture_output=True, text=True, timeout=60,
-                                cwd=ROOT)
+        second = ckptctl("serve", "--config", str(config))
         assert second.returncode == 2, second.stdout + second.stderr
         assert second.stdout == ""  # never announced itself ready
         assert f"pid {first.pid}" in second.stderr and "controller.state_dir" in second.stderr
         assert str(config) in second.stderr
         # the first still owns its socket and answers on it
         assert sock.is_socket()
-        assert _ckptctl(f"ipc://{sock}", "history", "--json").returncode == 0
+        assert ckptctl("history", "--json", endpoint=f"ipc://{sock}").returncode == 0
         # another state directory on the same endpoint: refused too, naming the endpoint
         other = _config(ipc_dir, "other", endpoint=f"ipc://{sock}")
-        third = subprocess.run([sys.executable, "-m", "ckpt_controller", "serve", "--config",
-                                str(other)], capture_output=True, text=True, timeout=60,
-                               cwd=ROOT)
+        third = ckptctl("serve", "--config", str(other))
         assert third.returncode == 2 and "controller.endpoint" in third.stderr, third.stderr
-        assert _ckptctl(f"ipc://{sock}", "history", "--json").returncode == 0
+        assert ckptctl("history", "--json", endpoint=f"ipc://{sock}").returncode == 0
         first.stop()
         assert not sock.exists()  # removed on exit
         # killed with -9, a controller leaves its socket file: the next one reclaims it
@@ -66,7 +56,7 @@ def test_one_controller_per_state_dir_and_its_socket_file(ipc_dir):
         again = _serve(config, ipc_dir / "again.log")
         try:
             assert again.info["pid"] != first.pid
-            assert _ckptctl(f"ipc://{sock}", "history", "--json").returncode == 0
+            assert ckptctl("history", "--json", endpoint=f"ipc://{sock}").returncode == 0
         finally:
             again.stop()
         assert not sock.exists()
@@ -96,7 +86,7 @@ def test_values_the_running_system_refuses_are_refused_at_start(ipc_dir):
         "controller.reconcile_interval_s": _config(ipc_dir, "forever",
                                                    "reconcile_interval_s = 1e12\n"),
     }
-    procs = {key: subprocess.Popen([sys.executable, "-m", "ckpt_controller", "serve",
+    procs = {key: subprocess.Popen([*CKPTCTL, "serve",
                                     "--config", str(path)], stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for key, path in cases.items()}

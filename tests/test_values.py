@@ -6,8 +6,6 @@ naming the field). Real sockets, a real agent in this process and a real control
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import msgspec
 import pytest
@@ -21,6 +19,7 @@ from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.engine.load import run_load
 from ckpt_controller.errors import UsageError
+from support.cli import ckptctl
 
 NAN, INF = float("nan"), float("inf")
 
@@ -73,9 +72,8 @@ def test_the_command_line_refuses_absurd_values(argv, flag, shown, capsys, tmp_p
 
 
 def test_the_installed_command_exits_2_naming_the_flag_and_value(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
-                          f"ipc://{tmp_path}/none.sock", "prepare", "e", "--deadline", "nan"],
-                         capture_output=True, text=True, timeout=60)
+    out = ckptctl("--controller", f"ipc://{tmp_path}/none.sock", "prepare", "e", "--deadline",
+                  "nan", timeout=60)
     assert out.returncode == 2, out.stderr
     assert "--deadline" in out.stderr and "'nan'" in out.stderr and "usage:" in out.stderr
 
@@ -95,8 +93,6 @@ def test_valid_values_still_pass():
 
 
 # ---------------------------------------------------------------- the Python clients
-
-
 
 
 def _refused(call, field: str, shown: str) -> None:

@@ -9,7 +9,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
 import tomllib
@@ -26,11 +25,13 @@ from ckpt_controller.agent.server import Agent
 from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.errors import CkptError, EngineError, VerificationError
 from ckpt_controller.procutil import ReadyProcess
-from conftest import ROOT, VLLM_PY
+from support import ROOT
+from support.cli import CKPTCTL, ckptctl
+from support.vllm import NO_VLLM, VLLM_PY
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(not VLLM_PY.exists(), reason="no vLLM venv: run `make vllm`"),
+    pytest.mark.skipif(not VLLM_PY.exists(), reason=NO_VLLM),
 ]
 
 #: long enough (about 10 s for six at once here) to be in flight when a prepare starts, even
@@ -162,7 +163,7 @@ def sidecar(vllm_server, ipc_dir):
     started = []
 
     def spawn(name: str = "vl", *extra: str) -> ReadyProcess:
-        proc = ReadyProcess([sys.executable, "-m", "ckpt_controller", "agent", "vllm",
+        proc = ReadyProcess([*CKPTCTL, "agent", "vllm",
                              "--url", vllm_server.url, "--control", f"ipc://{ipc_dir}/{name}",
                              "--name", name, "--heartbeat", HEARTBEAT, *extra],
                             ipc_dir / f"{name}.log", f"vLLM sidecar {name}", cwd=ROOT)
@@ -481,7 +482,7 @@ def test_a_sidecar_killed_mid_prepare_is_resumed_by_the_reconciler_keeping_its_g
         assert time.monotonic() < end and not batch.outcomes, batch.outcomes
         time.sleep(0.05)
     prepare = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_controller", "--controller", ctl.endpoint, "prepare", "vk",
+        [*CKPTCTL, "--controller", ctl.endpoint, "prepare", "vk",
          "--drain", "wait", "--drain-timeout", "120", "--level", "1", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     end = time.monotonic() + 60
@@ -567,8 +568,7 @@ def test_each_sample_config_works_as_written_for_a_vllm_engine(where, text, vllm
 
     def keys(name: str, folder: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        out = subprocess.run([sys.executable, "-m", "ckpt_controller", "keys", name, "--dir",
-                              str(folder)], capture_output=True, text=True, cwd=ROOT)
+        out = ckptctl("keys", name, "--dir", str(folder))
         assert out.returncode == 0, out.stderr
         return folder / f"{name}.key"
 
@@ -610,27 +610,25 @@ def test_each_sample_config_works_as_written_for_a_vllm_engine(where, text, vllm
                 shutil.copy(controller_key, admits)
                 extra = ["--curve-secret-key", f"{public}_secret", "--curve-clients", str(admits)]
             sides.append(ReadyProcess(
-                [sys.executable, "-m", "ckpt_controller", "agent", "vllm", "--url",
+                [*CKPTCTL, "agent", "vllm", "--url",
                  vllm_server.url, "--control", f"ipc://{ipc_dir}/{engine['name']}.ctl",
                  "--name", engine["name"], "--heartbeat", HEARTBEAT, *extra],
                 ipc_dir / f"{engine['name']}.log", f"vLLM sidecar {engine['name']}", cwd=ROOT))
         (ipc_dir / "controller.toml").write_text(local)
-        ctl = ReadyProcess([sys.executable, "-m", "ckpt_controller", "serve", "--config",
+        ctl = ReadyProcess([*CKPTCTL, "serve", "--config",
                             str(ipc_dir / "controller.toml")], ipc_dir / "controller.log",
                            "controller", cwd=ROOT)
         sides.append(ctl)
 
-        def ckptctl(*args: str) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-m", "ckpt_controller", "--controller",
-                                   f"ipc://{ipc_dir}/ctl.sock", *client, *args],
-                                  capture_output=True, text=True, timeout=300, cwd=ROOT)
+        def to_controller(*args: str):
+            return ckptctl(*client, *args, endpoint=f"ipc://{ipc_dir}/ctl.sock", timeout=300)
 
         for name in [e["name"] for e in engines]:
-            out = ckptctl("prepare", name, "--json")
+            out = to_controller("prepare", name, "--json")
             assert out.returncode == 0, f"{where}: {out.stdout}{out.stderr}"
             (eng,) = json.loads(out.stdout)["engines"]
             print(f"{where}: {name} prepared; memory {eng['released']}")
-            out = ckptctl("restore", name, "--json")
+            out = to_controller("restore", name, "--json")
             assert out.returncode == 0, f"{where}: {out.stdout}{out.stderr}"
         assert not vllm.is_paused()
     finally:
@@ -645,8 +643,8 @@ def test_one_prometheus_scrapes_the_vllm_server_and_the_controller(vllm, vllm_se
                                                                    spawn_controller, ipc_dir):
     """A real Prometheus (``make prometheus``) scrapes vLLM's own /metrics beside the
     controller's after a cycle through the sidecar, and finds a metric of each."""
-    from conftest import prometheus_tool
-    from prometheus_server import Prometheus
+    from support.prometheus_server import prometheus_tool
+    from support.prometheus_server import Prometheus
 
     prometheus_tool("prometheus")  # or skip, saying so
     side = sidecar()

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,14 +17,17 @@ import pytest
 
 from ckpt_controller.adapters.vllm import VllmHttp
 from ckpt_controller.procutil import ReadyProcess
-from conftest import ROOT, VLLM_PY, VllmServer
-from test_criu import CRIU, _reason as criu_missing
+from support import ROOT
+from support.cli import CKPTCTL
+from support.criu import CRIU, criu_missing
+from support.hooks import link_hook
+from support.vllm import NO_VLLM, VLLM_PY, VllmServer, make_tiny_llama
 from test_vllm_tcp_hold import SteadyLoad, assert_none_lost
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(not VLLM_PY.exists(), reason="no vLLM venv: run `make vllm`"),
-    pytest.mark.skipif(criu_missing is not None, reason=criu_missing or ""),
+    pytest.mark.skipif(not VLLM_PY.exists(), reason=NO_VLLM),
+    pytest.mark.skipif(criu_missing() is not None, reason=criu_missing() or ""),
 ]
 
 URING = Path("/proc/sys/kernel/io_uring_disabled")
@@ -42,9 +43,7 @@ def capturable_vllm(tmp_path_factory):
         URING.write_text("2")
     except OSError as err:
         pytest.skip(f"cannot turn io_uring off while vLLM starts ({URING}): {err}")
-    model = tmp_path_factory.mktemp("tinyllama-criu")
-    subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "vllm" / "make_tiny_llama.py"),
-                    str(model)], check=True, capture_output=True, timeout=300)
+    model = make_tiny_llama(tmp_path_factory.mktemp("tinyllama-criu"))
     start = time.monotonic()
     try:
         server = VllmServer(model)
@@ -71,7 +70,7 @@ def test_vllm_captured_stopped_and_restored_from_its_image(capturable_vllm, spaw
     server = capturable_vllm
     monkeypatch.setenv("CKPT_CRIU", CRIU)  # hooks get the controller's environment
     monkeypatch.setenv("CKPT_CRIU_MODE", "stop")
-    side = ReadyProcess([sys.executable, "-m", "ckpt_controller", "agent", "vllm", "--url",
+    side = ReadyProcess([*CKPTCTL, "agent", "vllm", "--url",
                          server.url, "--control", f"ipc://{ipc_dir}/vc", "--name", "vc",
                          "--heartbeat", "1.0"], ipc_dir / "vc.log", "vLLM sidecar", cwd=ROOT)
     try:
@@ -79,8 +78,7 @@ def test_vllm_captured_stopped_and_restored_from_its_image(capturable_vllm, spaw
                                f'kind = "vllm"\n')
         for point, name, hook in (("dump", "10-criu-dump", "criu-dump"),
                                   ("pre-restore", "10-criu-restore", "criu-restore")):
-            (ctl.dir / "hooks" / point).mkdir(parents=True, exist_ok=True)
-            (ctl.dir / "hooks" / point / name).symlink_to(ROOT / "hooks" / hook)
+            link_hook(ctl, point, name, hook)
         http = VllmHttp(server.url, timeout_s=120)
         want = http.complete(PROMPT, 16, ignore_eos=True).text
 
@@ -128,7 +126,7 @@ def test_vllm_under_load_loses_no_request_across_a_stop_capture_and_restore(
     monkeypatch.setenv("CKPT_CRIU", CRIU)
     monkeypatch.setenv("CKPT_CRIU_MODE", "stop")
     monkeypatch.setenv("CKPT_CRIU_TCP", "established")
-    side = ReadyProcess([sys.executable, "-m", "ckpt_controller", "agent", "vllm", "--url",
+    side = ReadyProcess([*CKPTCTL, "agent", "vllm", "--url",
                          server.url, "--control", f"ipc://{ipc_dir}/vl", "--name", "vl",
                          "--heartbeat", "1.0"], ipc_dir / "vl.log", "vLLM sidecar", cwd=ROOT)
     try:
@@ -138,8 +136,7 @@ def test_vllm_under_load_loses_no_request_across_a_stop_capture_and_restore(
                                   ("post-dump", "95-tcp-hold", "tcp-hold"),
                                   ("pre-restore", "10-criu-restore", "criu-restore"),
                                   ("pre-restore", "30-tcp-hold", "tcp-hold")):
-            (hooks / point).mkdir(parents=True, exist_ok=True)
-            (hooks / point / name).symlink_to(ROOT / "hooks" / hook)
+            link_hook(hooks, point, name, hook)
         ctl = spawn_controller(f'[[engine]]\nname = "vl"\ncontrol = "{side.info["control"]}"\n'
                                f'kind = "vllm"\n')
         load = SteadyLoad(server.url, every_s=0.25, max_tokens=24).start()

@@ -20,12 +20,13 @@ from ckpt_controller.clock import Clock, Deadline
 from ckpt_controller.errors import CkptError, DeadlineError, DrainError
 from ckpt_controller.procutil import ReadyProcess
 from ckpt_controller.vocab import DrainMode, Escalation, PrepareStep
-from conftest import ROOT, wait_until
+from support.timing import wait_until
+from support.vllm import STANDIN_SERVER
 
 
 @pytest.fixture
 def engine(tmp_path):
-    server = ReadyProcess([sys.executable, str(ROOT / "tests" / "vllm" / "standin_server.py")],
+    server = ReadyProcess([sys.executable, str(STANDIN_SERVER)],
                           tmp_path / "standin.log", "the stand-in vLLM", timeout_s=60)
     eng = VllmEngine(VllmHttp(server.info["url"]), verify_weights=False, tick_s=0.05)
     try:

@@ -5,8 +5,6 @@ vLLM sends while paused), and heartbeats stopping when the engine stops answerin
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,7 +14,7 @@ import pytest
 from ckpt_controller.adapters.vllm import VllmEngine, VllmHttp
 from ckpt_controller.adapters.vllm.http import parse_metrics
 from ckpt_controller.errors import EngineError, UsageError
-from conftest import ROOT
+from support.cli import ckptctl
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
@@ -189,16 +187,12 @@ def test_the_engine_counts_as_gone_when_its_process_is_gone(stand):
 
 
 def test_cli_refuses_bad_input_with_exit_2_and_no_server_with_exit_4():
-    def ckptctl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ckpt_controller", "agent", "vllm", *args],
-                              capture_output=True, text=True, timeout=60, cwd=ROOT)
-
-    out = ckptctl("--url", "ftp://127.0.0.1:1")
+    out = ckptctl("agent", "vllm", "--url", "ftp://127.0.0.1:1")
     assert out.returncode == 2 and "http://HOST:PORT" in out.stderr
-    out = ckptctl("--url", "http://127.0.0.1:9", "--name", "bad name")
+    out = ckptctl("agent", "vllm", "--url", "http://127.0.0.1:9", "--name", "bad name")
     assert out.returncode == 2
-    out = ckptctl("--url", "http://127.0.0.1:9", "--golden-tokens", "0")
+    out = ckptctl("agent", "vllm", "--url", "http://127.0.0.1:9", "--golden-tokens", "0")
     assert out.returncode == 2
-    out = ckptctl("--url", "http://127.0.0.1:9")
+    out = ckptctl("agent", "vllm", "--url", "http://127.0.0.1:9")
     assert out.returncode == 4 and "no vLLM server answers" in out.stderr
-    assert "--golden-prompt" in ckptctl("--help").stdout
+    assert "--golden-prompt" in ckptctl("agent", "vllm", "--help").stdout

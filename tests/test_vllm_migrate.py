@@ -23,9 +23,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import (AMX_PERMISSION, ROOT, VLLM_CPU, VLLM_CPU_ENV, VLLM_PY, pids_naming,
-                      wait_until)
-from test_migration import Pair, _reason as migration_missing, net_of
+from support import ROOT
+from support.cli import CKPTCTL, ckptctl
+from support.config import engines_toml
+from support.criu import migration_missing
+from support.processes import pids_naming
+from support.timing import wait_until
+from support.vllm import (AMX_PERMISSION, NO_VLLM, STANDIN_SERVER, VLLM_CPU, VLLM_CPU_ENV,
+                          VLLM_PY, make_tiny_llama)
+from test_migration import Pair, net_of
 
 URING = Path("/proc/sys/kernel/io_uring_disabled")
 HTTP_PORT, CONTROL_PORT = 7721, 7722
@@ -48,8 +54,7 @@ class VllmPair(Pair):
                     os.setpriority(os.PRIO_PROCESS, int(tid), -10)
 
     def engine_table(self) -> str:
-        return (f'\n[[engine]]\nname = "v0"\ncontrol = "tcp://127.0.0.1:{CONTROL_PORT}"\n'
-                f'kind = "vllm"\n')
+        return "\n" + engines_toml(("v0", f"tcp://127.0.0.1:{CONTROL_PORT}"), kind="vllm")
 
     def start_vllm(self, node: str = "n1"):
         """vLLM and its sidecar under ``vllm-launch``, in ``node``'s network namespace and a
@@ -66,7 +71,7 @@ class VllmPair(Pair):
         try:
             eng = ReadyProcess(
                 [*self.made.enter(self.ns[node]), "unshare", "--pid", "--fork", "setsid",
-                 sys.executable, "-m", "ckpt_controller", "agent", "vllm-launch", "--url",
+                 *CKPTCTL, "agent", "vllm-launch", "--url",
                  f"http://0.0.0.0:{HTTP_PORT}", "--control", f"tcp://0.0.0.0:{CONTROL_PORT}",
                  "--name", "v0", "--heartbeat", "1.0", "--log-dir", str(self.d / "v0-logs"),
                  "--", *VLLM_CPU, str(VLLM_PY), "-m",
@@ -96,10 +101,10 @@ class VllmPair(Pair):
 
 
 def _why_not_vllm() -> str | None:
-    if migration_missing is not None:
-        return migration_missing
+    if (why := migration_missing()) is not None:
+        return why
     if not VLLM_PY.exists():
-        return "no vLLM venv: run `make vllm`"
+        return NO_VLLM
     if not os.access(URING, os.W_OK):
         return f"cannot turn io_uring off while vLLM starts ({URING} is not writable)"
     return None
@@ -116,10 +121,7 @@ def connections_to(addr: tuple[str, int]) -> list:
 
 @pytest.fixture
 def tiny_llama(tmp_path):
-    d = tmp_path / "tinyllama"
-    subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "vllm" / "make_tiny_llama.py"), str(d)],
-                   check=True, capture_output=True, timeout=300)
-    return d
+    return make_tiny_llama(tmp_path / "tinyllama")
 
 
 class Sender(threading.Thread):
@@ -182,7 +184,7 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
         held = pair.d / "marks" / "n1-pre-prepare.at"
 
         def migrate() -> subprocess.Popen:
-            return subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd",
+            return subprocess.Popen([*CKPTCTL, "--etcd",
                                      pair.url, "fleet", "migrate", "v0", "--to", "n2",
                                      "--drain", "keep", "--op-id", "mvv", "--json"],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -228,10 +230,8 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
             # then ends (exit 4) saying the migration goes on, and the same --op-id follows it
             if rc != 4 or "stays recorded" not in err:
                 break
-            again = subprocess.run([sys.executable, "-m", "ckpt_controller", "--etcd",
-                                    pair.url, "fleet", "migrate", "v0", "--to", "n2",
-                                    "--op-id", "mvv", "--json"], capture_output=True,
-                                   text=True, cwd=ROOT, timeout=400)
+            again = ckptctl("--etcd", pair.url, "fleet", "migrate", "v0", "--to", "n2", "--op-id",
+                            "mvv", "--json", timeout=400)
             rc, out, err = again.returncode, again.stdout, again.stderr
         print(f"migrate: rc {rc}\n{out}\n{err}")
         assert rc == 0, out + err
@@ -293,7 +293,7 @@ def test_the_launcher_is_its_engines_init(tmp_path):
                         "ckpt_controller", "agent", "vllm-launch", "--url",
                         f"http://0.0.0.0:{port}", "--control", f"tcp://127.0.0.1:{control}",
                         "--name", "st", "--log-dir", str(tmp_path / "logs"), "--",
-                        sys.executable, str(ROOT / "tests" / "vllm" / "standin_server.py"),
+                        sys.executable, str(STANDIN_SERVER),
                         "--host", "0.0.0.0", "--port", str(port)],
                        tmp_path / "st.log", "launcher st", cwd=ROOT)
     tree: list[psutil.Process] = []
@@ -334,7 +334,7 @@ def test_a_stop_signal_while_the_launcher_starts_ends_what_it_started(tmp_path):
 
     port, control = free_port(), free_port()  # nothing will ever serve on the port
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_controller", "agent", "vllm-launch", "--url",
+        [*CKPTCTL, "agent", "vllm-launch", "--url",
          f"http://127.0.0.1:{port}", "--control", f"tcp://127.0.0.1:{control}", "--name",
          "st", "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "-c",
          "import time; time.sleep(600)"], cwd=ROOT, stdout=subprocess.PIPE,

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-
-VLLM_PY = Path(__file__).resolve().parent.parent / ".cache" / "vllm" / "bin" / "python"
+from support.vllm import NO_VLLM, VLLM_PY
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(not VLLM_PY.exists(), reason="no vLLM venv: run `make vllm`"),
+    pytest.mark.skipif(not VLLM_PY.exists(), reason=NO_VLLM),
 ]
 
 

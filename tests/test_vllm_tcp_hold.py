@@ -27,12 +27,15 @@ import pytest
 from ckpt_controller.adapters.vllm import VllmHttp
 from ckpt_controller.errors import CkptError
 from ckpt_controller.procutil import ReadyProcess
-from conftest import ROOT
-from test_criu import CRIU, _reason as criu_missing
+from support import ROOT
+from support.cli import CKPTCTL
+from support.criu import CRIU, criu_missing
+from support.hooks import link_hook
+from support.vllm import STANDIN_SERVER
 
 NFT = ROOT / ".cache" / "criu" / "bin" / "nft"
 pytestmark = [
-    pytest.mark.skipif(criu_missing is not None, reason=criu_missing or ""),
+    pytest.mark.skipif(criu_missing() is not None, reason=criu_missing() or ""),
     pytest.mark.skipif(not NFT.exists(), reason="no nft next to CRIU: run `make criu`"),
 ]
 
@@ -106,7 +109,7 @@ class Standin:
         self.log = tmp / "standin.log"
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "vllm" / "standin_server.py")],
+                [sys.executable, str(STANDIN_SERVER)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
         end = time.monotonic() + 30
         while not self.log.read_text().strip():
@@ -137,7 +140,7 @@ def test_no_request_is_lost_across_a_stop_capture_and_restore(standin, spawn_con
     monkeypatch.setenv("CKPT_CRIU", CRIU)  # the hooks get the controller's environment
     monkeypatch.setenv("CKPT_CRIU_MODE", "stop")
     monkeypatch.setenv("CKPT_CRIU_TCP", "established")
-    side = ReadyProcess([sys.executable, "-m", "ckpt_controller", "agent", "vllm", "--url",
+    side = ReadyProcess([*CKPTCTL, "agent", "vllm", "--url",
                          standin.url, "--control", f"ipc://{ipc_dir}/sv", "--name", "sv",
                          "--heartbeat", "0.5"], ipc_dir / "sv.log", "vLLM sidecar", cwd=ROOT)
     try:
@@ -148,8 +151,7 @@ def test_no_request_is_lost_across_a_stop_capture_and_restore(standin, spawn_con
                                   ("post-dump", "95-tcp-hold", "tcp-hold"),
                                   ("pre-restore", "10-criu-restore", "criu-restore"),
                                   ("pre-restore", "30-tcp-hold", "tcp-hold")):
-            (hooks / point).mkdir(parents=True, exist_ok=True)
-            (hooks / point / name).symlink_to(ROOT / "hooks" / hook)
+            link_hook(hooks, point, name, hook)
         ctl = spawn_controller(f'[[engine]]\nname = "sv"\ncontrol = "{side.info["control"]}"\n'
                                f'kind = "vllm"\n')
         load = SteadyLoad(standin.url).start()

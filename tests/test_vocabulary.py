@@ -12,11 +12,10 @@ drill report's ``lost`` count) are not decisions and are not counted.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from ckpt_controller import vocab as v
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 #: the enums whose words must not be written as bare strings
 WORDS = frozenset(m.value for e in (v.CheckpointState, v.OutcomeStatus, v.OperationStatus,
                                     v.PartStatus, v.MigrationOutcome, v.MigrationStep,

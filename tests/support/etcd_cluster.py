@@ -4,8 +4,8 @@ may also answer clients on other addresses of this host (``hosts``: say the root
 veth pair that a network namespace reaches it through); its peers stay on loopback.
 
 The binaries come from ``make etcd`` (``.cache/etcd/bin``); ``installed()`` says whether they
-are there, and the ``etcd`` fixture (``conftest``) skips with the reason when they are not
-(CI: a failure, ``CKPT_REQUIRE_PARTS``). ``tls=True`` makes a CA, a server certificate for
+are there, and the ``etcd`` fixture (``tests/conftest.py``) skips with the reason when they
+are not (CI: a failure, ``CKPT_REQUIRE_PARTS``). ``tls=True`` makes a CA, a server certificate for
 127.0.0.1 and a client certificate with ``openssl``, and has every member require client
 certificates signed by that CA (the server certificate names every address in ``hosts``).
 """
@@ -13,24 +13,19 @@ certificates signed by that CA (the server certificate names every address in ``
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from ckpt_controller.endpoints import free_port
+from support import ROOT
+
 ETCD = ROOT / ".cache" / "etcd" / "bin" / "etcd"
 
 
 def installed() -> bool:
     return ETCD.is_file() and os.access(ETCD, os.X_OK)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Certs:

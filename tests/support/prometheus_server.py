@@ -2,16 +2,15 @@
 with its own storage folder, scraping the targets it is given every second and evaluating the
 shipped alert rules (deploy/prometheus/), and a client for its HTTP API (``/api/v1/...``).
 
-The binaries come from ``.cache/prometheus/bin``; ``conftest.prometheus_tool`` finds them or
-skips the test saying so (a failure under ``CKPT_REQUIRE_PARTS=1``). Used by
-tests/test_prometheus.py (a controller) and tests/test_vllm_prometheus.py (a controller and
-a vLLM server side by side).
+The binaries come from ``.cache/prometheus/bin``; ``prometheus_tool`` finds them or skips the
+test saying so (a failure under ``CKPT_REQUIRE_PARTS=1``). Neighbours: ``test_prometheus`` (a
+controller) and ``test_vllm_adapter`` (a controller and a vLLM server side by side).
 """
 
 from __future__ import annotations
 
 import json
-import socket
+import os
 import subprocess
 import time
 import urllib.error
@@ -19,15 +18,22 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import pytest
+
+from ckpt_controller.endpoints import free_port
+from support import ROOT
+
 BIN = ROOT / ".cache" / "prometheus" / "bin"
 RULES = ROOT / "deploy" / "prometheus" / "ckpt-controller.rules.yml"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def prometheus_tool(name: str) -> Path:
+    """``make prometheus``'s ``prometheus`` or ``promtool`` (``.cache/prometheus/bin``); skips
+    the calling test with the reason when it is not installed."""
+    path = BIN / name
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        pytest.skip(f"{name} is not installed: run `make prometheus`")
+    return path
 
 
 def http_get(url: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
