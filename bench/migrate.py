@@ -2,7 +2,7 @@
 cold start of the same engine on the target node, and what moving the image costs; both
 image transports (``page-server``, ``shared``) in one run.
 
-Each repeat is two fresh nodes (``Pair`` of ``tests/test_migration.py``: two node controllers
+Each repeat is two fresh nodes (``Pair`` of ``tests/fleet/test_migration.py``: two node controllers
 in network namespaces of their own on one link-local segment made by
 ``tests/support/netns_util.py``'s ``Namespaces.segment``, etcd in the root namespace, the
 criu-dump/criu-restore hooks), with the node's ``[defaults] level`` set to ``--level`` (0 by
@@ -31,8 +31,9 @@ the page cache the later ones then find warm too, as a target that migrated woul
 Compare the ratios (downtime / cold start, moved / image), not the absolute times: these
 machines are shared and noisy. Needs root, ``ip``, ``nsenter``, ``unshare``, ``make criu``
 and ``make etcd``; says why and exits 2 without them.
-Neighbours: ``tests/test_migration.py`` (``Pair``), ``tests/support/`` (``criu``, ``netns_util``),
-``ckpt_controller/fleet/migration.py`` (the record read here), ``_common`` (tables, JSON).
+Neighbours: ``tests/fleet/test_migration.py`` (``Pair``), ``tests/support/`` (``criu``,
+``netns_util``), ``ckpt_controller/fleet/migration.py`` (the record read here), ``_common``
+(tables, JSON).
 """
 
 from __future__ import annotations

