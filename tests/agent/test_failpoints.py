@@ -19,6 +19,7 @@ from ckpt_controller.errors import (
 )
 from ckpt_controller.memory import MemoryRegistry, measure
 from ckpt_controller.memory.safetensors_io import save_file
+from support.timing import deadline_in, scaled
 
 
 def test_parse_and_refuse():
@@ -96,10 +97,10 @@ def test_stall_silences_the_agent_then_it_finishes(ipc_dir):
             start = time.monotonic()
             with pytest.raises(UnreachableError):
                 c.prepare(op_id="p1", level=0, drain="abort")
-            assert time.monotonic() - start < 1.2  # the heartbeats stopped: not slow, gone
+            assert time.monotonic() - start < scaled(1.2, below=1.5)  # gone, not the 1.5 s stall
         time.sleep(1.5)
         with AgentClient(agent.endpoint, timeout_s=5) as c:
-            deadline = time.monotonic() + 5
+            deadline = deadline_in(5)
             while c.status().current_op and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert c.status().state == "prepared"  # the operation went on after the stall

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 
 from support import ROOT
+from support.timing import scaled
 
 
 def bench(tmp_path: Path, script: str, *args: str) -> dict:
     out = tmp_path / f"{script}.json"
     run = subprocess.run([sys.executable, f"bench/{script}.py", *args, "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+                         cwd=ROOT, capture_output=True, text=True, timeout=scaled(240))
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"wrote {out}" in run.stdout
     doc = json.loads(out.read_text())
@@ -167,7 +168,7 @@ def test_level_1_is_a_gpu_measurement_and_says_so_elsewhere(tmp_path):
     out = tmp_path / "memory.json"
     run = subprocess.run([sys.executable, "bench/memory.py", "--level", "1", "--sizes", "0.01",
                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+                         timeout=scaled(120))
     assert run.returncode == 2 and "--device cuda" in run.stderr and not out.exists()
 
 

@@ -14,7 +14,7 @@ import pytest
 from ckpt_controller.cli import parse_bytes
 from support.cli import CKPTCTL, StreamedLines, ckptctl
 from support.net import ipc_connections, wait_connected
-from support.timing import wait_until
+from support.timing import scaled, wait_until
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def test_help_version_and_usage_errors():
     # the installed console script is the same program
     script = Path(sys.executable).parent / "ckptctl"
     installed = subprocess.run([str(script), "--version"], capture_output=True, text=True,
-                               timeout=60)
+                               timeout=scaled(60))
     assert installed.returncode == 0 and installed.stdout == out.stdout
     for bad in (["agent", "prepare"],  # --control missing
                 ["agent", "prepare", "--control", "ipc:///x", "--level", "7"],
@@ -53,7 +53,7 @@ def test_a_reader_that_went_away_ends_ckptctl_quietly():
         os.close(read)  # every write to the pipe now fails with EPIPE
         try:
             out = subprocess.run([*CKPTCTL, *args], stdout=write,
-                                 stderr=subprocess.PIPE, text=True, timeout=60)
+                                 stderr=subprocess.PIPE, text=True, timeout=scaled(60))
         finally:
             os.close(write)
         assert out.returncode == 141, (args, out.stderr)
@@ -137,7 +137,7 @@ def test_watch_prints_events(engine):
         assert watch.poll() is None
     finally:
         watch.send_signal(signal.SIGINT)
-        _, err = watch.communicate(timeout=20)
+        _, err = watch.communicate(timeout=scaled(20))
     printed.join()
     assert watch.returncode == 130, err
     dests = [e["transition"]["dest"] for e in changes()]
@@ -177,7 +177,7 @@ def test_ctrl_c_of_an_agent_operation_says_it_goes_on(engine):
                     wait_until(lambda: any("running -> preparing" in line
                                            for line in err.lines), 20, "the drain begun")
                 run.send_signal(signal.SIGINT)
-                assert run.wait(timeout=20) == 130
+                assert run.wait(timeout=scaled(20)) == 130
             finally:
                 run.kill()
             out = run.stdout.read()

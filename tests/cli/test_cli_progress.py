@@ -18,7 +18,7 @@ from ckpt_controller.cli.progress import Progress
 from support import ROOT
 from support.cli import CKPTCTL, StreamedLines
 from support.hooks import write_hook
-from support.timing import wait_until
+from support.timing import scaled, wait_until
 
 STAMP = re.compile(r"^\[ *\d+\.\d\ds\] ")
 
@@ -97,7 +97,7 @@ def test_on_a_terminal_the_running_line_is_rewritten(spawn_engine, spawn_control
             if not chunk:
                 break
             seen += chunk
-        stdout, _ = run.communicate(timeout=60)
+        stdout, _ = run.communicate(timeout=scaled(60))
     finally:
         os.close(leader)
     assert run.returncode == 0, seen
@@ -200,7 +200,7 @@ def test_ctrl_c_says_the_operation_goes_on(spawn_engine, spawn_controller, ipc_d
         wait_until(lambda: any("hook dump 10-wait started" in line for line in err.lines), 30,
                    "the hook running")
         run.send_signal(signal.SIGINT)
-        assert run.wait(timeout=30) == 130
+        assert run.wait(timeout=scaled(30)) == 130
         said = "".join(err.join())
         assert "interrupted: operation int-1 goes on in the controller" in said, said
         assert "ckptctl history --op-id int-1" in said, said
@@ -208,6 +208,6 @@ def test_ctrl_c_says_the_operation_goes_on(spawn_engine, spawn_controller, ipc_d
     finally:
         go.touch()
         run.kill()
-        run.communicate(timeout=30)
+        run.communicate(timeout=scaled(30))
     wait_until(lambda: "succeeded" in ctl.ckptctl("history", "--op-id", "int-1").stdout, 30,
                "the operation ended in the controller, as it said")

@@ -23,7 +23,7 @@ from support import ROOT
 from support.cli import CKPTCTL, StreamedLines, ckptctl
 from support.config import controller_toml, engines_toml
 from support.hooks import write_hook
-from support.timing import wait_until
+from support.timing import scaled, wait_until
 
 
 def _rows(text: str) -> list[list[str]]:
@@ -125,7 +125,7 @@ def test_status_of_a_real_controller(spawn_engine, spawn_controller, ipc_dir):
         wait_until(held, 30, "s1 held by held-1 in status")
     finally:
         (Path(ipc_dir) / "go").touch()
-        _, err = op.communicate(timeout=60)
+        _, err = op.communicate(timeout=scaled(60))
     assert op.returncode == 0, err
     row = {r[0]: r for r in _rows(ctl.ckptctl("status", "s1").stdout)}["s1"]
     assert row[1:3] == ["running", "2"] and row[5:7] == ["-", "held-1"]
@@ -140,7 +140,7 @@ def test_agent_status_has_the_same_columns(spawn_engine):
     assert rows[0] == list(STATUS_COLUMNS)
     assert rows[1][:6] == ["a1", "running", "0", "0", str(eng.pid), "-"]
     assert "weights: 4.0 MiB" in out.stdout and out.stderr == ""
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < scaled(30)
 
 
 def test_status_takes_last_op_from_its_reply_and_asks_no_history(ipc_dir):
@@ -265,7 +265,7 @@ def test_status_says_on_stderr_that_a_stopped_controller_has_not_answered_yet(st
         assert said >= 2.0 and proc.poll() is None
     finally:
         os.kill(ctl.pid, signal.SIGCONT)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=scaled(60))
     assert proc.returncode == 0, out + "".join(err.join())
     assert json.loads(out)["engines"][0]["engine"] == "z1" and len(out.splitlines()) == 1
 
@@ -307,4 +307,4 @@ def test_status_of_a_stopped_controller_gives_up_after_30s(stoppable):
     lines = out.stderr.splitlines()
     assert [ln.split("still trying ")[1] for ln in lines[:3]] == [
         "(attempt 1 of 3, at most 30s in all)", "(attempt 2 of 3)", "(attempt 3 of 3)"]
-    assert 29 < took < 45, took
+    assert 29 < took < scaled(45, below=3 * 30), took  # one 30 s budget, not three

@@ -16,6 +16,7 @@ import pytest
 from ckpt_controller.cli import build_parser
 from ckpt_controller.cli.completion import walk
 from support.cli import ckptctl
+from support.timing import scaled
 
 
 def _script(shell: str) -> str:
@@ -40,7 +41,7 @@ def complete(script, *words: str, nounset: bool = False) -> list[str]:
             f"COMP_WORDS=({array}); COMP_CWORD={len(words) - 1}; COMP_LINE={shlex.quote(' '.join(words))}; "
             f"$fn ckptctl {shlex.quote(words[-1])} {shlex.quote(words[-2])}; "
             "printf '%s\\n' \"${COMPREPLY[@]}\"")
-    out = subprocess.run(["bash", "-c", code], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(["bash", "-c", code], capture_output=True, text=True, timeout=scaled(30))
     assert out.returncode == 0 and out.stderr == "", out.stderr
     return [w for w in out.stdout.splitlines() if w]
 
@@ -107,7 +108,7 @@ def test_zsh_script():
     zsh = shutil.which("zsh")
     if zsh is not None:  # else checked as text only (no skip: CI need not install zsh)
         out = subprocess.run([zsh, "-n"], input=text, capture_output=True, text=True,
-                             timeout=30)
+                             timeout=scaled(30))
         assert out.returncode == 0, out.stderr
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from ckpt_controller.cli import build_parser
 from support import ROOT
+from support.timing import scaled
 
 UNITS = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
 INSTALLED = "/opt/ckpt-controller/bin/ckptctl"
@@ -47,7 +48,7 @@ def test_systemd_analyze_verify_passes(path, tmp_path):
     copy = tmp_path / path.name
     copy.write_text(text.replace(INSTALLED, str(ckptctl)))
     out = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=scaled(60))
     assert out.returncode == 0, out.stderr
     assert out.stderr.strip() == "" and out.stdout.strip() == ""  # an unknown key only warns
 
@@ -60,7 +61,7 @@ def test_verify_would_catch_a_mistake(tmp_path):
     copy.write_text((ROOT / "deploy" / "systemd" / copy.name).read_text().replace(INSTALLED, sys.executable)
                     .replace("WatchdogSec=", "WatchDogSec="))
     out = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=scaled(60))
     assert "WatchDogSec" in out.stderr
 
 

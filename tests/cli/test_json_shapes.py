@@ -24,7 +24,7 @@ from support import ROOT
 from support.cli import CKPTCTL, StreamedLines, ckptctl
 from support.config import engines_toml
 from support.net import ipc_connections, wait_connected
-from support.timing import wait_until
+from support.timing import scaled, wait_until
 
 DOC = ROOT / "docs" / "json.md"
 
@@ -244,7 +244,7 @@ def test_controller_documents(spawn_reference, spawn_controller):
         lines = list(watch.lines)
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=scaled(30))
         watch.join()
         proc.stdout.close()
     records = [check_document(json.loads(line), "record") for line in lines]
@@ -320,7 +320,7 @@ def test_agent_documents(spawn_engine):
         lines = list(watch.lines)
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=scaled(30))
         watch.join()
         proc.stdout.close()
     events = [check_document(json.loads(line), "agent-event") for line in lines]

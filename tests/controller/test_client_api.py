@@ -19,6 +19,7 @@ from ckpt_controller.vocab import DrainMode, ReleaseLevel
 from support import ROOT
 from support.cli import ckptctl
 from support.config import engines_toml
+from support.timing import scaled
 
 
 #: (call, the keyword the error names, what it shows of the value)
@@ -144,7 +145,7 @@ def test_the_example_script_runs_against_a_real_controller(spawn_reference, spaw
     env = {**os.environ, "CKPT_CONTROLLER": ctl.endpoint}
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "cycle.py"), "ex1",
                           "--level", "1", "--budget", "1GiB"], capture_output=True, text=True,
-                         env=env, timeout=120, cwd=ROOT)
+                         env=env, timeout=scaled(120), cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "ex1: running"
@@ -153,5 +154,5 @@ def test_the_example_script_runs_against_a_real_controller(spawn_reference, spaw
     assert "released" in out.stdout and "at level 1" in out.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "examples" / "cycle.py"), "ex1",
                           "--drain", "sideways"], capture_output=True, text=True, env=env,
-                         timeout=120, cwd=ROOT)
+                         timeout=scaled(120), cwd=ROOT)
     assert bad.returncode == 2 and "UsageError: drain = 'sideways'" in bad.stderr, bad.stderr

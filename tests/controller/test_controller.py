@@ -26,7 +26,7 @@ from support.cli import CKPTCTL, StreamedLines, ckptctl
 from support.config import engine_table, engines_toml
 from support.hooks import write_hook
 from support.net import ipc_connections, wait_connected
-from support.timing import wait_until
+from support.timing import deadline_in, scaled, wait_until
 
 
 def test_full_cycle_through_the_cli_with_json(spawn_reference, spawn_controller):
@@ -116,7 +116,7 @@ def _on_a_terminal(ctl, *args: str) -> tuple[int, str, str]:
             break
         seen += chunk
     out = proc.stdout.read()
-    proc.wait(timeout=60)
+    proc.wait(timeout=scaled(60))
     proc.stdout.close()
     os.close(master)
     return proc.returncode, out, seen.decode(errors="replace")
@@ -151,7 +151,7 @@ def test_conflicts_and_repeated_ids(spawn_reference, spawn_controller):
 
         t = threading.Thread(target=long_prepare)
         t.start()
-        deadline = time.monotonic() + 10
+        deadline = deadline_in(10)
         while first.status(["e1"]).engines[0].holder != "long":
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -162,7 +162,7 @@ def test_conflicts_and_repeated_ids(spawn_reference, spawn_controller):
         assert out.returncode == 1
         assert json.loads(out.stdout)["error"]["details"]["holder"] == "long"
         gate.touch()
-        t.join(60)
+        t.join(scaled(60))
         assert done["r"].status == "succeeded"
         # the same id again: the stored result, not a second prepare
         again = first.prepare(["e1"], op_id="long", drain="wait", level=1)
@@ -310,7 +310,7 @@ def test_bad_config_and_unreachable_engine(spawn_controller, ipc_dir):
     ctl = spawn_controller(f'[[engine]]\nname = "ghost"\ncontrol = "ipc://{ipc_dir}/none"\n')
     start = time.monotonic()
     out = ctl.ckptctl("prepare", "ghost", "--json")
-    assert out.returncode == 4 and time.monotonic() - start < 30
+    assert out.returncode == 4 and time.monotonic() - start < scaled(30)
     # refused before the operation existed (preflight): the error is the whole answer
     error = json.loads(out.stdout)["error"]
     assert error["kind"] == "UnreachableError" and error["details"]["engine"] == "ghost"
@@ -326,7 +326,7 @@ def test_bad_config_and_unreachable_engine(spawn_controller, ipc_dir):
 
 
 def _wait_state(control: str, state: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = deadline_in(timeout_s)
     with AgentClient(control) as agent:
         while agent.status().state != state:
             assert time.monotonic() < deadline, f"never {state}"
@@ -346,7 +346,7 @@ def _kill_mid(ctl, control: str, state: str, *op: str) -> None:
     t.start()
     _wait_state(control, state)
     ctl.kill9()
-    t.join(60)
+    t.join(scaled(60))
     ctl.start()
     assert ctl.info["recovered"] == 1
 
@@ -501,7 +501,7 @@ def test_the_capture_deadline_bounds_the_dump_hooks_together(spawn_reference, sp
     write_hook(ctl, "dump", "20-second", "sleep 30")
     start = time.monotonic()
     out = ctl.ckptctl("cycle", "cap", "--json")
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < scaled(15, below=30)  # not the 30 s hook's end
     assert out.returncode == 3, out.stdout + out.stderr
     (o,) = json.loads(out.stdout)["engines"]
     assert o["error"]["kind"] == "HookTimeoutError" and o["status"] == "rolled_back"
@@ -560,8 +560,8 @@ def test_engine_death_fails_the_operation_promptly(spawn_engine, spawn_controlle
     _wait_state(eng.control, "preparing")
     killed = time.monotonic()
     eng.proc.kill()
-    t.join(60)
-    assert time.monotonic() - killed < 20  # heartbeats, not the 300 s deadline
+    t.join(scaled(60))
+    assert time.monotonic() - killed < scaled(20, below=300)  # heartbeats, not the deadline
     out = box["out"]
     assert out.returncode == 4
     (o,) = json.loads(out.stdout)["engines"]
@@ -590,7 +590,7 @@ def test_watch_shows_an_operation_live(spawn_reference, spawn_controller):
         assert watch.poll() is None
     finally:
         watch.send_signal(signal.SIGINT)
-        watch.communicate(timeout=30)
+        watch.communicate(timeout=scaled(30))
     records = [json.loads(line) for line in printed.join()]
     assert {r["op_id"] for r in records} == {"seen"}
     dests = [r["data"]["dest"] for r in records if r["record_type"] == "transition"]
@@ -657,7 +657,8 @@ def test_hook_failures_of_every_kind(spawn_reference, spawn_controller):
     write_hook(ctl, "dump", "20-slow", "sleep 30")
     start = time.monotonic()
     out = ctl.ckptctl("cycle", "hk", "--json")
-    assert out.returncode == 3 and time.monotonic() - start < 20  # a hook timeout: a deadline
+    # a hook timeout is a deadline: not the hook's 30 s
+    assert out.returncode == 3 and time.monotonic() - start < scaled(20, below=30)
     (o,) = json.loads(out.stdout)["engines"]
     assert o["error"]["kind"] == "HookTimeoutError" and o["state"] == "running"
     assert o["hooks"][0]["timed_out"]
@@ -691,13 +692,13 @@ def test_controller_killed_during_capture_stops_the_orphanwrite_hook(spawn_refer
     t = threading.Thread(target=lambda: ctl.ckptctl("cycle", "cap", "--op-id", "cut3"))
     t.start()
     pidfile = ctl.dir / "state" / "images" / "cap" / "hook.pid"
-    deadline = time.monotonic() + 30
+    deadline = deadline_in(30)
     while not pidfile.exists() or not pidfile.read_text().strip():
         assert time.monotonic() < deadline
         time.sleep(0.05)
     hook_pid = int(pidfile.read_text())
     ctl.kill9()
-    t.join(60)
+    t.join(scaled(60))
     ctl.start()
     assert ctl.info["recovered"] == 1
     assert _gone(hook_pid)  # recovery stopped the dump left running
@@ -816,7 +817,7 @@ def test_a_dump_that_kills_the_engine_fails_instead_of_rolling_back(spawn_refere
     (o,) = json.loads(out.stdout)["engines"]
     assert o["status"] == "failed" and o["state"] != "running"
     assert not any(p["name"] == "rollback" for p in o["phases"])  # nothing left to roll back
-    eng.proc.wait(timeout=10)
+    eng.proc.wait(timeout=scaled(10))
     status = json.loads(ctl.ckptctl("status", "killed", "--json").stdout)
     assert status["engines"][0]["reachable"] is False
 
@@ -908,7 +909,7 @@ def test_an_engine_found_failed_after_a_restart_is_resumed_if_never_captured(
     _wait_state(eng.control, held_in)
     wait_until(held.exists, 30, "the hook running")
     ctl.kill9()
-    t.join(60)
+    t.join(scaled(60))
     with AgentClient(eng.control) as agent:
         agent.fail(reason="came back and found the engine paused")
         assert agent.status().state == "failed"

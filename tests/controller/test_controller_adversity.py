@@ -46,6 +46,7 @@ from support import ROOT
 from support.cli import CKPTCTL, ckptctl
 from support.config import engines_toml
 from support.hooks import write_hook
+from support.timing import deadline_in, scaled
 
 
 def _config(folder: Path, name: str, endpoint: str) -> Path:
@@ -69,7 +70,7 @@ def test_an_endpoint_is_held_from_the_claim_not_only_from_the_bind(ipc_dir):
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   cwd=ROOT)
         try:
-            out, err = second.communicate(timeout=30)
+            out, err = second.communicate(timeout=scaled(30))
         except subprocess.TimeoutExpired:
             second.terminate()
             out, err = second.communicate()
@@ -89,7 +90,7 @@ def test_an_endpoint_is_held_from_the_claim_not_only_from_the_bind(ipc_dir):
     again.close()
 
 
-#: what the issue asks: answered "within a second"; slack for a loaded two-core machine
+#: what the issue asks: answered "within a second", with slack for two cores (and `scaled`)
 ANSWER_BOUND_S = 2.5
 
 
@@ -171,9 +172,9 @@ def test_large_history_queries_do_not_hold_up_the_control_thread(spawn_controlle
     finally:
         stop.set()
         for t in threads:
-            t.join(timeout=60)
+            t.join(timeout=scaled(60))
     assert not failures, failures
-    assert max(latencies) < ANSWER_BOUND_S, (max(latencies), len(latencies))
+    assert max(latencies) < scaled(ANSWER_BOUND_S), (max(latencies), len(latencies))
 
 
 def test_a_restarted_controller_still_reports_the_last_cycle_and_image(spawn_engine,
@@ -227,7 +228,7 @@ def test_idle_connections_to_the_metrics_port_pile_up_no_threads(spawn_controlle
         for s in idle:
             s.close()
     assert scrape(port)
-    deadline = time.monotonic() + 10
+    deadline = deadline_in(10)
     while proc.num_threads() > base + 2:
         assert time.monotonic() < deadline, proc.num_threads()
         time.sleep(0.1)
@@ -317,9 +318,9 @@ def test_outbox_senders_each_wait_their_own_timeout_not_each_others():
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=30)
+            t.join(timeout=scaled(30))
         assert len(waited) == 8
-        assert max(waited) < 1.5, sorted(round(w, 2) for w in waited)
+        assert max(waited) < scaled(1.5), sorted(round(w, 2) for w in waited)
     finally:
         outbox.close()
         ctx.term()

@@ -20,6 +20,7 @@ from ckpt_controller.controller.service import Controller
 from ckpt_controller.errors import UnreachableError
 from ckpt_controller.rpc import new_op_id
 from support.config import controller_toml
+from support.timing import deadline_in, scaled
 
 
 def _controller(tmp_path, *engines) -> Controller:
@@ -57,11 +58,11 @@ def test_a_restarted_agent_gets_a_fresh_subscription(tmp_path, spawn_engine):
     try:
         assert ctl.run(_op("cycle", "ln2"), 60).status == "succeeded"
         eng.proc.kill()
-        eng.proc.wait(10)
+        eng.proc.wait(scaled(10))
         eng2 = spawn_engine("ln2", weights_mib=4, kv_mib=1, step_s=0.05)
         eng2.submit("r", 30)  # 1.5 s of steps: longer than heartbeats may be missed (0.6 s)
         with AgentClient(eng2.control) as agent:  # admitted before the prepare goes out
-            deadline = time.monotonic() + 30
+            deadline = deadline_in(30)
             while agent.status().in_flight < 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
         result = ctl.run(_op("prepare", "ln2"), 60)
@@ -79,11 +80,12 @@ def test_a_dead_agents_parked_link_is_not_waited_on(tmp_path, spawn_engine):
     try:
         assert ctl.run(_op("cycle", "ln3"), 60).status == "succeeded"
         eng.proc.kill()
-        eng.proc.wait(10)
+        eng.proc.wait(scaled(10))
         start = time.monotonic()
         with pytest.raises(UnreachableError, match="no socket file|refused"):
             ctl.run(_op("cycle", "ln3"), 60)
-        assert time.monotonic() - start < 1.9  # refused at once, not after a probe's timeout
+        # refused at once, not after the probe's 2 s timeout
+        assert time.monotonic() - start < scaled(1.9, below=2.0)
     finally:
         ctl.close()
 
@@ -128,7 +130,7 @@ def test_the_controller_raises_its_open_files_limit_for_its_engines():
             "raise_open_files(3000); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
             "raise_open_files(100_000); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=scaled(60))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["3000", "4096"]  # as asked; then capped at the hard limit
     assert "hard limit" in out.stderr

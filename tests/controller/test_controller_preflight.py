@@ -13,10 +13,11 @@ import time
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.controller.journal import Journal
 from support.config import engines_toml
+from support.timing import deadline_in, scaled
 
 
 def _wait_state(control: str, state: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = deadline_in(timeout_s)
     with AgentClient(control) as agent:
         while agent.status().state != state:
             assert time.monotonic() < deadline, f"never {state}"
@@ -34,7 +35,7 @@ def _unsettled_and_dead(spawn_engine, ctl_of, name: str):
     t.start()
     _wait_state(eng.control, "preparing")
     eng.proc.kill()
-    t.join(60)
+    t.join(scaled(60))
     assert box["out"].returncode == 4, box["out"].stdout + box["out"].stderr
     return eng, ctl
 
@@ -111,7 +112,7 @@ def test_a_group_with_one_dead_engine_takes_none_out_of_service(spawn_controller
             start = time.monotonic()
             out = ctl.ckptctl(*args, "--json")
             assert out.returncode == 4, out.stdout + out.stderr
-            assert time.monotonic() - start < 10
+            assert time.monotonic() - start < scaled(10)
             err = json.loads(out.stdout)["error"]
             assert err["kind"] == "UnreachableError" and "ghost" in err["message"], err
             _untouched(agents)

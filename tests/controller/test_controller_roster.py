@@ -23,7 +23,7 @@ from ckpt_controller.rpc import new_op_id
 from ckpt_controller.vocab import DrainMode, ReleaseLevel
 from support.cli import ckptctl
 from support.config import controller_toml
-from support.timing import wait_until
+from support.timing import scaled, wait_until
 
 
 def _toml(tmp_path: Path, *engines) -> str:
@@ -154,7 +154,7 @@ def test_give_away_and_operations_race_status_polls(tmp_path, spawn_engine):
             racer = threading.Thread(target=lambda i=i: gave.append(_give_away(ctl, i)))
             if i % 2:  # the give_away first, or the operation first: both orders
                 racer.start()
-                racer.join(30)
+                racer.join(scaled(30))
             try:
                 ctl.start(_op("cycle", "b2"), lambda r: (box.append(r), done.set()))
                 started = True
@@ -163,9 +163,9 @@ def test_give_away_and_operations_race_status_polls(tmp_path, spawn_engine):
                 started = False
             if not i % 2:
                 racer.start()
-                racer.join(30)
+                racer.join(scaled(30))
             if started:
-                assert done.wait(60)
+                assert done.wait(scaled(60))
                 assert box[0].status == "succeeded", box
                 if gave == [False]:  # refused while held (or given away once it ended)
                     ctl.give_away("b2", op_id=f"out-{i}", to="elsewhere")
@@ -176,7 +176,7 @@ def test_give_away_and_operations_race_status_polls(tmp_path, spawn_engine):
     finally:
         stop.set()
         for t in pollers:
-            t.join(30)
+            t.join(scaled(30))
         ctl.close()
     assert not failures, failures
     assert {"b2:driven", "b2:moved"} <= set().union(*seen)

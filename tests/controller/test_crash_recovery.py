@@ -19,6 +19,7 @@ from ckpt_controller.engine.load import replay, run_load
 from ckpt_controller.errors import CkptError
 from support.config import engines_toml
 from support.hooks import write_hook
+from support.timing import scaled
 
 KILLS = 50
 
@@ -48,7 +49,7 @@ def test_fifty_random_controller_kills_reconcile_every_time(spawn_reference, spa
             time.sleep(rng.uniform(0.0, 1.0))
             seen[watcher.status().state] += 1
             ctl.kill9()
-            t.join(30)
+            t.join(scaled(30))
             ctl.start()
             recovered += ctl.info["recovered"]
             state = watcher.status()

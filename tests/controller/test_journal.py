@@ -8,6 +8,7 @@ import pytest
 
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.journal import Journal
+from support.timing import scaled
 
 
 def _done(j: Journal, op_id: str, engines: list[str]) -> None:
@@ -309,7 +310,7 @@ def test_a_burst_from_many_threads_shares_commits_and_keeps_every_record_in_orde
     for t in threads:
         t.start()
     for t in threads:
-        t.join(20)
+        t.join(scaled(20))
     assert not any(t.is_alive() for t in threads)  # nobody waited for the disk
     assert j.stats()["rows"] == 0
     holder.execute("ROLLBACK")
@@ -355,7 +356,7 @@ def test_a_read_sees_every_record_journaled_before_it(tmp_path):
         for t in threads:
             t.start()
         for t in threads:
-            t.join(30)
+            t.join(scaled(30))
         assert misses == []
         rec = j.record("capture", {"image_dir": "/x"}, engine="e9", op_id="op9")
         assert j.captures("e9") == [("op9", {"image_dir": "/x"})]
@@ -398,7 +399,7 @@ def _killed_at(tmp_path, script: str, *args: str, after: float = 0.0):
         time.sleep(after)
     finally:
         proc.kill()
-        proc.wait(10)
+        proc.wait(scaled(10))
         proc.stdout.close()
     return line
 

@@ -19,7 +19,7 @@ from support import ROOT
 from support.config import engines_toml
 from support.hooks import write_hook
 from support.prometheus_server import Prometheus, http_get, prometheus_tool
-from support.timing import wait_until
+from support.timing import scaled, wait_until
 
 ROOT_DEPLOY = ROOT / "deploy"
 RULES_DIR = ROOT_DEPLOY / "prometheus"
@@ -29,8 +29,8 @@ BUILTINS = {"$__rate_interval": "1m", "$__interval": "5s", "$__range": "5m"}
 
 
 def run(*args, cwd=RULES_DIR) -> subprocess.CompletedProcess:
-    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=120,
-                          cwd=cwd)
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True,
+                          timeout=scaled(120), cwd=cwd)
 
 
 def rule_exprs() -> list[str]:

@@ -14,6 +14,7 @@ from ckpt_controller.controller.client import ControllerClient
 from ckpt_controller.controller.config import parse_config
 from ckpt_controller.controller.server import ControllerServer
 from support.config import controller_toml
+from support.timing import deadline_in, scaled
 
 ENGINES = 40
 
@@ -81,7 +82,7 @@ def test_records_ride_with_the_reply_and_still_flow_while_an_operation_runs(ipc_
             self.release = threading.Event()
 
         def pause_scheduling(self) -> None:
-            assert self.release.wait(10)
+            assert self.release.wait(scaled(10))
 
     slow = SlowPause()
     agents = [Agent("q", control=f"ipc://{ipc_dir}/q.ctl", heartbeat_interval_s=0.5).start(),
@@ -126,7 +127,7 @@ def test_records_ride_with_the_reply_and_still_flow_while_an_operation_runs(ipc_
                 op._sock.send_multipart(p.command_frames(  # sent, its reply not awaited
                     p.RequestType.OPERATION, p.OperationCommand(
                         call_id=1, op_id="long", kind="prepare", engines=["s"])))
-                deadline = time.monotonic() + 10
+                deadline = deadline_in(10)
                 while not messages and time.monotonic() < deadline:
                     c.poll_events(0.01)
                 assert messages, "no record while the operation ran"
@@ -190,9 +191,9 @@ def test_a_subscriber_that_stops_reading_is_let_go(ipc_dir, monkeypatch, how):
         assert len(server._subscribers) == 1
         # about 60 MB in 1,500 events of 20 records each, for 6 s: far beyond what the
         # subscriber's zmq takes in (1,000 messages) and what the kernel buffers
-        start = time.monotonic()
+        start, window = time.monotonic(), scaled(6)
         sent = 0
-        while time.monotonic() - start < 6:
+        while time.monotonic() - start < window:
             if sent < 1500:
                 server.publish_gathered([_big_record(i) for i in range(20)],
                                         lambda recs: p.JournaledMany(records=recs))
@@ -204,7 +205,7 @@ def test_a_subscriber_that_stops_reading_is_let_go(ipc_dir, monkeypatch, how):
             assert len(server._subscribers) == 1, "a subscriber that reads was let go"
         else:
             assert not server._subscribers, "a subscriber that stopped reading is still kept"
-            assert time.monotonic() - start < 5.5
+            assert time.monotonic() - start < window - 0.5
     finally:
         child.kill()
         child.wait()

@@ -12,6 +12,7 @@ from pathlib import Path
 from ckpt_controller.procutil import ReadyProcess
 from support import ROOT
 from support.cli import CKPTCTL, ckptctl
+from support.timing import scaled
 
 
 def _config(folder: Path, name: str, extra: str = "", *, endpoint: str | None = None,
@@ -92,7 +93,7 @@ def test_values_the_running_system_refuses_are_refused_at_start(ipc_dir):
              for key, path in cases.items()}
     try:
         for key, proc in procs.items():
-            out, err = proc.communicate(timeout=60)
+            out, err = proc.communicate(timeout=scaled(60))
             assert proc.returncode == 2, (key, out, err)
             assert key.strip() in err and str(cases[key]) in err, (key, err)
             assert "Traceback" not in err and out == "", (key, err)

@@ -28,6 +28,7 @@ from ckpt_controller.errors import ConfigError, UnreachableError
 from ckpt_controller.security import CurveClient, CurveServer, generate
 from support.cli import CKPTCTL, ckptctl
 from support.net import ipc_connections, wait_connected
+from support.timing import scaled
 
 #: "within about a second", with room for a loaded machine
 PROMPT_S = 2.5
@@ -53,7 +54,7 @@ def _prompt(call) -> UnreachableError:
     with pytest.raises(UnreachableError) as info:
         call()
     took = time.monotonic() - start
-    assert took < PROMPT_S, f"took {took:.1f}s: {info.value}"
+    assert took < scaled(PROMPT_S, below=5.0), f"took {took:.1f}s: {info.value}"  # not a timeout
     reported = float(re.search(r"after ([0-9.]+)s", info.value.message).group(1))
     assert reported <= took + 0.1, (reported, took)  # never more than it waited...
     assert reported >= 0.3 * took - 0.1, (reported, took)  # ...nor a small part of it
@@ -94,11 +95,12 @@ def test_the_command_line_reports_a_missing_server_at_once(ipc_dir, argv, hint):
     ep = f"ipc://{ipc_dir}/gone.sock"
     start = time.monotonic()
     out = subprocess.run([*CKPTCTL, "--controller", ep] + [a.format(ep=ep) for a in argv],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     took = time.monotonic() - start
     assert out.returncode == 4, out.stdout + out.stderr
     assert "UnreachableError" in out.stderr and hint in out.stderr and "no socket file" in out.stderr
-    assert took < 8, f"took {took:.1f}s"  # the interpreter starts in about a second here
+    # the interpreter starts in about a second here; not the three 5 s attempts
+    assert took < scaled(8, below=3 * 5.0), f"took {took:.1f}s"
     if "--json" in argv:
         assert json.loads(out.stdout)["error"]["details"]["reason"] == "refused"
 
@@ -172,7 +174,7 @@ def test_a_refused_curve_client_is_told_within_5s(curve_agent):
                 with pytest.raises(UnreachableError) as info:
                     getattr(c, call)()
             took = time.monotonic() - start
-            assert took < 5, f"{what}/{call}: {took:.1f}s"
+            assert took < scaled(5, below=3 * 5.0), f"{what}/{call}: {took:.1f}s"
             assert info.value.details["reason"] == "handshake", (what, info.value)
             assert "CURVE" in str(info.value), info.value
     # the command line: exit 4, told why
@@ -180,7 +182,7 @@ def test_a_refused_curve_client_is_told_within_5s(curve_agent):
     out = ckptctl("agent", "status", "--control", agent.endpoint, "--curve-key",
                   str(pairs["stranger"][1]), "--curve-server-key", str(agent_pub))
     assert out.returncode == 4 and "refused this client's CURVE key" in out.stderr, out.stderr
-    assert time.monotonic() - start < 6
+    assert time.monotonic() - start < scaled(6, below=3 * 5.0)
 
 
 def test_a_peer_that_accepted_but_never_answers_gets_the_retries_and_the_real_time(ipc_dir):
@@ -224,7 +226,7 @@ def test_a_request_with_no_connection_to_queue_on_is_not_waited_on_forever(ipc_d
             with pytest.raises(UnreachableError) as info:
                 c.status()
             took = time.monotonic() - start
-        assert took < 5, took
+        assert took < scaled(5), took
         assert info.value.details["attempts"] == 2
     finally:
         listener.close()
@@ -254,14 +256,14 @@ def test_one_process_opens_clients_to_a_thousand_engines_at_once(ipc_dir):
     if files < 4 * 1000:
         pytest.skip(f"the hard limit on open files ({hard}) is below 4,000")
     run = subprocess.run([sys.executable, "-c", HOLD_CLIENTS, str(ipc_dir), "1000", str(files)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert run.returncode == 0 and run.stdout.split() == ["1000"], run.stderr[-2000:]
 
 
 def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, float]:
     start = time.monotonic()
     try:
-        _, err = proc.communicate(timeout=timeout_s)
+        _, err = proc.communicate(timeout=scaled(timeout_s))
     except subprocess.TimeoutExpired:
         proc.kill()
         _, err = proc.communicate()
@@ -283,7 +285,7 @@ def test_watch_exits_4_when_the_controller_is_killed(ipc_dir, spawn_controller, 
     code, err, took = _wait_exit(watch, 20)
     assert code == 4, err
     assert "lost contact" in err and ctl.endpoint in err, err
-    assert took < 10, took
+    assert took < scaled(10), took
 
 
 def test_agent_watch_exits_4_when_the_agent_is_gone(ipc_dir):
@@ -301,4 +303,4 @@ def test_agent_watch_exits_4_when_the_agent_is_gone(ipc_dir):
         agent.close()
     code, err, took = _wait_exit(watch, 20)
     assert code == 4 and "lost contact" in err, err
-    assert took < 10, took
+    assert took < scaled(10), took

@@ -31,6 +31,7 @@ from ckpt_controller.lifecycle import (
 from ckpt_controller.vocab import CheckpointState, Trigger
 from support import ROOT
 from support.cli import ckptctl
+from support.timing import scaled
 
 S, T = CheckpointState, Trigger
 
@@ -365,7 +366,7 @@ def test_the_diagrams_extension_loads_for_the_mermaid_form_alone():
             "print(sorted(m for m in sys.modules if m.startswith(('transitions', 'graphviz',"
             " 'pygraphviz'))))")
     run = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
-                         text=True, timeout=60, cwd=ROOT)
+                         text=True, timeout=scaled(60), cwd=ROOT)
     assert run.returncode == 0 and run.stderr == "", run.stderr
     before, after = (set(ast.literal_eval(line)) for line in run.stdout.splitlines())
     assert not [m for m in before if m.startswith("transitions.extensions")]

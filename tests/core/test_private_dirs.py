@@ -15,14 +15,15 @@ from ckpt_controller.errors import ConfigError
 from ckpt_controller.security import private_dir
 from support import ROOT
 from support.cli import CKPTCTL
+from support.timing import scaled
 
 
 def serve(tmp_path: Path, **dirs: Path) -> subprocess.CompletedProcess:
     lines = "".join(f'{key} = "{path}"\n' for key, path in dirs.items())
     config = tmp_path / "controller.toml"
     config.write_text(f'[controller]\nendpoint = "ipc://{tmp_path}/ctl.sock"\n{lines}')
-    return subprocess.run([*CKPTCTL, "serve", "--config",
-                           str(config)], capture_output=True, text=True, timeout=20, cwd=ROOT,
+    return subprocess.run([*CKPTCTL, "serve", "--config", str(config)], capture_output=True,
+                          text=True, timeout=scaled(20), cwd=ROOT,
                           stdin=subprocess.DEVNULL)  # a controller that starts: TimeoutExpired
 
 

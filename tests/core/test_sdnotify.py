@@ -28,7 +28,7 @@ from ckpt_controller.sdnotify import (
 )
 from support import ROOT
 from support.cli import CKPTCTL
-from support.timing import wait_until
+from support.timing import deadline_in, scaled, wait_until
 from support.vllm import STANDIN_SERVER
 
 #: WATCHDOG_USEC for the tests: a ping every 0.5 s
@@ -60,7 +60,7 @@ class NotifySocket:
         return got
 
     def wait_for(self, key: str, timeout_s: float = 60.0) -> dict[str, str]:
-        end = time.monotonic() + timeout_s
+        end = deadline_in(timeout_s)
         while time.monotonic() < end:
             for msg in self.read(min(0.2, end - time.monotonic())):
                 if key in msg:
@@ -239,7 +239,7 @@ def _stop_cont_and_term(proc: subprocess.Popen, notify: NotifySocket) -> None:
     wait_until(lambda: notify.pings(0.6), 10, "pings after SIGCONT")
     proc.terminate()
     assert notify.wait_for("STOPPING", 20)["STOPPING"] == "1"
-    assert proc.wait(timeout=30) == 0
+    assert proc.wait(timeout=scaled(30)) == 0
 
 
 def _ready_then_answer(proc: subprocess.Popen, notify: NotifySocket, answer) -> dict:
@@ -323,7 +323,7 @@ def test_no_ready_while_vllm_does_not_answer(notify, ipc_dir):
         port = free.getsockname()[1]
     out = subprocess.run([*CKPTCTL, "agent", "vllm", "--url",
                           f"http://127.0.0.1:{port}", "--control", f"ipc://{ipc_dir}/s.sock"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         cwd=ROOT, capture_output=True, text=True, timeout=scaled(60),
                          env=_env(ipc_dir / "notify.sock"))
     assert out.returncode == 4, out.stderr
     assert not any("READY" in m for m in notify.read(0.2))
@@ -349,7 +349,7 @@ def test_ckptctl_engine_serve_notifies_systemd(notify, ipc_dir, model_dir):
         wait_until(lambda: notify.pings(0.6), 10, "watchdog pings")
         proc.terminate()
         assert notify.wait_for("STOPPING", 20)["STOPPING"] == "1"
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=scaled(30)) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

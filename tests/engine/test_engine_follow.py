@@ -29,7 +29,7 @@ from ckpt_controller.fleet.registry import Resolver
 from support.cli import ckptctl
 from support.config import node_toml
 from support.processes import ControllerProcess
-from support.timing import wait_until
+from support.timing import deadline_in, wait_until
 
 
 @pytest.fixture
@@ -64,7 +64,7 @@ def _add(sock: zmq.Socket, rid: str, prompt: list[int], max_tokens: int,
 
 def _read(sock: zmq.Socket, outs: dict[str, list], until, timeout_s: float = 60.0) -> None:
     """Take outputs into ``outs`` (request id -> outputs in order) until ``until(outs)``."""
-    deadline = time.monotonic() + timeout_s
+    deadline = deadline_in(timeout_s)
     while not until(outs):
         assert time.monotonic() < deadline, "the outputs waited for never came"
         if sock.poll(100):
@@ -208,7 +208,7 @@ def test_move_to_follows_an_engine_restarted_on_another_port(spawn_reference, en
         assert after.info["api"] != before.info["api"]
         assert sorted(c.move_to(after.info["api"])) == sorted(ids)
         assert c.identity == identity and c.endpoint == after.info["api"]
-        deadline = time.monotonic() + 120
+        deadline = deadline_in(120)
         while not all(c.requests[i].ended for i in ids):
             assert time.monotonic() < deadline, "requests never ended after the move"
             c.poll(0.2)
@@ -291,7 +291,7 @@ def test_a_client_follows_an_engine_through_the_registry(etcd, engine, spawn_ref
             c.poll(0.1)
         assert ctl.prepare(drain="keep", level=2).drain.kept == len(ids)
         _record(etcd, "llama-f", {"api": other.api, "control": other.control}, node="n2")
-        deadline = time.monotonic() + 120
+        deadline = deadline_in(120)
         while not all(c.requests[i].ended for i in ids):
             assert time.monotonic() < deadline, "requests never ended after the move"
             c.poll(0.2)

@@ -20,6 +20,7 @@ from ckpt_controller.engine.model import (
 )
 from ckpt_controller.engine.scheduler import Request, Scheduler
 from ckpt_controller.errors import ConfigError
+from support.timing import deadline_in, scaled
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +223,7 @@ def test_a_failed_step_ends_requests_with_error_and_the_loop_goes_on(tiny):
     loop.start()
     try:
         sched.submit(lambda: sched.add(Request("x", [1, 2], 10, None, 0.0, b""))).result(5)
-        deadline = time.monotonic() + 10
+        deadline = deadline_in(10)
         while "x" not in rec.finished and time.monotonic() < deadline:
             time.sleep(0.01)
         assert rec.finished["x"] == "error"
@@ -234,7 +235,7 @@ def test_a_failed_step_ends_requests_with_error_and_the_loop_goes_on(tiny):
         assert sched.submit(lambda: 41 + 1).result(5) == 42
     finally:
         stop.set()
-        loop.join(5)
+        loop.join(scaled(5))
 
 
 def test_golden_mismatch_fails_the_restore(tmp_path, ipc_dir):

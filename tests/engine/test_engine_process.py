@@ -17,6 +17,7 @@ from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.engine.load import replay, run_load
 from ckpt_controller.errors import RejectedError, UsageError
 from support.cli import CKPTCTL, ckptctl
+from support.timing import deadline_in, scaled
 
 MIB = 1 << 20
 
@@ -56,7 +57,7 @@ def test_concurrent_requests_decode_together(tiny, clients):
     eng = tiny
     client = clients(EngineClient, eng.api)
     ids = [client.submit([7, i, 3], 60) for i in range(6)]
-    deadline = time.monotonic() + 60
+    deadline = deadline_in(60)
     while not all(client.requests[i].ended for i in ids) and time.monotonic() < deadline:
         client.poll(0.05)
     done = [client.requests[i] for i in ids]
@@ -136,7 +137,7 @@ def test_cycle_under_load_loses_nothing(tiny, uncycled, clients, mode):
     # arriving (the load's own, of 16 to 128 tokens, could all have ended by then)
     own = clients(EngineClient, eng.api)
     mine = [own.submit([7, i, 3], 1000) for i in range(3)]
-    deadline = time.monotonic() + 30
+    deadline = deadline_in(30)
     while not all(own.requests[r].first_token_at is not None for r in mine):
         assert time.monotonic() < deadline, "the test's own requests never decoded"
         own.poll(0.02)
@@ -149,7 +150,7 @@ def test_cycle_under_load_loses_nothing(tiny, uncycled, clients, mode):
     time.sleep(0.3)
     restore_at = time.monotonic()
     ctl.restore()
-    load.join(90)
+    load.join(scaled(90))
     while not all(own.requests[r].ended for r in mine):
         assert time.monotonic() < deadline + 90, "the test's own requests never ended"
         own.poll(0.1)
@@ -199,7 +200,7 @@ def test_rejection_is_immediate_and_retryable(tiny, clients):
     start = time.monotonic()
     with pytest.raises(RejectedError) as info:
         c.generate([1, 2], 5)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < scaled(1.0)
     assert info.value.retryable and info.value.details["state"] == "prepared"
     assert info.value.details["retry_after_s"] > 0
     ctl.restore()
@@ -310,7 +311,7 @@ def test_client_abort_ends_a_request_with_its_partial_output(tiny, clients):
     while len(c.requests[rid].token_ids) < 5:
         c.poll(0.1)
     c.abort([rid])
-    deadline = time.monotonic() + 10
+    deadline = deadline_in(10)
     while not c.requests[rid].ended and time.monotonic() < deadline:
         c.poll(0.1)
     done = c.requests[rid]
@@ -329,7 +330,7 @@ def test_two_keep_cycles_in_a_row_keep_outputs_exact(tiny, clients):
     ids = [c.submit(pr, 900) for pr in prompts]
     # all six admitted (not a fixed sleep: on a busy machine some could still be unread, and
     # be rejected by the prepare instead of kept)
-    deadline = time.monotonic() + 30
+    deadline = deadline_in(30)
     while ctl.status().in_flight < 6:
         assert time.monotonic() < deadline, "six requests never in flight"
         time.sleep(0.02)
@@ -338,7 +339,7 @@ def test_two_keep_cycles_in_a_row_keep_outputs_exact(tiny, clients):
     second = ctl.prepare(drain="keep", level=2)
     ctl.restore()
     assert first.drain.kept == 6 and second.drain.in_flight_at_start == second.drain.kept > 0
-    deadline = time.monotonic() + 60
+    deadline = deadline_in(60)
     while not all(c.requests[i].ended for i in ids) and time.monotonic() < deadline:
         c.poll(0.2)
     again = [c.submit(pr, 900) for pr in prompts]  # the same six, straight through
@@ -356,7 +357,7 @@ def test_a_client_that_reads_late_still_gets_every_end(tiny, clients):
     client = clients(EngineClient, eng.api)
     ids = [client.submit([9, i], 900) for i in range(16)]  # 14,400 outputs
     with AgentClient(eng.control) as agent:
-        deadline = time.monotonic() + 120
+        deadline = deadline_in(120)
         # all sixteen admitted first (a fixed 0.5 s could pass before the engine read them,
         # and the wait below then ended at once, with nothing piled up)
         while agent.status().in_flight < 16:
@@ -394,7 +395,7 @@ def test_an_api_endpoint_it_cannot_bind_ends_serve_with_the_typed_error(ipc_dir,
         for i, api in enumerate(cases)}  # together: each loads torch
     try:
         for api, (kind, code, why) in cases.items():
-            out, err = runs[api].communicate(timeout=120)
+            out, err = runs[api].communicate(timeout=scaled(120))
             assert runs[api].returncode == code, err
             assert f"ckptctl: {kind}: " in err and why in err, err
             assert f"(endpoint='{api}')" in err and "Traceback" not in err, err

@@ -20,7 +20,7 @@ from support import ROOT, etcd_cluster
 from support.cli import CKPTCTL, ckptctl
 from support.config import engines_toml, node_toml
 from support.processes import ControllerProcess, stop_all
-from support.timing import wait_until
+from support.timing import scaled, wait_until
 
 pytestmark = pytest.mark.fleet
 
@@ -108,7 +108,7 @@ def test_a_node_registers_and_its_engines_follow_their_state(etcd, agents, nodes
     ended = time.monotonic()
     got = wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("fa", {}).get("state")
                      == "prepared", timeout_s=5, what="fa PREPARED in etcd")
-    assert got and time.monotonic() - ended < 1.5
+    assert got and time.monotonic() - ended < scaled(1.5)
     rec = engines_of(fleet_json(etcd)[1])["fa"]
     assert rec["last_op"] == "fleet-p1" and rec["holder"] is None and rec["age_s"] >= 0
     assert rec["since_at"].endswith("Z") and rec["since_at_unix"] > 0
@@ -138,7 +138,7 @@ def test_a_node_killed_is_shown_down_within_its_lease_and_returns(etcd, agents, 
     killed = time.monotonic()
     wait_until(lambda: fleet_json(etcd)[1]["nodes"] == [], timeout_s=10,
                what="the node's record gone with its lease")
-    assert time.monotonic() - killed < 2 + 3.0  # the TTL, etcd's rounding, a busy machine
+    assert time.monotonic() - killed < scaled(2 + 3.0)  # the TTL, etcd's rounding
     rc, doc = fleet_json(etcd)
     rec = engines_of(doc)["ka"]
     assert rc == 4 and not rec["node_up"] and rec["state"] == "running"  # the last known
@@ -157,7 +157,7 @@ def test_a_node_stopped_cleanly_leaves_the_fleet_at_once(etcd, agents, nodes):
     ctl = nodes("n1", node_toml(etcd, "n1", [a], ttl=30))
     wait_until(lambda: fleet_json(etcd)[1]["nodes"], what="registered")
     ctl.proc.terminate()
-    ctl.proc.wait(timeout=20)
+    ctl.proc.wait(timeout=scaled(20))
     # a lease of 30 s: gone at once only because the controller revoked it
     assert fleet_json(etcd)[1]["nodes"] == []
     assert not engines_of(fleet_json(etcd)[1])["sa"]["node_up"]
@@ -194,7 +194,7 @@ def test_etcd_lost_the_node_serves_on_and_registers_again(etcd, agents, nodes):
     rc, _ = fleet_json(etcd)
     r = ckptctl("--etcd", etcd.urls[0], "fleet", "status")
     assert rc == 4 and r.returncode == 4 and "etcd is unavailable" in r.stderr
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < scaled(10)
     for _ in range(2):
         r = ctl.ckptctl("cycle", "la", "--json")
         assert r.returncode == 0, r.stderr
@@ -257,7 +257,7 @@ s.close()
 print(sorted(m for m in sys.modules if m.startswith(("ckpt_controller.fleet", "etcd3gw", "requests"))))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=60, cwd=ROOT)
+                       timeout=scaled(60), cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
 
@@ -358,7 +358,7 @@ def test_one_operation_per_engine_across_the_fleet(etcd, agents, nodes):
         part = json.loads(r.stdout)["parts"][0]
         assert part["status"] == "failed" and "held by operation local-1" in part["error"]
     finally:
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=scaled(30)) == 0
     with etcd.client() as c:
         assert c.get(Keys("/ckpt").lock("slow")) is None  # freed at the end
 
@@ -420,7 +420,7 @@ def test_the_operation_outlives_the_command_that_started_it(etcd, ipc_dir, nodes
         said = second.stderr.readline()  # following it now (its first line)
         assert said.startswith("fleet cycle outlive:"), said
         second.send_signal(signal.SIGINT)  # Ctrl-C: the command ends, the operation does not
-        out, err = second.communicate(timeout=30)
+        out, err = second.communicate(timeout=scaled(30))
         assert second.returncode == 130 and "goes on" in err
         r = fleet(etcd, "cycle", "--all", "--op-id", "outlive", "--json")
         assert r.returncode == 0, r.stdout + r.stderr
@@ -470,14 +470,14 @@ def test_the_coordinator_killed_mid_operation_another_finishes_it(etcd, ipc_dir,
                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True)
         wait_until(lambda: coordinator_of(etcd) == "c1", timeout_s=10, what="c1 took over")
-        assert time.monotonic() - killed < 2 + 3.0  # within the lease's TTL (a busy machine)
-        w_out, w_err = watch.communicate(timeout=60)
+        assert time.monotonic() - killed < scaled(2 + 3.0)  # within the lease's TTL
+        w_out, w_err = watch.communicate(timeout=scaled(60))
         assert watch.returncode == 0, w_out + w_err
         lines = [json.loads(line) for line in w_out.splitlines()]
         assert lines[-1]["op"]["status"] == "succeeded"
         ends = {x["part"]["engine"] for x in lines[:-1] if x["part"]["status"] == "succeeded"}
         assert ends == {"w0", "w1", "w2", "w3"}
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=scaled(60))
         assert proc.returncode == 0, out + err
         assert [p["status"] for p in json.loads(out)["parts"]] == ["succeeded"] * 4
         assert shared["pauses"] == {f"w{i}": 1 for i in range(4)}  # none ran twice
@@ -507,7 +507,7 @@ def test_a_node_killed_mid_operation_its_part_is_lost_and_it_converges(etcd, ipc
         wait_until(lambda: shared["now"] == 1, what="b0's part running on n2")
         os.kill(n2.pid, signal.SIGKILL)
         n2.proc.wait()
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=scaled(60))
         assert proc.returncode == 4, out + err  # a part lost: the node is unreachable
         parts = {p["engine"]: p for p in json.loads(out)["parts"]}
         assert parts["b0"]["status"] == "lost" and "n2 was lost" in parts["b0"]["error"]
@@ -541,7 +541,7 @@ def test_two_fleet_operations_at_once_share_the_limit(etcd, agents, nodes):
                                "--max-unavailable", "2"], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for pool in ("a", "b")]
     for proc in procs:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=scaled(120))
         assert proc.returncode == 0, out + err
     assert shared["most"] == 2  # two operations of limit 2: never more than two out at once
 
@@ -580,9 +580,9 @@ def test_the_coordinator_killed_at_twenty_random_moments(etcd, ipc_dir, nodes):
                 other = "c1" if victim == "c0" else "c0"
                 wait_until(lambda: coordinator_of(etcd) == other, timeout_s=10,
                            what=f"{other} took over (kill {kills})")
-                assert time.monotonic() - killed < 2 + 3.0
+                assert time.monotonic() - killed < scaled(2 + 3.0)
                 coords[victim] = nodes(victim, node_toml(etcd, victim))
-            out, err = proc.communicate(timeout=120)
+            out, err = proc.communicate(timeout=scaled(120))
             assert proc.returncode == 0, out + err
             parts = json.loads(out)["parts"]
             assert [p["status"] for p in parts] == ["succeeded"] * 6
@@ -621,12 +621,12 @@ def test_quorum_lost_mid_operation_local_work_goes_on_and_the_fleet_resumes(tmp_
         # the fleet pauses: commands fail fast, exit 4; the node's own operations go on
         t0 = time.monotonic()
         rc, _ = fleet_json(cluster)
-        assert rc == 4 and time.monotonic() - t0 < 3 * 1.5 + 3
+        assert rc == 4 and time.monotonic() - t0 < scaled(3 * 1.5 + 3)
         r = ctl.ckptctl("cycle", "q2", "--json")
         assert r.returncode == 0, r.stderr
         assert shared["pauses"] == {"q0": 1, "q2": 1}  # q1 not started while etcd is away
         # the command that was following it says so and ends; the operation does not
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=scaled(30))
         assert proc.returncode == 4 and "goes on when etcd is back" in err, out + err
         cluster.start(1)
         cluster.start(2)
@@ -675,7 +675,7 @@ def test_reference_engines_under_load_cycled_by_the_fleet_lose_nothing(etcd, nod
     assert r.returncode == 0, r.stdout + r.stderr
     assert [p["state"] for p in json.loads(r.stdout)["parts"]] == ["running", "running"]
     for t in loads:
-        t.join(120)
+        t.join(scaled(120))
     for eng, seed in zip(engines, (21, 22)):
         report, requests = results[eng.name]
         assert report.sent >= 30 and report.lost == 0, report

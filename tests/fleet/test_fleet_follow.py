@@ -8,6 +8,7 @@ import pytest
 
 from ckpt_controller.fleet import ops
 from ckpt_controller.fleet.records import FleetOp
+from support.timing import deadline_in, scaled
 
 
 @pytest.mark.fleet
@@ -39,7 +40,7 @@ def test_following_outlasts_an_etcd_that_stops_answering_for_a_while(etcd, capsy
         proc.send_signal(signal.SIGSTOP)
         try:
             t.start()
-            deadline = time.monotonic() + 30
+            deadline = deadline_in(30)
             while "etcd did not answer" not in capsys.readouterr().err:
                 assert time.monotonic() < deadline, "the command never said etcd was silent"
                 time.sleep(0.05)
@@ -52,7 +53,7 @@ def test_following_outlasts_an_etcd_that_stops_answering_for_a_while(etcd, capsy
                 part, status="succeeded", state="running", ended=time.time())))
             w.put(keys.op("op-9"), encode(msgspec.structs.replace(
                 op, status="succeeded", ended=time.time())))
-        t.join(30)
+        t.join(scaled(30))
         assert not t.is_alive()
         ended, parts = box[0]
         assert ended.status == "succeeded" and parts[0].status == "succeeded"
@@ -65,6 +66,6 @@ def test_following_outlasts_an_etcd_that_stops_answering_for_a_while(etcd, capsy
             t0 = time.monotonic()
             with pytest.raises(UnreachableError):
                 patient.read(lambda: ops.read_op(c, keys, "op-9"))
-            assert 1.0 <= time.monotonic() - t0 < 10
+            assert 1.0 <= time.monotonic() - t0 < scaled(10)
         finally:
             proc.send_signal(signal.SIGCONT)

@@ -28,7 +28,7 @@ from support.criu import migration_missing, required
 from support.hooks import link_hook, write_hook
 from support.netns_util import Namespaces, run_tag
 from support.processes import ControllerProcess, kill_naming, stop_all
-from support.timing import wait_until
+from support.timing import deadline_in, scaled, wait_until
 
 pytestmark = pytest.mark.fleet
 
@@ -267,13 +267,13 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    cwd=ROOT)
             load: list[str] = []
-            deadline = time.monotonic() + 240
+            deadline = deadline_in(240)
             while (mig.poll() is None or not all(client.requests[i].ended for i in kept)) \
                     and time.monotonic() < deadline:
                 if len(load) < 40:
                     load.append(client.submit([9, 9, len(load) % 50 + 1], 20))
                 client.poll(0.05)
-            out, err = mig.communicate(timeout=10)
+            out, err = mig.communicate(timeout=scaled(10))
             assert mig.returncode == 0, out + err
             doc = json.loads(out)
             assert doc["migration"]["outcome"] == "moved", doc
@@ -294,7 +294,7 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
             assert done and all(c.finish_reason == "length" for c in done)
             refused = [client.requests[i].rejected for i in load
                        if client.requests[i].rejected is not None]
-            out, err = load_cli.communicate(timeout=120)
+            out, err = load_cli.communicate(timeout=scaled(120))
             report = json.loads(out)
             assert report["lost"] == 0 and report["errored"] == 0, out + err
             assert report["completed"] > 0 and report["sent"] == 200, report
@@ -353,10 +353,10 @@ class Moving:
     def ended(self, rc: int, outcome: str, timeout_s: float = 240) -> dict:
         """The migration's end: its exit code and outcome as expected (the client polled
         meanwhile, so it follows the engine wherever it goes)."""
-        deadline = time.monotonic() + timeout_s
+        deadline = deadline_in(timeout_s)
         while self.mig.poll() is None and time.monotonic() < deadline:
             self.client.poll(0.05)
-        out, err = self.mig.communicate(timeout=10)
+        out, err = self.mig.communicate(timeout=scaled(10))
         assert self.mig.returncode == rc, out + err
         doc = json.loads(out)
         assert doc["migration"]["outcome"] == outcome, doc

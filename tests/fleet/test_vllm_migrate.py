@@ -23,15 +23,16 @@ from pathlib import Path
 import psutil
 import pytest
 
+from test_migration import Pair, net_of
+
 from support import ROOT
 from support.cli import CKPTCTL, ckptctl
 from support.config import engines_toml
 from support.criu import migration_missing
 from support.processes import pids_naming
-from support.timing import wait_until
-from support.vllm import (AMX_PERMISSION, NO_VLLM, STANDIN_SERVER, VLLM_CPU, VLLM_CPU_ENV,
-                          VLLM_PY, make_tiny_llama)
-from test_migration import Pair, net_of
+from support.timing import scaled, wait_until
+from support.vllm import (AMX_PERMISSION, NO_VLLM, STANDIN_SERVER, VLLM_CPU, VLLM_CPU_ENV, VLLM_PY,
+                          make_tiny_llama)
 
 URING = Path("/proc/sys/kernel/io_uring_disabled")
 HTTP_PORT, CONTROL_PORT = 7721, 7722
@@ -174,7 +175,7 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
         for s in first:
             s.start()
         for s in first:
-            s.join(300)
+            s.join(scaled(300))
         assert all(s.error is None for s in first), [s.error for s in first]
         want = {s.prompt: s.text for s in first}
 
@@ -197,7 +198,7 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
                            every_s=0.05, what="n1 at its pre-prepare hooks, or the command ended")
             except AssertionError as exc:  # policy: the command's own words say why
                 mig.kill()
-                out, err = mig.communicate(timeout=30)
+                out, err = mig.communicate(timeout=scaled(30))
                 raise AssertionError(f"{exc}; fleet migrate so far:\n{out}\n{err}") from None
             if held.exists():
                 break
@@ -205,7 +206,7 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
             # submit (exit 4, the operation perhaps recorded), or n1's last look did not
             # reach the sidecar (exit 4); the same --op-id goes on once the registry says
             # RUNNING again
-            out, err = mig.communicate(timeout=30)
+            out, err = mig.communicate(timeout=scaled(30))
             print(f"fleet migrate ended early: exit {mig.returncode}\n{out}\n{err}")
             assert mig.returncode == 4, out + err
             wait_until(lambda: pair.running_on("n1", "v0"), timeout_s=60, every_s=0.2,
@@ -223,7 +224,7 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
                    what="the four completions' connections to n1")
         assert all(s.is_alive() for s in senders), [(s.text, s.error) for s in senders]
         pair.go("n1", "pre-prepare")
-        out, err = mig.communicate(timeout=400)
+        out, err = mig.communicate(timeout=scaled(400))
         rc = mig.returncode
         for _ in range(5):
             # etcd on this machine may starve while vLLM generates on both CPUs: the command
@@ -238,7 +239,7 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
         doc = json.loads(out)
         assert doc["migration"]["outcome"] == "moved", doc
         for s in senders:
-            s.join(300)
+            s.join(scaled(300))
         n2_url = f"http://{pair.addr['n2']}:{HTTP_PORT}"
         for s in senders:
             print(f"client {s.prompt!r}: broken {s.client.broken}; moves {s.client.moves}")
@@ -251,7 +252,7 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
         assert {s.prompt: s.text for s in senders} == want
         # a client that starts now finds the engine at n2 and gets the same answer
         late = Sender(pair.url, PROMPTS[0], TOKENS)
-        late.join(300)
+        late.join(scaled(300))
         assert late.error is None and late.text == want[PROMPTS[0]]
         assert late.client.http.url == n2_url and not late.client.broken
 
@@ -314,7 +315,7 @@ def test_the_launcher_is_its_engines_init(tmp_path):
         launcher.send_signal(signal.SIGTERM)
         wait_until(lambda: not any(p.is_running() and p.status() != "zombie" for p in tree),
                    timeout_s=30, what="the tree ended")
-        assert eng.proc.wait(10) == 0
+        assert eng.proc.wait(scaled(10)) == 0
     finally:
         for proc in tree:  # a failure above must not leave a stopped tree behind
             for sig in (signal.SIGCONT, signal.SIGKILL):
@@ -344,7 +345,7 @@ def test_a_stop_signal_while_the_launcher_starts_ends_what_it_started(tmp_path):
         proc = psutil.Process(launcher.pid)
         child += wait_until(lambda: proc.children(), what="vLLM started")
         launcher.send_signal(signal.SIGTERM)
-        out, err = launcher.communicate(timeout=30)
+        out, err = launcher.communicate(timeout=scaled(30))
         assert launcher.returncode > 0, (launcher.returncode, err)  # handled, not killed
         assert "SIGTERM before vLLM served" in err, err
         wait_until(lambda: not child[0].is_running() or child[0].status() == "zombie",

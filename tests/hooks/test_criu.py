@@ -27,6 +27,7 @@ from support.config import engines_toml
 from support.criu import CRIU, criu_missing, required
 from support.hooks import link_hook
 from support.processes import kill_naming, pids_naming
+from support.timing import deadline_in, scaled
 
 # CI sets CKPT_REQUIRE_CRIU=1: where CRIU can be installed, a CRIU test that would skip fails
 _reason = required(criu_missing(), "the CRIU tests")
@@ -79,7 +80,7 @@ def test_cycle_with_a_real_dump_keeps_serving(spawn_reference, spawn_controller)
         images = ctl.dir / "state" / "images" / "crl"
         assert (images / "dump1" / "inventory.img").exists()
         assert (images / "latest").resolve() == (images / "dump1").resolve()
-        deadline = time.monotonic() + 60
+        deadline = deadline_in(60)
         while not all(api.requests[i].ended for i in ids) and time.monotonic() < deadline:
             api.poll(0.2)
         assert [api.requests[i].token_ids for i in ids] == \
@@ -123,7 +124,7 @@ def _stop_and_restore(eng, spawn_controller) -> None:
         assert ctl.ckptctl("prepare", "crs").returncode == 0
         out = ctl.ckptctl("capture", "crs", "--json")
         assert out.returncode == 0, out.stdout + out.stderr
-        eng.proc.wait(timeout=10)  # the dump ended it; reaped, its PID is free for the restore
+        eng.proc.wait(timeout=scaled(10))  # the dump ended it; reaped, its PID is free again
         out = ctl.ckptctl("restore", "crs", "--json")
         assert out.returncode == 0, out.stdout + out.stderr
         (o,) = json.loads(out.stdout)["engines"]
@@ -132,7 +133,7 @@ def _stop_and_restore(eng, spawn_controller) -> None:
             st = agent.status()
         assert st.restored_from_image and st.incarnation >= 1 and st.pid == eng.pid
         assert api.generate([5, 6, 7], 40).token_ids == want
-        deadline = time.monotonic() + 60
+        deadline = deadline_in(60)
         while not api.requests[kept].ended and time.monotonic() < deadline:
             api.poll(0.2)
         assert api.requests[kept].finish_reason == "length"
@@ -143,7 +144,7 @@ def test_restore_hook_without_an_image_says_so(tmp_path):
     env = dict(os.environ, CKPT_ENGINE_PID="999999999", CKPT_IMAGE_DIR=str(tmp_path),
                CKPT_CRIU=CRIU)
     out = subprocess.run([str(ROOT / "hooks" / "criu-restore")], env=env, capture_output=True,
-                         text=True, timeout=30)
+                         text=True, timeout=scaled(30))
     assert out.returncode == 2 and "no CRIU image" in out.stderr
     shutil.rmtree(tmp_path, ignore_errors=True)
 
@@ -165,8 +166,8 @@ def test_restore_waits_until_the_dumped_engines_pids_are_free(spawn_reference):
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(1.5)
         assert restore.poll() is None  # still waiting for the PID
-        eng.proc.wait(timeout=10)
-        stdout, stderr = restore.communicate(timeout=120)
+        eng.proc.wait(timeout=scaled(10))
+        stdout, stderr = restore.communicate(timeout=scaled(120))
         assert restore.returncode == 0, stderr
         assert time.monotonic() - start >= 1.5 and "restored the engine" in stdout
         with AgentClient(eng.control) as agent:
@@ -200,10 +201,10 @@ def test_under_load_dump_kill_restore_loses_nothing(spawn_reference, spawn_contr
         out = ctl.ckptctl("prepare", eng.name)
         assert out.returncode == 0, out.stderr
         assert ctl.ckptctl("capture", eng.name).returncode == 0
-        eng.proc.wait(timeout=10)  # the dump stopped it
+        eng.proc.wait(timeout=scaled(10))  # the dump stopped it
         out = ctl.ckptctl("restore", eng.name, "--json")
         assert out.returncode == 0, out.stdout + out.stderr
-        load.join(120)
+        load.join(scaled(120))
         report, requests = box["report"], box["requests"]
         assert report.lost == 0 and report.sent >= 100, report
         # drain keep: nothing aborted; what was not turned away while not RUNNING completed
@@ -263,7 +264,7 @@ def test_leave_running_then_a_copy_in_its_own_pid_namespace(ipc_dir, model_dir):
         env = dump_directly(engine_pid, images)
         env.update(CKPT_ACTION="pre-restore", CKPT_RESTORE_FROM=str(images), CKPT_CRIU_BESIDE="1")
         out = subprocess.run([str(ROOT / "hooks" / "criu-restore")], env=env, capture_output=True,
-                             text=True, timeout=120)
+                             text=True, timeout=scaled(120))
         assert out.returncode == 0, out.stderr
         copies = pids_naming(control) - {original.pid}  # not `unshare` itself
         assert engine_pid in copies and len(copies) == 2  # the original and its copy
@@ -289,7 +290,7 @@ def _stopped_engine_image(eng, images: Path, monkeypatch) -> tuple[dict[str, str
         agent.prepare(level=2)
     monkeypatch.setenv("CKPT_CRIU_MODE", "stop")
     env = dump_directly(eng.pid, images)
-    eng.proc.wait(timeout=10)
+    eng.proc.wait(timeout=scaled(10))
     pages = max(images.glob("pages-*.img"), key=lambda f: f.stat().st_size)
     intact = images.parent / f"{images.name}-{pages.name}"
     shutil.copyfile(pages, intact)
@@ -316,7 +317,7 @@ def _left_behind(eng) -> list[str]:
 
 def _restore_serves(eng, env) -> None:
     out = subprocess.run([str(ROOT / "hooks" / "criu-restore")], env=env, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=scaled(120))
     assert out.returncode == 0, out.stderr
     with AgentClient(eng.control) as agent:
         assert agent.status().restored_from_image
@@ -336,9 +337,9 @@ def test_a_damaged_image_is_refused_at_once_naming_the_file(spawn_reference, mon
         assert f"./{pages.name}" in (images / "criu-manifest").read_text()
         start = time.monotonic()
         out = subprocess.run([str(ROOT / "hooks" / "criu-restore")], env=env,
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=scaled(60))
         took = time.monotonic() - start
-        assert out.returncode == 2 and took < 10, (took, out.stderr)
+        assert out.returncode == 2 and took < scaled(10), (took, out.stderr)
         assert f"the image in {images} is damaged: ./{pages.name}" in out.stderr
         assert not (images / "restore.log").exists()  # criu never ran
         assert _left_behind(eng) == []
@@ -374,9 +375,9 @@ def test_a_restore_that_hangs_is_stopped_whole_at_the_hook_timeout(spawn_referen
             run_point(hooks, "pre-restore", ctx, 4, runs, grace_s=1)
         took = time.monotonic() - start
         (run,) = runs
-        assert run.timed_out and took < 4 + 1 + 5, (took, run)
+        assert run.timed_out and took < scaled(4 + 1 + 5), (took, run)
         assert f"while restoring the image in {images}" in info.value.message
-        deadline = time.monotonic() + 5
+        deadline = deadline_in(5)
         while _left_behind(eng) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _left_behind(eng) == []
@@ -404,7 +405,7 @@ def test_a_restore_from_a_damaged_image_fails_at_once_and_the_next_one_works(
         assert ctl.ckptctl("prepare", eng.name).returncode == 0
         out = ctl.ckptctl("capture", eng.name, "--json", "--op-id", "snap")
         assert out.returncode == 0, out.stdout + out.stderr
-        eng.proc.wait(timeout=10)
+        eng.proc.wait(timeout=scaled(10))
         images = ctl.dir / "state" / "images" / eng.name / "snap"
         pages = max(images.glob("pages-*.img"), key=lambda f: f.stat().st_size)
         intact = images.parent / "pages.intact"
@@ -413,7 +414,7 @@ def test_a_restore_from_a_damaged_image_fails_at_once_and_the_next_one_works(
         start = time.monotonic()
         out = ctl.ckptctl("restore", eng.name, "--json")
         took = time.monotonic() - start
-        assert out.returncode == 1 and took < 20, (took, out.stdout + out.stderr)
+        assert out.returncode == 1 and took < scaled(20), (took, out.stdout + out.stderr)
         (o,) = json.loads(out.stdout)["engines"]
         assert o["status"] == "failed", o
         assert f"the image in {images} is damaged: ./{pages.name}" in o["error"]["message"]

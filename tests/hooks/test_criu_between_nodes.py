@@ -36,7 +36,7 @@ from ckpt_controller.endpoints import free_port
 from support import ROOT
 from support.criu import CRIU, criu_missing
 from support.netns_util import Namespaces, run_tag
-from support.timing import wait_until
+from support.timing import scaled, wait_until
 
 pytestmark = pytest.mark.skipif(criu_missing() is not None, reason=criu_missing() or "")
 
@@ -76,8 +76,8 @@ def _in(ns: str) -> list[str]:
 
 def _ask(ns: str, what: str, endpoint: str, *args) -> object:
     out = subprocess.run([*_in(ns), sys.executable, "-c", _CLIENT, what, endpoint,
-                          *map(str, args)], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
+                          *map(str, args)], capture_output=True, text=True,
+                         timeout=scaled(120), cwd=ROOT)
     assert out.returncode == 0, f"{what} {endpoint} from {ns}: {out.stderr[-2000:]}"
     return json.loads(out.stdout)
 
@@ -135,7 +135,7 @@ class NodeEngine:
         if self.launcher.poll() is None:
             os.kill(self.pid, signal.SIGKILL)  # a PID namespace's init: its namespace ends
             self.launcher.kill()
-            self.launcher.wait(timeout=10)
+            self.launcher.wait(timeout=scaled(10))
         self._unshare_log.close()
 
 
@@ -147,7 +147,8 @@ def _image_folder(path: Path) -> Path:
 def _hook(ns: str, hook: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
     out = subprocess.run([*_in(ns), str(ROOT / "hooks" / hook)], capture_output=True,
-                         text=True, timeout=180, env=dict(os.environ, CKPT_CRIU=CRIU, **env))
+                         text=True, timeout=scaled(180),
+                         env=dict(os.environ, CKPT_CRIU=CRIU, **env))
     return out, time.monotonic() - start
 
 
@@ -210,7 +211,7 @@ def test_an_engine_moves_to_another_node_and_back_when_the_move_fails(two_nodes,
         here, there = _image_folder(ipc_dir / "ps-a"), _image_folder(ipc_dir / "ps-b")
         with PageServer(CRIU, there, B_IP, wrap=_in(b)) as server:
             dump_s = _dump(a, eng.pid, here, CKPT_PAGE_SERVER=server.endpoint)
-            assert server.wait(30) == 0  # it ends after the one dump it served
+            assert server.wait(scaled(30)) == 0  # it ends after the one dump it served
         assert (here / "criu-pages-remote").read_text().strip() == server.endpoint
         assert not list(here.glob("pages-*.img")) and pages_expected(there)
         start = time.monotonic()

@@ -20,6 +20,7 @@ from ckpt_controller.criu_images import (
     unpack_small)
 from ckpt_controller.errors import ImageError
 from support import ROOT
+from support.timing import scaled
 
 
 def _varint(n: int) -> bytes:
@@ -95,10 +96,10 @@ def test_the_hooks_check_runs_on_plain_python3_with_the_project_on_its_path(tmp_
     _image(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = ["python3", "-m", "ckpt_controller.criu_images", "check", str(tmp_path)]
-    good = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, cwd="/")
+    good = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=scaled(60), cwd="/")
     assert good.returncode == 0 and f"{5 * PAGE_SIZE} bytes in 1 files" in good.stdout
     os.truncate(tmp_path / "pages-7.img", PAGE_SIZE)
-    bad = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, cwd="/")
+    bad = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=scaled(60), cwd="/")
     assert bad.returncode == 2 and bad.stderr.startswith("pages-7.img: 4096 bytes")
 
 

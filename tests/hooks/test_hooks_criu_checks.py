@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from support import ROOT
-from support.timing import wait_until
+from support.timing import scaled, wait_until
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
@@ -24,7 +24,7 @@ def test_dump_refuses_a_process_whose_session_leader_is_outside_its_namespace(tm
     script = (f'sleep 30 & CKPT_ENGINE_PID=$! CKPT_IMAGE_DIR={tmp_path} CKPT_CRIU=/bin/true '
               f'{ROOT / "hooks" / "criu-dump"}; rc=$?; kill $!; exit $rc')
     out = subprocess.run(["setsid", "unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
-                          script], capture_output=True, text=True, timeout=60)
+                          script], capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 2, out.stdout + out.stderr
     assert "session whose leader is outside this PID namespace" in out.stderr
     assert "setsid" in out.stderr
@@ -49,7 +49,7 @@ def test_dump_refuses_an_engine_holding_io_uring_and_says_how_to_avoid_it(tmp_pa
             pytest.skip("io_uring is not available here (kernel.io_uring_disabled?)")
         # the "engine" is this process; the holder, its child: the hook looks at the whole tree
         out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], capture_output=True, text=True,
-                             timeout=60, env={"PATH": os.environ["PATH"],
+                             timeout=scaled(60), env={"PATH": os.environ["PATH"],
                                               "CKPT_ENGINE_PID": str(os.getpid()),
                                               "CKPT_IMAGE_DIR": str(tmp_path),
                                               "CKPT_CRIU": "/bin/true"})
@@ -69,7 +69,7 @@ def test_restore_treats_a_zombie_engine_as_gone(tmp_path):
     wait_until(lambda: psutil.Process(zombie.pid).status() == psutil.STATUS_ZOMBIE,
                what="exited, not yet reaped: a zombie")
     out = subprocess.run([str(ROOT / "hooks" / "criu-restore")], capture_output=True, text=True,
-                         timeout=60, env={"PATH": os.environ["PATH"],
+                         timeout=scaled(60), env={"PATH": os.environ["PATH"],
                                           "CKPT_ENGINE_PID": str(zombie.pid),
                                           "CKPT_IMAGE_DIR": str(tmp_path),
                                           "CKPT_CRIU": "/bin/true"})
@@ -103,7 +103,7 @@ def recorded_dump(tmp_path):
         full = dict(os.environ, CKPT_ENGINE_PID=str(pid), CKPT_IMAGE_DIR=str(image),
                     CKPT_CRIU=str(standin), STANDIN_ARGS=str(args_file), **env)
         out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], env=full,
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=scaled(60))
         args = args_file.read_text().split("\n")[:-1] if args_file.exists() else []
         return out.returncode, args, out.stderr, image
 
@@ -159,7 +159,7 @@ def test_a_bad_setting_is_refused_before_criu_runs(recorded_dump, bad):
 def _restore(image: Path) -> subprocess.CompletedProcess:
     """criu-restore of ``image`` with /bin/true for criu: only its own checks run."""
     return subprocess.run([str(ROOT / "hooks" / "criu-restore")], capture_output=True, text=True,
-                          timeout=60, env={"PATH": os.environ["PATH"],
+                          timeout=scaled(60), env={"PATH": os.environ["PATH"],
                                            "CKPT_ENGINE_PID": "999999999",
                                            "CKPT_IMAGE_DIR": str(image), "CKPT_CRIU": "/bin/true",
                                            "CKPT_RESTORE_WAIT_S": "0"})
@@ -232,7 +232,7 @@ def test_restore_checks_pages_from_a_page_server_against_their_pagemaps(recorded
 
     def run() -> subprocess.CompletedProcess:
         return subprocess.run([str(ROOT / "hooks" / "criu-restore")], capture_output=True,
-                              text=True, timeout=60, env=env)
+                              text=True, timeout=scaled(60), env=env)
 
     out = run()
     assert out.returncode == 0, out.stderr

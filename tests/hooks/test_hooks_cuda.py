@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from support import ROOT
+from support.timing import scaled
 
 
 HOOK = ROOT / "hooks" / "cuda-checkpoint"
@@ -40,7 +41,7 @@ def run_hook(action: str, pid: int, tmp_path: Path, **env) -> subprocess.Complet
     full = dict(os.environ, CKPT_ACTION=action, CKPT_ENGINE_PID=str(pid),
                 CKPT_CUDA_CHECKPOINT=str(STANDIN), CKPT_CUDA_DEVICE=str(tmp_path / "nvidia0"),
                 STANDIN_LOG=str(tmp_path / "calls.log"), **env)
-    return subprocess.run([str(HOOK)], env=full, capture_output=True, text=True, timeout=30)
+    return subprocess.run([str(HOOK)], env=full, capture_output=True, text=True, timeout=scaled(30))
 
 
 def calls(tmp_path: Path) -> list[str]:
@@ -114,11 +115,11 @@ def test_no_gpu_no_binary_no_cuda_process(engine_tree, tmp_path):
     assert out.returncode == 0 and "no CUDA process" in out.stdout
     env = dict(os.environ, CKPT_ACTION="dump", CKPT_ENGINE_PID=str(parent),
                CKPT_CUDA_CHECKPOINT=str(STANDIN), CKPT_CUDA_DEVICE=str(tmp_path / "none"))
-    out = subprocess.run([str(HOOK)], env=env, capture_output=True, text=True, timeout=30)
+    out = subprocess.run([str(HOOK)], env=env, capture_output=True, text=True, timeout=scaled(30))
     assert out.returncode == 0 and "no NVIDIA GPU" in out.stdout
     env = dict(os.environ, CKPT_ACTION="dump", CKPT_ENGINE_PID=str(parent), PATH="/usr/bin:/bin")
     env.pop("CKPT_CUDA_CHECKPOINT", None)
-    out = subprocess.run([str(HOOK)], env=env, capture_output=True, text=True, timeout=30)
+    out = subprocess.run([str(HOOK)], env=env, capture_output=True, text=True, timeout=scaled(30))
     assert out.returncode == 0 and "no cuda-checkpoint binary" in out.stdout
 
 

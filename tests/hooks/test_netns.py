@@ -20,7 +20,7 @@ from ckpt_controller.security import generate
 from support import ROOT
 from support.cli import CKPTCTL, ckptctl
 from support.netns_util import Namespaces, ip, run_tag
-from support.timing import wait_until
+from support.timing import deadline_in, scaled, wait_until
 
 CTL_IP, ENG_IP = "169.254.77.1", "169.254.77.2"
 
@@ -87,7 +87,7 @@ def test_cycle_and_link_cut_across_network_namespaces(two_hosts, tmp_path, model
             assert view.status.in_flight > 0  # the drain is waiting for requests
             ip("-n", two_hosts["ctl_ns"], "link", "set", two_hosts["ctl_if"], "down")
             cut = time.monotonic()
-            stdout, _ = prep.communicate(timeout=60)
+            stdout, _ = prep.communicate(timeout=scaled(60))
             failed_after = time.monotonic() - cut
             result = json.loads(stdout)
             assert prep.returncode == 4, stdout  # unreachable, within the heartbeat timeout
@@ -95,7 +95,7 @@ def test_cycle_and_link_cut_across_network_namespaces(two_hosts, tmp_path, model
             view = _state(endpoint)
             assert not view["reachable"] and view["unsettled_by"] == "cut"
             ip("-n", two_hosts["ctl_ns"], "link", "set", two_hosts["ctl_if"], "up")
-            deadline = time.monotonic() + 60
+            deadline = deadline_in(60)
             while True:
                 view = _state(endpoint)
                 if view["reachable"] and view["unsettled_by"] is None \

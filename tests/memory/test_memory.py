@@ -35,6 +35,7 @@ from ckpt_controller.memory import (
 from ckpt_controller.memory import checksum as ck
 from ckpt_controller.memory import measure
 from ckpt_controller.protocol import MemoryReport
+from support.timing import scaled
 
 MIB = 1 << 20
 
@@ -625,7 +626,7 @@ def test_status_readers_do_not_wait_for_a_release_in_progress():
         t = threading.Thread(target=lambda: got.update(tags=reg.released_tags,
                                                        sizes=reg.registered_bytes()))
         t.start()
-        t.join(2)
+        t.join(scaled(2))
     assert got == {"tags": [], "sizes": {"kv_cache": MIB}}
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from support import ROOT
+from support.timing import scaled
 
 
 #: loaded only by a command that needs them, never to show help or to talk to an agent
@@ -38,7 +39,7 @@ _LIST_MODULES = "import json, sys; print(json.dumps(sorted(sys.modules)))"
 def loaded_by(code: str) -> set[str]:
     """The modules a fresh interpreter has after running ``code``."""
     run = subprocess.run([sys.executable, "-c", f"{code}\n{_LIST_MODULES}"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert run.returncode == 0, run.stderr
     return set(json.loads(run.stdout.splitlines()[-1]))
 
@@ -171,7 +172,7 @@ def test_a_stop_signal_ends_the_wait_and_the_cleanup_runs(sig):
     try:
         assert proc.stdout.readline() == "ready\n"
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=20)  # well before the 30 s poll: a handler ran
+        out, err = proc.communicate(timeout=scaled(20, below=30))  # before the 30 s poll: a handler
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -182,7 +183,7 @@ def test_a_stop_signal_ends_the_wait_and_the_cleanup_runs(sig):
 def test_the_startup_bench_measures_each_command(tmp_path):
     out = tmp_path / "startup.json"
     run = subprocess.run([sys.executable, "bench/startup.py", "--repeat", "2", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+                         cwd=ROOT, capture_output=True, text=True, timeout=scaled(240))
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "ckptctl --help: median" in run.stdout and f"wrote {out}" in run.stdout
     doc = json.loads(out.read_text())

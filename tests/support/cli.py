@@ -1,7 +1,7 @@
 """``ckptctl`` as a test runs it: a real child process of this interpreter, and its output.
 
 Neighbours: ``processes`` (``ControllerProcess.ckptctl`` runs through ``ckptctl`` here),
-``timing``.
+``timing`` (its limits).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from support import ROOT
+from support.timing import scaled
 
 #: the command line that starts ``ckptctl`` from this checkout, for ``Popen`` and
 #: ``ReadyProcess``; ``ckptctl(...)`` runs it to the end
@@ -28,12 +29,12 @@ def ckptctl(*args: str, env: Mapping[str, str] | None = None, timeout: float | N
 
     ``endpoint``: ``--controller ENDPOINT`` before the arguments; ``env``: variables added to
     this process's environment; ``wrap``: a command that execs the rest (``ip netns exec
-    NAME``); ``timeout``: seconds (``RUN_TIMEOUT_S`` by default)."""
+    NAME``); ``timeout``: seconds (``RUN_TIMEOUT_S`` by default), ``timing.scaled``."""
     argv = [*wrap, *CKPTCTL]
     if endpoint is not None:
         argv += ["--controller", endpoint]
     return subprocess.run([*argv, *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=RUN_TIMEOUT_S if timeout is None else timeout,
+                          timeout=scaled(RUN_TIMEOUT_S if timeout is None else timeout),
                           env=None if env is None else {**os.environ, **env})
 
 
@@ -52,7 +53,8 @@ class StreamedLines:
             self.lines.append(line)
 
     def join(self, timeout_s: float = 20.0) -> list[str]:
-        """Every line, once the child closed its end (it exited)."""
-        self._thread.join(timeout_s)
+        """Every line, once the child closed its end (it exited), within ``timeout_s``
+        (``timing.scaled``)."""
+        self._thread.join(scaled(timeout_s))
         assert not self._thread.is_alive(), "the child's output never ended"
         return self.lines

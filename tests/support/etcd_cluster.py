@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ckpt_controller.endpoints import free_port
 from support import ROOT
+from support.timing import deadline_in
 
 ETCD = ROOT / ".cache" / "etcd" / "bin" / "etcd"
 
@@ -132,7 +133,7 @@ class EtcdCluster:
         """Until a write through the running members succeeds (there is a leader)."""
         from ckpt_controller.errors import CkptError
 
-        deadline = time.monotonic() + timeout_s
+        deadline = deadline_in(timeout_s)
         with self.client(timeout_s=1.0) as c:
             while True:
                 try:

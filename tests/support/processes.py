@@ -22,6 +22,7 @@ import zmq
 from ckpt_controller.procutil import ReadyProcess
 from support import ROOT
 from support.cli import CKPTCTL, ckptctl
+from support.timing import deadline_in
 
 STEP_ENGINE = ROOT / "tests" / "engines" / "step_engine.py"
 
@@ -57,8 +58,9 @@ class EngineProcess(ReadyProcess):
                                                "seed": seed}))
 
     def introspect(self, timeout_s: float = 10.0) -> dict:
+        """The engine's own view of its tensors (``timeout_s``: ``timing.scaled``)."""
         self.sock.send(msgspec.msgpack.encode({"op": "introspect"}))
-        deadline = time.monotonic() + timeout_s
+        deadline = deadline_in(timeout_s)
         while time.monotonic() < deadline:
             if self.sock.poll(100):
                 msg = msgspec.msgpack.decode(self.sock.recv())
@@ -68,9 +70,10 @@ class EngineProcess(ReadyProcess):
         raise TimeoutError("introspect got no answer")
 
     def collect(self, ids, timeout_s: float = 30.0) -> dict[str, dict]:
-        """Wait until every id in ``ids`` has an answer (finished or rejected)."""
+        """Wait until every id in ``ids`` has an answer (finished or rejected), up to
+        ``timeout_s`` (``timing.scaled``)."""
         want = set(ids)
-        deadline = time.monotonic() + timeout_s
+        deadline = deadline_in(timeout_s)
         while not want <= self.results.keys():
             left = deadline - time.monotonic()
             if left <= 0:
@@ -154,7 +157,7 @@ def settled(eng, timeout_s: float = 30.0) -> bool:
         return False
     try:
         with AgentClient(eng.control, timeout_s=5) as agent:
-            deadline = time.monotonic() + timeout_s
+            deadline = deadline_in(timeout_s)
             while True:
                 st = agent.status()
                 if st.state != "running" or not st.in_flight:

@@ -22,6 +22,7 @@ import pytest
 
 from ckpt_controller.endpoints import free_port
 from support import ROOT
+from support.timing import deadline_in
 
 BIN = ROOT / ".cache" / "prometheus" / "bin"
 RULES = ROOT / "deploy" / "prometheus" / "ckpt-controller.rules.yml"
@@ -71,7 +72,7 @@ class Prometheus:
              f"--web.listen-address=127.0.0.1:{self.port}"],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
-        deadline = time.monotonic() + timeout_s
+        deadline = deadline_in(timeout_s)
         while True:
             if self.proc.poll() is not None:
                 self.stop()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ckpt_controller.endpoints import free_port
 from support import ROOT
+from support.timing import deadline_in
 
 VLLM_PY = ROOT / ".cache" / "vllm" / "bin" / "python"
 #: why a vLLM test cannot run here, for its skip mark
@@ -64,7 +65,7 @@ class VllmServer:
         self._wait_healthy(240)
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+        deadline = deadline_in(timeout_s)
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited: {self.log_path.read_text()[-3000:]}")

@@ -27,6 +27,7 @@ from ckpt_controller.errors import CkptError, EngineError, VerificationError
 from ckpt_controller.procutil import ReadyProcess
 from support import ROOT
 from support.cli import CKPTCTL, ckptctl
+from support.timing import deadline_in, scaled
 from support.vllm import NO_VLLM, VLLM_PY
 
 pytestmark = [
@@ -129,7 +130,7 @@ class Batch:
         """Wait until vLLM has all of them in flight (running or queued); False if that was
         never seen (they ended first, or this process was not scheduled meanwhile)."""
         http = VllmHttp(self.url)
-        end = time.monotonic() + timeout_s
+        end = deadline_in(timeout_s)
         while http.metrics().in_flight < len(self.prompts):
             if time.monotonic() > end or len(self.outcomes) == len(self.prompts):
                 return False
@@ -477,7 +478,7 @@ def test_a_sidecar_killed_mid_prepare_is_resumed_by_the_reconciler_keeping_its_g
 
     # a wait drain holds the prepare in PREPARING while long requests finish: kill -9 then
     batch = Batch(vllm.url, PROMPTS[:2]).start()
-    end = time.monotonic() + 60
+    end = deadline_in(60)
     while vllm.metrics().in_flight == 0:  # a stall of this VM can hold them back a while
         assert time.monotonic() < end and not batch.outcomes, batch.outcomes
         time.sleep(0.05)
@@ -485,13 +486,13 @@ def test_a_sidecar_killed_mid_prepare_is_resumed_by_the_reconciler_keeping_its_g
         [*CKPTCTL, "--controller", ctl.endpoint, "prepare", "vk",
          "--drain", "wait", "--drain-timeout", "120", "--level", "1", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    end = time.monotonic() + 60
+    end = deadline_in(60)
     while not vllm.is_paused():
         assert time.monotonic() < end, "the prepare never paused vLLM"
         time.sleep(0.05)
     side.proc.kill()
     side.proc.wait()
-    out, err = prepare.communicate(timeout=120)
+    out, err = prepare.communicate(timeout=scaled(120))
     assert prepare.returncode != 0, out + err  # the operation lost its engine
     assert not [o.error for o in batch.join().values() if o.error]  # nothing lost meanwhile
     assert vllm.is_paused()  # left paused by the dead sidecar
@@ -502,7 +503,7 @@ def test_a_sidecar_killed_mid_prepare_is_resumed_by_the_reconciler_keeping_its_g
     with AgentClient(control) as agent:
         first = agent.status()
         while agent.status().state != "running":
-            assert time.monotonic() - returned < RECONCILE_S + 30, agent.status()
+            assert time.monotonic() - returned < scaled(RECONCILE_S + 30), agent.status()
             time.sleep(0.1)
         took = time.monotonic() - returned
         status = agent.status()
@@ -510,7 +511,7 @@ def test_a_sidecar_killed_mid_prepare_is_resumed_by_the_reconciler_keeping_its_g
           f"the sidecar's return")
     assert first.state in ("failed", "restoring", "running")
     # within a reconcile interval, plus the restore itself (a golden completion) on this VM
-    assert took < RECONCILE_S + 10
+    assert took < scaled(RECONCILE_S + 10)
     assert status.generation == generation  # kept across the sidecar's restart
     assert not vllm.is_paused() and not vllm.is_sleeping()
     assert vllm.complete("still serving", 4).finish_reason == "length"
@@ -665,7 +666,7 @@ def test_one_prometheus_scrapes_the_vllm_server_and_the_controller(vllm, vllm_se
             return (bool(cycles) and cycles[0]["value"][1] == "1" and bool(served)
                     and float(served[0]["value"][1]) >= 1)
 
-        deadline = time.monotonic() + 60
+        deadline = deadline_in(60)
         while not found():
             assert time.monotonic() < deadline, "Prometheus never saw both"
             time.sleep(0.5)

@@ -21,6 +21,7 @@ from support import ROOT
 from support.cli import CKPTCTL
 from support.criu import CRIU, criu_missing
 from support.hooks import link_hook
+from support.timing import deadline_in, scaled
 from support.vllm import NO_VLLM, VLLM_PY, VllmServer, make_tiny_llama
 from test_vllm_tcp_hold import SteadyLoad, assert_none_lost
 
@@ -59,7 +60,7 @@ def capturable_vllm(tmp_path_factory):
             os.killpg(server.pid, sig)
         except ProcessLookupError:
             break
-        end = time.monotonic() + wait_s
+        end = deadline_in(wait_s)
         while os.path.exists(f"/proc/{server.pid}") and time.monotonic() < end:
             time.sleep(0.2)
     server.stop()
@@ -90,7 +91,7 @@ def test_vllm_captured_stopped_and_restored_from_its_image(capturable_vllm, spaw
         said = eng["hooks"][0]["stdout_tail"]
         assert "criu-dump: dumped pid" in said
         image_bytes = int(said.split(": ")[2].split(" bytes")[0])
-        server.proc.wait(timeout=60)  # the dump ended it; reaped, its PIDs are free again
+        server.proc.wait(timeout=scaled(60))  # the dump ended it; reaped, its PIDs are free again
         assert not http.healthy()
 
         start = time.monotonic()
@@ -149,8 +150,8 @@ def test_vllm_under_load_loses_no_request_across_a_stop_capture_and_restore(
         said = " ".join(h["stdout_tail"] for h in json.loads(out.stdout)["engines"][0]["hooks"])
         assert "tcp-hold: holding new connections" in said and "dumped pid" in said
         if server.proc.poll() is None:  # our child, unless an earlier test restored it
-            server.proc.wait(timeout=60)
-        end = time.monotonic() + 30
+            server.proc.wait(timeout=scaled(60))
+        end = deadline_in(30)
         while psutil.pid_exists(server.pid):  # a restored one is reaped by someone else
             assert time.monotonic() < end, "vLLM's process outlived its dump"
             time.sleep(0.1)

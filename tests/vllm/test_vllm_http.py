@@ -15,6 +15,7 @@ from ckpt_controller.adapters.vllm import VllmEngine, VllmHttp
 from ckpt_controller.adapters.vllm.http import parse_metrics
 from ckpt_controller.errors import EngineError, UsageError
 from support.cli import ckptctl
+from support.timing import deadline_in
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
@@ -171,7 +172,7 @@ def test_the_engine_counts_as_gone_when_it_stops_answering(stand):
         assert engine.alive()
         assert engine.request_counts() == (6, 0)
         s.healthy = False
-        end = time.monotonic() + 10
+        end = deadline_in(10)
         while engine.alive():
             assert time.monotonic() < end, "a silent engine still counts as alive"
             time.sleep(0.05)

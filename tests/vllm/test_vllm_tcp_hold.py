@@ -31,6 +31,7 @@ from support import ROOT
 from support.cli import CKPTCTL
 from support.criu import CRIU, criu_missing
 from support.hooks import link_hook
+from support.timing import deadline_in, scaled
 from support.vllm import STANDIN_SERVER
 
 NFT = ROOT / ".cache" / "criu" / "bin" / "nft"
@@ -85,7 +86,7 @@ class SteadyLoad:
         self._stop.set()
         self._sender.join()
         for t in self._threads:
-            t.join(timeout=300)
+            t.join(timeout=scaled(300))
         return self.requests
 
 
@@ -111,7 +112,7 @@ class Standin:
             self.proc = subprocess.Popen(
                 [sys.executable, str(STANDIN_SERVER)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
-        end = time.monotonic() + 30
+        end = deadline_in(30)
         while not self.log.read_text().strip():
             assert self.proc.poll() is None and time.monotonic() < end, self.log.read_text()
             time.sleep(0.05)
@@ -125,7 +126,7 @@ class Standin:
         except ProcessLookupError:
             pass
         if self.proc.poll() is None:
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=scaled(10))
 
 
 @pytest.fixture
@@ -164,7 +165,7 @@ def test_no_request_is_lost_across_a_stop_capture_and_restore(standin, spawn_con
         assert out.returncode == 0, out.stdout + out.stderr
         said = " ".join(h["stdout_tail"] for h in json.loads(out.stdout)["engines"][0]["hooks"])
         assert "tcp-hold: holding new connections" in said and "dumped pid" in said, said
-        standin.proc.wait(timeout=30)  # the dump ended it; reaped, its PID is free again
+        standin.proc.wait(timeout=scaled(30))  # the dump ended it; reaped, its PID is free again
         assert not psutil.pid_exists(standin.pid)
         time.sleep(1.5)  # the server is gone: clients that connect now must wait, not fail
         out = ctl.ckptctl("restore", "sv", "--json")
@@ -189,7 +190,7 @@ def run_hook(action: str, pid: int, tmp: Path, **env: str) -> subprocess.Complet
     env = {**os.environ, "CKPT_ACTION": action, "CKPT_ENGINE": engine,
            "CKPT_ENGINE_PID": str(pid), "CKPT_IMAGE_DIR": str(tmp), **env}
     return subprocess.run([str(ROOT / "hooks" / "tcp-hold")], capture_output=True, text=True,
-                          timeout=60, env=env)
+                          timeout=scaled(60), env=env)
 
 
 def test_a_held_connection_waits_and_connects_once_let_go(tmp_path):
@@ -216,7 +217,7 @@ def test_a_held_connection_waits_and_connects_once_let_go(tmp_path):
         assert not box  # neither connected nor refused: waiting
         out = run_hook("pre-restore", os.getpid(), tmp_path)
         assert out.returncode == 0, out.stderr
-        t.join(30)
+        t.join(scaled(30))
         assert box and isinstance(box[0], float) and box[0] >= 1.5, box
     finally:
         run_hook("pre-restore", os.getpid(), tmp_path)
