@@ -13,6 +13,7 @@ import pytest
 
 from ckpt_controller.cli import parse_bytes
 from support.cli import CKPTCTL, StreamedLines, ckptctl
+from support.config import engines_toml
 from support.net import ipc_connections, wait_connected
 from support.timing import scaled, wait_until
 
@@ -327,7 +328,7 @@ def test_agent_prepare_drill_and_cycle_prepare_alike(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text(f'[controller]\nendpoint = "ipc://{tmp_path}/c"\n'
                       f'state_dir = "{tmp_path}/state"\n'
-                      f'[[engine]]\nname = "e"\ncontrol = "ipc://{tmp_path}/e"\n')
+                      + engines_toml(("e", f"ipc://{tmp_path}/e")))
     cfg = load_config(config)
     parse = build_parser().parse_args
     cycle = prepare_flags(parse(["cycle", "e"]), controller=True)

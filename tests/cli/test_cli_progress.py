@@ -17,6 +17,7 @@ from ckpt_controller.agent import AgentClient
 from ckpt_controller.cli.progress import Progress
 from support import ROOT
 from support.cli import CKPTCTL, StreamedLines
+from support.config import engines_toml
 from support.hooks import write_hook
 from support.timing import scaled, wait_until
 
@@ -25,7 +26,7 @@ STAMP = re.compile(r"^\[ *\d+\.\d\ds\] ")
 
 def _controller(spawn_engine, spawn_controller):
     eng = spawn_engine("p1", weights_mib=4, kv_mib=4, step_s=0.01)
-    ctl = spawn_controller(f'[[engine]]\nname = "p1"\ncontrol = "{eng.control}"\n')
+    ctl = spawn_controller(engines_toml(("p1", eng.control)))
     return eng, ctl
 
 

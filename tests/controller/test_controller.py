@@ -26,6 +26,7 @@ from support.cli import CKPTCTL, StreamedLines, ckptctl
 from support.config import engine_table, engines_toml
 from support.hooks import write_hook
 from support.net import ipc_connections, wait_connected
+from support.processes import wait_state
 from support.timing import deadline_in, scaled, wait_until
 
 
@@ -307,7 +308,7 @@ def test_bad_config_and_unreachable_engine(spawn_controller, ipc_dir):
     out = ckptctl("serve", "--config", str(bad))
     assert out.returncode == 2
     assert "deadlines.drain" in out.stderr and str(bad) in out.stderr
-    ctl = spawn_controller(f'[[engine]]\nname = "ghost"\ncontrol = "ipc://{ipc_dir}/none"\n')
+    ctl = spawn_controller(engines_toml(("ghost", f"ipc://{ipc_dir}/none")))
     start = time.monotonic()
     out = ctl.ckptctl("prepare", "ghost", "--json")
     assert out.returncode == 4 and time.monotonic() - start < scaled(30)
@@ -325,14 +326,6 @@ def test_bad_config_and_unreachable_engine(spawn_controller, ipc_dir):
     assert out.returncode == 4 and "UnreachableError" in out.stderr
 
 
-def _wait_state(control: str, state: str, timeout_s: float = 20) -> None:
-    deadline = deadline_in(timeout_s)
-    with AgentClient(control) as agent:
-        while agent.status().state != state:
-            assert time.monotonic() < deadline, f"never {state}"
-            time.sleep(0.005)
-
-
 def _wait_in_flight(control: str, n: int) -> None:
     """Wait until the engine has admitted ``n`` requests (instead of sleeping a while)."""
     with AgentClient(control) as agent:
@@ -344,7 +337,7 @@ def _kill_mid(ctl, control: str, state: str, *op: str) -> None:
     it, and check it recovered the one interrupted operation."""
     t = threading.Thread(target=lambda: ctl.ckptctl(*op))
     t.start()
-    _wait_state(control, state)
+    wait_state(control, state)
     ctl.kill9()
     t.join(scaled(60))
     ctl.start()
@@ -557,7 +550,7 @@ def test_engine_death_fails_the_operation_promptly(spawn_engine, spawn_controlle
     t = threading.Thread(target=lambda: box.update(out=ctl.ckptctl(
         "prepare", "dead", "--drain", "wait", "--deadline", "300", "--json")))
     t.start()
-    _wait_state(eng.control, "preparing")
+    wait_state(eng.control, "preparing")
     killed = time.monotonic()
     eng.proc.kill()
     t.join(scaled(60))
@@ -866,7 +859,7 @@ def test_a_transition_whose_event_was_lost_is_journaled_from_the_reply(tmp_path)
     from ckpt_controller.controller.config import parse_config
     from ckpt_controller.controller.session import EngineSession
 
-    cfg = parse_config(f'[[engine]]\nname = "x"\ncontrol = "ipc://{tmp_path}/none"\n')
+    cfg = parse_config(engines_toml(("x", f"ipc://{tmp_path}/none")))
     records = []
     session = EngineSession(cfg, "x", "op1", cfg.prepare_defaults("x"), 60,
                             lambda type_, data, **kw: records.append((type_, data["dest"])))
@@ -906,7 +899,7 @@ def test_an_engine_found_failed_after_a_restart_is_resumed_if_never_captured(
     write_hook(ctl, point, "10-hold", f"touch {held}; while [ ! -e {gate} ]; do sleep 0.05; done")
     t = threading.Thread(target=lambda: ctl.ckptctl(op, "uc", "--op-id", "cut"))
     t.start()
-    _wait_state(eng.control, held_in)
+    wait_state(eng.control, held_in)
     wait_until(held.exists, 30, "the hook running")
     ctl.kill9()
     t.join(scaled(60))

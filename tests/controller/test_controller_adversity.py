@@ -123,7 +123,7 @@ def _long_journal(state_dir: Path, operations: int = 10_000, per_op: int = 3) ->
 def test_a_history_too_large_for_one_message_is_answered_with_what_fits(spawn_controller,
                                                                         ipc_dir):
     _long_journal(ipc_dir / "state")
-    ctl = spawn_controller(f'[[engine]]\nname = "e"\ncontrol = "ipc://{ipc_dir}/e"\n')
+    ctl = spawn_controller(engines_toml(("e", f"ipc://{ipc_dir}/e")))
     out = ctl.ckptctl("history", "--limit", "10000", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
     reply = json.loads(out.stdout)
@@ -142,7 +142,7 @@ def test_large_history_queries_do_not_hold_up_the_control_thread(spawn_controlle
     a finished operation, which the control thread answers from the journal, and heartbeats
     are answered within about a second."""
     _long_journal(ipc_dir / "state")
-    ctl = spawn_controller(f'[[engine]]\nname = "e"\ncontrol = "ipc://{ipc_dir}/e"\n')
+    ctl = spawn_controller(engines_toml(("e", f"ipc://{ipc_dir}/e")))
     stop = threading.Event()
     failures: list[str] = []
 
@@ -259,7 +259,7 @@ def test_a_port_in_use_is_refused_before_any_engine_is_touched(spawn_engine, ipc
     config = ipc_dir / "c.toml"
     config.write_text(f'[controller]\nendpoint = "{endpoint}"\nstate_dir = "{state}"\n'
                       + (f"metrics_port = {port}\n" if taken == "controller.metrics_port" else "")
-                      + f'[[engine]]\nname = "t1"\ncontrol = "{eng.control}"\n')
+                      + engines_toml(("t1", eng.control)))
     try:
         out = ckptctl("serve", "--config", str(config))
     finally:
@@ -289,7 +289,7 @@ def test_an_unreadable_result_in_the_journal_does_not_stop_the_controller(spawn_
         db.execute("UPDATE operations SET status = 'succeeded', ended_wall = wall + 1, "
                    "result = ? WHERE op_id = 'garbled'", (b"\xc1 not msgpack",))
     db.close()
-    ctl = spawn_controller(f'[[engine]]\nname = "e"\ncontrol = "ipc://{ipc_dir}/e"\n')
+    ctl = spawn_controller(engines_toml(("e", f"ipc://{ipc_dir}/e")))
     out = ctl.ckptctl("history", "--json")
     assert out.returncode == 0 and "garbled" in out.stdout, out.stdout + out.stderr
 
@@ -342,7 +342,7 @@ def test_a_history_of_large_group_operations_is_answered_with_what_fits(spawn_co
                        "?)", [(f"group-{i:05d}", engines, now + i, now + i + 1)
                               for i in range(10_000)])
     db.close()
-    ctl = spawn_controller(f'[[engine]]\nname = "e"\ncontrol = "ipc://{ipc_dir}/e"\n')
+    ctl = spawn_controller(engines_toml(("e", f"ipc://{ipc_dir}/e")))
     out = ctl.ckptctl("history", "--limit", "10000", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
     ops = [o["op_id"] for o in json.loads(out.stdout)["operations"]]

@@ -13,15 +13,8 @@ import time
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.controller.journal import Journal
 from support.config import engines_toml
-from support.timing import deadline_in, scaled
-
-
-def _wait_state(control: str, state: str, timeout_s: float = 20) -> None:
-    deadline = deadline_in(timeout_s)
-    with AgentClient(control) as agent:
-        while agent.status().state != state:
-            assert time.monotonic() < deadline, f"never {state}"
-            time.sleep(0.01)
+from support.processes import wait_state
+from support.timing import scaled
 
 
 def _unsettled_and_dead(spawn_engine, ctl_of, name: str):
@@ -33,7 +26,7 @@ def _unsettled_and_dead(spawn_engine, ctl_of, name: str):
     t = threading.Thread(target=lambda: box.update(out=ctl.ckptctl(
         "prepare", name, "--drain", "wait", "--json", "--op-id", "lost")))
     t.start()
-    _wait_state(eng.control, "preparing")
+    wait_state(eng.control, "preparing")
     eng.proc.kill()
     t.join(scaled(60))
     assert box["out"].returncode == 4, box["out"].stdout + box["out"].stderr
@@ -107,7 +100,7 @@ def test_a_group_with_one_dead_engine_takes_none_out_of_service(spawn_controller
     try:
         ghost = f"ipc://{ipc_dir}/ghost.ctl"
         ctl = spawn_controller(engines_toml(*agents)
-                               + f'[[engine]]\nname = "ghost"\ncontrol = "{ghost}"\n')
+                               + engines_toml(("ghost", ghost)))
         for args in (("prepare", "--all"), ("cycle", "--all", "--max-unavailable", "1")):
             start = time.monotonic()
             out = ctl.ckptctl(*args, "--json")

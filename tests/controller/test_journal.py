@@ -8,6 +8,7 @@ import pytest
 
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.journal import Journal
+from support.config import engines_toml
 from support.timing import scaled
 
 
@@ -583,8 +584,7 @@ def test_a_starting_controller_finds_the_last_good_cycle_behind_many_failed_ones
         j.close()
     config = parse_config(f'[controller]\nstate_dir = "{state}"\n'
                           f'endpoint = "ipc://{tmp_path}/c"\n'
-                          f'[[engine]]\nname = "a"\ncontrol = "ipc://{tmp_path}/a"\n'
-                          f'[[engine]]\nname = "b"\ncontrol = "ipc://{tmp_path}/b"\n')
+                          + engines_toml(*((n, f"ipc://{tmp_path}/{n}") for n in "ab")))
     metrics = Metrics()
     ctl = service.Controller(config, metrics=metrics)
     try:

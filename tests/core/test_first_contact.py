@@ -27,6 +27,7 @@ from ckpt_controller.engine.load import run_load
 from ckpt_controller.errors import ConfigError, UnreachableError
 from ckpt_controller.security import CurveClient, CurveServer, generate
 from support.cli import CKPTCTL, ckptctl
+from support.config import engines_toml
 from support.net import ipc_connections, wait_connected
 from support.timing import scaled
 
@@ -273,7 +274,7 @@ def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, floa
 
 @pytest.mark.parametrize("duration", [[], ["--duration", "120"]], ids=["endless", "duration"])
 def test_watch_exits_4_when_the_controller_is_killed(ipc_dir, spawn_controller, duration):
-    ctl = spawn_controller(f'[[engine]]\nname = "ghost"\ncontrol = "ipc://{ipc_dir}/ghost.ctl"\n')
+    ctl = spawn_controller(engines_toml(("ghost", f"ipc://{ipc_dir}/ghost.ctl")))
     before = ipc_connections(ctl.pid, ctl.endpoint)
     watch = subprocess.Popen([*CKPTCTL, "--controller", ctl.endpoint, "watch", *duration],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

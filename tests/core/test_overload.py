@@ -40,6 +40,7 @@ from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.errors import UnreachableError, from_wire
 from ckpt_controller.rpcserver import RpcServer
 from ckpt_controller.zmqutil import Outbox
+from support.config import engines_toml
 from support.timing import deadline_in, scaled, wait_until
 
 MIB = 1 << 20
@@ -161,7 +162,7 @@ def controller_process(spawn_controller, ipc_dir):
     # an engine that does not exist: every STATUS waits for its 2 s timeout, the costliest
     # request a client can send the controller in a loop
     (ipc_dir / "hooks").mkdir(exist_ok=True)
-    return spawn_controller(f'[[engine]]\nname = "ghost"\ncontrol = "ipc://{ipc_dir}/ghost"\n')
+    return spawn_controller(engines_toml(("ghost", f"ipc://{ipc_dir}/ghost")))
 
 
 SHAPES = {"20000-on-one": (1, 20_000), "50x1000": (50, 1_000)}
@@ -430,7 +431,7 @@ def test_callers_of_one_controller_operation_are_bounded_and_repeats_cost_no_thr
     # wait drain while the callers arrive; a reference model's request ends by its 1,024-token
     # limit, a second or two, which a busy machine's sending of them all could outlast
     eng = spawn_engine("w1")
-    ctl = spawn_controller(f'[[engine]]\nname = "w1"\ncontrol = "{eng.control}"\n')
+    ctl = spawn_controller(engines_toml(("w1", eng.control)))
     proc = psutil.Process(ctl.proc.pid)
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)

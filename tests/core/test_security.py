@@ -18,6 +18,7 @@ from ckpt_controller.agent import Agent, AgentClient
 from ckpt_controller.errors import ConfigError, UnreachableError
 from ckpt_controller.security import CurveClient, CurveServer, generate, load
 from support.cli import ckptctl
+from support.config import engines_toml
 from support.timing import wait_until
 
 
@@ -121,8 +122,8 @@ def test_controller_and_engine_over_curve_tcp(tmp_path, spawn_reference, spawn_c
                           "--curve-clients", str(engine_clients),
                           control="tcp://127.0.0.1:0")
     ctl = spawn_controller(
-        f'\n[[engine]]\nname = "sec"\ncontrol = "{eng.info["control"]}"\n'
-        f'curve_server_key = "{pair["engine"][0]}"\n',
+        engines_toml(("sec", eng.info["control"]),
+                     extra=f'curve_server_key = "{pair["engine"][0]}"'),
         endpoint="tcp://127.0.0.1:0",
         controller_keys=f'curve_secret_key = "{pair["controller"][1]}"\n'
                         f'curve_clients = "{ctl_clients}"\n')

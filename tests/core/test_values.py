@@ -20,6 +20,7 @@ from ckpt_controller.engine.client import EngineClient
 from ckpt_controller.engine.load import run_load
 from ckpt_controller.errors import UsageError
 from support.cli import ckptctl
+from support.config import engines_toml
 
 NAN, INF = float("nan"), float("inf")
 
@@ -190,7 +191,7 @@ def test_the_agent_answers_absurd_values_with_a_typed_error(ipc_dir):
 
 
 def test_the_controller_answers_absurd_values_with_a_typed_error(ipc_dir, spawn_controller):
-    ctl = spawn_controller(f'[[engine]]\nname = "ghost"\ncontrol = "ipc://{ipc_dir}/ghost.ctl"\n')
+    ctl = spawn_controller(engines_toml(("ghost", f"ipc://{ipc_dir}/ghost.ctl")))
     base = {"kind": "prepare", "engines": ["ghost"]}
     cases = [({**base, "op_id": ""}, "op_id"),
              ({**base, "op_id": "x" * 900_000}, "op_id"),

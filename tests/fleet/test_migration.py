@@ -25,7 +25,7 @@ from support import ROOT, etcd_cluster
 from support.cli import CKPTCTL, ckptctl
 from support.config import engines_toml, node_toml
 from support.criu import migration_missing, required
-from support.hooks import link_hook, write_hook
+from support.hooks import CRIU_HOOKS, link_hooks, write_hook
 from support.netns_util import Namespaces, run_tag
 from support.processes import ControllerProcess, kill_naming, stop_all
 from support.timing import deadline_in, scaled, wait_until
@@ -92,9 +92,7 @@ class Pair:
 
     def start_controller(self, node: str, transport: str) -> ControllerProcess:
         d = self.d / node
-        for point, name, hook in (("dump", "10-criu-dump", "criu-dump"),
-                                  ("pre-restore", "10-criu-restore", "criu-restore")):
-            link_hook(d / "hooks", point, name, hook)
+        link_hooks(d / "hooks", CRIU_HOOKS)
         ctl = ControllerProcess(d, self.toml(node, transport), wrap=self.made.enter(self.ns[node]))
         self.controllers[node] = ctl
         self.started.append(ctl)

@@ -25,7 +25,7 @@ from ckpt_controller.errors import OperationError
 from support import ROOT
 from support.config import engines_toml
 from support.criu import CRIU, criu_missing, required
-from support.hooks import link_hook
+from support.hooks import CRIU_HOOKS, link_hook, link_hooks
 from support.processes import kill_naming, pids_naming
 from support.timing import deadline_in, scaled
 
@@ -115,8 +115,7 @@ def test_dump_stops_the_engine_and_restore_brings_it_back(spawn_reference, spawn
 
 def _stop_and_restore(eng, spawn_controller) -> None:
     ctl = spawn_controller(config_for(eng))
-    link_hook(ctl, "dump", "10-criu-dump", "criu-dump")
-    link_hook(ctl, "pre-restore", "10-criu-restore", "criu-restore")
+    link_hooks(ctl, CRIU_HOOKS)
     with EngineClient(eng.api) as api:
         want = api.generate([5, 6, 7], 40).token_ids
         kept = api.submit([8, 8, 8], 400)
@@ -191,8 +190,7 @@ def test_under_load_dump_kill_restore_loses_nothing(spawn_reference, spawn_contr
     eng = tcp_engine(spawn_reference, "crload")
     try:
         ctl = spawn_controller(config_for(eng))
-        link_hook(ctl, "dump", "10-criu-dump", "criu-dump")
-        link_hook(ctl, "pre-restore", "10-criu-restore", "criu-restore")
+        link_hooks(ctl, CRIU_HOOKS)
         box = {}
         load = threading.Thread(target=lambda: box.update(zip(("report", "requests"), run_load(
             eng.api, rate=30, duration_s=4.0, seed=5, settle_s=60))))
@@ -400,8 +398,7 @@ def test_a_restore_from_a_damaged_image_fails_at_once_and_the_next_one_works(
     eng = tcp_engine(spawn_reference, "crdmgctl")
     try:
         ctl = spawn_controller(config_for(eng))
-        link_hook(ctl, "dump", "10-criu-dump", "criu-dump")
-        link_hook(ctl, "pre-restore", "10-criu-restore", "criu-restore")
+        link_hooks(ctl, CRIU_HOOKS)
         assert ctl.ckptctl("prepare", eng.name).returncode == 0
         out = ctl.ckptctl("capture", eng.name, "--json", "--op-id", "snap")
         assert out.returncode == 0, out.stdout + out.stderr

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from support import ROOT
+from support.config import engines_toml
 from support.timing import scaled
 
 
@@ -139,7 +140,7 @@ def test_a_capture_that_fails_after_the_gpu_was_taken_gives_it_back(
                        "STANDIN_LOG": str(tmp_path / "calls.log"),
                        "STANDIN_CUDA_PIDS": str(eng.pid)}.items():
         monkeypatch.setenv(key, value)  # the controller's environment reaches its hooks
-    ctl = spawn_controller(f'[[engine]]\nname = "gpu"\ncontrol = "{eng.control}"\n')
+    ctl = spawn_controller(engines_toml(("gpu", eng.control)))
     for point, name, target in (("dump", "05-cuda-checkpoint", HOOK),
                                 ("pre-restore", "20-cuda-checkpoint", HOOK),
                                 ("pre-restore", "10-criu-restore", ROOT / "hooks" / "criu-restore")):

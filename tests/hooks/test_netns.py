@@ -19,6 +19,7 @@ from ckpt_controller.procutil import ReadyProcess
 from ckpt_controller.security import generate
 from support import ROOT
 from support.cli import CKPTCTL, ckptctl
+from support.config import engines_toml
 from support.netns_util import Namespaces, ip, run_tag
 from support.timing import deadline_in, scaled, wait_until
 
@@ -61,8 +62,8 @@ def test_cycle_and_link_cut_across_network_namespaces(two_hosts, tmp_path, model
     (tmp_path / "ctl.toml").write_text(
         f'[controller]\nendpoint = "{endpoint}"\nstate_dir = "{tmp_path / "state"}"\n'
         f'curve_secret_key = "{keys["controller"][1]}"\nreconcile_interval_s = 1\n\n'
-        f'[[engine]]\nname = "far"\ncontrol = "tcp://{ENG_IP}:7700"\n'
-        f'curve_server_key = "{keys["engine"][0]}"\n')
+        + engines_toml(("far", f"tcp://{ENG_IP}:7700"),
+                       extra=f'curve_server_key = "{keys["engine"][0]}"'))
     ctl = ReadyProcess(["ip", "netns", "exec", two_hosts["ctl_ns"], *py, "serve", "--config",
                         str(tmp_path / "ctl.toml")], tmp_path / "controller.log", "controller",
                        cwd=ROOT)

@@ -48,3 +48,18 @@ def link_hook(where, point: str, name: str, shipped: str) -> Path:
     if not link.is_symlink():
         link.symlink_to(ROOT / "hooks" / shipped)
     return link
+
+
+#: the shipped CRIU hooks as a node runs them: ``(point, name, shipped hook)``
+CRIU_HOOKS = (("dump", "10-criu-dump", "criu-dump"),
+              ("pre-restore", "10-criu-restore", "criu-restore"))
+#: the same with ``tcp-hold`` around them (new connections wait while the engine is out)
+CRIU_TCP_HOLD_HOOKS = (("dump", "05-tcp-hold", "tcp-hold"), CRIU_HOOKS[0],
+                       ("post-dump", "95-tcp-hold", "tcp-hold"), CRIU_HOOKS[1],
+                       ("pre-restore", "30-tcp-hold", "tcp-hold"))
+
+
+def link_hooks(where, table) -> None:
+    """``link_hook`` for each ``(point, name, shipped)`` of ``table`` (``CRIU_HOOKS``)."""
+    for point, name, shipped in table:
+        link_hook(where, point, name, shipped)

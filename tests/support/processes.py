@@ -169,6 +169,17 @@ def settled(eng, timeout_s: float = 30.0) -> bool:
         return False
 
 
+def wait_state(control: str, state: str, timeout_s: float = 20.0) -> None:
+    """Poll the agent at ``control`` until it says ``state`` (``timing.scaled`` timeout)."""
+    from ckpt_controller.agent import AgentClient
+
+    deadline = deadline_in(timeout_s)
+    with AgentClient(control) as agent:
+        while agent.status().state != state:
+            assert time.monotonic() < deadline, f"never {state}"
+            time.sleep(0.005)
+
+
 class SharedEngine:
     """One engine process kept for the tests of a module that only need it RUNNING and idle
     (its start-up, mostly importing torch, is most of such a test's time). ``get`` hands it

@@ -27,6 +27,7 @@ from ckpt_controller.errors import CkptError, EngineError, VerificationError
 from ckpt_controller.procutil import ReadyProcess
 from support import ROOT
 from support.cli import CKPTCTL, ckptctl
+from support.config import engines_toml
 from support.timing import deadline_in, scaled
 from support.vllm import NO_VLLM, VLLM_PY
 
@@ -236,8 +237,7 @@ def _transition_walls(ctl, op_id: str) -> dict[str, float]:
 @pytest.mark.parametrize("mode", ["wait", "abort", "keep"])
 def test_cycle_under_concurrent_completions(mode, vllm, sidecar, spawn_controller):
     side = sidecar()
-    ctl = spawn_controller(f'[[engine]]\nname = "vl"\ncontrol = "{side.info["control"]}"\n'
-                           f'kind = "vllm"\n')
+    ctl = spawn_controller(engines_toml(("vl", side.info["control"]), kind="vllm"))
     golden = vllm.complete("the engine drains", 12, ignore_eos=True).text
     uninterrupted = Batch(vllm.url, PROMPTS).start().join() if mode == "keep" else None
 
@@ -298,8 +298,7 @@ def vllm_pid(http: VllmHttp) -> int:
 
 def test_wait_drain_deadline_escalates_to_abort(vllm, sidecar, spawn_controller):
     side = sidecar()
-    ctl = spawn_controller(f'[[engine]]\nname = "vl"\ncontrol = "{side.info["control"]}"\n'
-                           f'kind = "vllm"\n')
+    ctl = spawn_controller(engines_toml(("vl", side.info["control"]), kind="vllm"))
     with ControllerClient(ctl.endpoint) as client:
         result, outcomes = under_load(vllm, lambda n: client.prepare(
             ["vl"], drain="wait", drain_timeout=0.5, on_deadline="abort", level=0),
@@ -469,7 +468,7 @@ def test_a_sidecar_killed_mid_prepare_is_resumed_by_the_reconciler_keeping_its_g
     side = sidecar("vk")
     control = side.info["control"]
     (ipc_dir / "hooks").mkdir(exist_ok=True)  # the config names it; none are installed
-    ctl = spawn_controller(f'[[engine]]\nname = "vk"\ncontrol = "{control}"\nkind = "vllm"\n',
+    ctl = spawn_controller(engines_toml(("vk", control), kind="vllm"),
                            controller_keys=f"reconcile_interval_s = {RECONCILE_S}\n")
     assert ctl.ckptctl("cycle", "vk", "--level", "0", "--json").returncode == 0
     generation = json.loads(ctl.ckptctl("status", "vk", "--json").stdout)[
@@ -649,8 +648,8 @@ def test_one_prometheus_scrapes_the_vllm_server_and_the_controller(vllm, vllm_se
 
     prometheus_tool("prometheus")  # or skip, saying so
     side = sidecar()
-    ctl = spawn_controller(f'metrics_port = 0\n[[engine]]\nname = "vl"\n'
-                           f'control = "{side.info["control"]}"\nkind = "vllm"\n')
+    ctl = spawn_controller("metrics_port = 0\n"
+                           + engines_toml(("vl", side.info["control"]), kind="vllm"))
     controller = f"127.0.0.1:{ctl.info['metrics_port']}"
     prom = Prometheus(ipc_dir / "prom", {"ckpt-controller": [controller],
                                          "vllm": [f"127.0.0.1:{vllm_server.port}"]})

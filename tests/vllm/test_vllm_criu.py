@@ -19,8 +19,9 @@ from ckpt_controller.adapters.vllm import VllmHttp
 from ckpt_controller.procutil import ReadyProcess
 from support import ROOT
 from support.cli import CKPTCTL
+from support.config import engines_toml
 from support.criu import CRIU, criu_missing
-from support.hooks import link_hook
+from support.hooks import CRIU_HOOKS, CRIU_TCP_HOLD_HOOKS, link_hooks
 from support.timing import deadline_in, scaled
 from support.vllm import NO_VLLM, VLLM_PY, VllmServer, make_tiny_llama
 from test_vllm_tcp_hold import SteadyLoad, assert_none_lost
@@ -75,11 +76,8 @@ def test_vllm_captured_stopped_and_restored_from_its_image(capturable_vllm, spaw
                          server.url, "--control", f"ipc://{ipc_dir}/vc", "--name", "vc",
                          "--heartbeat", "1.0"], ipc_dir / "vc.log", "vLLM sidecar", cwd=ROOT)
     try:
-        ctl = spawn_controller(f'[[engine]]\nname = "vc"\ncontrol = "{side.info["control"]}"\n'
-                               f'kind = "vllm"\n')
-        for point, name, hook in (("dump", "10-criu-dump", "criu-dump"),
-                                  ("pre-restore", "10-criu-restore", "criu-restore")):
-            link_hook(ctl, point, name, hook)
+        ctl = spawn_controller(engines_toml(("vc", side.info["control"]), kind="vllm"))
+        link_hooks(ctl, CRIU_HOOKS)
         http = VllmHttp(server.url, timeout_s=120)
         want = http.complete(PROMPT, 16, ignore_eos=True).text
 
@@ -132,14 +130,8 @@ def test_vllm_under_load_loses_no_request_across_a_stop_capture_and_restore(
                          "--heartbeat", "1.0"], ipc_dir / "vl.log", "vLLM sidecar", cwd=ROOT)
     try:
         hooks = ipc_dir / "hooks"
-        for point, name, hook in (("dump", "05-tcp-hold", "tcp-hold"),
-                                  ("dump", "10-criu-dump", "criu-dump"),
-                                  ("post-dump", "95-tcp-hold", "tcp-hold"),
-                                  ("pre-restore", "10-criu-restore", "criu-restore"),
-                                  ("pre-restore", "30-tcp-hold", "tcp-hold")):
-            link_hook(hooks, point, name, hook)
-        ctl = spawn_controller(f'[[engine]]\nname = "vl"\ncontrol = "{side.info["control"]}"\n'
-                               f'kind = "vllm"\n')
+        link_hooks(hooks, CRIU_TCP_HOLD_HOOKS)
+        ctl = spawn_controller(engines_toml(("vl", side.info["control"]), kind="vllm"))
         load = SteadyLoad(server.url, every_s=0.25, max_tokens=24).start()
         time.sleep(3)
         out = ctl.ckptctl("prepare", "vl", "--drain", "keep", "--level", "1", "--json")

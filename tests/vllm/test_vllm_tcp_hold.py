@@ -29,8 +29,9 @@ from ckpt_controller.errors import CkptError
 from ckpt_controller.procutil import ReadyProcess
 from support import ROOT
 from support.cli import CKPTCTL
+from support.config import engines_toml
 from support.criu import CRIU, criu_missing
-from support.hooks import link_hook
+from support.hooks import CRIU_TCP_HOLD_HOOKS, link_hooks
 from support.timing import deadline_in, scaled
 from support.vllm import STANDIN_SERVER
 
@@ -147,14 +148,8 @@ def test_no_request_is_lost_across_a_stop_capture_and_restore(standin, spawn_con
     try:
         assert side.info["engine_pid"] == standin.pid
         hooks = ipc_dir / "hooks"
-        for point, name, hook in (("dump", "05-tcp-hold", "tcp-hold"),
-                                  ("dump", "10-criu-dump", "criu-dump"),
-                                  ("post-dump", "95-tcp-hold", "tcp-hold"),
-                                  ("pre-restore", "10-criu-restore", "criu-restore"),
-                                  ("pre-restore", "30-tcp-hold", "tcp-hold")):
-            link_hook(hooks, point, name, hook)
-        ctl = spawn_controller(f'[[engine]]\nname = "sv"\ncontrol = "{side.info["control"]}"\n'
-                               f'kind = "vllm"\n')
+        link_hooks(hooks, CRIU_TCP_HOLD_HOOKS)
+        ctl = spawn_controller(engines_toml(("sv", side.info["control"]), kind="vllm"))
         load = SteadyLoad(standin.url).start()
         time.sleep(0.5)
         out = ctl.ckptctl("prepare", "sv", "--drain", "keep", "--level", "1", "--json")
