@@ -49,7 +49,7 @@ from pathlib import Path
 
 from _common import ROOT, median, parser, table, write
 
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "fleet")]  # support; the fleet tests
 import test_migration as tm  # noqa: E402  (the two nodes the migration tests use)
 from support.criu import migration_missing  # noqa: E402
 from support.processes import kill_naming  # noqa: E402

@@ -33,7 +33,7 @@ def main() -> int:
             out = Path(d) / "run.json"
             done = subprocess.run(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "vllm",
-                 str(ROOT / "tests" / "test_vllm_criu.py")], cwd=ROOT, capture_output=True,
+                 str(ROOT / "tests" / "vllm" / "test_vllm_criu.py")], cwd=ROOT, capture_output=True,
                 text=True, env={**os.environ, "CKPT_BENCH_JSON": str(out)})
             if not out.exists():
                 print(f"skipped or failed: {done.stdout[-600:]}")
