@@ -82,7 +82,7 @@ etcd: .cache/etcd/bin/etcd
 	tools/install-etcd .cache/etcd
 
 # Prometheus 2.x and promtool from Debian's archive in a private prefix (.cache/prometheus/bin),
-# for tests/test_prometheus.py (the alert rules, the dashboard's queries, a real scrape)
+# for tests/controller/test_prometheus.py (the alert rules, the dashboard's queries, a real scrape)
 prometheus: .cache/prometheus/bin/prometheus
 
 .cache/prometheus/bin/prometheus: tools/install-prometheus

@@ -1,7 +1,7 @@
 """Fleet overhead: the same engines cycled by a fleet operation through etcd and by their
 node controllers directly, in one run, and the etcd requests each way costs per engine.
 
-One real etcd member (``tests/etcd_cluster.py`` starts it, from ``make etcd``); ``--nodes``
+One real etcd member (``tests/support/etcd_cluster.py`` starts it, from ``make etcd``); ``--nodes``
 node controllers, each a real ``ControllerServer`` alone in its process with a ``[fleet]``
 table (its node name, lease_ttl_s 5, publish_interval_s 0.5) and ``--agents`` engines: real
 ``Agent`` objects with nothing registered, in agent host processes. Once ``fleet status``
@@ -50,7 +50,7 @@ from _common import ROOT, median, parser, table, write
 from _hosts import ControllerHost, Fleet
 
 sys.path.insert(0, str(ROOT / "tests"))
-import etcd_cluster  # noqa: E402  (the tests' own way of starting a member)
+from support import etcd_cluster  # noqa: E402  (the tests' own way of starting a member)
 
 #: issue 16's limits: (key, what, limit, unit)
 GOALS = [("requests_per_engine", "etcd requests per engine per fleet cycle, net", 6.0,

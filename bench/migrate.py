@@ -2,11 +2,11 @@
 cold start of the same engine on the target node, and what moving the image costs; both
 image transports (``page-server``, ``shared``) in one run.
 
-Each repeat is two fresh nodes (``Pair`` of ``tests/test_migration.py``: two node controllers
-in network namespaces of their own on one link-local segment made by ``tests/netns_util.py``'s
-``Namespaces.segment``, etcd in the root namespace, the criu-dump/criu-restore hooks), with
-the node's ``[defaults] level`` set to ``--level`` (0 by default: the weights stay in the
-process and go with the image). In each:
+Each repeat is two fresh nodes (``Pair`` of ``tests/fleet/test_migration.py``: two node controllers
+in network namespaces of their own on one link-local segment made by
+``tests/support/netns_util.py``'s ``Namespaces.segment``, etcd in the root namespace, the
+criu-dump/criu-restore hooks), with the node's ``[defaults] level`` set to ``--level`` (0 by
+default: the weights stay in the process and go with the image). In each:
 
 - cold start: the engine's own command (``unshare --pid --fork setsid ckptctl engine serve``,
   the same model, on other ports) started in n2's namespace; from the process's start to the
@@ -31,8 +31,9 @@ the page cache the later ones then find warm too, as a target that migrated woul
 Compare the ratios (downtime / cold start, moved / image), not the absolute times: these
 machines are shared and noisy. Needs root, ``ip``, ``nsenter``, ``unshare``, ``make criu``
 and ``make etcd``; says why and exits 2 without them.
-Neighbours: ``tests/test_migration.py`` (``Pair``, ``_why_not``), ``tests/netns_util.py``,
-``ckpt_controller/fleet/migration.py`` (the record read here), ``_common`` (tables, JSON).
+Neighbours: ``tests/fleet/test_migration.py`` (``Pair``), ``tests/support/`` (``criu``,
+``netns_util``), ``ckpt_controller/fleet/migration.py`` (the record read here), ``_common``
+(tables, JSON).
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ from pathlib import Path
 
 from _common import ROOT, median, parser, table, write
 
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "fleet")]  # support; the fleet tests
 import test_migration as tm  # noqa: E402  (the two nodes the migration tests use)
-from conftest import kill_naming, wait_until  # noqa: E402
+from support.criu import migration_missing  # noqa: E402
+from support.processes import kill_naming  # noqa: E402
+from support.timing import wait_until  # noqa: E402
 
 from ckpt_controller.criu_images import PAGE_SIZE, read_stats  # noqa: E402
 
@@ -276,7 +279,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 
 
 def measure(args) -> dict:
-    why = tm._why_not()
+    why = migration_missing()
     if why is not None:
         raise SystemExit(f"bench/migrate.py: {why}")
     # ipc and interface names stay short: a private folder under /tmp

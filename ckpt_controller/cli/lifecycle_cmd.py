@@ -1,6 +1,6 @@
 """``ckptctl lifecycle [--format text|mermaid]``: the lifecycle's diagram, drawn from its one
 table (``lifecycle.TRANSITIONS``), so the README and docs/agent.md can show it without keeping
-a copy by hand (tests/test_lifecycle.py compares them with this output).
+a copy by hand (tests/core/test_lifecycle.py compares them with this output).
 
 Building the parser loads nothing of the lifecycle: ``run`` imports it, and the mermaid form
 alone loads transitions' diagrams extension. Neighbours: ``lifecycle`` (the table and its

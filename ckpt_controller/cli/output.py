@@ -13,7 +13,7 @@ A document is built by ``document(kind, body)``; ``emit`` prints it as one line,
 it is one of a stream (``watch --json``: JSON lines). Imports msgspec only: the Structs it
 walks come from its callers. Neighbours: ``cli.common``, the
 ``*_cmds`` modules (each ``--json`` goes through here), ``protocol`` and ``fleet.keys`` (the
-Structs), docs/json.md (the shapes, checked against real output by tests/test_json_shapes.py).
+Structs), docs/json.md (the shapes, checked against real output by tests/cli/test_json_shapes.py).
 """
 
 from __future__ import annotations

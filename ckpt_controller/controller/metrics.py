@@ -11,7 +11,7 @@ Neighbours: ``service`` and ``session`` report operations, ``journaled`` reads t
 records as they are written, ``monitor`` reports what heartbeats say; ``MetricsServer`` serves
 ``GET``/``HEAD`` on ``/metrics`` and ``/healthz`` on ``controller.metrics_host:metrics_port``
 (config), its health asked of ``server.ControllerServer``. deploy/prometheus/ holds alert rules
-and deploy/grafana/ a dashboard written against these names (tests/test_prometheus.py).
+and deploy/grafana/ a dashboard written against these names (tests/controller/test_prometheus.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ a failed capture, a point whose engine's process is gone, the fleet's take-over 
 migrated engine is admitted. A row says what a failure there does (``HookFailure``: a veto, a roll back to
 RUNNING, FAILED, or a log line), the reason the engine's journal gives, and the states the
 engine is in when the point runs (the action's trigger must be allowed there:
-``tests/test_policy.py``). ``hook_failed`` applies a row; its one caller is the session's
+``tests/controller/test_policy.py``). ``hook_failed`` applies a row; its one caller is the session's
 runner (``EngineSession.at``), which runs a point and turns any failure to run it into the
 step's outcome. The drill derives what each injected hook fault must lead to from the same
 table (``row``). Neighbours: ``vocab`` (the words), ``outcome`` (what a step returns),

@@ -6,7 +6,7 @@ namespace, so that only that namespace's node controller can reach them).
 
 Starts an ``Agent(NAME, control=ENDPOINT)`` for each, prints one JSON ready line on stdout
 once every control endpoint is bound, and runs until SIGTERM or SIGINT, then closes them.
-Neighbours: ``ckpt_controller.agent`` (``Agent``), ``tests/test_fleet_netns.py`` (its user).
+Neighbours: ``ckpt_controller.agent`` (``Agent``), ``tests/fleet/test_fleet_netns.py`` (its user).
 """
 
 from __future__ import annotations

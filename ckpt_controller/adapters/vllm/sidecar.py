@@ -21,7 +21,7 @@ resume      ``/resume`` if still paused, ``/wake_up`` if memory still sleeps, th
             completion; a mismatch pauses (abort) and fails the restore
 ==========  ================================================================================
 
-vLLM's quirks it lives with (each pinned by a test in ``tests/test_vllm_adapter.py``):
+vLLM's quirks it lives with (each pinned by a test in ``tests/vllm/test_vllm_adapter.py``):
 ``is_sleeping`` is true while merely paused, so state reads ``is_paused`` too; a full
 ``wake_up`` resumes a pause by itself (so weights are verified before the last wake-up);
 ``/resume`` after ``/sleep`` leaves memory asleep (so resume checks and wakes); a failed

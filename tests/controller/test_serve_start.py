@@ -1,0 +1,105 @@
+"""``ckptctl serve`` as it starts and stops: one controller per state directory, its socket
+file removed on exit and reclaimed after a kill -9, and every value that passes the config
+checks but that the running system refuses, refused at start naming the file and key (exit 2).
+Real ``ckptctl serve`` processes throughout."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+from ckpt_controller.procutil import ReadyProcess
+from support import ROOT
+from support.cli import CKPTCTL, ckptctl
+from support.timing import scaled
+
+
+def _config(folder: Path, name: str, extra: str = "", *, endpoint: str | None = None,
+            state: Path | None = None) -> Path:
+    """A config of its own state dir and endpoint unless given."""
+    path = folder / f"{name}.toml"
+    path.write_text(f'[controller]\nendpoint = "{endpoint or f"ipc://{folder}/{name}.sock"}"\n'
+                    f'state_dir = "{state or folder / f"{name}-state"}"\n' + extra)
+    return path
+
+
+def _serve(config: Path, log: Path) -> ReadyProcess:
+    return ReadyProcess([*CKPTCTL, "serve", "--config",
+                         str(config)], log, "controller", cwd=ROOT)
+
+
+def test_one_controller_per_state_dir_and_its_socket_file(ipc_dir):
+    sock = ipc_dir / "ctl.sock"
+    config = _config(ipc_dir, "c", endpoint=f"ipc://{sock}")
+    first = _serve(config, ipc_dir / "first.log")
+    try:
+        second = ckptctl("serve", "--config", str(config))
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert second.stdout == ""  # never announced itself ready
+        assert f"pid {first.pid}" in second.stderr and "controller.state_dir" in second.stderr
+        assert str(config) in second.stderr
+        # the first still owns its socket and answers on it
+        assert sock.is_socket()
+        assert ckptctl("history", "--json", endpoint=f"ipc://{sock}").returncode == 0
+        # another state directory on the same endpoint: refused too, naming the endpoint
+        other = _config(ipc_dir, "other", endpoint=f"ipc://{sock}")
+        third = ckptctl("serve", "--config", str(other))
+        assert third.returncode == 2 and "controller.endpoint" in third.stderr, third.stderr
+        assert ckptctl("history", "--json", endpoint=f"ipc://{sock}").returncode == 0
+        first.stop()
+        assert not sock.exists()  # removed on exit
+        # killed with -9, a controller leaves its socket file: the next one reclaims it
+        first = _serve(config, ipc_dir / "first.log")
+        assert sock.is_socket()
+        first.kill9()
+        assert sock.is_socket()
+        again = _serve(config, ipc_dir / "again.log")
+        try:
+            assert again.info["pid"] != first.pid
+            assert ckptctl("history", "--json", endpoint=f"ipc://{sock}").returncode == 0
+        finally:
+            again.stop()
+        assert not sock.exists()
+    finally:
+        first.stop()
+
+
+def test_values_the_running_system_refuses_are_refused_at_start(ipc_dir):
+    """Each value passes the file's own checks but cannot work here: ``ckptctl serve`` exits
+    2 at once, naming the file and the key, with no traceback."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    (ipc_dir / "a-file").write_text("")
+    cases = {
+        "controller.state_dir": _config(ipc_dir, "file-state", state=ipc_dir / "a-file"),
+        "controller.state_dir ": _config(ipc_dir, "proc-state", state=Path("/proc/ckpt-state")),
+        "controller.endpoint": _config(ipc_dir, "no-folder",
+                                       endpoint=f"ipc://{ipc_dir}/missing/ctl.sock"),
+        "controller.endpoint ": _config(ipc_dir, "port-taken",
+                                        endpoint=f"tcp://127.0.0.1:{port}"),
+        "controller.metrics_port": _config(ipc_dir, "metrics-taken",
+                                           f"metrics_port = {port}\n"),
+        "controller.hooks_dir": _config(ipc_dir, "no-hooks",
+                                        f'hooks_dir = "{ipc_dir}/no-hooks"\n'),
+        "controller.reconcile_interval_s": _config(ipc_dir, "forever",
+                                                   "reconcile_interval_s = 1e12\n"),
+    }
+    procs = {key: subprocess.Popen([*CKPTCTL, "serve",
+                                    "--config", str(path)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for key, path in cases.items()}
+    try:
+        for key, proc in procs.items():
+            out, err = proc.communicate(timeout=scaled(60))
+            assert proc.returncode == 2, (key, out, err)
+            assert key.strip() in err and str(cases[key]) in err, (key, err)
+            assert "Traceback" not in err and out == "", (key, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        taken.close()

@@ -1,0 +1,6 @@
+"""Drill tests: ``ckptctl drill`` with each fault of the fault table (docs/drills.md).
+
+No fixture here is shared by two of this folder's modules yet; the suite's own fixtures are in
+``tests/conftest.py``. A fixture only this folder's tests use goes here.
+Neighbours: ``tests/conftest.py``, the ``support`` package.
+"""

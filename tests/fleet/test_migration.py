@@ -1,0 +1,585 @@
+"""Migration between two nodes, for real: two node controllers, each in a network namespace of
+its own on one link-local segment (a bridge in a third namespace; the root namespace on it
+too, where etcd and the test's clients are), sharing the filesystem. A reference engine runs
+on n1 in its own PID namespace, listening on wildcard addresses; ``ckptctl fleet migrate``
+moves it to n2 with CRIU under load (the page-server transport and the shared folder), and
+the clients, following the engine through the registry, lose nothing: every request kept
+across the move ends with the tokens an engine that never moved gives. The failure points
+(each with the engine RUNNING on exactly one node after it) are here too. Needs root,
+``ip netns``, nsenter, unshare, ``make criu`` and ``make etcd``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ckpt_controller.procutil import ReadyProcess
+from support import ROOT, etcd_cluster
+from support.cli import CKPTCTL, ckptctl
+from support.config import engines_toml, node_toml
+from support.criu import migration_missing, required
+from support.hooks import CRIU_HOOKS, link_hooks, write_hook
+from support.netns_util import Namespaces, run_tag
+from support.processes import ControllerProcess, kill_naming, stop_all
+from support.timing import deadline_in, scaled, wait_until
+
+pytestmark = pytest.mark.fleet
+
+API_PORT, CONTROL_PORT = 7711, 7712
+TTL_S = 2
+_reason = required(migration_missing(), "the migration tests")
+
+
+class Pair:
+    """Two nodes (n1, n2) and etcd, made for one test; ``close`` takes everything away."""
+
+    def __init__(self, d: Path, model_dir: Path, transport: str,
+                 coordinator: bool = False, level: int = 2,
+                 engine_args: tuple[str, ...] = (), ttl: int = TTL_S) -> None:
+        """``level``: the nodes' default release level; ``engine_args``: more options for
+        every engine started (``--model small``, say); ``ttl``: the nodes' lease TTL."""
+        self.ttl = ttl
+        tag = run_tag()
+        self.d, self.model_dir = d, model_dir
+        self.held: list[int] = []  # the pause hooks' FIFOs, open for writing (go)
+        self.level, self.engine_args = level, tuple(engine_args)
+        self.ns = {"n1": f"ckpt-m1-{tag}", "n2": f"ckpt-m2-{tag}"}
+        self.made = Namespaces.or_skip(self.ns["n1"])
+        self.started: list[ReadyProcess] = []
+        self.controllers: dict[str, ControllerProcess] = {}
+        try:
+            self.made.add(self.ns["n2"])
+            addrs = self.made.segment(f"ckpt-ms-{tag}", {self.ns["n1"]: f"vckm1{tag}",
+                                                        self.ns["n2"]: f"vckm2{tag}"},
+                                      root_if=f"vckmr{tag}")
+            self.addr = {"n1": addrs[self.ns["n1"]], "n2": addrs[self.ns["n2"]],
+                         "root": addrs["root"]}
+            self.etcd = etcd_cluster.EtcdCluster(d / "etcd", size=1, hosts=[addrs["root"]])
+            self.url = self.etcd.urls[0]
+            self.shared = d / "shared"
+            self.shared.mkdir(mode=0o700)
+            if coordinator:  # an engine-less node in the root namespace, elected first
+                (d / "c0").mkdir()
+                self.controllers["c0"] = ControllerProcess(d / "c0",
+                                                           node_toml(self.etcd, "c0", ttl=TTL_S))
+                self.started.append(self.controllers["c0"])
+                wait_until(lambda: self.coordinator() == "c0", timeout_s=20,
+                           what="c0 coordinating")
+            for node in ("n1", "n2"):
+                self.start_controller(node, transport)
+        except BaseException:
+            self.close()
+            raise
+
+    def toml(self, node: str, transport: str) -> str:
+        out = (f'[defaults]\ndrain = "keep"\nlevel = {self.level}\n\n'
+               + node_toml(self.etcd, node, ttl=self.ttl, address=self.addr[node])
+               + f'\n[migration]\nimage_transport = "{transport}"\nshared_dir = "{self.shared}"\n')
+        if node == "n1":
+            out += self.engine_table()
+        return out
+
+    def engine_table(self) -> str:
+        """n1's engine in its TOML."""
+        return "\n" + engines_toml(("m0", f"tcp://127.0.0.1:{CONTROL_PORT}"))
+
+    def start_controller(self, node: str, transport: str) -> ControllerProcess:
+        d = self.d / node
+        link_hooks(d / "hooks", CRIU_HOOKS)
+        ctl = ControllerProcess(d, self.toml(node, transport), wrap=self.made.enter(self.ns[node]))
+        self.controllers[node] = ctl
+        self.started.append(ctl)
+        return ctl
+
+    def coordinator(self) -> str | None:
+        from ckpt_controller.fleet.keys import Keys
+
+        with self.etcd.client() as c:
+            kv = c.get(Keys("/ckpt").coordinator)
+            return kv.value.decode() if kv else None
+
+    def pause(self, node: str, point: str) -> None:
+        """A hook at ``point`` on ``node`` that runs before the real ones: it says it is
+        there (``at``) and waits for ``go``, so the test acts at that exact moment. It waits
+        reading a FIFO, not polling with ``sleep``: while vLLM keeps both CPUs busy, starting
+        a process takes 0.1 s on average here and once took seconds, and a polling hook then
+        went on long after ``go``."""
+        marks = self.d / "marks"
+        marks.mkdir(exist_ok=True)
+        fifo = marks / f"{node}-{point}.fifo"
+        if not fifo.exists():
+            os.mkfifo(fifo, 0o600)
+        write_hook(self.d / node / "hooks", point, "05-pause",
+                   f"touch {marks}/{node}-{point}.at\n"
+                   f"[ -e {marks}/{node}-{point}.go ] || read line < {fifo}\n"
+                   f": > {marks}/{node}-{point}.left")  # a builtin: no process
+
+    def paused(self, node: str, point: str, timeout_s: float = 120) -> None:
+        wait_until(lambda: (self.d / "marks" / f"{node}-{point}.at").exists(),
+                   timeout_s=timeout_s, every_s=0.05, what=f"{node} at its {point} hooks")
+
+    def go(self, node: str, point: str) -> None:
+        """Lets the hooks at ``point`` go on: one waiting now reads a line from the FIFO
+        (held open here, so the lines stay until it reads), one that starts later sees
+        ``go``."""
+        marks = self.d / "marks"
+        (marks / f"{node}-{point}.go").touch()
+        fd = os.open(marks / f"{node}-{point}.fifo", os.O_RDWR | os.O_NONBLOCK)
+        os.write(fd, b"go\n" * 16)
+        self.held.append(fd)
+
+    def migrate(self, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([*CKPTCTL, "--etcd", self.url,
+                                 "fleet", "migrate", "m0", "--to", "n2", "--drain", "keep",
+                                 "--op-id", "mv", "--json", *extra], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+    def live_engines(self) -> list[int]:
+        """The engine processes that run (not stopped, not zombies): the original's or its
+        restored copy's, whichever exist; never ``unshare``/``nsenter`` around them."""
+        live = []
+        for pid in self.engine_pids():
+            try:
+                proc = psutil.Process(pid)
+                if os.path.basename(proc.cmdline()[0]) in ("unshare", "nsenter"):
+                    continue
+                if proc.status() not in ("zombie", "stopped", "dead"):
+                    live.append(pid)
+            except psutil.NoSuchProcess:  # policy: ended meanwhile: not live
+                continue
+        return live
+
+    def in_node(self, pid: int) -> str | None:
+        ino = net_of(pid)
+        return next((n for n, ns in self.ns.items()
+                     if os.stat(f"/run/netns/{ns}").st_ino == ino), None)
+
+    def start_engine(self, name: str = "m0", node: str = "n1", api: int = API_PORT,
+                     control: int = CONTROL_PORT) -> ReadyProcess:
+        """The reference engine in ``node``'s network namespace and a PID namespace of its
+        own (so a copy restored beside its stopped original gets its PIDs), in a session of
+        its own, listening on wildcard addresses."""
+        eng = ReadyProcess([*self.made.enter(self.ns[node]), "unshare", "--pid", "--fork",
+                            "setsid", *CKPTCTL, "engine",
+                            "serve", "--name", name, "--api", f"tcp://0.0.0.0:{api}",
+                            "--control", f"tcp://0.0.0.0:{control}", "--model-dir",
+                            str(self.model_dir), "--heartbeat", "0.2", *self.engine_args],
+                           self.d / f"{name}.log", f"engine {name}", cwd=ROOT, timeout_s=300)
+        self.started.append(eng)
+        return eng
+
+    def fleet(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return ckptctl("--etcd", self.url, "fleet", *args, timeout=timeout)
+
+    def engine_record(self, name: str = "m0") -> dict | None:
+        r = self.fleet("status", "--json", timeout=60)
+        if not r.stdout.strip():
+            return None
+        for row in json.loads(r.stdout).get("engines", []):
+            if row["engine"]["engine"] == name:
+                return dict(row["engine"], node_up=row["node_up"])
+        return None
+
+    def running_on(self, node: str, name: str = "m0") -> dict | None:
+        rec = self.engine_record(name)
+        return rec if rec and rec["node"] == node and rec["state"] == "running" \
+            and rec["node_up"] and rec.get("reachable", True) else None
+
+    def engine_pids(self) -> set[int]:
+        """Every process of this test's engines (the originals and restored copies): their
+        command lines name this test's model folder."""
+        from support.processes import pids_naming
+
+        return pids_naming(str(self.model_dir))
+
+    def close(self) -> None:
+        for fd in self.held:  # a hook still reading sees the end of its FIFO and goes on
+            os.close(fd)
+        # the engines first, by SIGKILL: a PID namespace's init ignores SIGTERM
+        kill_naming(str(self.model_dir))
+        stop_all(self.started)
+        if getattr(self, "etcd", None) is not None:
+            self.etcd.close()
+        self.made.remove()
+
+
+@pytest.fixture
+def model_dir_private(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    return d
+
+
+def net_of(pid: int) -> int:
+    return os.stat(f"/proc/{pid}/ns/net").st_ino
+
+
+PROMPTS = [[i + 1, 7, 3] for i in range(6)]
+LONG = 400
+
+
+def exact_outputs(client) -> list[list[int]]:
+    return [client.generate(p, LONG).token_ids for p in PROMPTS]
+
+
+@pytest.mark.skipif(_reason is not None, reason=_reason or "")
+@pytest.mark.parametrize("transport", ["page-server", "shared"])
+def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
+                                                                      model_dir_private,
+                                                                      transport):
+    from ckpt_controller.engine.client import EngineClient
+    from ckpt_controller.fleet.registry import Resolver
+
+    pair = Pair(tmp_path, model_dir_private, transport)
+    try:
+        pair.start_engine()
+        wait_until(lambda: pair.running_on("n1"), timeout_s=30, every_s=0.2,
+                   what="m0 RUNNING on n1 in the registry")
+        rec = pair.engine_record()
+        assert rec["endpoints"]["api"] == f"tcp://{pair.addr['n1']}:{API_PORT}"
+        before = pair.engine_pids()
+        with EngineClient.for_engine("m0", Resolver(pair.url)) as client:
+            want = exact_outputs(client)
+            kept = [client.submit(p, LONG) for p in PROMPTS]
+            # in flight when the migration starts: each has tokens, none has ended
+            wait_until(lambda: client.poll(0.05) is not None and all(
+                client.requests[i].token_ids for i in kept), timeout_s=30,
+                what="every kept request under way")
+            assert not any(client.requests[i].ended for i in kept)
+            # and `ckptctl load`, following the engine by name, all through the move
+            load_cli = subprocess.Popen([*CKPTCTL, "load",
+                                         "--engine", "m0", "--etcd", pair.url, "--rate", "10",
+                                         "--duration", "20", "--json"],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, cwd=ROOT)
+            mig = subprocess.Popen([*CKPTCTL, "--etcd",
+                                    pair.url, "fleet", "migrate", "m0", "--to", "n2",
+                                    "--drain", "keep", "--op-id", "mv1", "--json"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   cwd=ROOT)
+            load: list[str] = []
+            deadline = deadline_in(240)
+            while (mig.poll() is None or not all(client.requests[i].ended for i in kept)) \
+                    and time.monotonic() < deadline:
+                if len(load) < 40:
+                    load.append(client.submit([9, 9, len(load) % 50 + 1], 20))
+                client.poll(0.05)
+            out, err = mig.communicate(timeout=scaled(10))
+            assert mig.returncode == 0, out + err
+            doc = json.loads(out)
+            assert doc["migration"]["outcome"] == "moved", doc
+            assert [d["step"] for d in doc["migration"]["done"]] == [
+                "receive", "send", "adopt", "finish"]
+            # the kept requests ended on n2 with exactly the tokens of an engine never moved
+            assert [client.requests[i].token_ids for i in kept] == want
+            # kept, not run again: each was queued once, on n1, and finished on n2
+            assert all(sum(e.type == "queued" for e in client.requests[i].events) == 1
+                       for i in kept)
+            assert client.moves == [f"tcp://{pair.addr['n2']}:{API_PORT}"]
+            # the load: each request ended (done, or refused while the engine was away, with
+            # a retryable rejection); none is left without an end
+            wait_until(lambda: client.poll(0.05) is not None and all(
+                client.requests[i].ended for i in load), timeout_s=60,
+                what="every load request ended")
+            done = [client.requests[i] for i in load if client.requests[i].rejected is None]
+            assert done and all(c.finish_reason == "length" for c in done)
+            refused = [client.requests[i].rejected for i in load
+                       if client.requests[i].rejected is not None]
+            out, err = load_cli.communicate(timeout=scaled(120))
+            report = json.loads(out)
+            assert report["lost"] == 0 and report["errored"] == 0, out + err
+            assert report["completed"] > 0 and report["sent"] == 200, report
+            assert all(r.kind in ("RejectedError", "OverloadedError")
+                       and "retry_after_s" in r.details for r in refused), refused
+        # the registry names n2 and its endpoints; n1 shows the engine as moved
+        rec = wait_until(lambda: pair.running_on("n2"), timeout_s=15, every_s=0.2,
+                         what="m0 RUNNING on n2 in the registry")
+        assert rec["endpoints"]["api"] == f"tcp://{pair.addr['n2']}:{API_PORT}"
+        st = pair.controllers["n1"].ckptctl("status", "--json")
+        assert "moved" in st.stdout and "n2" in st.stdout, st.stdout
+        # exactly one engine process runs, in n2's network namespace; the original is gone
+        after = pair.engine_pids()
+        live = [p for p in after if psutil.Process(p).status() != "zombie"
+                and os.path.basename(psutil.Process(p).cmdline()[0]) not in ("unshare",
+                                                                            "nsenter")]
+        assert len(live) == 1, (before, after)
+        assert net_of(live[0]) == os.stat(f"/run/netns/{pair.ns['n2']}").st_ino
+        assert not (before & set(live))
+        if transport == "page-server":  # adopted for good: the target, restarted, keeps it
+            n2 = pair.controllers["n2"]
+            n2.stop()
+            pair.started.remove(n2)
+            pair.start_controller("n2", transport)
+            wait_until(lambda: pair.running_on("n2"), timeout_s=30, every_s=0.2,
+                       what="m0 RUNNING on n2 after n2's controller restarted")
+            assert pair.live_engines() == live
+    finally:
+        pair.close()
+
+
+# ---------------------------------------------------------------- the failure points
+
+class Moving:
+    """A migration under way, with requests kept across it, for one failure point."""
+
+    def __init__(self, pair: Pair) -> None:
+        from ckpt_controller.engine.client import EngineClient
+        from ckpt_controller.fleet.registry import Resolver
+
+        self.pair = pair
+        pair.start_engine()
+        wait_until(lambda: pair.running_on("n1"), timeout_s=30, every_s=0.2,
+                   what="m0 RUNNING on n1 in the registry")
+        self.client = EngineClient.for_engine("m0", Resolver(pair.url))
+        self.want = exact_outputs(self.client)
+        self.kept = [self.client.submit(p, LONG) for p in PROMPTS]
+        wait_until(lambda: self.client.poll(0.05) is not None and all(
+            self.client.requests[i].token_ids for i in self.kept), timeout_s=30,
+            what="every kept request under way")
+
+    def start(self) -> subprocess.Popen:
+        self.mig = self.pair.migrate()
+        return self.mig
+
+    def ended(self, rc: int, outcome: str, timeout_s: float = 240) -> dict:
+        """The migration's end: its exit code and outcome as expected (the client polled
+        meanwhile, so it follows the engine wherever it goes)."""
+        deadline = deadline_in(timeout_s)
+        while self.mig.poll() is None and time.monotonic() < deadline:
+            self.client.poll(0.05)
+        out, err = self.mig.communicate(timeout=scaled(10))
+        assert self.mig.returncode == rc, out + err
+        doc = json.loads(out)
+        assert doc["migration"]["outcome"] == outcome, doc
+        return doc
+
+    def runs_on(self, node: str, requests: bool = True) -> None:
+        """The engine RUNNING on ``node`` and nowhere else: the registry says so, exactly
+        one engine process runs, in ``node``'s network namespace; with ``requests`` every
+        kept request ends there with the tokens of an engine never moved."""
+        p = self.pair
+        wait_until(lambda: p.running_on(node), timeout_s=30, every_s=0.2,
+                   what=f"m0 RUNNING on {node} in the registry")
+        live = wait_until(lambda: len(got := p.live_engines()) == 1 and got, timeout_s=15,
+                          what="exactly one engine process running")
+        assert p.in_node(live[0]) == node
+        if requests:
+            wait_until(lambda: self.client.poll(0.05) is not None and all(
+                self.client.requests[i].ended for i in self.kept), timeout_s=60,
+                what="every kept request ended")
+            assert [self.client.requests[i].token_ids for i in self.kept] == self.want
+        with p.etcd.client() as c:
+            from ckpt_controller.fleet.keys import Keys
+
+            assert c.get(Keys("/ckpt").owner("m0")).value.decode() == node
+            assert c.get(Keys("/ckpt").lock("m0")) is None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@pytest.fixture
+def pair(tmp_path, model_dir_private):
+    """Two nodes with the page-server transport."""
+    if _reason is not None:
+        pytest.skip(_reason)
+    made = Pair(tmp_path, model_dir_private, "page-server")
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def test_the_page_server_killed_mid_dump_the_engine_stays_on_the_source(pair):
+    pair.pause("n1", "dump")
+    m = Moving(pair)
+    try:
+        m.start()
+        pair.paused("n1", "dump")
+        from support.processes import pids_naming
+
+        servers = [p for p in pids_naming(str(pair.d / "n2" / "state"))
+                   if "page-server" in psutil.Process(p).cmdline()]
+        assert servers, "the target's page server runs"
+        for pid in servers:
+            os.kill(pid, 9)
+        pair.go("n1", "dump")
+        doc = m.ended(1, "stayed")
+        assert "could not send it" in doc["migration"]["error"]
+        m.runs_on("n1")
+    finally:
+        m.close()
+
+
+def test_the_engine_killed_in_the_dump_is_reported_lost(pair):
+    pair.pause("n1", "dump")
+    m = Moving(pair)
+    try:
+        m.start()
+        pair.paused("n1", "dump")
+        (pid,) = pair.live_engines()
+        os.kill(pid, 9)
+        pair.go("n1", "dump")
+        doc = m.ended(4, "lost")
+        assert doc["op"]["status"] == "failed"
+        assert pair.live_engines() == []
+        rec = pair.engine_record()
+        assert rec["node"] == "n1" and rec["state"] != "running"
+    finally:
+        m.close()
+
+
+def test_an_image_damaged_in_transit_is_refused_and_the_source_resumes(pair):
+    pair.pause("n2", "pre-restore")
+    m = Moving(pair)
+    try:
+        m.start()
+        pair.paused("n2", "pre-restore")
+        folder = pair.d / "n2" / "state" / "images" / "m0" / "mv.m0.capture"
+        core = sorted(folder.glob("core-*.img"))[0]
+        data = bytearray(core.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # one bit pattern flipped on the way
+        core.write_bytes(bytes(data))
+        pair.go("n2", "pre-restore")
+        doc = m.ended(1, "stayed")
+        assert "checksum" in doc["migration"]["error"] or "damaged" in doc["migration"]["error"]
+        m.runs_on("n1")
+    finally:
+        m.close()
+
+
+def test_the_targets_port_taken_the_restore_fails_and_the_source_resumes(pair):
+    blocker = subprocess.Popen([*pair.made.enter(pair.ns["n2"]), sys.executable, "-c",
+                                "import socket,sys,time\ns=socket.socket()\n"
+                                f"s.bind(('0.0.0.0',{API_PORT}))\ns.listen()\n"
+                                "print('ready',flush=True)\ntime.sleep(600)"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert blocker.stdout.readline().strip() == "ready"
+        m = Moving(pair)
+        try:
+            m.start()
+            doc = m.ended(1, "stayed")
+            assert "restore" in doc["migration"]["error"]
+            m.runs_on("n1")
+        finally:
+            m.close()
+    finally:
+        blocker.kill()
+        blocker.wait()
+        blocker.stdout.close()
+
+
+def test_the_restored_engine_killed_on_the_target_the_source_resumes(pair):
+    pair.pause("n2", "post-restore")  # after re-wake, before re-admission
+    m = Moving(pair)
+    try:
+        m.start()
+        pair.paused("n2", "post-restore")
+        copies = [p for p in pair.live_engines() if pair.in_node(p) == "n2"]
+        assert len(copies) == 1
+        os.kill(copies[0], 9)
+        pair.go("n2", "post-restore")
+        m.ended(1, "stayed")
+        m.runs_on("n1")
+    finally:
+        m.close()
+
+
+def test_the_target_controller_killed_mid_adopt_the_source_resumes(pair):
+    pair.pause("n2", "post-restore")
+    m = Moving(pair)
+    try:
+        m.start()
+        pair.paused("n2", "post-restore")
+        pair.controllers["n2"].kill9()
+        doc = m.ended(1, "stayed")
+        assert doc["migration"]["done"][-2]["status"] == "lost"  # the adopt, with its node
+        pair.go("n2", "post-restore")
+        # the copy restored on n2 is no longer n2's to run: n2, back, does not resume it
+        # (its recovery asks etcd who owns it: n1), and ends it
+        pair.started.remove(pair.controllers["n2"])
+        n2 = pair.start_controller("n2", "page-server")
+        m.runs_on("n1")
+        log = n2.log_path.read_text()
+        assert "recovered interrupted operation mv.m0.restore (restore): m0 failed" in log, \
+            log[-3000:]
+    finally:
+        m.close()
+
+
+def test_the_source_controller_killed_after_the_send_the_engine_moves(pair):
+    pair.pause("n2", "pre-restore")
+    m = Moving(pair)
+    try:
+        m.start()
+        pair.paused("n2", "pre-restore")
+        pair.controllers["n1"].kill9()
+        pair.go("n2", "pre-restore")
+        doc = m.ended(0, "moved")
+        assert "ends its stopped copy when it is back" in doc["migration"]["error"]
+        # n1, back, ends the stopped copy it left and shows the engine as moved
+        pair.started.remove(pair.controllers["n1"])
+        ctl = pair.start_controller("n1", "page-server")
+        m.runs_on("n2")
+        wait_until(lambda: "MOVED to node n2" in ctl.ckptctl("status").stdout, timeout_s=20,
+                   what="n1 shows m0 as moved")
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("node,point", [("n1", "dump"), ("n2", "pre-restore")],
+                         ids=["mid-send", "mid-adopt"])
+def test_the_coordinator_killed_another_takes_over_and_no_step_runs_twice(tmp_path,
+                                                                           model_dir_private,
+                                                                           node, point):
+    if _reason is not None:
+        pytest.skip(_reason)
+    pair = Pair(tmp_path, model_dir_private, "page-server", coordinator=True)
+    try:
+        pair.pause(node, point)
+        m = Moving(pair)
+        try:
+            m.start()
+            pair.paused(node, point)
+            pair.controllers["c0"].kill9()
+            wait_until(lambda: pair.coordinator() in ("n1", "n2"), timeout_s=TTL_S + 5,
+                       what="n1 or n2 coordinating within the lease's TTL")
+            pair.go(node, point)
+            doc = m.ended(0, "moved")
+            assert [d["step"] for d in doc["migration"]["done"]] == [
+                "receive", "send", "adopt", "finish"]
+            m.runs_on("n2")
+            for n in ("n1", "n2"):  # each step's local operations ran once
+                log = (tmp_path / n / "controller.log").read_text()
+                for step in ("receive", "send", "adopt", "finish"):
+                    assert log.count(f"migration mv of m0: {step} starts here") <= 1, (n, step)
+        finally:
+            m.close()
+    finally:
+        pair.close()
+
+
+def test_the_source_controller_killed_mid_send_the_engine_stays_and_resumes(pair):
+    pair.pause("n1", "dump")
+    m = Moving(pair)
+    try:
+        m.start()
+        pair.paused("n1", "dump")
+        pair.controllers["n1"].kill9()
+        doc = m.ended(1, "failed")
+        assert doc["migration"]["done"][1]["status"] == "lost"
+        pair.go("n1", "dump")
+        # n1, back, finds the engine it was sending still its own, and resumes it
+        pair.started.remove(pair.controllers["n1"])
+        pair.start_controller("n1", "page-server")
+        m.runs_on("n1")
+    finally:
+        m.close()
