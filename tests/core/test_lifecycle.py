@@ -176,6 +176,33 @@ def test_the_machine_is_transitions_without_shortcuts():
         assert lc.allowed(s) == [T(t) for t in machine.get_triggers(s.value)]
 
 
+def test_a_transition_with_callbacks_runs_the_librarys_whole_execute():
+    """The lifecycle's transitions skip the callback lists its table leaves empty; a machine
+    of the same classes given a condition or a callback still runs them (the library's
+    ``execute``), so the shortcut cannot drop one."""
+    config = lifecycle.machine_config()
+    calls: list[str] = []
+
+    class Model:
+        def allowed(self) -> bool:
+            calls.append("condition")
+            return self.ok
+
+        def before(self) -> None:
+            calls.append("before")
+
+    model = Model()
+    model.ok = False
+    machine = lifecycle._Machine(model=model, **config)
+    machine.add_transition("hold", "running", "preparing", conditions="allowed",
+                           before="before")
+    assert model.hold() is False and model.state == "running" and calls == ["condition"]
+    model.ok = True
+    assert model.hold() is True and model.state == "preparing"
+    assert calls == ["condition", "condition", "before"]
+    assert type(machine.events["prepare"].transitions["running"][0]) is lifecycle._Transition
+
+
 @pytest.mark.parametrize(("source", "trigger"), sorted(LEGAL))
 def test_every_row_moves_through_the_machine(source, trigger):
     lc = Lifecycle(initial=source)
