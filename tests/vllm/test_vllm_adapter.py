@@ -586,7 +586,7 @@ def test_each_sample_config_works_as_written_for_a_vllm_engine(where, text, vllm
                       str(controller_key)]
     fleet = conf.get("fleet", {})
     if any(k in fleet for k in ("ca_cert", "cert", "key")):  # TLS for etcd: real certificates
-        from etcd_cluster import Certs
+        from support.etcd_cluster import Certs
 
         made = Certs(ipc_dir / "made-certs")
         for key, source in (("ca_cert", made.ca), ("cert", made.client),
