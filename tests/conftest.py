@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 
 import pytest
 import zmq
@@ -24,6 +25,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # thread per core slow each other down many times over. One compute thread each, set
     # before anything imports torch, for this worker and every process it starts.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    # started in the background by a shell without job control (`make test &`): SIGINT is
+    # ignored, and every ckptctl a test starts would inherit that, so the tests that press
+    # Ctrl-C on one would wait in vain. Those tests try the default, Python's own handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 #: CI sets this: every real part (CRIU, nftables, vLLM, network namespaces) can be installed
 #: there, so a test that would skip for want of one fails instead. Only a GPU may be missing.
