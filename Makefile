@@ -18,10 +18,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # the default suite on TEST_WORKERS pytest-xdist workers (most of its time is tests waiting on
-# the processes they start); `PYTEST_ARGS="-n 0"` runs it in one process
+# the processes they start), an idle worker taking tests queued for a busy one (worksteal);
+# `PYTEST_ARGS="-n 0"` runs it in one process. Compiled bytecode is kept under .cache/pycache
+# even where the environment says not to write it (PYTHONDONTWRITEBYTECODE): otherwise every
+# worker rewrites every test module's asserts and every process it starts compiles the package
+# again (about a minute of the two cores' time a run)
 TEST_WORKERS ?= 4
+TEST_ENV := PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(CURDIR)/.cache/pycache
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/ckptctl demo
@@ -62,11 +67,11 @@ bench-gpu: $(STAMP)
 	$(PY) bench/memory.py --device cuda --level 2 --sizes 1,2,4,8 --out bench/results/memory-cuda-level2.json
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 # the fleet suite (needs `make etcd`): node controllers in real etcd members
 test-fleet: $(STAMP)
-	$(PY) -m pytest -m 'fleet and not slow and not vllm' -n 2 $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -m 'fleet and not slow and not vllm' -n 2 $(PYTEST_ARGS)
 
 # CRIU 4.2+ from Debian's unstable suite in a private prefix (.cache/criu/bin/criu)
 criu: .cache/criu/bin/criu

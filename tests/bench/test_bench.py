@@ -161,7 +161,7 @@ def test_agent_cost_of_a_no_op_prepare_and_restore(tmp_path):
 
 
 def test_release_and_rewake_against_the_copy_limits(tmp_path):
-    res = bench(tmp_path, "memory", "--sizes", "0.25", "--repeat", "2")
+    res = bench(tmp_path, "memory", "--sizes", "0.0625", "--repeat", "2")
     (row,) = res["sizes"]
     assert row["verified_tensors"] == 1  # the re-woken weight was checked bit-exact
     for key in ("fresh_s", "touched_s", "prefaulted_s", "release_s", "rewake_s"):
@@ -213,7 +213,7 @@ def test_capture_against_an_unprepared_dump(tmp_path):
 
     if (why := criu_missing()) is not None:
         pytest.skip(why)
-    res = bench(tmp_path, "capture", "--repeat", "1", "--image-dir", str(tmp_path))
+    res = bench(tmp_path, "capture", "--repeat", "1", "--model", "tiny", "--image-dir", str(tmp_path))
     levels = [d["level"] for d in res["dumps"]]
     assert levels == [None, 1, 2] and all(d["image_bytes"] > 0 for d in res["dumps"])
     unprepared, _, level2 = res["dumps"]
