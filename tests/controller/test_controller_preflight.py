@@ -14,7 +14,7 @@ from ckpt_controller.agent import AgentClient
 from ckpt_controller.controller.journal import Journal
 from support.config import engines_toml
 from support.processes import wait_state
-from support.timing import scaled
+from support.timing import scaled, wait_until
 
 
 def _unsettled_and_dead(spawn_engine, ctl_of, name: str):
@@ -112,6 +112,14 @@ def test_a_group_with_one_dead_engine_takes_none_out_of_service(spawn_controller
         # a healthy engine in the wrong state refuses the group too
         with AgentClient(agents[1].endpoint) as c:
             c.prepare(op_id="by-hand", level=0)
+
+        def heard(engine: str, state: str) -> bool:
+            doc = json.loads(ctl.ckptctl("status", engine, "--json").stdout)
+            return doc["engines"][0]["status"]["state"] == state
+
+        # the preflight goes by what the controller heard from gd2 in the last second (one
+        # that changed within that second is found by the operation itself): wait for it
+        wait_until(lambda: heard("gd2", "prepared"), 20, "the controller told of the prepare")
         out = ctl.ckptctl("cycle", "gd1", "gd2", "--json")
         assert out.returncode == 2, out.stdout + out.stderr
         assert "gd2 is prepared" in json.loads(out.stdout)["error"]["message"]
