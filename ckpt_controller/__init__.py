@@ -5,8 +5,8 @@ below it, with no import cycle, also through imports inside functions: tested):
 
     vocab         every state, trigger, mode, reason, level and status (imports nothing)
     errors        the error tree
-    foundations   small helpers: units, clock, values, endpoints, processes, CURVE keys,
-                  systemd's notify socket, CRIU images
+    foundations   small helpers: units, clock, values, files, endpoints, processes, CURVE
+                  keys, systemd's notify socket, CRIU images
     lifecycle     the one transition table, on ``transitions``
     protocol      wire messages (msgspec) and framing (pyzmq-free codec)
     transport     pyzmq sockets: the control loop, clients, first contact, the hub
@@ -32,7 +32,7 @@ __all__ = ["CheckpointState", "ControllerClient", "__version__"]
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vocab", ("vocab", "version")),
     ("errors", ("errors",)),
-    ("foundations", ("units", "clock", "values", "endpoints", "procutil", "security",
+    ("foundations", ("units", "clock", "values", "files", "endpoints", "procutil", "security",
                      "sdnotify", "criu_images")),
     ("lifecycle", ("lifecycle",)),
     ("protocol", ("protocol",)),

@@ -42,6 +42,10 @@ import zmq
 from zmq.utils import z85
 
 from ckpt_controller.errors import ConfigError, UsageError
+from ckpt_controller.files import UnfitFileError, read_small
+
+#: the largest key file read (one holds two 40-character keys and a comment)
+MAX_KEY_FILE_BYTES = 64 << 10
 
 log = logging.getLogger("ckpt_controller.security")
 
@@ -82,10 +86,13 @@ def load(path: Path | str, *, secret: bool, what: str = "key") -> tuple[bytes, b
     path = Path(path)
     try:
         st = path.stat()
-        text = path.read_text()
+        text = read_small(path, MAX_KEY_FILE_BYTES).decode("utf-8", errors="replace")
     except OSError as exc:
         raise ConfigError(f"cannot read the {what} file {path}: {exc.strerror}",
                           file=str(path), key=what, problem=str(exc.strerror)) from None
+    except UnfitFileError as exc:  # policy: a device, FIFO or huge file is no key file
+        raise ConfigError(f"cannot read the {what} file {path}: {exc}", file=str(path),
+                          key=what, problem=str(exc)) from None
     keys = {}
     for line in text.splitlines():
         name, sep, value = line.strip().partition("=")

@@ -47,6 +47,7 @@ from ckpt_controller.controller.config_schema import (
 )
 from ckpt_controller.endpoints import check_endpoint, check_name, runtime_dir
 from ckpt_controller.errors import ConfigError, UsageError
+from ckpt_controller.files import UnfitFileError, read_small
 from ckpt_controller.security import CurveClient
 from ckpt_controller.vocab import (
     DrainMode,
@@ -58,6 +59,8 @@ from ckpt_controller.vocab import (
 
 #: the longest duration any key may give (a day): longer ones overflow timers and waits
 MAX_SECONDS = values.MAX_DURATION_S
+#: the largest config file read (a roster of thousands of engines is well under 1 MiB)
+MAX_CONFIG_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -283,9 +286,12 @@ def load_config(path: str | os.PathLike[str]) -> ControllerConfig:
     """Read and check the TOML file at ``path``; ``ConfigError`` for any problem."""
     file = os.fspath(path)
     try:
-        raw = Path(file).read_bytes()
-    except OSError as err:  # policy: missing, unreadable, a directory: the person fixes the path
+        raw = read_small(file, MAX_CONFIG_BYTES)
+    except OSError as err:  # policy: missing or unreadable: the person fixes the path
         raise error(file, None, f"cannot read the file: {err.strerror or err}") from None
+    except UnfitFileError as err:  # policy: a device, FIFO, directory or huge file: refused
+        # before reading (``/dev/zero`` once read 1.6 GiB, a FIFO waited for a writer)
+        raise error(file, None, f"cannot read the file: {err}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:  # policy: TOML is UTF-8 by definition: report, do not guess
