@@ -17,6 +17,8 @@ back into the same class on the other side. Neighbours: ``protocol`` carries err
     +-- RejectedError          exit 1  admission closed: retry after ``retry_after_s`` (temporary)
     +-- BusyError              exit 1  another operation holds the engine (temporary)
     |   +-- NodeNameTakenError         another controller holds this node's name in etcd
+    +-- StateDirError          exit 1  the controller's state dir cannot be written (disk full,
+    |                                  read-only, I/O error): refused, nothing began
     +-- OperationError         exit 1  an operation ran and failed (it was rolled back or FAILED)
     |   +-- DrainError                 in-flight requests could not be drained as asked
     |   +-- MemoryError_               releasing or re-waking memory failed
@@ -90,6 +92,12 @@ class NodeNameTakenError(BusyError):
     """Raised when another controller holds this node's name in etcd (a second copy of the
     node, or this one's previous life whose lease has not expired yet); ``details['node']``.
     The node tries again each round: a restarted one waits out its old lease."""
+
+
+class StateDirError(CkptError):
+    """Raised when the controller cannot write its journal in its state dir (the disk is full,
+    the file system read-only, an I/O error): the request is refused before anything began.
+    ``details`` name the ``state_dir`` and the ``problem``; retry once it has room again."""
 
 
 class ImageError(UsageError):

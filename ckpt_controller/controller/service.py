@@ -41,7 +41,8 @@ from ckpt_controller.controller.reconcile import Reconciler
 from ckpt_controller.controller.session import EngineSession
 from ckpt_controller.controller.statedir import claim
 from ckpt_controller.controller.workers import Workers
-from ckpt_controller.errors import BusyError, CkptError, OperationError, UsageError
+from ckpt_controller.errors import (BusyError, CkptError, OperationError, StateDirError,
+                                    UsageError)
 from ckpt_controller.vocab import OperationKind, OperationStatus, OutcomeStatus, RosterChange
 
 log = logging.getLogger("ckpt_controller.controller")
@@ -217,6 +218,23 @@ class Controller:
         if self.metrics:
             self.metrics.operation_finished(kind, outcome)
 
+    def _refusal(self, cmd: p.OperationCommand, exc: Exception) -> CkptError:
+        """What refuses ``cmd`` when ``exc`` stopped it before it began: its own typed error,
+        a ``StateDirError`` naming the state dir when the journal could not be written (a full
+        disk), else an ``OperationError`` saying the controller failed."""
+        if isinstance(exc, CkptError):
+            return exc
+        if isinstance(exc, sqlite3.Error) \
+                and getattr(exc, "sqlite_errorname", "") != "SQLITE_CONSTRAINT_UNIQUE":
+            # (a repeated id is admission's to answer: one here is a controller error)
+            return StateDirError(f"cannot begin {cmd.kind} {cmd.op_id}: the journal in "
+                                 f"{self.config.state_dir} cannot be written ({exc}); nothing "
+                                 "began: free space there (or fix the file system) and retry",
+                                 state_dir=str(self.config.state_dir), problem=str(exc),
+                                 op_id=cmd.op_id)
+        return OperationError(f"controller error before the operation began: {exc!r}",
+                              op_id=cmd.op_id)
+
     def _refuse(self, cmd: p.OperationCommand, err: CkptError) -> None:
         """End a request that never became an operation: its engines are free again and
         every caller waiting on its id gets ``err``."""
@@ -245,8 +263,7 @@ class Controller:
                 self.links.give(e, link)
             if self.guard is not None:
                 self.guard.free(cmd.op_id, cmd.kind, engines, None)
-            self._refuse(cmd, exc if isinstance(exc, CkptError) else OperationError(
-                f"controller error before the operation began: {exc!r}", op_id=cmd.op_id))
+            self._refuse(cmd, self._refusal(cmd, exc))
             return
         wall, start = time.time(), time.monotonic()
         try:

@@ -351,3 +351,28 @@ def test_a_history_of_large_group_operations_is_answered_with_what_fits(spawn_co
     ops = [o["op_id"] for o in json.loads(out.stdout)["operations"]]
     assert 100 < len(ops) < 2_000
     assert ops == [f"group-{i:05d}" for i in range(1_999, 1_999 - len(ops), -1)]  # the newest
+
+
+def test_a_full_disk_refuses_an_operation_naming_the_state_dir(spawn_engine, spawn_controller):
+    """The journal cannot be written (a trigger stands in for a full disk: SQLite's own
+    words): the operation is refused before it touches an engine, as a ``StateDirError``
+    (exit 1) naming the state dir and saying what to do, not an untyped ``OperationalError``;
+    with room again the same request goes through."""
+    eng = spawn_engine("df1", weights_mib=4, kv_mib=1, layers=1)
+    ctl = spawn_controller(engines_toml(eng))
+    journal = ctl.state_dir / "journal.sqlite3"
+    db = sqlite3.connect(journal, isolation_level=None)
+    db.execute("CREATE TRIGGER full BEFORE INSERT ON operations "
+               "BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END")
+    out = ctl.ckptctl("prepare", "df1", "--op-id", "df-1", "--json")
+    assert out.returncode == 1, out.stdout + out.stderr
+    err = json.loads(out.stdout)["error"]
+    assert err["kind"] == "StateDirError" and err["exit_code"] == 1, err
+    assert err["details"]["state_dir"] == str(ctl.state_dir)
+    assert "disk is full" in err["details"]["problem"] and "free space" in err["message"]
+    status = json.loads(ctl.ckptctl("status", "df1", "--json").stdout)
+    assert status["engines"][0]["status"]["state"] == "running"
+    db.execute("DROP TRIGGER full")
+    db.close()
+    out = ctl.ckptctl("prepare", "df1", "--op-id", "df-1", "--level", "0", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
