@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import time
 
 from ckpt_controller import protocol as p
+from ckpt_controller.controller import openfiles
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.metrics import Metrics, MetricsServer
 from ckpt_controller.controller.monitor import EngineMonitor
@@ -29,30 +29,10 @@ from ckpt_controller.security import CurveServer
 
 log = logging.getLogger("ckpt_controller.controller")
 
-#: file descriptors the controller may hold per engine (its link: a socket, its monitor pair,
-#: zmq's mailboxes; the monitor's link; a probe's), and besides the engines
-FILES_PER_ENGINE = 12
-FILES_BASE = 256
 #: while operations run, journal records reach subscribers at most about this late: they go
 #: with the next message that wakes the control thread (an operation's reply) instead of each
 #: waking it, and the thread looks at least this often meanwhile
 RECORDS_DELAY_S = 0.02
-
-
-def raise_open_files(needed: int) -> None:
-    """Raise the soft limit on open files towards ``needed`` (at most the hard limit): a
-    controller of a thousand engines needs several thousand, and the usual soft limit is
-    1,024. Says so in the log when the hard limit is lower."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    if target > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    if target < needed:
-        log.warning("open files are limited to %d (hard limit); %d engines may need %d: "
-                    "raise LimitNOFILE (systemd) or ulimit -Hn", target, needed // FILES_PER_ENGINE,
-                    needed)
 
 
 class ControllerServer(RpcServer):
@@ -70,7 +50,11 @@ class ControllerServer(RpcServer):
             config, metrics=self.metrics, publish=self.publish,
             publish_records=lambda recs: self.publish_gathered(recs, _journaled))
         # after the controller: its journal's adopted engines count too
-        raise_open_files(FILES_PER_ENGINE * len(config.engines) + FILES_BASE)
+        try:  # a roster the open-files limit cannot hold: ConfigError, the start refused
+            openfiles.ensure(len(config.engines))
+        except Exception:  # policy: close what the controller opened, then refuse
+            self.controller.close()
+            raise
         self.controller.on_roster.append(self._roster_changed)
         self.metrics_server: MetricsServer | None = None
         self.monitor: EngineMonitor | None = None  # follows heartbeats for the engine gauges
@@ -119,7 +103,7 @@ class ControllerServer(RpcServer):
         """An engine adopted (``engine`` its config) or given away (None): the monitor
         follows it or stops, and the open-files limit grows with the engines."""
         if engine is not None:
-            raise_open_files(FILES_PER_ENGINE * len(self.config.engines) + FILES_BASE)
+            openfiles.ensure(len(self.config.engines))  # adopt checked that it fits
         monitor = self.monitor
         if monitor is not None:
             if engine is not None:

@@ -30,7 +30,7 @@ import msgspec
 
 from ckpt_controller import hub
 from ckpt_controller import protocol as p
-from ckpt_controller.controller import preflight, recovery, roster, steps
+from ckpt_controller.controller import openfiles, preflight, recovery, roster, steps
 from ckpt_controller.controller.admission import Admission, Done
 from ckpt_controller.controller.config import ControllerConfig, EngineConfig, Roster
 from ckpt_controller.controller.fanout import fan_out, rolling, summarize
@@ -400,6 +400,7 @@ class Controller:
                 raise UsageError(f"engine {name!r} is driven by this controller already; "
                                  "only an engine it does not drive (or gave away) can be "
                                  "adopted", engine=name, op_id=op_id, origin=origin)
+            openfiles.ensure(len(current.by_name) + 1)  # ConfigError: no room for one more
             self.journal.roster_change(name, RosterChange.ADOPTED, op_id, origin, data)
             self._changes[name] = (RosterChange.ADOPTED, op_id)
             with self.admission.lock:

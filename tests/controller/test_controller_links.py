@@ -19,7 +19,7 @@ from ckpt_controller.controller.config import parse_config
 from ckpt_controller.controller.service import Controller
 from ckpt_controller.errors import UnreachableError
 from ckpt_controller.rpc import new_op_id
-from support.config import controller_toml
+from support.config import controller_toml, engines_toml
 from support.timing import deadline_in, scaled
 
 
@@ -120,20 +120,56 @@ def test_a_refused_operation_gives_its_links_back(tmp_path, spawn_engine):
 
 
 def test_the_controller_raises_its_open_files_limit_for_its_engines():
-    """A thousand engines need thousands of descriptors; the usual soft limit is 1,024."""
+    """A thousand engines need thousands of descriptors; the usual soft limit is 1,024. The
+    soft limit is raised to what the roster needs; a roster the hard limit cannot hold is a
+    ``ConfigError`` saying how many fit, and changes nothing."""
     import subprocess
     import sys
 
     code = ("import resource\n"
-            "from ckpt_controller.controller.server import raise_open_files\n"
-            "resource.setrlimit(resource.RLIMIT_NOFILE, (512, 4096))\n"
-            "raise_open_files(3000); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
-            "raise_open_files(100_000); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n")
+            "from ckpt_controller.controller import openfiles\n"
+            "from ckpt_controller.errors import ConfigError\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (512, 8192))\n"
+            "print(openfiles.ensure(100), openfiles.ensure(600))\n"
+            "try:\n"
+            "    openfiles.ensure(700)\n"
+            "except ConfigError as err:\n"
+            "    print(err.details['fits'], err.details['needed'], err.exit_code, err.message)\n"
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=scaled(60))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["3000", "4096"]  # as asked; then capped at the hard limit
-    assert "hard limit" in out.stderr
+    raised, refused, soft = out.stdout.splitlines()
+    assert raised.split() == [str(12 * 100 + 256), str(12 * 600 + 256)]
+    assert refused.split()[:3] == ["661", str(12 * 700 + 256), "2"]
+    assert "room for 661 engines: raise LimitNOFILE=" in refused
+    assert soft == str(12 * 600 + 256)  # the refusal changed nothing
+
+
+def test_a_roster_the_hard_limit_cannot_hold_is_refused_at_start(ipc_dir):
+    """``ckptctl serve`` with 40 engines and a hard limit of 512 open files exits 2 at once,
+    saying what to raise: it once started, warned, and died of EMFILE (libzmq's abort) in
+    the middle of a cycle of all its engines."""
+    import resource
+    import subprocess
+
+    from support.cli import CKPTCTL
+
+    (ipc_dir / "hooks").mkdir()
+    config = ipc_dir / "controller.toml"
+    config.write_text(f'[controller]\nendpoint = "ipc://{ipc_dir}/c.sock"\n'
+                      f'state_dir = "{ipc_dir}/state"\nhooks_dir = "{ipc_dir}/hooks"\n'
+                      + engines_toml(*[(f"e{i}", f"ipc://{ipc_dir}/e{i}.ctl")
+                                       for i in range(40)]))
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512))
+
+    out = subprocess.run([*CKPTCTL, "serve", "--config", str(config)], capture_output=True,
+                         text=True, timeout=scaled(60), preexec_fn=low_limit)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "40 engines need about 736 open files" in out.stderr
+    assert "room for 21 engines: raise LimitNOFILE=" in out.stderr
 
 
 def test_a_link_that_cannot_be_made_refuses_the_operation(tmp_path, spawn_engine,

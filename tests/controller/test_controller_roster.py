@@ -224,3 +224,23 @@ def test_a_malformed_roster_row_refuses_the_start_clearly(tmp_path, damage, prob
     assert "Traceback" not in out.stderr, out.stderr
     _damage(tmp_path, "DELETE FROM roster")  # the person's repair: it starts again
     Controller(parse_config(toml)).close()
+
+
+def test_an_adoption_the_open_files_limit_cannot_hold_is_refused_before_it_is_journaled(
+        tmp_path, monkeypatch):
+    """One engine more than the hard open-files limit holds: the adoption is refused with
+    the ``ConfigError`` that says what to raise, and nothing is journaled or driven."""
+    from ckpt_controller.controller import openfiles
+
+    server = _server(_toml(tmp_path, ("h1", f"ipc://{tmp_path}/h1.ctl")))
+    try:
+        ctl = server.controller
+        hard = openfiles.needed(1)  # room for the one engine it has, not for two
+        monkeypatch.setattr(openfiles.resource, "getrlimit", lambda which: (hard, hard))
+        with pytest.raises(ConfigError, match="room for 1 engines: raise LimitNOFILE="):
+            ctl.adopt(EngineConfig(name="g1", control=f"ipc://{tmp_path}/g1.ctl"),
+                      op_id="mig-fd", origin="node-a")
+        assert "g1" not in _views(ctl)
+        assert [row for row in ctl.journal.roster() if row[1] == "g1"] == []
+    finally:
+        server.close()

@@ -72,14 +72,14 @@ def test_the_config_refuses_a_device_a_fifo_and_a_huge_file_at_once(tmp_path, fi
     for path, words in (("/dev/zero", "character device"), (fifo, "FIFO"),
                         (huge, f"more than the {MAX_CONFIG_BYTES}")):
         with pytest.raises(ConfigError, match=f"cannot read the file: .*{words}") as info:
-            within(5, lambda: load_config(path))
+            within(5, lambda path=path: load_config(path))
         assert info.value.details["file"] == str(path) and info.value.exit_code == 2
 
 
 def test_a_key_file_that_is_no_file_is_refused(fifo):
     for path, words in (("/dev/zero", "character device"), (fifo, "FIFO")):
         with pytest.raises(ConfigError, match=f"cannot read the key file .*{words}"):
-            within(5, lambda: security.load(path, secret=False))
+            within(5, lambda path=path: security.load(path, secret=False))
 
 
 @pytest.mark.parametrize("args", [["serve", "--config", "{fifo}"],
