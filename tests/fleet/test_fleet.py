@@ -688,6 +688,40 @@ def test_reference_engines_under_load_cycled_by_the_fleet_lose_nothing(etcd, nod
         assert completed and completed == replay(straight.api, seed, list(completed))
 
 
+def test_a_damaged_record_of_every_kind_is_said_and_the_fleet_goes_on(etcd, agents, nodes):
+    """Garbage in a record of each kind (an operation, a part, an engine, a node, an owner, a
+    migration, a step's end, a task in an inbox): ``fleet status`` and its ``--json`` exit 0
+    and name every damaged key, none with a traceback; a fleet cycle of all engines and one
+    of a named engine go on; both nodes go on running and publishing (once, each of these
+    exited 1 with msgspec's ``JSON is malformed``)."""
+    from ckpt_controller.fleet.keys import Keys
+
+    k = Keys("/ckpt")
+    a, b, n1, n2 = two_nodes(etcd, agents, nodes, per=1)
+    garbage = {k.op("dmg-op"): b"{not json", k.part("dmg-op", "a0"): b"\x00\xff",
+               k.engine("ghost"): b"[1, 2", k.node("ghost-node"): b"42",
+               k.owner("ghost"): b'{"node": 7}', k.migration("dmg-mig"): b"[]",
+               k.step_end("dmg-mig", "receive"): b"{", k.todo("n2", "dmg-op", "b0"): b"\xff"}
+    with etcd.client() as c:
+        for key, raw in garbage.items():
+            c.put(key, raw)
+    listed = (k.op("dmg-op"), k.engine("ghost"), k.node("ghost-node"))  # what status reads
+    code, doc = fleet_json(etcd)
+    assert code == 0 and doc is not None, doc
+    assert set(listed) <= set(doc["unreadable"]), doc["unreadable"]
+    r = fleet(etcd, "status")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert all(f"unreadable record {key}" in r.stderr for key in listed), r.stderr
+    for args in (("cycle", "a0"), ("cycle", "--all")):
+        r = fleet(etcd, *args, "--json")
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+        assert {p["status"] for p in json.loads(r.stdout)["parts"]} == {"succeeded"}
+    assert n1.proc.poll() is None and n2.proc.poll() is None
+    assert "Traceback" not in n1.log_path.read_text() + n2.log_path.read_text()
+    wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("b0", {}).get("generation") == 1,
+               what="n2 still publishing its engine's new generation")
+
+
 def test_damaged_keys_and_a_second_copy_of_a_node_leave_the_fleet_working(etcd, agents, nodes):
     """Garbage under ops/ and in a node's inbox is said and left alone (or removed), and a
     second controller with a node name already registered is refused its registration (it
