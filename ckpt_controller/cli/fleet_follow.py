@@ -15,7 +15,7 @@ import sys
 import time
 
 from ckpt_controller.cli.output import emit
-from ckpt_controller.errors import UnreachableError, UsageError
+from ckpt_controller.errors import DamagedRecordError, UnreachableError, UsageError
 from ckpt_controller.vocab import MigrationOutcome, OperationStatus, PartStatus
 
 #: while following an operation that goes on without the command, how long etcd may leave
@@ -75,6 +75,12 @@ def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: boo
             continue
         parts = patient.read(lambda: ops.read_parts(c, keys, op_id))
         for name in op.engines:
+            if name not in parts:  # deleted under a running operation: said, then followed on
+                if seen.get(name) != "missing" and progress:
+                    print(f"[{time.monotonic() - start:6.1f}s] {name}: its part record "
+                          f"{keys.part(op_id, name)} is missing", file=sys.stderr, flush=True)
+                seen[name] = "missing"
+                continue
             part = parts[name][0]
             if seen.get(name) == part.status:
                 continue
@@ -89,6 +95,13 @@ def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: boo
                 print(f"[{time.monotonic() - start:6.1f}s] {name} on {part.node}: "
                       f"{part.status}{more}{why}", file=sys.stderr, flush=True)
         if op.status is not OperationStatus.RUNNING:
+            missing = [keys.part(op_id, n) for n in op.engines if n not in parts]
+            if missing:
+                raise DamagedRecordError(
+                    f"fleet {op.kind} {op_id} ended {op.status}, but the part records "
+                    f"{', '.join(missing)} are missing (deleted while it ran): what became of "
+                    "their engines is in their nodes' journals (ckptctl history)",
+                    key=missing[0], op_id=op_id, status=op.status, missing=missing)
             return op, [parts[n][0] for n in op.engines]
         time.sleep(every_s)
 

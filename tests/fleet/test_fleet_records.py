@@ -152,3 +152,36 @@ def test_a_word_the_vocabulary_does_not_have_is_a_damaged_record():
                 good.replace(b'"prepared"', b'"sleepy"')):
         with pytest.raises(DamagedRecordError, match="k is damaged"):
             decode(Part, bad, "k")
+
+
+def test_a_part_record_deleted_under_a_followed_operation_is_said_not_a_crash(monkeypatch,
+                                                                               capsys):
+    """``fleet watch`` (and every command that follows an operation) once died of a
+    ``KeyError`` when a part's record was deleted: the missing part is said once while the
+    operation runs, the others are followed on, and at its end a ``DamagedRecordError``
+    names the missing keys."""
+    from ckpt_controller.cli import fleet_follow
+    from ckpt_controller.fleet import ops
+    from ckpt_controller.fleet.keys import Keys
+    from ckpt_controller.fleet.records import Part
+    from ckpt_controller.vocab import OperationStatus, PartStatus
+
+    rounds = iter([OperationStatus.RUNNING, OperationStatus.RUNNING, OperationStatus.SUCCEEDED])
+
+    def read_op(client, keys, op_id):
+        return FleetOp(op_id=op_id, kind="cycle", engines=["a0", "b0"], params={},
+                       max_unavailable=1, created=1.0, status=next(rounds))
+
+    def read_parts(client, keys, op_id):
+        return {"a0": (Part(engine="a0", node="n1", local_op="w.a0",
+                            status=PartStatus.SUCCEEDED), 1)}
+
+    monkeypatch.setattr(ops, "read_op", read_op)
+    monkeypatch.setattr(ops, "read_parts", read_parts)
+    with pytest.raises(DamagedRecordError, match="/ckpt/parts/w/b0 are missing") as info:
+        fleet_follow.follow(None, Keys("/ckpt"), "w", progress=True, every_s=0.0)
+    assert info.value.details["missing"] == ["/ckpt/parts/w/b0"]
+    assert info.value.exit_code == 2
+    err = capsys.readouterr().err
+    assert err.count("b0: its part record /ckpt/parts/w/b0 is missing") == 1
+    assert "a0 on n1: succeeded" in err
