@@ -164,3 +164,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def resolve_host(host: str) -> str:
+    """The IP address ``host`` names: itself when it is one, else what the host's resolver
+    gives for the name (an IPv4 address first). CRIU's page server and its dump connect only
+    to an address (a name is ``Invalid server address``). ``ConfigError`` when the name does
+    not resolve, saying so."""
+    import ipaddress
+    import socket
+
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:  # policy: not an IP address: a name, looked up below
+        pass
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as err:  # policy: a name that does not resolve is refused
+        raise ConfigError(f"host name {host!r} does not resolve to an address ({err}): give "
+                          "[fleet] address as this node's IP address", key="fleet.address",
+                          address=host, problem=str(err)) from None
+    v4 = [info[4][0] for info in found if info[0] == socket.AF_INET]
+    return (v4 or [info[4][0] for info in found])[0]

@@ -16,11 +16,13 @@ Neighbours: ``controller.server`` (``ControllerServer``), ``fleet.node``, ``flee
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.server import ControllerServer
+from ckpt_controller.endpoints import resolve_host
 from ckpt_controller.procutil import StopSignals
 
 log = logging.getLogger("ckpt_controller.controller")
@@ -42,6 +44,12 @@ class NodeService:
         from ckpt_controller.fleet.guard import FleetGuard
         from ckpt_controller.fleet.node import FleetNode
 
+        address = self.config.fleet.address  # the host's name unless given
+        ip = resolve_host(address)  # ConfigError: a name that does not resolve
+        if ipaddress.ip_address(ip).is_loopback:
+            log.warning("fleet: this node's address %s is %s, a loopback address: no other "
+                        "host or network namespace reaches it (give [fleet] address)",
+                        address, ip)
         self.fleet = FleetNode(self.config, self.server.controller)
         self.server.controller.guard = FleetGuard(self.fleet)
 

@@ -90,3 +90,4 @@ def test_ckptctl_given_such_a_path_exits_2_at_once(args, fifo):
     out = ckptctl(*[a.format(fifo=fifo) for a in args], timeout=30)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "not a regular file" in out.stdout + out.stderr
+

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from ckpt_controller.controller import roster
+from ckpt_controller.endpoints import resolve_host
 from ckpt_controller.errors import CkptError, OperationError, UsageError
 from ckpt_controller.fleet import etcd as e
 from ckpt_controller.fleet import local
@@ -140,7 +141,7 @@ class NodeMigration:
             if not folder.is_symlink():
                 _replace_with_link(folder, shared)
             return Ended(detail={"transport": ImageTransport.SHARED, "folder": str(shared)})
-        address = self._address()
+        address = resolve_host(self._address())  # looked up again at each receive
         with self._lock:
             server = self._page_servers.get(task.op_id)
             if server is None:
