@@ -280,6 +280,9 @@ class PageServer:
     ``OperationError`` when it does not start, with the log's tail."""
 
     LOG = "page-server.log"
+    #: its PID, while it runs: a controller killed during a migration leaves it, and the next
+    #: one ends it at start (``reap_page_servers``)
+    PIDFILE = "page-server.pid"
 
     def __init__(self, criu: str | Path, folder: Path | str, address: str, port: int = 0, *,
                  wrap: list[str] | tuple[str, ...] = (), tries: int = 5,
@@ -316,10 +319,12 @@ class PageServer:
                      self.address, "--port", str(self.port), "-o", self.LOG, "-v2",
                      "--status-fd", str(ready_w)],
                     pass_fds=(ready_w,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL, start_new_session=True)
+                    stderr=subprocess.DEVNULL)  # in the controller's process group: stopping
+                # the group (systemd, a terminal's Ctrl-C) stops it too
             except OSError as exc:  # policy: no criu (or no wrapper) to run: say which, typed
                 raise OperationError(f"cannot start criu page-server: {exc}",
                                      command=[*wrap, criu]) from None
+            (self.folder / self.PIDFILE).write_text(f"{self.proc.pid}\n")
             os.close(ready_w)
             ready_w = -1
             deadline = time.monotonic() + timeout_s
@@ -358,6 +363,7 @@ class PageServer:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """End it (SIGTERM, ``grace_s``, SIGKILL) if it still runs."""
+        (self.folder / self.PIDFILE).unlink(missing_ok=True)
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)
@@ -446,3 +452,26 @@ def read_stats(path: Path) -> dict[str, int]:
 DUMP_FIELDS = {1: "freezing_us", 2: "frozen_us", 3: "memdump_us", 4: "memwrite_us",
                5: "pages_scanned", 7: "pages_written"}
 RESTORE_FIELDS = {3: "forking_us", 4: "restore_us", 5: "pages_restored"}
+
+
+def reap_page_servers(image_dir: Path) -> list[int]:
+    """End the page servers an earlier controller left running for migrations into
+    ``image_dir`` (killed in the middle of one, it could not end them: they wait for a dump
+    that never comes), and forget their PID files; the PIDs ended. A PID file whose process
+    is gone, or is no page server of that folder now (the PID reused), is only removed."""
+    ended = []
+    for pidfile in sorted(Path(image_dir).glob(f"*/*/{PageServer.PIDFILE}")):
+        folder = pidfile.parent.resolve()
+        try:
+            pid = int(pidfile.read_text().strip() or 0)
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):  # policy: gone, or not a PID: nothing to end
+            argv = []
+        if b"page-server" in argv and os.fsencode(folder) in argv:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                ended.append(pid)
+            except ProcessLookupError:  # policy: it ended just now
+                pass
+        pidfile.unlink(missing_ok=True)
+    return ended

@@ -20,6 +20,7 @@ import ipaddress
 import logging
 import os
 
+from ckpt_controller import criu_images
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.server import ControllerServer
 from ckpt_controller.endpoints import resolve_host
@@ -50,6 +51,9 @@ class NodeService:
             log.warning("fleet: this node's address %s is %s, a loopback address: no other "
                         "host or network namespace reaches it (give [fleet] address)",
                         address, ip)
+        for pid in criu_images.reap_page_servers(self.config.image_dir):
+            log.warning("fleet: ended criu page-server %d, left running by an earlier "
+                        "controller killed during a migration", pid)
         self.fleet = FleetNode(self.config, self.server.controller)
         self.server.controller.guard = FleetGuard(self.fleet)
 

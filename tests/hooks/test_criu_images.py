@@ -214,3 +214,33 @@ def test_image_bytes_leaves_out_a_file_removed_while_it_counts(tmp_path, monkeyp
 
     monkeypatch.setattr(criu_images.os, "lstat", lstat_after_removal)
     assert image_bytes(tmp_path) == 10
+
+
+def test_page_servers_an_earlier_controller_left_are_ended_at_start(tmp_path):
+    """A controller killed during a migration leaves its page server waiting for a dump that
+    never comes: the next one ends those its PID files name, and only those (a PID file
+    whose PID is now another process is only removed)."""
+    import subprocess
+    import sys
+
+    from ckpt_controller.criu_images import PageServer, reap_page_servers
+
+    left = tmp_path / "e1" / "cap-1"
+    reused = tmp_path / "e2" / "cap-2"
+    for folder in (left, reused):
+        folder.mkdir(parents=True)
+    # what ``criu page-server -D FOLDER ...`` looks like in /proc: a stand-in that sleeps
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                               "page-server", "-D", str(left.resolve())])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (left / PageServer.PIDFILE).write_text(f"{server.pid}\n")
+        (reused / PageServer.PIDFILE).write_text(f"{other.pid}\n")
+        assert reap_page_servers(tmp_path) == [server.pid]
+        assert server.wait(timeout=30) == -9 and other.poll() is None
+        assert not any(tmp_path.glob(f"*/*/{PageServer.PIDFILE}"))
+        assert reap_page_servers(tmp_path) == []
+    finally:
+        for proc in (server, other):
+            proc.kill()
+            proc.wait()
