@@ -24,6 +24,11 @@ from ckpt_controller.vocab import MigrationOutcome, OperationStatus, PartStatus
 FOLLOW_PATIENCE_S = 10.0
 #: the pause between two tries of a read etcd did not answer
 FOLLOW_RETRY_S = 0.5
+#: with no part changed for this long, a followed operation says what it waits on (which
+#: parts, on which nodes, whether those are up, whether any node coordinates), and again
+#: every ``WAIT_SAY_AGAIN_S`` while nothing changes
+WAIT_SAY_S = 5.0
+WAIT_SAY_AGAIN_S = 30.0
 
 
 class Patient:
@@ -65,6 +70,7 @@ def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: boo
 
     seen: dict[str, str] = {}
     start = time.monotonic()
+    say_at = start + WAIT_SAY_S  # when to say what it waits on, unless a part changes first
     patient = Patient(op_id)
     while True:
         op = patient.read(lambda: ops.read_op(c, keys, op_id))
@@ -85,6 +91,7 @@ def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: boo
             if seen.get(name) == part.status:
                 continue
             seen[name] = part.status
+            say_at = time.monotonic() + WAIT_SAY_S
             if lines:
                 emit("fleet-part", op_id=op_id, elapsed_s=round(time.monotonic() - start, 3),
                      part=part, stream=True)
@@ -103,7 +110,31 @@ def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: boo
                     "their engines is in their nodes' journals (ckptctl history)",
                     key=missing[0], op_id=op_id, status=op.status, missing=missing)
             return op, [parts[n][0] for n in op.engines]
+        if progress and time.monotonic() >= say_at:
+            said = patient.read(lambda: waiting_on(c, keys, op, parts))
+            print(f"[{time.monotonic() - start:6.1f}s] {said}", file=sys.stderr, flush=True)
+            say_at = time.monotonic() + WAIT_SAY_AGAIN_S
         time.sleep(every_s)
+
+
+def waiting_on(c, keys, op, parts) -> str:
+    """What a running fleet operation waits on, in words: its parts not ended, each on its
+    node (``node down`` when the node is not registered), and ``no node coordinates`` when
+    none holds the coordinator key (none may, or none is up: nothing moves then)."""
+    from ckpt_controller.fleet import registry
+
+    up = {n.node for n in registry.read(c, keys).nodes}
+    waits = []
+    for name in op.engines:
+        if name not in parts or parts[name][0].status.ended:
+            continue
+        part = parts[name][0]
+        waits.append(f"{name} {part.status} on {part.node}"
+                     + ("" if part.node in up else " (node down)"))
+    said = f"fleet {op.kind} {op.op_id} waits on " + (", ".join(waits) or "its end")
+    if c.get(keys.coordinator) is None:
+        said += "; no node coordinates (none may, or none is up): nothing moves until one does"
+    return said
 
 
 def follow_migration(c, keys, op_id: str, progress: bool, every_s: float = 0.2,

@@ -185,3 +185,48 @@ def test_a_part_record_deleted_under_a_followed_operation_is_said_not_a_crash(mo
     err = capsys.readouterr().err
     assert err.count("b0: its part record /ckpt/parts/w/b0 is missing") == 1
     assert "a0 on n1: succeeded" in err
+
+
+def test_a_followed_operation_that_does_not_move_says_what_it_waits_on(monkeypatch, capsys):
+    """A node that died before its part started, and no node holding the coordinator key:
+    ``fleet cycle`` once waited silently for ever. With no part changed for
+    ``WAIT_SAY_S`` it says which parts it waits on, on which nodes, which of those are down,
+    and that no node coordinates; then again every ``WAIT_SAY_AGAIN_S``."""
+    from ckpt_controller.cli import fleet_follow
+    from ckpt_controller.fleet import ops, registry
+    from ckpt_controller.fleet.keys import Keys
+    from ckpt_controller.fleet.records import NodeRecord, Part
+    from ckpt_controller.vocab import OperationStatus, PartStatus
+
+    rounds = iter([OperationStatus.RUNNING] * 3 + [OperationStatus.FAILED])
+
+    def read_op(client, keys, op_id):
+        return FleetOp(op_id=op_id, kind="cycle", engines=["a0", "b0"], params={},
+                       max_unavailable=1, created=1.0, status=next(rounds))
+
+    def read_parts(client, keys, op_id):
+        return {"a0": (Part(engine="a0", node="n1", local_op="s.a0",
+                            status=PartStatus.SUCCEEDED), 1),
+                "b0": (Part(engine="b0", node="n2", local_op="s.b0"), 1)}
+
+    class NoCoordinator:
+        def get(self, key):
+            assert key == "/ckpt/coordinator"
+            return None
+
+    n1 = NodeRecord(node="n1", controller="ipc:///c", pid=1, host="h", started=1.0,
+                    version="0", lease=1)
+    monkeypatch.setattr(ops, "read_op", read_op)
+    monkeypatch.setattr(ops, "read_parts", read_parts)
+    monkeypatch.setattr(registry, "read", lambda c, keys: registry.FleetView(
+        revision=1, nodes=[n1], engines=[]))
+    monkeypatch.setattr(fleet_follow, "WAIT_SAY_S", 0.0)
+    monkeypatch.setattr(fleet_follow, "WAIT_SAY_AGAIN_S", 0.0)
+    op, parts = fleet_follow.follow(NoCoordinator(), Keys("/ckpt"), "s", progress=True,
+                                    every_s=0.0)
+    assert op.status == "failed"
+    waits = [line for line in capsys.readouterr().err.splitlines() if "waits on" in line]
+    assert len(waits) == 3, waits  # once a round while nothing changed
+    assert waits[0].endswith("fleet cycle s waits on b0 pending on n2 (node down); no node "
+                             "coordinates (none may, or none is up): nothing moves until "
+                             "one does")
