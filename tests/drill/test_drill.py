@@ -56,6 +56,7 @@ def _check_faults(rep: dict, spec: str) -> None:
 
 
 @pytest.mark.slow  # about three minutes on 2 cores; CI runs it with the slow suites
+@pytest.mark.timeout(900)  # the drill's own limit (``drill``), not the suite's 300 s
 def test_twenty_cycles_under_load_lose_nothing(tmp_path):
     code, rep, out = drill(tmp_path, "d1", "d2", "--cycles", "20", "--rate", "10",
                            "--duration", "2", "--drain", "keep")
@@ -108,6 +109,7 @@ def test_one_fault_of_each_kind_ends_as_documented(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the drill's own limit below: every fault is five minutes or more
 def test_every_fault_at_every_point_ends_as_documented(tmp_path):
     spec = f.every_fault()
     n = len(spec.split(","))
