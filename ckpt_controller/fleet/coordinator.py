@@ -25,10 +25,11 @@ log = logging.getLogger("ckpt_controller.fleet")
 
 
 class Coordinator:
-    def __init__(self, client: e.Etcd, keys: Keys) -> None:
+    def __init__(self, client: e.Etcd, keys: Keys, *, lease_ttl_s: float = 5.0) -> None:
         self.etcd = client
         self.keys = keys
-        self.drivers = {drive: cls(client, keys) for drive, cls in COORDINATOR.items()}
+        self.drivers = {drive: cls(client, keys, lease_ttl_s=lease_ttl_s)
+                        for drive, cls in COORDINATOR.items()}
         self._unreadable: set[str] = set()  # keys and operations said to be damaged
 
     def drive(self) -> bool:

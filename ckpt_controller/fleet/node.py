@@ -112,7 +112,8 @@ class FleetNode:
         #: tasks of fleet operations running here: local op id -> the task
         self._running: dict[str, r.Task] = {}
         self._running_lock = threading.Lock()
-        self.coordinator = Coordinator(self.etcd, self.keys)
+        self.coordinator = Coordinator(self.etcd, self.keys,
+                                       lease_ttl_s=self.fleet.lease_ttl_s)
         self.is_coordinator = False
         #: what runs the tasks in this node's inbox, by ``kinds.Drive`` (with the
         #: controller, which runs parts and adopts and gives away migrating engines)

@@ -19,8 +19,9 @@ The life of one (``docs/fleet.md``, Fleet operations):
    runs twice) and writes its end into the part.
 4. The coordinator settles each ended part (the engine is in ``unavailable`` exactly when it
    is not RUNNING after it), stops starting parts at the first failure (the rest are
-   skipped), marks parts of a node that died as lost, and ends the operation when no part
-   is left running.
+   skipped), marks parts of a node that died as lost, fails a pending part whose node has
+   not been up for ``PENDING_NODE_DOWN_LEASES`` of its leases (it never started: nothing
+   else would ever move it), and ends the operation when no part is left running.
 
 Neighbours: ``kinds`` (the rows this drives), ``ops``, ``unavailable``, ``records``,
 ``coordinator`` and ``node`` (which call it), ``drivers``.
@@ -125,17 +126,29 @@ def held_out(client: e.Etcd, keys: Keys, engines: list[str]) -> set[str]:
 
 # ---------------------------------------------------------------- the coordinator's side
 
+#: a pending part whose node this coordinator has not seen up for this many lease TTLs ends
+#: failed (never started), and the operation stops there as at any failure
+PENDING_NODE_DOWN_LEASES = 6
+
+
 class PartsDriver:
     """Drives a parts operation further on each ``drive``: settles the parts that ended (or
     whose node died), skips the pending ones after a failure, starts the ones there is room
     for, and ends the operation when every part is settled. Each write is a transaction on
-    the revisions it read."""
+    the revisions it read. ``lease_ttl_s``: the nodes' lease, the unit of how long a pending
+    part waits for its node."""
 
-    def __init__(self, client: e.Etcd, keys: Keys) -> None:
+    def __init__(self, client: e.Etcd, keys: Keys, *, lease_ttl_s: float = 5.0) -> None:
         self.etcd = client
         self.keys = keys
+        self.node_down_s = PENDING_NODE_DOWN_LEASES * lease_ttl_s
+        #: node -> when this coordinator first saw it down (monotonic); a new coordinator
+        #: starts counting afresh, so a part waits at least the bound
+        self._down_since: dict[str, float] = {}
 
     def drive(self, op: r.FleetOp, op_rev: int, nodes: dict) -> bool:
+        for node in [n for n in self._down_since if n in nodes]:
+            del self._down_since[node]
         parts = ops.read_parts(self.etcd, self.keys, op.op_id)
         out, out_rev = unavailable.read(self.etcd, self.keys)
         missing = [n for n in op.engines if n not in parts]
@@ -166,6 +179,13 @@ class PartsDriver:
                     error=f"node {part.node} was lost while the part ran"), rev, True))
             elif part.status in (PartStatus.SUCCEEDED, PartStatus.FAILED) and not part.settled:
                 ending.append((part, rev, False))
+            elif part.status is PartStatus.PENDING and part.node not in nodes:
+                since = self._down_since.setdefault(part.node, time.monotonic())
+                if time.monotonic() - since >= self.node_down_s:  # never started: state None
+                    ending.append((msgspec.structs.replace(
+                        part, status=PartStatus.FAILED, ended=time.time(),
+                        error=f"not started: node {part.node} was not up for "
+                              f"{self.node_down_s:g} s"), rev, False))
         return ending
 
     def _startable(self, op: r.FleetOp, parts: dict, nodes: dict, out: dict):

@@ -534,6 +534,38 @@ def test_a_node_killed_mid_operation_its_part_is_lost_and_it_converges(etcd, ipc
             agent.close()
 
 
+def test_a_node_dead_before_its_part_started_fails_it_after_a_bound(etcd, ipc_dir, nodes):
+    """n2 dies while its engine's part is still pending (the limit lets one part run at a
+    time): the command says what it waits on, and once n2 has been down for six of its
+    leases (12 s here) the part ends failed, never started, and so does the operation (it
+    once waited for ever, saying only "1/2 done")."""
+    import threading
+
+    shared = {"lock": threading.Lock(), "now": 0, "most": 0}
+    slow = counted_agents(ipc_dir, ["a0"], shared, 3.0)
+    fast = counted_agents(ipc_dir, ["b0"], shared, 0.0)
+    try:
+        nodes("n1", node_toml(etcd, "n1", slow))
+        wait_until(lambda: coordinator_of(etcd) == "n1", what="n1 coordinating")
+        n2 = nodes("n2", node_toml(etcd, "n2", fast))
+        wait_until(lambda: len(engines_of(fleet_json(etcd)[1])) == 2, what="published")
+        proc = subprocess.Popen([*CKPTCTL, "--etcd", etcd.urls[0], "fleet", "cycle", "a0",
+                                 "b0", "--max-unavailable", "1", "--op-id", "orphan"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        wait_until(lambda: shared["now"] == 1, what="a0's part running on n1")
+        os.kill(n2.pid, signal.SIGKILL)
+        n2.proc.wait()
+        out, err = proc.communicate(timeout=scaled(90))
+        assert proc.returncode == 1, out + err
+        assert "not started: node n2 was not up for 12 s" in out, out
+        assert "waits on b0 pending on n2 (node down)" in err, err
+        assert shared["pauses"] == {"a0": 1}  # b0 never left service
+    finally:
+        for agent in slow + fast:
+            agent.close()
+
+
 def test_two_fleet_operations_at_once_share_the_limit(etcd, agents, nodes):
     import threading
 

@@ -42,9 +42,10 @@ Step, Outcome = MigrationStep, MigrationOutcome
 
 
 class MigrationDriver:
-    """Moves each running migration one step further per ``drive``."""
+    """Moves each running migration one step further per ``drive`` (``lease_ttl_s``: the
+    nodes' lease, which the steps' own rules already count in)."""
 
-    def __init__(self, client: e.Etcd, keys: Keys) -> None:
+    def __init__(self, client: e.Etcd, keys: Keys, *, lease_ttl_s: float = 5.0) -> None:
         self.etcd = client
         self.keys = keys
 
