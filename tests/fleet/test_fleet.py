@@ -393,6 +393,18 @@ def part_status(cluster, op_id: str) -> dict[str, str]:
         return {n: p.status for n, (p, _) in ops.read_parts(c, Keys("/ckpt"), op_id).items()}
 
 
+def cycle_then_kill(cluster, args: list[str], shared: dict, node, what: str):
+    """``fleet cycle ARGS --max-unavailable 1`` started in the background; once one part is
+    paused (``what``), ``node`` is killed (SIGKILL); the command, still running."""
+    proc = subprocess.Popen([*CKPTCTL, "--etcd", cluster.urls[0], "fleet", "cycle", *args,
+                             "--max-unavailable", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: shared["now"] == 1, what=what)
+    os.kill(node.pid, signal.SIGKILL)
+    node.proc.wait()
+    return proc
+
+
 def coordinator_of(cluster) -> str | None:
     from ckpt_controller.fleet.keys import Keys
 
@@ -502,14 +514,8 @@ def test_a_node_killed_mid_operation_its_part_is_lost_and_it_converges(etcd, ipc
         text = node_toml(etcd, "n2", slow)
         n2 = nodes("n2", text)
         wait_until(lambda: len(engines_of(fleet_json(etcd)[1])) == 3, what="published")
-        proc = subprocess.Popen([*CKPTCTL, "--etcd",
-                                 etcd.urls[0], "fleet", "cycle", "b0", "a0", "a1",
-                                 "--max-unavailable", "1", "--op-id", "lose-n2", "--json"],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
-        wait_until(lambda: shared["now"] == 1, what="b0's part running on n2")
-        os.kill(n2.pid, signal.SIGKILL)
-        n2.proc.wait()
+        proc = cycle_then_kill(etcd, ["b0", "a0", "a1", "--op-id", "lose-n2", "--json"],
+                               shared, n2, "b0's part running on n2")
         out, err = proc.communicate(timeout=scaled(60))
         assert proc.returncode == 4, out + err  # a part lost: the node is unreachable
         parts = {p["engine"]: p for p in json.loads(out)["parts"]}
@@ -549,13 +555,8 @@ def test_a_node_dead_before_its_part_started_fails_it_after_a_bound(etcd, ipc_di
         wait_until(lambda: coordinator_of(etcd) == "n1", what="n1 coordinating")
         n2 = nodes("n2", node_toml(etcd, "n2", fast))
         wait_until(lambda: len(engines_of(fleet_json(etcd)[1])) == 2, what="published")
-        proc = subprocess.Popen([*CKPTCTL, "--etcd", etcd.urls[0], "fleet", "cycle", "a0",
-                                 "b0", "--max-unavailable", "1", "--op-id", "orphan"],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
-        wait_until(lambda: shared["now"] == 1, what="a0's part running on n1")
-        os.kill(n2.pid, signal.SIGKILL)
-        n2.proc.wait()
+        proc = cycle_then_kill(etcd, ["a0", "b0", "--op-id", "orphan"], shared, n2,
+                               "a0's part running on n1")
         out, err = proc.communicate(timeout=scaled(90))
         assert proc.returncode == 1, out + err
         assert "not started: node n2 was not up for 12 s" in out, out
