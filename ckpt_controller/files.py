@@ -24,7 +24,7 @@ class UnfitFileError(ValueError):
     """The path names something other than a regular file of at most the limit's size."""
 
 
-def kind(mode: int) -> str:
+def _kind(mode: int) -> str:
     """What a ``st_mode`` is, in words (``regular file`` for one)."""
     if stat.S_ISREG(mode):
         return "regular file"
@@ -36,11 +36,14 @@ def read_small(path: str | os.PathLike[str], limit_bytes: int) -> bytes:
     ``limit_bytes`` of them. ``OSError`` when it cannot be opened; ``UnfitFileError`` when it
     is not a regular file or is larger than the limit (also one that grew past it while read).
     Never blocks on what it opened: a FIFO is refused, not waited on."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except ValueError:  # policy: a path with a NUL byte names no file: refused the same way
+        raise UnfitFileError("not a path: it holds a NUL byte") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnfitFileError(f"not a regular file but a {kind(st.st_mode)}")
+            raise UnfitFileError(f"not a regular file but a {_kind(st.st_mode)}")
         if st.st_size > limit_bytes:
             raise UnfitFileError(f"{st.st_size} bytes, more than the {limit_bytes} such a file "
                                  "may hold")

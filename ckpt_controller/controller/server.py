@@ -101,9 +101,7 @@ class ControllerServer(RpcServer):
 
     def _roster_changed(self, name: str, engine) -> None:
         """An engine adopted (``engine`` its config) or given away (None): the monitor
-        follows it or stops, and the open-files limit grows with the engines."""
-        if engine is not None:
-            openfiles.ensure(len(self.config.engines))  # adopt checked that it fits
+        follows it or stops (the adoption raised the open-files limit already)."""
         monitor = self.monitor
         if monitor is not None:
             if engine is not None:

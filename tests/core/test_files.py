@@ -54,6 +54,10 @@ def test_a_regular_file_and_a_link_to_one_are_read_whole(tmp_path):
         read_small(path, 999)
     with pytest.raises(FileNotFoundError):
         read_small(tmp_path / "none.toml", 10)
+    with pytest.raises(UnfitFileError, match="NUL byte"):
+        read_small(f"{tmp_path}/c\0.toml", 10)
+    with pytest.raises(ConfigError, match="NUL byte"):
+        load_config(f"{tmp_path}/c\0.toml")
 
 
 @pytest.mark.parametrize("where,what", [("/dev/zero", "character device"),

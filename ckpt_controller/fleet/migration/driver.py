@@ -42,8 +42,8 @@ Step, Outcome = MigrationStep, MigrationOutcome
 
 
 class MigrationDriver:
-    """Moves each running migration one step further per ``drive`` (``lease_ttl_s``: the
-    nodes' lease, which the steps' own rules already count in)."""
+    """Moves each running migration one step further per ``drive`` (``lease_ttl_s``: every
+    coordinator driver is made alike; a migration has no bound of its own on it)."""
 
     def __init__(self, client: e.Etcd, keys: Keys, *, lease_ttl_s: float = 5.0) -> None:
         self.etcd = client
