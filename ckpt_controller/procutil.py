@@ -72,9 +72,7 @@ class ReadyProcess:
 
     def start(self, timeout_s: float = 120.0) -> None:
         self.log = self.log_path.open("a")
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self.log,
-                                     stdin=subprocess.DEVNULL, text=True, cwd=self.cwd, env=self.env,
-                                     start_new_session=True)
+        self.proc = self._spawn()
         box: list[str] = []
         reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()),
                                   daemon=True)
@@ -88,6 +86,14 @@ class ReadyProcess:
             tail = self.log_path.read_text(errors="replace")[-2000:]
             raise OperationError(f"{self.what} did not start (see {self.log_path})",
                                  what=self.what, first_line=line[:200], log_tail=tail) from None
+
+    def _spawn(self) -> subprocess.Popen:
+        """The child itself: ``args`` with stdout a text pipe, stderr the log, no stdin, in a
+        session of its own. A subclass may start it another way (the tests fork engines from
+        a process that imported torch already) with the same part of Popen's surface."""
+        return subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self.log,
+                                stdin=subprocess.DEVNULL, text=True, cwd=self.cwd, env=self.env,
+                                start_new_session=True)
 
     @property
     def pid(self) -> int:

@@ -16,6 +16,7 @@ import signal
 import pytest
 import zmq
 
+from support import zygote
 from support.processes import (ControllerProcess, EngineProcess, ReferenceProcess, SharedEngine,
                                Started, kill_naming, private_dir, stop_all)
 
@@ -48,6 +49,21 @@ def pytest_runtest_makereport(item, call):
         if not any(word in reason.lower() for word in _MAY_SKIP):
             report.outcome = "failed"
             report.longrepr = f"CKPT_REQUIRE_PARTS=1, but this test would skip: {reason}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _zygote_session():
+    """This worker's zygote, if a test made one, ends with the session."""
+    yield
+    zygote.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _engine_start(request):
+    """Engines of a test marked ``exec_engines`` are exec'd, never forked (``zygote``)."""
+    zygote.allowed = request.node.get_closest_marker("exec_engines") is None
+    yield
+    zygote.allowed = True
 
 
 @pytest.fixture

@@ -31,7 +31,9 @@ from support.timing import deadline_in, scaled
 
 # CI sets CKPT_REQUIRE_CRIU=1: where CRIU can be installed, a CRIU test that would skip fails
 _reason = required(criu_missing(), "the CRIU tests")
-pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+# the restored copies are found by their command line, which a forked engine lacks
+pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""),
+              pytest.mark.exec_engines]
 
 
 def tcp_engine(spawn_reference, name: str):

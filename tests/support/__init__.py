@@ -11,6 +11,7 @@ Importable as ``support`` (pytest puts ``tests/`` on ``sys.path`` through the ro
 - ``hooks``: hooks written into a controller's hooks folder, or linked to the shipped ones
 - ``net``: who holds which ipc connection (free TCP ports: ``ckpt_controller.endpoints``)
 - ``timing``: readiness waits (``wait_until``)
+- ``zygote``: engines forked from a process that imported torch already (``make test``)
 - ``criu``, ``etcd_cluster``, ``netns_util``, ``prometheus_server``, ``vllm``: the real parts
   beyond the venv, and why a test cannot use one here
 

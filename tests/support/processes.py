@@ -9,6 +9,7 @@ start these and stop them after each test), ``tests/engines/step_engine.py``.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -20,7 +21,7 @@ import psutil
 import zmq
 
 from ckpt_controller.procutil import ReadyProcess
-from support import ROOT
+from support import ROOT, zygote
 from support.cli import CKPTCTL, ckptctl
 from support.timing import deadline_in
 
@@ -35,7 +36,17 @@ def private_dir() -> Path:
     return d
 
 
-class EngineProcess(ReadyProcess):
+class ForkableProcess(ReadyProcess):
+    """A ``ReadyProcess`` forked from this worker's zygote where it may be (``zygote``: the
+    engine's imports done once per worker), else exec'd as the product does."""
+
+    def _spawn(self):
+        forked = zygote.spawn(self.args, cwd=self.cwd, env=self.env,
+                              stdout=subprocess.PIPE, stderr=self.log)
+        return forked if forked is not None else super()._spawn()
+
+
+class EngineProcess(ForkableProcess):
     """A step engine child process and a client for its request API."""
 
     def __init__(self, tmp: Path, name: str, **opts) -> None:
@@ -99,7 +110,7 @@ class EngineProcess(ReadyProcess):
         super().stop(grace_s=5)
 
 
-class ReferenceProcess(ReadyProcess):
+class ReferenceProcess(ForkableProcess):
     """``ckptctl engine serve`` as a child process."""
 
     def __init__(self, tmp: Path, model_dir: Path, name: str, *extra: str,
