@@ -12,7 +12,10 @@ monitor until the peer is heard from (or its ZMTP handshake succeeded) and raise
   key, the client has no CURVE keys for a CURVE server, or the wrong server key.
 
 A peer that accepted the connection but never answers is not judged here: the caller's own
-timeout and retries apply. Neighbours: ``rpc`` and ``engine.client`` (its users), ``errors``.
+timeout and retries apply. With ``watch_reconnects`` the watch goes on after first contact
+and only counts the socket's handshakes (``handshakes``): one after the first is a new
+connection (the server restarted, restored from a checkpoint image, or the link was reset),
+and what was in flight on the old one is gone (``engine.client`` asks again). Neighbours: ``rpc`` and ``engine.client`` (its users), ``errors``.
 """
 
 from __future__ import annotations
@@ -49,10 +52,13 @@ class FirstContact:
     watching). ``hint`` is added to a refusal (e.g. "is `ckptctl serve` running?")."""
 
     def __init__(self, sock: zmq.Socket, endpoint: str, *, hint: str = "",
-                 grace_s: float = REFUSED_GRACE_S) -> None:
+                 grace_s: float = REFUSED_GRACE_S, watch_reconnects: bool = False) -> None:
         self.endpoint, self.hint, self.grace_s = endpoint, hint, grace_s
-        #: the peer was heard from (or shook hands): nothing left to watch
+        self.watch_reconnects = watch_reconnects
+        #: the peer was heard from (or shook hands): nothing left to judge
         self.settled = False
+        #: handshakes on the current socket so far (counted with ``watch_reconnects``)
+        self.handshakes = 0
         self._started: float | None = None
         self._refused_since: float | None = None
         self._sock: zmq.Socket | None = None
@@ -68,7 +74,8 @@ class FirstContact:
         self._plain = zmq.Poller()
         self._plain.register(sock, zmq.POLLIN)
         self._socks = (sock,)
-        if self.settled:
+        self.handshakes = 0
+        if self.settled and not self.watch_reconnects:
             return
         self._monitor = monitor_socket(sock, _EVENTS)
 
@@ -83,9 +90,11 @@ class FirstContact:
             self._monitor = None
 
     def heard(self) -> None:
-        """The peer answered (or shook hands): from now on only the caller's timeouts apply."""
+        """The peer answered (or shook hands): from now on only the caller's timeouts apply
+        (and, with ``watch_reconnects``, handshakes are still counted)."""
         self.settled = True
-        self.detach()
+        if not self.watch_reconnects:
+            self.detach()
 
     def poll(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for ``sock`` to be readable, as ``sock.poll`` would; raises
@@ -115,20 +124,23 @@ class FirstContact:
     def _read_events(self) -> None:
         while self._monitor is not None and self._monitor.poll(0, zmq.POLLIN):
             event = recv_monitor_event(self._monitor)["event"]
-            if event == zmq.EVENT_CONNECTED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshakes += 1
+                self.heard()
+            elif self.settled:  # policy: after first contact only handshakes are counted
+                continue
+            elif event == zmq.EVENT_CONNECTED:
                 self._refused_since = None
             elif event == zmq.EVENT_CONNECT_RETRIED:
                 if self._refused_since is None:
                     self._refused_since = time.monotonic()
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.heard()
             elif event in _HANDSHAKE_FAILED:
                 self._fail(_HANDSHAKE_FAILED[event], reason="handshake",
                            hint="check this client's CURVE keys (--curve-key, "
                                 "--curve-server-key); the server logs the key it refused")
 
     def _judge(self) -> None:
-        if self._refused_since is None:
+        if self._refused_since is None or self.settled:
             return
         if time.monotonic() - self._refused_since < self.grace_s:
             return

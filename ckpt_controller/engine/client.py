@@ -73,7 +73,11 @@ class EngineClient:
     time is sent again with the same id, up to ``max_attempts`` times. A message in flight when
     the engine was checkpointed and stopped is gone with the old connection; the engine
     answers a repeated id that it already has with the request's whole output so far (or its
-    end, when it ended recently), so a resend never runs a request twice.
+    end, when it ended recently), so a resend never runs a request twice. What the engine sent
+    while this client was away (its outputs, even a request's end) is gone too, so on every
+    new connection to the same endpoint (a handshake after the first: the engine restored,
+    restarted or its link reset) every request without an end is sent again at once, heard
+    or not (``reconnects`` counts them).
 
     ``locate``: where the engine is now (``for_engine`` gives one that reads the registry).
     With it, when no output came for ``follow_after_s`` while requests wait, ``poll`` asks
@@ -92,7 +96,11 @@ class EngineClient:
         # another node) and we reconnect, the outputs of our requests still reach us
         self.identity = f"client-{uuid.uuid4().hex[:12]}".encode()
         self._sock = self._socket()
-        self._contact = FirstContact(self._sock, self.endpoint, hint=UNREACHABLE_HINT)
+        self._contact = FirstContact(self._sock, self.endpoint, hint=UNREACHABLE_HINT,
+                                     watch_reconnects=True)
+        #: new connections to the engine after the first (each made us ask again)
+        self.reconnects = 0
+        self._handshakes_seen = 0  # of the current socket, when last looked at
         try:
             self._sock.connect(endpoint)
         except zmq.ZMQError as exc:  # policy: a malformed endpoint is the caller's error
@@ -156,7 +164,7 @@ class EngineClient:
         within about a second, as at the start."""
         endpoint = check_endpoint(endpoint)
         sock = self._socket()
-        contact = FirstContact(sock, endpoint, hint=UNREACHABLE_HINT)
+        contact = FirstContact(sock, endpoint, hint=UNREACHABLE_HINT, watch_reconnects=True)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:  # policy: a malformed endpoint is the caller's error
@@ -166,9 +174,16 @@ class EngineClient:
         self._contact.detach()
         self._sock.close(linger=0)  # what the old engine still had queued for us is dropped
         self._sock, self._contact, self.endpoint = sock, contact, endpoint
+        self._handshakes_seen = 0
         self.moves.append(endpoint)
+        self._heard_at = time.monotonic()
+        return self._ask_again()
+
+    def _ask_again(self) -> list[str]:
+        """Send every request without an end again (same ids); the ids. Each one's tokens
+        start again from nothing: the engine answers with the whole output so far (or the
+        end), and a fresh engine that does not hold it runs it from the start."""
         now = time.monotonic()
-        self._heard_at = now
         resent = []
         for c in self.requests.values():
             if c.ended or c.request is None:
@@ -177,6 +192,18 @@ class EngineClient:
             self._sock.send_multipart(api.encode(api.EngineRequestType.ADD.value, c.request))
             resent.append(c.request_id)
         return resent
+
+    def _after_reconnect(self) -> None:
+        """Ask again for every request without an end once per new connection after the
+        first (``FirstContact.handshakes``): what was in flight on the old one is gone."""
+        handshakes = self._contact.handshakes
+        if handshakes > max(1, self._handshakes_seen):
+            self.reconnects += handshakes - max(1, self._handshakes_seen)
+            resent = self._ask_again()
+            if resent:
+                log.info("engine client: connected to %s again; asked again for %d requests "
+                         "without an end", self.endpoint, len(resent))
+        self._handshakes_seen = handshakes
 
     def _follow(self, *, force: bool = False) -> bool:
         """Look the engine up again when it has been silent for ``follow_after_s`` while
@@ -219,6 +246,7 @@ class EngineClient:
         self.identity = f"client-{uuid.uuid4().hex[:12]}".encode()
         self._sock = self._socket()
         self._contact.attach(self._sock)
+        self._handshakes_seen = 0
         self._sock.connect(self.endpoint)
         old.close(linger=0)
         return ended
@@ -280,6 +308,7 @@ class EngineClient:
             if not self._follow(force=True):  # policy: a followed engine may have moved
                 raise
             ready = self._contact.poll(timeout_s)
+        self._after_reconnect()
         if ready:
             take_all()
         return ended

@@ -17,6 +17,7 @@ import zmq
 from ckpt_controller.agent import Agent, AgentClient
 from ckpt_controller.engine import api
 from ckpt_controller.engine.client import EngineClient
+from ckpt_controller.endpoints import free_port
 from ckpt_controller.engine.server import RecentEnds
 from ckpt_controller.errors import (
     DamagedRecordError,
@@ -28,6 +29,7 @@ from ckpt_controller.fleet.node import published_endpoints, reachable_at
 from ckpt_controller.fleet.registry import Resolver
 from support.cli import ckptctl
 from support.config import node_toml
+from support.net import TcpCut
 from support.processes import ControllerProcess
 from support.timing import deadline_in, wait_until
 
@@ -217,6 +219,42 @@ def test_move_to_follows_an_engine_restarted_on_another_port(spawn_reference, en
                    for i in ids)
     finally:
         c.close()
+
+
+def test_a_request_that_ended_while_its_client_was_cut_off_is_asked_for_again(
+        spawn_reference):
+    """An engine kept a heard request (a prepare, ``keep``), its client's link was reset
+    (as a CRIU dump that stops the engine resets it), and the engine, resumed, ended the
+    request while the client was still away: the end went with the old connection. Once the
+    client is connected again it asks for every request without an end, heard or not, and
+    gets the end (``RecentEnds``) with exactly the tokens of an uninterrupted run."""
+    port = free_port()
+    eng = spawn_reference("cutoff", api=f"tcp://127.0.0.1:{port}")
+    prompt = [5, 8, 13, 2]
+    with EngineClient(eng.api) as ref:
+        want = ref.generate(prompt, 300).token_ids
+    link = TcpCut(("127.0.0.1", port))
+    ctl = AgentClient(eng.control, timeout_s=30)
+    try:
+        with EngineClient(link.endpoint) as client:
+            c = client.requests[client.submit(prompt, 300)]
+            while not c.token_ids:
+                client.poll(0.1)
+            assert ctl.prepare(drain="keep", level=0).drain.kept == 1
+            link.cut()
+            ctl.restore()
+            wait_until(lambda: not ctl.status().in_flight, 30, "the request ended unheard")
+            assert not c.ended
+            link.mend()
+            deadline = deadline_in(30)
+            while not c.ended:
+                assert time.monotonic() < deadline, "the end never reached the client"
+                client.poll(0.1)
+            assert c.finish_reason == "length" and c.token_ids == want
+            assert client.reconnects == 1
+    finally:
+        ctl.close()
+        link.close()
 
 
 def test_wildcard_hosts_are_published_at_the_node_address():

@@ -1,4 +1,5 @@
-"""Sockets seen from outside a process: which ipc connections a server holds.
+"""Sockets seen from outside a process: which ipc connections a server holds; a TCP link a
+test cuts and mends (``TcpCut``).
 
 A free TCP port comes from the product's own ``ckpt_controller.endpoints.free_port`` (one
 helper for the tests and the code). Neighbours: ``timing`` (the waits), ``processes``.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from ckpt_controller.endpoints import free_port
 from support.timing import wait_until
 
 
@@ -42,3 +44,82 @@ def wait_connected(pid: int, endpoint: str, before: frozenset[int],
     is there."""
     wait_until(lambda: ipc_connections(pid, endpoint) - before, timeout_s,
                f"a new connection to {endpoint}")
+
+
+class TcpCut:
+    """A TCP forwarder from a port of its own to ``target`` (``host``, ``port``) whose link a
+    test can cut and mend: ``cut()`` resets every connection through it and refuses new ones
+    (as an engine stopped by a CRIU dump does to its clients), ``mend()`` accepts again on
+    the same port. ``endpoint`` is the ``tcp://`` address clients connect to."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        import socket
+        import threading
+
+        self._socket, self.target = socket, target
+        self.port = free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._listener = None
+        self._pairs: dict = {}  # socket -> its other end
+        self._stop = threading.Event()
+        self.mend()
+        self._thread = threading.Thread(target=self._run, name="tcp-cut", daemon=True)
+        self._thread.start()
+
+    def mend(self) -> None:
+        listener = self._socket.create_server(("127.0.0.1", self.port), reuse_port=False)
+        listener.setblocking(False)
+        with self._lock:
+            self._listener = listener
+
+    def cut(self) -> None:
+        import struct
+
+        with self._lock:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+            for sock in list(self._pairs):
+                # SO_LINGER 0: close sends a reset, as a killed peer's kernel does
+                sock.setsockopt(self._socket.SOL_SOCKET, self._socket.SO_LINGER,
+                                struct.pack("ii", 1, 0))
+                sock.close()
+            self._pairs.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.cut()
+
+    def _run(self) -> None:
+        import select
+
+        while not self._stop.is_set():
+            with self._lock:
+                listener = self._listener
+                socks = [s for s in self._pairs if s.fileno() >= 0]
+            readable, _, _ = select.select(socks + ([listener] if listener else []), [], [],
+                                           0.05)
+            with self._lock:
+                for sock in readable:
+                    if sock is listener and self._listener is listener:
+                        client, _ = listener.accept()
+                        try:
+                            server = self._socket.create_connection(self.target, timeout=5)
+                        except OSError:  # policy: nobody serves the target: refused here too
+                            client.close()
+                            continue
+                        self._pairs[client], self._pairs[server] = server, client
+                    elif sock in self._pairs:
+                        other = self._pairs[sock]
+                        try:
+                            data = sock.recv(1 << 16)
+                            if data:
+                                other.sendall(data)
+                                continue
+                        except OSError:  # policy: a reset end: both ends go
+                            pass
+                        del self._pairs[sock], self._pairs[other]
+                        sock.close()
+                        other.close()
