@@ -3,8 +3,9 @@ back (its controller killed and started again, or cut off from etcd).
 
 A source whose engine moved ends its stopped copy and gives the engine away; a source whose
 engine did not move lets its tree go on and restores it; a target holding a copy of an engine
-that did not come ends it and gives it back. Each ended migration is looked at once per life
-of the controller (the node calls ``settle`` every few rounds).
+that did not come ends it and gives it back. Only each engine's newest migration is looked
+at (an older one says nothing of where the engine is now), once per life of the controller
+(the node calls ``settle`` every few rounds).
 Neighbours: ``record`` (the records, local ids), ``procs``, ``local``, ``steps``
 (``NodeMigration.settle`` calls it), the controller (``give_away``, ``status``).
 """
@@ -23,6 +24,17 @@ from ckpt_controller.vocab import CheckpointState, MigrationOutcome, MigrationSt
 log = logging.getLogger("ckpt_controller.fleet")
 
 
+def newest_per_engine(records: list[tuple[r.Migration, object]]) -> list[r.Migration]:
+    """Of each engine's migrations, the newest only (the one whose record etcd made last,
+    ``create_revision``; neither key order nor clocks): an older one that moved the engine
+    away must not be settled after a newer one brought it back, nor instead of it."""
+    newest: dict[str, tuple[int, r.Migration]] = {}
+    for mig, kv in records:
+        if mig.engine not in newest or kv.create_revision > newest[mig.engine][0]:
+            newest[mig.engine] = (kv.create_revision, mig)
+    return [mig for _, mig in newest.values()]
+
+
 class Settler:
     def __init__(self, node, controller) -> None:
         self.node = node
@@ -31,8 +43,9 @@ class Settler:
 
     def settle(self) -> None:
         me = self.node.fleet.node
-        for mig, _ in r.read_all(self.node.etcd, self.node.keys.migrations, r.Migration, {}):
-            # (a damaged record is said by the coordinator, which cannot drive it either)
+        # (a damaged record is said by the coordinator, which cannot drive it either)
+        for mig in newest_per_engine(
+                r.read_all(self.node.etcd, self.node.keys.migrations, r.Migration, {})):
             if mig.outcome is MigrationOutcome.RUNNING or mig.op_id in self._settled:
                 continue
             self._settled.add(mig.op_id)
