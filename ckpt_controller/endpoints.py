@@ -186,3 +186,21 @@ def resolve_host(host: str) -> str:
                           address=host, problem=str(err)) from None
     v4 = [info[4][0] for info in found if info[0] == socket.AF_INET]
     return (v4 or [info[4][0] for info in found])[0]
+
+
+def check_local_address(address: str, ip: str) -> None:
+    """``ConfigError`` unless ``ip`` (what ``[fleet] address`` ``address`` resolved to) is an
+    address of this host, or of the network namespace this runs in: the target's page server
+    listens there, and an address that is not one of its own cannot be listened on (found
+    before, it failed a migration after the whole send)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((ip, 0))
+        except OSError as err:  # policy: not ours to listen on: the config is wrong
+            raise ConfigError(
+                f"[fleet] address {address!r} ({ip}) is not an address of this host or "
+                f"network namespace ({err.strerror}): give the address the other nodes reach "
+                "this one at", key="fleet.address", address=address, ip=ip) from None

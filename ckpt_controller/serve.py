@@ -23,7 +23,7 @@ import os
 from ckpt_controller import criu_images
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.server import ControllerServer
-from ckpt_controller.endpoints import resolve_host
+from ckpt_controller.endpoints import check_local_address, resolve_host
 from ckpt_controller.procutil import StopSignals
 
 log = logging.getLogger("ckpt_controller.controller")
@@ -47,6 +47,7 @@ class NodeService:
 
         address = self.config.fleet.address  # the host's name unless given
         ip = resolve_host(address)  # ConfigError: a name that does not resolve
+        check_local_address(address, ip)  # ConfigError: not this node's to listen on
         if ipaddress.ip_address(ip).is_loopback:
             log.warning("fleet: this node's address %s is %s, a loopback address: no other "
                         "host or network namespace reaches it (give [fleet] address)",

@@ -35,6 +35,7 @@ from ckpt_controller.fleet.coordinator import Coordinator
 from ckpt_controller.fleet.drivers import node_runners
 from ckpt_controller.fleet.keys import Keys
 from ckpt_controller.fleet.kinds import KINDS, Drive
+from ckpt_controller.fleet.migration import procs
 from ckpt_controller.fleet.migration.record import local_ids
 from ckpt_controller.fleet.records import EngineRecord, NodeRecord, encode
 from ckpt_controller.version import __version__
@@ -104,6 +105,7 @@ class FleetNode:
         self._last_ops: dict[str, str | None] = {}
         self._moved: dict[str, tuple] = {}  # engine -> its last transition seen (wall, gen)
         self._endpoints: dict[str, dict] = {}  # engine -> the endpoints its agent last said
+        self._pid_ns: dict[int | None, bool | None] = {}  # engine PID -> own PID namespace
         self._stop = threading.Event()
         self._nudge = threading.Event()
         self._thread: threading.Thread | None = None
@@ -280,7 +282,7 @@ class FleetNode:
         lease = self.etcd.grant(self.fleet.lease_ttl_s)
         rec = NodeRecord(node=self.fleet.node, controller=self.config.endpoint, pid=os.getpid(),
                          host=socket.gethostname(), started=time.time(), version=__version__,
-                         lease=lease)
+                         lease=lease, netns=procs.net_namespace())
         key = self.keys.node(self.fleet.node)
         ok, resp = self.etcd.txn([e.compare_created(key)], [e.put_op(key, encode(rec), lease)],
                                  [e.get_op(key)])
@@ -385,7 +387,17 @@ class FleetNode:
             endpoints=published_endpoints(said, eng.control, self.fleet.address),
             reachable=view.reachable,
             pid=s.pid if s else None, since=last.wall if last is not None else None,
+            own_pid_namespace=self._own_pid_namespace(s.pid if s else None),
             updated=time.time())
+
+    def _own_pid_namespace(self, pid) -> bool | None:
+        """``procs.own_pid_namespace``, read once per engine process (its PID, not reused
+        while the engine lives: a restore gives it another)."""
+        if pid not in self._pid_ns:
+            if len(self._pid_ns) > 4 * max(16, len(self.config.engines)):
+                self._pid_ns.clear()  # PIDs of engines long gone
+            self._pid_ns[pid] = procs.own_pid_namespace(pid)
+        return self._pid_ns[pid]
 
     def _write(self, records: list[EngineRecord]) -> None:
         me = self.fleet.node

@@ -49,6 +49,9 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     started: float
     version: str
     lease: int
+    #: the node's network namespace (``BOOT_ID/INODE``), so a migration between two nodes
+    #: that share one is refused up front; None from a node that does not say
+    netns: str | None = None
 
 
 class EngineRecord(msgspec.Struct, kw_only=True):
@@ -67,6 +70,9 @@ class EngineRecord(msgspec.Struct, kw_only=True):
     endpoints: dict[str, str] = {}
     reachable: bool = True
     pid: int | None = None
+    #: whether the engine is the init of a PID namespace of its own (a migration needs it);
+    #: None when its node could not tell
+    own_pid_namespace: bool | None = None
     #: wall time the engine entered its state (its agent's last transition), if known
     since: float | None = None
     #: wall time the node wrote this record

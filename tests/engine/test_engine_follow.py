@@ -298,12 +298,13 @@ def test_a_node_publishes_its_engines_endpoints_at_its_address(etcd, ipc_dir):
                   endpoints={"api": "tcp://0.0.0.0:5599"}).start()
     d = ipc_dir / "n1"
     d.mkdir()
-    ctl = ControllerProcess(d, node_toml(etcd, "n1", [agent], address="169.254.77.2"))
+    # an address of this host's (a node's address must be its own), not the agent's
+    ctl = ControllerProcess(d, node_toml(etcd, "n1", [agent], address="127.0.0.2"))
     try:
         with Etcd(etcd.urls) as store:
             rec = wait_until(lambda: (kv := store.get(Keys("/ckpt").engine("pub")))
                              and decode(EngineRecord, kv.value, kv.key), what="the engine's record")
-        assert rec.endpoints == {"api": "tcp://169.254.77.2:5599", "control": agent.endpoint}
+        assert rec.endpoints == {"api": "tcp://127.0.0.2:5599", "control": agent.endpoint}
         assert rec.pid == os.getpid()
     finally:
         ctl.stop()

@@ -2,7 +2,10 @@
 
 A dump with ``leave-stopped`` leaves the source's tree stopped (``continue_tree`` lets it go
 on when the engine did not move; ``kill_stopped`` ends it when it did); the criu hooks leave
-the PIDs they dumped and restored in the image folder (``dumped_pid``).
+the PIDs they dumped and restored in the image folder (``dumped_pid``). What a migration needs
+of the processes, checked before anything moves: the engine the init of a PID namespace of
+its own (``own_pid_namespace``), the two nodes in network namespaces of their own
+(``net_namespace``).
 Neighbours: ``steps`` and ``settle`` (their users), ``hooks/criu-dump`` and
 ``hooks/criu-restore`` (which write ``criu-pid``, ``criu-pids``, ``criu-restored-pid``).
 """
@@ -69,4 +72,33 @@ def _state(pid: int) -> str | None:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:  # policy: no such process
+        return None
+
+
+def own_pid_namespace(pid) -> bool | None:
+    """Whether process ``pid`` is the init (PID 1) of a PID namespace below the one of this
+    procfs, as ``unshare --pid --fork`` makes it: the only way a restored copy gets the PIDs
+    it had. ``None`` when it cannot be told (no such process, no ``NSpid`` line)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read(1 << 16)
+    except OSError:  # policy: gone, or not ours to read: unknown
+        return None
+    for line in status.splitlines():
+        if line.startswith(b"NSpid:"):
+            fields = line.split()[1:]
+            return len(fields) > 1 and fields[-1] == b"1"
+    return None
+
+
+def net_namespace() -> str | None:
+    """This process's network namespace, as ``BOOT_ID/INODE``: two nodes that say the same
+    share one network namespace of one host. ``None`` when procfs does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read(64).strip()
+        return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:  # policy: no procfs: not known, nothing is refused for it
         return None

@@ -79,12 +79,37 @@ def submit(client: e.Etcd, keys: Keys, spec: KindSpec, *, op_id: str, engine: st
     if record.state is not CheckpointState.RUNNING:
         raise UsageError(f"{engine} is {record.state} on {source}; only a RUNNING engine "
                          "migrates", engine=engine, state=str(record.state))
+    preflight(record, up[source], up[to])
     op = r.FleetOp(op_id=op_id, kind=spec.kind, engines=[engine], params=params,
                    max_unavailable=1, created=time.time())
     part = r.Part(engine=engine, node=source, local_op=ops.local_op_id(op_id, engine))
     mig = r.Migration(op_id=op_id, engine=engine, source=source, target=to, params=params)
     return ops.create(client, keys, op, [e.put_op(keys.migration(op_id), r.encode(mig)),
                                          e.put_op(keys.part(op_id, engine), r.encode(part))])
+
+
+def preflight(record: r.EngineRecord, here: r.NodeRecord, there: r.NodeRecord) -> None:
+    """What a migration of ``record``'s engine from node ``here`` to node ``there`` needs
+    that can be known before anything moves, refused up front with a ``UsageError`` (exit
+    2) that says what to change, instead of a ``criu restore`` that fails after the whole
+    send: the engine the init of a PID namespace of its own (its node says so in the
+    engine's record), and the two nodes in network namespaces of their own (their node
+    records). What a node does not say (an older version) is not refused."""
+    engine, source = record.engine, record.node
+    if record.own_pid_namespace is False:
+        raise UsageError(
+            f"{engine} does not run in a PID namespace of its own on {source}, so a copy "
+            "restored on another node could not get its PIDs back: start it as `unshare "
+            "--pid --fork setsid ckptctl engine serve ...` (docs/fleet.md, Setting it up); "
+            "nothing was started", engine=engine, node=source, pid=record.pid)
+    to = there.node
+    if here.netns and here.netns == there.netns:
+        raise UsageError(
+            f"{source} and {to} share one network namespace (host {here.host}): a copy "
+            f"restored on {to} could not listen on the engine's ports beside the source's, "
+            "nor be told apart from it; give each node a network namespace (or a host) of "
+            "its own and its own [fleet] address (docs/fleet.md, Setting it up); nothing was "
+            "started", engine=engine, source=source, target=to)
 
 
 def write_end(client: e.Etcd, keys: Keys, task: r.Task, todo_rev: int,
