@@ -36,6 +36,7 @@ class Keys:
         self.prefix = prefix.rstrip("/")
         self.nodes = f"{self.prefix}/nodes/"
         self.owners = f"{self.prefix}/owners/"
+        self.locks = f"{self.prefix}/locks/"
         self.engines = f"{self.prefix}/engines/"
         self.ops = f"{self.prefix}/ops/"
         #: every migration record (a range read of it gets the records only: the steps and
@@ -54,7 +55,7 @@ class Keys:
         return self.engines + engine
 
     def lock(self, engine: str) -> str:
-        return f"{self.prefix}/locks/{engine}"
+        return self.locks + engine
 
     def op(self, op_id: str) -> str:
         return self.ops + op_id

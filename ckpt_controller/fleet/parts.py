@@ -10,9 +10,10 @@ The life of one (``docs/fleet.md``, Fleet operations):
    exist. Nothing of the operation lives in the caller: killed, it loses nothing.
 2. The coordinator (``PartsDriver.drive``) starts pending parts in engine order: a part that
    takes its engine out of service starts only if ``unavailable`` has room for it under the
-   operation's limit, and one transaction checks the revisions of the part and of
-   ``unavailable``, marks the part started, adds the engine to ``unavailable``, takes the
-   engine's lock and puts the part in its node's inbox. A coordinator that dies between two
+   operation's limit, and only while no other operation holds the engine's lock (a
+   node-local one runs on it: the part waits for it to end), and one transaction checks the revisions of the part and of
+   ``unavailable`` and that the lock is still free, marks the part started, adds the engine
+   to ``unavailable``, takes the engine's lock and puts the part in its node's inbox. A coordinator that dies between two
    steps leaves nothing half done; the next one reads the same state and goes on.
 3. The node runs the part (``PartRunner``) as a node-local operation with the part's
    ``local_op`` id (its journal answers a repeated id with the first result, so a part never
@@ -194,12 +195,18 @@ class PartsDriver:
         engine out (the ones after it wait for their turn)."""
         starting, room = [], dict(out)
         takes_out = KINDS[op.kind].takes_out
+        locked = None
         for name in op.engines:
             part, rev = parts[name]
             if part.status is not PartStatus.PENDING:
                 continue
             if part.node not in nodes:
                 break
+            if locked is None:  # read once a part might start: the engines' locks
+                locked = {kv.key[len(self.keys.locks):]: kv.value.decode(errors="replace")
+                          for kv in self.etcd.get_prefix(self.keys.locks)}
+            if name in locked:
+                break  # an operation runs on it (a node-local one, say): after it, in turn
             if takes_out and name not in room:
                 if len(room) + 1 > op.max_unavailable:
                     break
@@ -245,7 +252,10 @@ class PartsDriver:
             started = msgspec.structs.replace(part, status=PartStatus.STARTED, started=now)
             task = r.Task(op_id=op.op_id, kind=op.kind, engine=part.engine, node=part.node,
                           local_op=part.local_op, params=op.params, started=now)
-            return ([e.compare_modified(k.part(op.op_id, part.engine), rev)],
+            # never over another operation's lock: one taken since it was read fails the
+            # transaction, and the part starts on a later round, once it is free
+            return ([e.compare_modified(k.part(op.op_id, part.engine), rev),
+                     e.compare_created(k.lock(part.engine))],
                     [e.put_op(k.part(op.op_id, part.engine), r.encode(started)),
                      e.put_op(k.todo(part.node, op.op_id, part.engine), r.encode(task)),
                      # the engine's lock, under its node's lease, for the part's run

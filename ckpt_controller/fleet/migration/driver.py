@@ -168,7 +168,10 @@ class MigrationDriver:
         node = mig.node_of(step)
         if node not in nodes:
             return self._node_down(mig, rev, step, node)
-        if step is Step.RECEIVE:  # out of service from now on, fleet-wide
+        if step is Step.RECEIVE:
+            if self.etcd.get(k.lock(mig.engine)) is not None:
+                return False  # an operation runs on it (a node-local one): after it ends
+            # out of service from now on, fleet-wide
             unavailable.update(self.etcd, k, lambda cur: {mig.engine: op.op_id, **cur})
         now = time.time()
         task = r.Task(op_id=op.op_id, kind=op.kind, step=step, engine=mig.engine, node=node,
@@ -179,11 +182,13 @@ class MigrationDriver:
         started = msgspec.structs.replace(mig, step=step, step_started=now, started=True)
         writes = [e.put_op(k.migration(op.op_id), r.encode(started)),
                   e.put_op(k.todo(node, op.op_id, mig.engine), r.encode(task))]
+        compare = [e.compare_modified(k.migration(op.op_id), rev)]
         if step is Step.RECEIVE:  # one operation on the engine across the fleet, and its place
             writes.append(e.put_op(k.lock(mig.engine), op.op_id))
+            compare.append(e.compare_created(k.lock(mig.engine)))  # never over another's
         if step is Step.ADOPT:  # the target may take it over from now on, until resumed
             writes.append(e.put_op(k.moving(mig.engine), op.op_id))
-        self.etcd.txn([e.compare_modified(k.migration(op.op_id), rev)], writes)
+        self.etcd.txn(compare, writes)
         return True
 
     def _node_down(self, mig: r.Migration, rev: int, step: MigrationStep, node: str) -> bool:
