@@ -10,8 +10,9 @@ The life of one (``docs/fleet.md``, Fleet operations):
    exist. Nothing of the operation lives in the caller: killed, it loses nothing.
 2. The coordinator (``PartsDriver.drive``) starts pending parts in engine order: a part that
    takes its engine out of service starts only if ``unavailable`` has room for it under the
-   operation's limit, and only while no other operation holds the engine's lock (a
-   node-local one runs on it: the part waits for it to end), and one transaction checks the revisions of the part and of
+   operation's limit; one whose engine another operation holds (its lock: a node-local
+   one runs on it) ends failed without starting, as the node would refuse it, and never
+   touches that lock. One transaction checks the revisions of the part and of
    ``unavailable`` and that the lock is still free, marks the part started, adds the engine
    to ``unavailable``, takes the engine's lock and puts the part in its node's inbox. A coordinator that dies between two
    steps leaves nothing half done; the next one reads the same state and goes on.
@@ -162,7 +163,9 @@ class PartsDriver:
             if self._skip(op, parts):
                 return True
         else:
-            starting, room = self._startable(op, parts, nodes, out)
+            starting, room, held = self._startable(op, parts, nodes, out)
+            if held is not None:
+                return self._refuse(op, *held)
             if starting:
                 return self._start(op, starting, nodes, out, out_rev, room)
         if all(p.status.ended and p.settled for p, _ in parts.values()):
@@ -190,9 +193,11 @@ class PartsDriver:
         return ending
 
     def _startable(self, op: r.FleetOp, parts: dict, nodes: dict, out: dict):
-        """The pending parts to start now, in engine order, and ``unavailable`` with their
-        engines: each waits for its node, and for room under the limit if it takes its
-        engine out (the ones after it wait for their turn)."""
+        """The pending parts to start now, in engine order, ``unavailable`` with their
+        engines, and the first part whose engine another operation holds (its lock), with
+        its revision and the holder, if one would start: each waits for its node, and for
+        room under the limit if it takes its engine out (the ones after it wait for their
+        turn)."""
         starting, room = [], dict(out)
         takes_out = KINDS[op.kind].takes_out
         locked = None
@@ -205,14 +210,26 @@ class PartsDriver:
             if locked is None:  # read once a part might start: the engines' locks
                 locked = {kv.key[len(self.keys.locks):]: kv.value.decode(errors="replace")
                           for kv in self.etcd.get_prefix(self.keys.locks)}
-            if name in locked:
-                break  # an operation runs on it (a node-local one, say): after it, in turn
+            if name in locked:  # an operation runs on it (a node-local one, say)
+                return starting, room, (part, rev, locked[name])
             if takes_out and name not in room:
                 if len(room) + 1 > op.max_unavailable:
                     break
                 room[name] = op.op_id
             starting.append((part, rev))
-        return starting, room
+        return starting, room, None
+
+    def _refuse(self, op: r.FleetOp, part: r.Part, rev: int, holder: str) -> bool:
+        """``part``'s engine is held by operation ``holder``: the part ends failed, never
+        started (the engine as it was), and the operation stops there as at any failure;
+        the lock stays the holder's."""
+        refused = msgspec.structs.replace(
+            part, status=PartStatus.FAILED, ended=time.time(),
+            error=f"BusyError: engine {part.engine} is held by operation {holder} (its lock "
+                  "in etcd); not started")
+        self.etcd.txn([e.compare_modified(self.keys.part(op.op_id, part.engine), rev)],
+                      [e.put_op(self.keys.part(op.op_id, part.engine), r.encode(refused))])
+        return True
 
     def _skip(self, op: r.FleetOp, parts: dict) -> bool:
         """After a failure: the pending parts end skipped (whether any were)."""

@@ -380,29 +380,22 @@ def test_a_damaged_step_end_counts_as_lost_and_the_migration_goes_on(fleet, raw)
 
 
 @pytest.mark.parametrize("kind", [FleetKind.CYCLE, FleetKind.MIGRATE])
-def test_a_fleet_operation_waits_for_a_node_local_one_and_never_takes_its_lock(fleet, kind):
+def test_a_fleet_operation_on_an_engine_a_node_local_one_holds_never_takes_its_lock(fleet, kind):
     """A node-local operation holds m0's lock (it runs there): a fleet part or migration
-    submitted meanwhile does not start nor touch the lock (its start once overwrote it, and
-    its end deleted it while the local one still ran); once the local one frees it, the
-    fleet one starts and takes it."""
+    about to start on m0 ends failed without starting, naming the holder, and the lock stays
+    the local one's (the part's start once overwrote it, and its end deleted it while the
+    local one still ran)."""
     f = fleet
-    f.c.put(K.lock("m0"), "local-op-1", f.leases["n1"])
     if kind is FleetKind.MIGRATE:
-        f.c.delete(K.lock("m0"))  # a migration is refused up front while it is held...
-        submit(f)
-        f.c.put(K.lock("m0"), "local-op-1", f.leases["n1"])  # ...one taken just after it
-        first = "n2"
+        submit(f)  # a migration is refused up front while the lock is held: taken just after
     else:
         parts.submit(f.c, K, spec(kind), op_id="mv", engines=["m0"], params={},
                      max_unavailable=None)
-        first = "n1"
-    for _ in range(3):
-        f.drive()
-        assert f.c.get(K.lock("m0")).value == b"local-op-1"
-        assert f.c.get_prefix(K.inbox(first)) == []
-    assert f.c.txn([e.compare_value(K.lock("m0"), "local-op-1")],
-                   [e.delete_op(K.lock("m0"))])[0]  # the local operation ends
-    f.drive()
-    task, _ = f.task(first)
-    assert task.op_id == "mv"
-    assert f.c.get(K.lock("m0")).value.decode() in (task.local_op, "mv")
+    f.c.put(K.lock("m0"), "local-op-1", f.leases["n1"])
+    f.drive(rounds=6)
+    assert f.c.get(K.lock("m0")).value == b"local-op-1"
+    assert f.c.get_prefix(K.inbox("n1")) == [] and f.c.get_prefix(K.inbox("n2")) == []
+    op = f.op()
+    assert op.status == "failed"
+    assert "held by operation local-op-1" in op.error
+    assert unavailable.read(f.c, K)[0] == {}  # m0 was never taken out

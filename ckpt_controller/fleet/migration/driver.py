@@ -169,8 +169,9 @@ class MigrationDriver:
         if node not in nodes:
             return self._node_down(mig, rev, step, node)
         if step is Step.RECEIVE:
-            if self.etcd.get(k.lock(mig.engine)) is not None:
-                return False  # an operation runs on it (a node-local one): after it ends
+            held = self.etcd.get(k.lock(mig.engine))
+            if held is not None:  # an operation runs on it (a node-local one): refused
+                return self._held(mig, rev, held.value.decode(errors="replace"))
             # out of service from now on, fleet-wide
             unavailable.update(self.etcd, k, lambda cur: {mig.engine: op.op_id, **cur})
         now = time.time()
@@ -189,6 +190,17 @@ class MigrationDriver:
         if step is Step.ADOPT:  # the target may take it over from now on, until resumed
             writes.append(e.put_op(k.moving(mig.engine), op.op_id))
         self.etcd.txn(compare, writes)
+        return True
+
+    def _held(self, mig: r.Migration, rev: int, holder: str) -> bool:
+        """Another operation holds the engine (its lock) when the migration would start:
+        it ends before anything moved (``stayed``), the lock left to its holder."""
+        updated = msgspec.structs.replace(
+            mig, step=None, started=False, outcome=Outcome.STAYED,
+            error=f"not started: engine {mig.engine} is held by operation {holder} (its lock "
+                  "in etcd)")
+        self.etcd.txn([e.compare_modified(self.keys.migration(mig.op_id), rev)],
+                      [e.put_op(self.keys.migration(mig.op_id), r.encode(updated))])
         return True
 
     def _node_down(self, mig: r.Migration, rev: int, step: MigrationStep, node: str) -> bool:
