@@ -155,6 +155,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--json", action="store_true", help="print one JSON document")
     sp.set_defaults(run=_history)
 
+    sp = sub.add_parser(
+        "journal", help="the controller's journal: compact it now",
+        description="The controller's journal ([journal] in its config). `compact` forgets "
+                    "now what keep_days and keep_operations keep no longer (the controller "
+                    "also does so when it starts and every hour): ended operations older "
+                    "than keep_days or beyond the newest keep_operations, with their "
+                    "records; never an engine's newest operation, its newest capture and "
+                    "image, or a running one.", **fmt)
+    jsub = sp.add_subparsers(dest="journal_command", metavar="COMMAND", required=True)
+    jp = jsub.add_parser("compact", help="forget what [journal] keeps no longer, now", **fmt)
+    jp.add_argument("--json", action="store_true", help="print one JSON document")
+    jp.set_defaults(run=_journal_compact)
+
     sp = sub.add_parser("watch", help="print journal records live", **fmt)
     sp.add_argument("--duration", type=duration, metavar="S",
                     help="stop after S seconds (default: until interrupted, or the controller "
@@ -412,6 +425,18 @@ def status_table(reply: p.ControllerStatusReply, last_ops: dict[str, str | None]
             notes.append(f"{v.engine}: unsettled since operation {v.unsettled_by} lost contact "
                          "(the reconciler settles it)")
     return table(rows) + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def _journal_compact(args: argparse.Namespace) -> int:
+    with _client(args, on_wait=_waiting) as c:
+        reply = c.compact_journal()
+    if args.json:
+        emit("journal-compact", reply)
+        return 0
+    print(f"journal: forgot {reply.operations} operations and {reply.records} records in "
+          f"{reply.duration_s:.2f}s (keep_days {reply.keep_days:g}, keep_operations "
+          f"{reply.keep_operations})")
+    return 0
 
 
 def _history(args: argparse.Namespace) -> int:

@@ -136,6 +136,12 @@ class ControllerClient(RpcClient):
             call_id=0, engine=engine, op_id=op_id,
             limit=check(COUNT, limit, "limit")))
 
+    def compact_journal(self) -> p.CompactReply:
+        """Compact the controller's journal now, to its ``[journal]`` bounds: what it forgot
+        (``ckptctl journal compact``)."""
+        return self.call(p.RequestType.COMPACT, p.CompactCommand(call_id=0),
+                         timeout_s=max(self.timeout_s, 120.0))
+
     # ------------------------------------------------------------ operations
 
     def prepare(self, engines: Engines = None, *, drain: DrainMode | str | None = None,

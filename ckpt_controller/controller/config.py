@@ -165,6 +165,17 @@ class MigrationConfig:
 
 
 @dataclass(frozen=True)
+class JournalConfig:
+    """``[journal]``: the journal forgets an ended operation, with its records, once it is
+    older than ``keep_days`` or beyond the newest ``keep_operations``, except what the
+    controller still reads (``Journal.compact``); at start and every hour, or at once with
+    ``ckptctl journal compact``."""
+
+    keep_days: float = 90.0
+    keep_operations: int = 100_000
+
+
+@dataclass(frozen=True)
 class ControllerConfig:
     """Everything the controller service needs; see the module docstring for the file format."""
 
@@ -194,6 +205,8 @@ class ControllerConfig:
     fleet: FleetConfig | None = None
     #: ``[migration]`` (its defaults when the file has none)
     migration: MigrationConfig = MigrationConfig()
+    #: ``[journal]`` (its defaults when the file has none)
+    journal: JournalConfig = JournalConfig()
     #: the file this was read from (named in errors found when the controller starts)
     source: str = "<defaults>"
 
@@ -317,6 +330,7 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
         engines=_engines(table.engine, file, base),
         fleet=_fleet(table.fleet, file, base) if table.fleet is not UNSET else None,
         migration=_migration(table.migration, file, base),
+        journal=JournalConfig(**given(table.journal)),
         source=file)
     engines_with_keys = [e.name for e in config.engines if e.curve_server_key]
     if engines_with_keys and config.curve_secret_key is None:

@@ -149,6 +149,15 @@ class MigrationTable(_Table):
     page_server_port: Port | UnsetType = UNSET
 
 
+class JournalTable(_Table):
+    """``[journal]``: how long the journal keeps ended operations (``config.JournalConfig``)."""
+
+    keep_days: Annotated[float, Meta(gt=0, le=36500, description=(
+        "a number of days > 0 and at most 36500"))] | UnsetType = UNSET
+    keep_operations: Annotated[int, Meta(ge=1, le=10**9, description=(
+        "an integer >= 1 and at most 1000000000"))] | UnsetType = UNSET
+
+
 class FileTable(_Table):
     """The whole file."""
 
@@ -159,6 +168,7 @@ class FileTable(_Table):
                       Meta(description="an array of tables: [[engine]]")] = []
     fleet: FleetTable | UnsetType = UNSET
     migration: MigrationTable = MigrationTable()
+    journal: JournalTable = JournalTable()
 
 
 def given(table: _Table) -> dict[str, Any]:

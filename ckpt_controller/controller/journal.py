@@ -407,6 +407,53 @@ class Journal:
             "GROUP BY engine)")
         return {engine: op for engine, type_, op in rows if type_ == "contact_lost"}
 
+    # ---------------------------------------------------------------- retention
+
+    def compact(self, keep_days: float, keep_operations: int,
+                now: float | None = None) -> dict[str, int]:
+        """Forget what ``[journal]`` keeps no longer: every ended operation older than
+        ``keep_days`` or beyond the newest ``keep_operations`` (in the order they began),
+        with its records, and records of no operation older than ``keep_days``, except what
+        the controller still reads: each engine's newest operation (``status``'s LAST-OP),
+        the operations of its newest capture and newest image (a restore's default), of its
+        newest contact record (whether it is unsettled), and every running one; the roster
+        is kept whole. Counts of what went: ``operations``, ``records``."""
+        cutoff = (time.time() if now is None else now) - keep_days * 86400.0
+        self._writer.wait_written()
+        victims = [op for (op,) in self._read(
+            "SELECT op_id FROM operations WHERE status != ? AND (wall < ? OR rowid NOT IN "
+            "(SELECT rowid FROM operations ORDER BY rowid DESC LIMIT ?))",
+            (OperationStatus.RUNNING, cutoff, keep_operations))]
+        if victims:
+            kept = {op for (op,) in self._read(_STILL_READ) if op is not None}
+            victims = [op for op in victims if op not in kept]
+        gone = {"operations": 0, "records": 0}
+        for i in range(0, len(victims), COMPACT_CHUNK):
+            chunk = json.dumps(victims[i:i + COMPACT_CHUNK])
+            records = self._count("SELECT COUNT(*) FROM records WHERE op_id IN "
+                                  "(SELECT value FROM json_each(?))", chunk)
+            self._writer.submit(
+                "DELETE FROM records WHERE op_id IN (SELECT value FROM json_each(?))", (chunk,))
+            self._writer.submit(
+                "DELETE FROM operation_engines WHERE (engine, wall, op_id) IN (SELECT j.value, "
+                "o.wall, o.op_id FROM operations AS o, json_each(o.engines) AS j WHERE o.op_id "
+                "IN (SELECT value FROM json_each(?)))", (chunk,))
+            self._writer.wait(self._writer.submit(
+                "DELETE FROM operations WHERE op_id IN (SELECT value FROM json_each(?))",
+                (chunk,), barrier=True))
+            gone["operations"] += len(victims[i:i + COMPACT_CHUNK])
+            gone["records"] += records
+        loose = ("FROM records WHERE op_id IS NULL AND wall < ? AND type NOT IN "
+                 "('capture', 'contact_lost', 'reconciled')")
+        count = self._count(f"SELECT COUNT(*) {loose}", cutoff)
+        if count:
+            self._writer.wait(self._writer.submit(f"DELETE {loose}", (cutoff,), barrier=True))
+            gone["records"] += count
+        return gone
+
+    def _count(self, sql: str, *args: Any) -> int:
+        return self._read(sql, args)[0][0]
+
     # ---------------------------------------------------------------- consistency
 
     def check(self) -> list[str]:
@@ -434,6 +481,21 @@ class Journal:
             problems.append(f"ended without a result: {[r[0] for r in no_result]}")
         return problems
 
+
+#: the operations ``compact`` never forgets: each engine's newest, those of its newest
+#: capture, newest image and newest contact record (every read by index)
+_STILL_READ = """
+SELECT op_id FROM operation_engines AS e
+    WHERE wall = (SELECT MAX(wall) FROM operation_engines WHERE engine = e.engine)
+UNION SELECT op_id FROM records WHERE seq IN (
+    SELECT MAX(seq) FROM records WHERE type = 'capture' GROUP BY engine
+    UNION SELECT MAX(seq) FROM records WHERE type = 'capture'
+        AND json_extract(data, '$.dumped') = 1 GROUP BY engine
+    UNION SELECT MAX(seq) FROM records WHERE type IN ('contact_lost', 'reconciled')
+        GROUP BY engine)
+"""
+#: how many operations one delete of ``compact`` names (its transaction's size)
+COMPACT_CHUNK = 500
 
 #: an engine's operations: ``operation_engines`` (``e``, by its index) joined to ``operations``
 _ENGINE_OPERATIONS = "operation_engines AS e JOIN operations AS o ON o.op_id = e.op_id"

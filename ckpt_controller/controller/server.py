@@ -37,7 +37,8 @@ RECORDS_DELAY_S = 0.02
 
 class ControllerServer(RpcServer):
     serves = frozenset({p.RequestType.HANDSHAKE, p.RequestType.STATUS,
-                        p.RequestType.OPERATION, p.RequestType.HISTORY})
+                        p.RequestType.OPERATION, p.RequestType.HISTORY,
+                        p.RequestType.COMPACT})
 
     def __init__(self, config: ControllerConfig) -> None:
         super().__init__(config.endpoint, name="controller",
@@ -87,6 +88,7 @@ class ControllerServer(RpcServer):
             self.bind()
         super().start()
         self.controller.start_reconciler()
+        self.controller.retention.start()
         if self.config.metrics_port is not None:
             self.monitor = EngineMonitor(self.config, self.metrics).start()
         return self
@@ -130,6 +132,8 @@ class ControllerServer(RpcServer):
                 incarnation=0, state="serving", heartbeat_interval_s=self.heartbeat_interval_s))
         elif rtype is p.RequestType.HISTORY:
             self.offload(identity, call_id, "HISTORY", lambda: self.controller.history(cmd))
+        elif rtype is p.RequestType.COMPACT:
+            self.offload(identity, call_id, "COMPACT", self.controller.retention.compact)
         elif rtype is p.RequestType.OPERATION:
             # the result, or the error of a refusal found by asking the engines
             self.controller.start(cmd, lambda r: self.reply(identity, call_id, r)

@@ -38,6 +38,7 @@ from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.links import AgentLink, AgentLinks
 from ckpt_controller.controller.outcome import error_info
 from ckpt_controller.controller.reconcile import Reconciler
+from ckpt_controller.controller.retention import JournalRetention
 from ckpt_controller.controller.session import EngineSession
 from ckpt_controller.controller.statedir import claim
 from ckpt_controller.controller.workers import Workers
@@ -106,6 +107,8 @@ class Controller:
         self._operations = Workers("operation")
         self.reconciler = Reconciler(config, self.journal, self.admission, self.record,
                                      self._session)
+        #: ``[journal]``'s bounds, applied while the controller serves
+        self.retention = JournalRetention(config, self.journal)
         if metrics is not None:
             self._carry_over_metrics()
 
@@ -152,6 +155,7 @@ class Controller:
     def close(self) -> None:
         self._operations.close()
         self.reconciler.stop()
+        self.retention.stop()
         self.links.close()
         self.journal.close()
         self._claim.release()

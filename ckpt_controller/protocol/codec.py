@@ -17,6 +17,7 @@ from ckpt_controller.protocol.commands import (
     MAX_PAYLOAD_BYTES,
     PROTOCOL_VERSION,
     Command,
+    CompactCommand,
     FailCommand,
     Handshake,
     HeartbeatCommand,
@@ -47,6 +48,7 @@ COMMAND_TYPES: dict[RequestType, type[Command]] = {
     RequestType.FAIL: FailCommand,
     RequestType.OPERATION: OperationCommand,
     RequestType.HISTORY: HistoryCommand,
+    RequestType.COMPACT: CompactCommand,
 }
 
 

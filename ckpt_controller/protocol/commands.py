@@ -59,6 +59,7 @@ class RequestType(bytes, enum.Enum):
     # served by the controller only
     OPERATION = b"\x10"
     HISTORY = b"\x11"
+    COMPACT = b"\x12"
 
 
 class ReplyType(bytes, enum.Enum):
@@ -183,3 +184,8 @@ class HistoryCommand(Command, kw_only=True):
     engine: Text | None = None
     op_id: Text | None = None
     limit: Annotated[int, Meta(ge=1, le=MAX_HISTORY_LIMIT)] = 50
+
+
+class CompactCommand(Command, kw_only=True):
+    """Compact the controller's journal now (``[journal]``'s bounds; ``ckptctl journal
+    compact``)."""

@@ -283,8 +283,18 @@ class HistoryReply(msgspec.Struct, kw_only=True, tag=True):
     records: list[JournalRecord]
 
 
+class CompactReply(msgspec.Struct, kw_only=True, tag=True):
+    """What one compaction of the journal forgot, and the bounds it kept to."""
+
+    operations: int
+    records: int
+    keep_days: float
+    keep_operations: int
+    duration_s: float
+
+
 Result = (HandshakeReply | StatusReply | PrepareReply | RestoreReply | HeartbeatReply | Ack
-          | OperationResult | ControllerStatusReply | HistoryReply)
+          | OperationResult | ControllerStatusReply | HistoryReply | CompactReply)
 
 
 class Reply(msgspec.Struct, kw_only=True):

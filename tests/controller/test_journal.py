@@ -593,3 +593,39 @@ def test_a_starting_controller_finds_the_last_good_cycle_behind_many_failed_ones
         assert metrics.registry.get_sample_value(gauge, {"engine": "b"}) is None
     finally:
         ctl.close()
+
+
+def test_compact_forgets_old_and_surplus_operations_but_never_what_is_still_read(tmp_path):
+    """``compact``: ended operations past ``keep_operations`` (oldest first) or older than
+    ``keep_days`` go with their records, and old records of no operation; each engine's
+    newest operation, its newest capture and image, its newest contact record, the running
+    ones and the roster stay, and every read answers as before for what is kept."""
+    j = Journal(tmp_path / "journal.sqlite3")
+    try:
+        _done(j, "image-a", ["a"])
+        j.record("capture", {"dumped": True, "image": "/img/a"}, op_id="image-a", engine="a")
+        _done(j, "lost-b", ["b"])
+        j.record("contact_lost", {"state": None, "error": "x"}, op_id="lost-b", engine="b")
+        for i in range(40):
+            _done(j, f"old{i}", ["a", "c"])
+        j.record("note", {"text": "an old loose record"}, wall=1.0)
+        j.begin("running-d", "prepare", ["d"], {})
+        j.roster_change("e", "adopted", "mig-1", "n2")
+        _done(j, "newest-c", ["c"])
+        gone = j.compact(keep_days=3650, keep_operations=5)
+        left = {o.op_id for o in j.operations(limit=1000)}
+        assert left == {"image-a", "lost-b", "old37", "old38", "old39", "running-d",
+                        "newest-c"}  # the newest five, and what is still read
+        assert gone == {"operations": 37, "records": 37 + 1}
+        assert j.last_operations(["a", "b", "c"])["a"].op_id == "old39"
+        assert [op for op, _ in j.captures("a")] == ["image-a"]
+        assert j.unsettled() == {"b": "lost-b"}
+        assert len(j.roster()) == 1 and j.check() == []
+        # by age: everything ended is older than a day from now (but what is still read)
+        gone = j.compact(keep_days=1, keep_operations=1000, now=10 * 86400.0 + 2e9)
+        assert {o.op_id for o in j.operations(limit=1000)} == {
+            "image-a", "lost-b", "old39", "running-d", "newest-c"}
+        assert gone["operations"] == 2 and j.check() == []
+        assert j.compact(keep_days=1, keep_operations=1) == {"operations": 0, "records": 0}
+    finally:
+        j.close()
