@@ -74,6 +74,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--json", action="store_true",
                     help="one JSON document (docs/fleet.md gives its shape)")
     st.set_defaults(run=_status)
+    g = fsub.add_parser(
+        "gc", help="forget ended fleet operations older than --keep-days",
+        description="Delete from etcd every fleet operation that ended more than --keep-days "
+                    "ago, with its parts, migration record and steps (the coordinator does "
+                    "this every hour with its [fleet] keep_days). Never a running one, one "
+                    "that `unavailable`, a lock or moving/ names, nor an engine's newest "
+                    "migration.", **fmt)
+    g.add_argument("--keep-days", type=_keep_days, default=7.0, metavar="D",
+                   help="keep what ended in the last D days (default 7, as [fleet] keep_days)")
+    g.add_argument("--json", action="store_true", help="print one JSON document")
+    g.set_defaults(run=_gc)
     w = fsub.add_parser("watch", help="follow a fleet operation until it ends", **fmt)
     w.add_argument("op_id", metavar="OP_ID", help="the fleet operation's id")
     w.add_argument("--json", action="store_true",
@@ -361,6 +372,37 @@ def _operation(args: argparse.Namespace) -> int:
         print(table(rows))
         print(f"fleet {op.kind} {op.op_id}: {op.status}")
     return parts_exit_code(op, parts)
+
+
+def _keep_days(text: str) -> float:
+    """``--keep-days``: a number of days > 0, at most 36500 (as ``[fleet] keep_days``)."""
+    try:
+        days = float(text)
+    except ValueError:
+        days = float("nan")
+    if not 0 < days <= 36500:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number of days > 0 and at most 36500, "
+                                         f"got {text!r}")
+    return days
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from ckpt_controller.fleet import gc
+    from ckpt_controller.fleet.keys import Keys
+
+    with client(args) as c:
+        done = gc.collect(c, Keys(args.etcd_prefix), args.keep_days * 86400.0)
+    if args.json:
+        emit("fleet-gc", deleted=done.deleted, kept=done.kept, unreadable=done.damaged,
+             keep_days=args.keep_days)
+        return 0
+    print(f"fleet gc: forgot {len(done.deleted)} operations ended over {args.keep_days:g} "
+          f"days ago; kept {len(done.kept)} that something still names")
+    for op_id, why in sorted(done.kept.items()):
+        print(f"  kept {op_id}: {why}")
+    for key, why in sorted(done.damaged.items()):
+        print(f"  unreadable {key}: {why}", file=sys.stderr)
+    return 0
 
 
 def _watch(args: argparse.Namespace) -> int:

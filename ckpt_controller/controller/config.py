@@ -143,6 +143,9 @@ class FleetConfig:
     publish_interval_s: float = 0.5
     #: whether this node may be elected to drive fleet operations
     coordinator: bool = True
+    #: ended fleet operations older than this are forgotten (``fleet.gc``, by the
+    #: coordinator every hour, or ``ckptctl fleet gc``)
+    keep_days: float = 7.0
     #: TLS: the CA that signed etcd's certificate; with https:// URLs
     ca_cert: Path | None = None
     #: TLS client certificate and its key (both or neither)

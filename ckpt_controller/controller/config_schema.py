@@ -135,6 +135,8 @@ class FleetTable(_Table):
     lease_ttl_s: LeaseTtl | UnsetType = UNSET
     publish_interval_s: Seconds | UnsetType = UNSET
     coordinator: Flag | UnsetType = UNSET
+    keep_days: Annotated[float, Meta(gt=0, le=36500, description=(
+        "a number of days > 0 and at most 36500"))] | UnsetType = UNSET
     ca_cert: Text | UnsetType = UNSET
     cert: Text | UnsetType = UNSET
     key: Text | UnsetType = UNSET

@@ -29,6 +29,7 @@ import time
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.errors import CkptError, DamagedRecordError, NodeNameTakenError
 from ckpt_controller.fleet import etcd as e
+from ckpt_controller.fleet import gc
 from ckpt_controller.fleet import records as r
 from ckpt_controller.fleet import unavailable
 from ckpt_controller.fleet.coordinator import Coordinator
@@ -106,6 +107,7 @@ class FleetNode:
         self._moved: dict[str, tuple] = {}  # engine -> its last transition seen (wall, gen)
         self._endpoints: dict[str, dict] = {}  # engine -> the endpoints its agent last said
         self._pid_ns: dict[int | None, bool | None] = {}  # engine PID -> own PID namespace
+        self._gc_at = 0.0  # when the coordinator next forgets old operations (fleet.gc)
         self._stop = threading.Event()
         self._nudge = threading.Event()
         self._thread: threading.Thread | None = None
@@ -274,6 +276,12 @@ class FleetNode:
             for _ in range(8):
                 if not self.coordinator.drive():
                     break
+        if self.is_coordinator and time.monotonic() >= self._gc_at:
+            self._gc_at = time.monotonic() + gc.GC_EVERY_S
+            done = gc.collect(self.etcd, self.keys, self.fleet.keep_days * 86400.0)
+            if done.deleted:
+                log.info("fleet: forgot %d fleet operations ended over %g days ago",
+                         len(done.deleted), self.fleet.keep_days)
 
     def register(self) -> None:
         """The node's record under a new lease, if no other controller holds the node's name
