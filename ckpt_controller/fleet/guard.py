@@ -96,6 +96,9 @@ class FleetGuard:
 
         try:
             unavailable.update(n.etcd, n.keys, change)
+        except CkptError as err:  # policy: logged; the locks are freed all the same
+            log.warning("fleet: could not record %s's end in unavailable: %s", op_id, err)
+        try:
             self._unlock(op_id, engines)
         except CkptError as err:  # policy: the lock goes with the lease; logged
             log.warning("fleet: could not free %s's fleet locks: %s", op_id, err)
