@@ -17,6 +17,9 @@ Under a burst the control thread never blocks on itself and no queue grows witho
 - a peer that does not read its answers loses those beyond the ROUTER's ``SNDHWM``, and one
   silent for ``PEER_SILENCE_S`` (it does not answer zmq's own heartbeats: stopped, hung, or
   no longer reading) is disconnected and what was queued for it freed;
+- at most ``MAX_SUBSCRIBERS`` peers subscribe at once (each event is one message per
+  subscriber); one more is refused with the retryable ``OverloadedError``, and a subscriber
+  whose queue is full (it stopped reading) is let go, said in the log;
 - slow work (``offload``) runs on ``WORKER_THREADS`` threads from a queue of
   ``WORKER_QUEUE`` jobs; when it is full the request is shed at once with the typed,
   retryable ``OverloadedError`` (nothing of it ran).
@@ -75,6 +78,8 @@ WORKER_QUEUE = 64
 #: watchdog asks for less (``rounds_within``). Each idle round costs CPU: at 0.25 s, rounds
 #: were half an idle agent's CPU
 IDLE_ROUND_S = 1.0
+#: peers subscribed at once, at most (``watch``, ``status -w``, progress of a command)
+MAX_SUBSCRIBERS = 256
 #: the hint an ``OverloadedError`` carries
 OVERLOAD_RETRY_AFTER_S = 0.5
 
@@ -370,10 +375,13 @@ class RpcServer:
                     self.publish(beat)
 
     def _forget(self, identity: bytes) -> None:
+        """A message to ``identity`` could not be queued: it is gone, or its queue is full
+        (``PEER_SNDHWM`` messages it did not read): as a subscriber it is let go."""
         with self._subscribers_lock:
             if identity in self._subscribers:
                 self._subscribers.discard(identity)
-                log.info("%s: subscriber %s is gone", self.name, identity.hex())
+                log.info("%s: subscriber %s is gone (or %d messages behind: let go)",
+                         self.name, identity.hex(), PEER_SNDHWM)
 
     def _dispatch(self, frames: list[bytes]) -> None:
         identity, rest = frames[0], frames[1:]
@@ -386,10 +394,17 @@ class RpcServer:
         try:
             if rtype is p.RequestType.SUBSCRIBE or rtype is p.RequestType.UNSUBSCRIBE:
                 with self._subscribers_lock:
-                    if rtype is p.RequestType.SUBSCRIBE:
-                        self._subscribers.add(identity)
-                    else:
+                    if rtype is p.RequestType.UNSUBSCRIBE:
                         self._subscribers.discard(identity)
+                    elif (identity not in self._subscribers
+                          and len(self._subscribers) >= MAX_SUBSCRIBERS):
+                        raise OverloadedError(
+                            f"{self.name} has {MAX_SUBSCRIBERS} subscribers already (watch, "
+                            "progress of commands); try again later",
+                            max_subscribers=MAX_SUBSCRIBERS,
+                            retry_after_s=OVERLOAD_RETRY_AFTER_S)
+                    else:
+                        self._subscribers.add(identity)
                 self.reply(identity, cmd.call_id, p.Ack())
             elif rtype is p.RequestType.HEARTBEAT:
                 beat = self.heartbeat_body(0)

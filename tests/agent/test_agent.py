@@ -481,6 +481,36 @@ def test_subscribers_that_vanish_are_forgotten(ipc_dir):
         assert not a._subscribers
 
 
+def test_subscribers_beyond_the_bound_are_refused_typed(ipc_dir, monkeypatch):
+    """At most ``MAX_SUBSCRIBERS`` at once (each event is a message to each): one more is
+    refused with the retryable ``OverloadedError``; a subscriber that leaves makes room, and
+    one subscribed already subscribes again freely."""
+    from ckpt_controller import rpcserver
+    from ckpt_controller.errors import OverloadedError
+    from ckpt_controller.rpc import RpcClient
+
+    monkeypatch.setattr(rpcserver, "MAX_SUBSCRIBERS", 3)
+    with Agent("subs", control=f"ipc://{ipc_dir}/s.ctl", heartbeat_interval_s=0.05) as a:
+        clients = [AgentClient(a.endpoint) for _ in range(3)]
+        try:
+            for c in clients:
+                c.subscribe()
+            clients[0].subscribe()  # again: no second place taken
+            extra = RpcClient(a.endpoint)
+            try:
+                with pytest.raises(OverloadedError, match="3 subscribers already") as info:
+                    extra.subscribe()
+                assert info.value.details["retry_after_s"] > 0 and len(a._subscribers) == 3
+                clients.pop().close()  # says UNSUBSCRIBE: its place is free
+                extra.subscribe()
+                assert len(a._subscribers) == 3
+            finally:
+                extra.close()
+        finally:
+            for c in clients:
+                c.close()
+
+
 def test_stepwise_prepare_and_restore(agent, client):
     """Steps let a controller run hooks inside PREPARING and RESTORING."""
     agent.gate.admit("r")
