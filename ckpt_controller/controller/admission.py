@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.config import MAX_SECONDS, ControllerConfig
 from ckpt_controller.controller.journal import Journal
-from ckpt_controller.errors import BusyError, CkptError, OverloadedError, UsageError
+from ckpt_controller.errors import (BusyError, CkptError, OverloadedError, UnreachableError,
+                                    UsageError)
 from ckpt_controller.vocab import ReleaseLevel
 
 #: called once with the operation's result, or with the error that refused it
@@ -42,6 +43,8 @@ class Admission:
         #: engine -> the operation (or reconcile) holding it
         self.holders: dict[str, str] = {}
         self.running: dict[str, Running] = {}
+        #: the controller stops (SIGTERM): no operation starts from now on
+        self.stopping = False
 
     def select(self, names: list[str]) -> list[str]:
         roster = self.config.roster  # one snapshot: engines may be adopted or given away
@@ -59,6 +62,9 @@ class Admission:
         taken care of (the id's stored result, or a running operation with that id)."""
         engines = self.select(cmd.engines)
         check(cmd)
+        if self.stopping:
+            raise UnreachableError("the controller is stopping; nothing starts now (try again "
+                                   "once it is back)", op_id=cmd.op_id, retry_after_s=1.0)
         with self.lock:
             row = self.journal.lookup(cmd.op_id)
             known = row[:2] if row is not None else None

@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,9 @@ class HookContext:
     #: the operation's own hook settings (``OperationCommand.hook_env``), over the
     #: controller's environment
     extra_env: tuple[tuple[str, str], ...] = ()
+    #: set when the controller stops (SIGTERM): a running hook is ended at once (SIGTERM,
+    #: the grace, SIGKILL, its whole tree), as at its timeout, and no further hook starts
+    stop: threading.Event | None = None
 
 
 def find_hooks(hooks_dir: Path | None, point: str) -> list[Path]:
@@ -129,9 +133,13 @@ def run_hook(path: Path, point: str, ctx: HookContext, timeout_s: float,
     reader = OutputReader(proc.stdout, proc.stderr)
     timed_out = False
     grace_left = grace_s
-    if not _wait(proc, tree, timeout_s, pidfile):
+    if not _wait(proc, tree, timeout_s, pidfile, ctx.stop):
         timed_out = True
-        log.warning("hook %s (%s) passed its %.1fs timeout: SIGTERM", path, point, timeout_s)
+        if ctx.stop is not None and ctx.stop.is_set():
+            log.warning("hook %s (%s) ended: the controller is stopping: SIGTERM", path, point)
+        else:
+            log.warning("hook %s (%s) passed its %.1fs timeout: SIGTERM", path, point,
+                        timeout_s)
         tree.look()
         term_at = time.monotonic()
         _signal_group(proc, signal.SIGTERM)
@@ -169,11 +177,14 @@ def write_pidfile(pidfile: Path, text: str) -> None:
     os.replace(tmp, pidfile)
 
 
-def _wait(proc: subprocess.Popen, tree: ProcessTree, seconds: float, pidfile: Path) -> bool:
-    """Whether the hook ended within ``seconds``; looks at its process tree meanwhile and
-    keeps ``pidfile`` up to date with it."""
+def _wait(proc: subprocess.Popen, tree: ProcessTree, seconds: float, pidfile: Path,
+          stop: threading.Event | None = None) -> bool:
+    """Whether the hook ended within ``seconds`` (and before ``stop`` was set); looks at its
+    process tree meanwhile and keeps ``pidfile`` up to date with it."""
     deadline = time.monotonic() + seconds
     while True:
+        if stop is not None and stop.is_set() and proc.poll() is None:
+            return False
         before = set(tree.seen)
         tree.look()
         if set(tree.seen) != before:
@@ -246,12 +257,18 @@ def run_point(hooks_dir: Path | None, point: str, ctx: HookContext, timeout_s: f
     gets ``timeout_s``, cut to the operation's deadline and to ``until_wall`` (a limit the
     point's hooks share, such as the capture deadline)."""
     for path in find_hooks(hooks_dir, point):
+        if ctx.stop is not None and ctx.stop.is_set():
+            raise HookError(f"{point} hook {path.name} not started: the controller is "
+                            "stopping", engine=ctx.engine, point=point, path=str(path),
+                            stopping=True)
         end = ctx.deadline_wall if until_wall is None else min(ctx.deadline_wall, until_wall)
         left = max(0.1, min(timeout_s, end - time.time()))
         run = run_hook(path, point, ctx, left, grace_s=grace_s)
         runs.append(run)
         if run.timed_out or run.exit_code != 0:
             what = "timed out" if run.timed_out else f"exited {run.exit_code}"
+            if run.timed_out and ctx.stop is not None and ctx.stop.is_set():
+                what = "was ended: the controller is stopping"
             error = HookTimeoutError if run.timed_out else HookError
             said = _first_line(run.stderr_tail)
             raise error(f"{point} hook {path.name} {what}" + (f": {said}" if said else ""),

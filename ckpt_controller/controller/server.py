@@ -94,6 +94,7 @@ class ControllerServer(RpcServer):
         return self
 
     def close(self) -> None:
+        self.controller.stop()  # running operations end and answer while this still serves
         super().close()
         if self.metrics_server is not None:
             self.metrics_server.close()

@@ -56,6 +56,9 @@ HISTORY_BYTES = p.HARD_MAX_MESSAGE_BYTES // 2
 #: controller of 100 engines and a long journal take a third of a second)
 CARRY_OVER_OPERATIONS = 1000
 CARRY_OVER_FIRST = 8
+#: how long a stopping controller waits for its running operations to end (plus the hook
+#: grace: the time a hook it ended gets): each ends its step as at a hook failure
+STOP_WAIT_S = 20.0
 
 _summary_encoder = msgspec.msgpack.Encoder()
 
@@ -107,6 +110,8 @@ class Controller:
         self._operations = Workers("operation")
         self.reconciler = Reconciler(config, self.journal, self.admission, self.record,
                                      self._session)
+        #: set when the controller stops (``close``): hooks end, operations are refused
+        self.stopping = threading.Event()
         #: ``[journal]``'s bounds, applied while the controller serves
         self.retention = JournalRetention(config, self.journal)
         if metrics is not None:
@@ -152,7 +157,26 @@ class Controller:
             looked = len(ops)
         return None
 
+    def stop(self) -> None:
+        """No operation starts from now on; running hooks are ended (SIGTERM, the hook
+        grace, SIGKILL, their whole trees) and no further one starts, so each running
+        operation ends its step as at a hook failure and answers its callers; they get
+        ``STOP_WAIT_S`` plus the grace to end. One that has not ended by then is left
+        ``running`` in the journal for the next start to recover. (The server calls this
+        while it still serves, so the answers reach the callers; ``close`` after.)"""
+        self.stopping.set()
+        self.admission.stopping = True
+        wait_s = STOP_WAIT_S + self.config.deadlines.hook_grace
+        deadline = time.monotonic() + wait_s
+        while self.admission.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.admission.running:
+            log.warning("stopping with %d operations still running after %.0fs (%s): the "
+                        "next start recovers them", len(self.admission.running), wait_s,
+                        ", ".join(sorted(self.admission.running)))
+
     def close(self) -> None:
+        self.stop()  # at once when the server stopped it already
         self._operations.close()
         self.reconciler.stop()
         self.retention.stop()
@@ -320,7 +344,8 @@ class Controller:
         session = EngineSession(self.config, engine, cmd.op_id, params,
                                 cmd.deadline_s or self.config.deadlines.operation,
                                 self.record, self.metrics, drain_timeout_s=cmd.drain_timeout_s,
-                                links=self.links, link=link, sync=self.sync)
+                                links=self.links, link=link, sync=self.sync,
+                                stop=self.stopping)
         session.hook_env = dict(cmd.hook_env)
         if self.guard is not None:  # e.g. a migration's target takes the engine over
             session.before_resume = self.guard.before_resume(cmd.op_id, engine)

@@ -17,6 +17,7 @@ session), ``service`` (which sessions run when), ``hooks``, ``policy``, ``outcom
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -59,8 +60,11 @@ class EngineSession:
                  params: PrepareDefaults, deadline_s: float, record: Recorder,
                  metrics=None, drain_timeout_s: float | None = None,
                  links: AgentLinks | None = None, link: AgentLink | None = None,
-                 sync: Callable[[], None] | None = None) -> None:
+                 sync: Callable[[], None] | None = None,
+                 stop: threading.Event | None = None) -> None:
         self.config = config
+        #: set when the controller stops: hooks are ended and no further one starts
+        self.stop = stop
         #: how long a wait drain may take before its escalation (the operation's own value,
         #: else the configured drain deadline)
         self.drain_timeout_s = drain_timeout_s or config.deadlines.drain
@@ -203,7 +207,7 @@ class EngineSession:
                           generation=self.generation, op_id=self.op_id,
                           image_dir=self.image_dir(), deadline_wall=self.deadline_wall,
                           undo_capture=undo_capture,
-                          extra_env=tuple(sorted(self.hook_env.items())))
+                          extra_env=tuple(sorted(self.hook_env.items())), stop=self.stop)
         runs: list[p.HookRun] = []
         # said before they run (the journal's "hook" records come when they end): what a
         # person following the operation sees running

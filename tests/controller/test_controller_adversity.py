@@ -30,6 +30,7 @@ import os
 import socket
 import sqlite3
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -46,7 +47,7 @@ from support import ROOT
 from support.cli import CKPTCTL, ckptctl
 from support.config import engines_toml
 from support.hooks import write_hook
-from support.timing import deadline_in, scaled
+from support.timing import deadline_in, scaled, wait_until
 
 
 def _config(folder: Path, name: str, endpoint: str) -> Path:
@@ -376,3 +377,44 @@ def test_a_full_disk_refuses_an_operation_naming_the_state_dir(spawn_engine, spa
     db.close()
     out = ctl.ckptctl("prepare", "df1", "--op-id", "df-1", "--level", "0", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_sigterm_mid_hook_ends_the_hook_and_the_operation_before_the_journal_closes(
+        ipc_dir, spawn_controller):
+    """SIGTERM while a dump hook runs (here: for ever): the hook's whole tree is ended at
+    once (SIGTERM, the hook grace), the operation ends its step as at a hook failure (the
+    engine put back RUNNING) and answers its caller, and only then does the journal close:
+    the controller exits within the bound, nothing of the hook is left, nothing is written
+    after the journal closed, and the next start has nothing to recover."""
+    from ckpt_controller.agent import Agent
+    from support.processes import gone, pids_naming
+
+    agent = Agent("st", control=f"ipc://{ipc_dir}/st.ctl", heartbeat_interval_s=0.2).start()
+    try:
+        marker = str(ipc_dir / "hook-marker")
+        ctl = spawn_controller(engines_toml(agent) + "[deadlines]\nhook_grace = 2.0\n")
+        write_hook(ctl, "dump", "10-forever",  # this Python: no launcher of its own
+                   f"exec {sys.executable} -c 'import time; time.sleep(600)' {marker}")
+        cycle = subprocess.Popen([*CKPTCTL, "--controller", ctl.endpoint, "cycle", "st",
+                                  "--json"], cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        wait_until(lambda: len(pids_naming(marker)) == 1, scaled(30), "the hook running")
+        (hook,) = pids_naming(marker)
+        started = time.monotonic()
+        ctl.proc.terminate()
+        assert ctl.proc.wait(timeout=scaled(30)) == 0
+        assert time.monotonic() - started < scaled(15, below=25)  # not STOP_WAIT_S's 20 s
+        assert gone(hook) and not pids_naming(marker)
+        out, _ = cycle.communicate(timeout=scaled(30))
+        result = json.loads(out)
+        assert result["status"] != "succeeded" and result["engines"][0]["state"] == "running"
+        assert "the controller is stopping" in json.dumps(result)
+        log = ctl.log_path.read_text()
+        assert "Traceback" not in log and "closed" not in log.lower(), log[-3000:]
+        journal = Journal(ctl.state_dir / "journal.sqlite3")
+        try:
+            assert journal.unfinished() == []  # ended before the journal closed
+        finally:
+            journal.close()
+    finally:
+        agent.close()
