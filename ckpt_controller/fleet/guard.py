@@ -17,7 +17,7 @@ import logging
 
 from ckpt_controller.errors import BusyError, CkptError
 from ckpt_controller.fleet import etcd as e
-from ckpt_controller.fleet import unavailable
+from ckpt_controller.fleet import ops, unavailable
 from ckpt_controller.fleet.kinds import spec
 from ckpt_controller.fleet.node import FleetNode
 from ckpt_controller.vocab import CheckpointState, OperationKind
@@ -26,6 +26,23 @@ log = logging.getLogger("ckpt_controller.fleet")
 
 #: node-local operations that bring an engine back into service, whoever took it out
 BRINGS_BACK = frozenset({OperationKind.RESTORE, OperationKind.ROLLBACK})
+
+
+def check_room(out: dict[str, str], engines: list[str], running: list, op_id: str) -> None:
+    """``BusyError`` when taking ``engines`` out too (``out``: ``unavailable`` now) would
+    pass the ``--max-unavailable`` of a running fleet operation that takes engines out
+    (``running``): the limit holds fleet-wide, node-local operations included."""
+    limits = [(op.max_unavailable, op.op_id) for op in running if spec(op.kind).takes_out]
+    after = set(out) | set(engines)
+    if not limits or len(after) == len(out):
+        return
+    limit, holder = min(limits)
+    if len(after) > limit:
+        raise BusyError(
+            f"operation {op_id} would take {', '.join(sorted(set(engines) - set(out)))} out "
+            f"of service beside the {len(out)} engine(s) out already, past fleet operation "
+            f"{holder}'s --max-unavailable {limit}; try again once it has room",
+            holder=holder, max_unavailable=limit, unavailable=sorted(out))
 
 
 class FleetGuard:
@@ -60,8 +77,12 @@ class FleetGuard:
                                     "in etcd)", engine=engine, holder=holder)
                 taken.append(engine)
             if spec(kind).takes_out:
-                unavailable.update(n.etcd, n.keys, lambda cur: {
-                    **{x: op_id for x in engines if x not in cur}, **cur})
+                running = [op for op, _ in ops.running(n.etcd, n.keys, {})]
+
+                def add(cur: dict[str, str]) -> dict[str, str]:
+                    check_room(cur, engines, running, op_id)
+                    return {**{x: op_id for x in engines if x not in cur}, **cur}
+                unavailable.update(n.etcd, n.keys, add)
         except BusyError:
             self._unlock(op_id, taken)
             raise

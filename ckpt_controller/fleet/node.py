@@ -40,7 +40,7 @@ from ckpt_controller.fleet.migration import procs
 from ckpt_controller.fleet.migration.record import local_ids
 from ckpt_controller.fleet.records import EngineRecord, NodeRecord, encode
 from ckpt_controller.version import __version__
-from ckpt_controller.vocab import CheckpointState
+from ckpt_controller.vocab import CheckpointState, OperationStatus
 
 log = logging.getLogger("ckpt_controller.fleet")
 
@@ -76,6 +76,27 @@ def reachable_at(endpoint: str, address: str) -> str:
     if not sep or host not in WILDCARD_HOSTS:
         return endpoint
     return f"{scheme}://{f'[{address}]' if ':' in address else address}:{port}{slash}{path}"
+
+
+def stale_marks(marks: dict[str, str], read_op) -> dict[str, str]:
+    """Of ``marks`` (engine -> what ``unavailable`` says took it out, for engines RUNNING
+    and free on this node), those that no longer hold: a part lost with this node, or a
+    fleet operation that has ended. A mark no fleet record names is a node-local
+    operation's, which its own end takes back (it may have begun since the engine was
+    seen free): it stays. ``read_op(op_id)``: the fleet operation, or None. Engine -> the
+    mark."""
+    stale = {}
+    for engine, by in marks.items():
+        if unavailable.is_lost(by):
+            stale[engine] = by
+            continue
+        try:
+            op = read_op(by)
+        except DamagedRecordError:  # policy: unreadable: the mark stays, said elsewhere
+            continue
+        if op is not None and op.status != OperationStatus.RUNNING:
+            stale[engine] = by
+    return stale
 
 
 class FleetNode:
@@ -361,16 +382,21 @@ class FleetNode:
             self._back_from_lost(reply.engines)
 
     def _back_from_lost(self, views) -> None:
-        """An engine whose part was lost with this node counts as out of service until the
-        node is back and sees it RUNNING and free: then it counts no more."""
+        """An engine that counts as out of service although it is RUNNING here and free
+        counts no more: one whose part was lost with this node (it is back, and sees it),
+        or one whose mark names a fleet operation that has ended (a migration that failed
+        while a controller was away left it there, and ``--max-unavailable`` was refused for
+        it until someone edited etcd)."""
         out, _ = unavailable.read(self.etcd, self.keys)
-        back = {v.engine for v in views
-                if unavailable.is_lost(out.get(v.engine, "")) and v.status is not None
+        free = {v.engine for v in views if v.engine in out and v.status is not None
                 and v.status.state == CheckpointState.RUNNING and v.holder is None}
+        back = stale_marks({k: out[k] for k in free},
+                           lambda op_id: r.read(self.etcd, self.keys.op(op_id), r.FleetOp))
         if back:
             unavailable.update(self.etcd, self.keys, lambda cur: {
-                k: v for k, v in cur.items() if not (k in back and unavailable.is_lost(v))})
-            log.info("fleet: %s back in service after a lost part", ", ".join(sorted(back)))
+                k: v for k, v in cur.items() if not (k in back and back[k] == v)})
+            log.info("fleet: %s back in service (%s)", ", ".join(sorted(back)),
+                     "; ".join(f"{k}: {why}" for k, why in sorted(back.items())))
 
     def record(self, view, eng=None) -> EngineRecord:
         eng = eng or self.config.engine(view.engine)

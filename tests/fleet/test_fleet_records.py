@@ -230,3 +230,47 @@ def test_a_followed_operation_that_does_not_move_says_what_it_waits_on(monkeypat
     assert waits[0].endswith("fleet cycle s waits on b0 pending on n2 (node down); no node "
                              "coordinates (none may, or none is up): nothing moves until "
                              "one does")
+
+
+def test_a_mark_in_unavailable_that_no_longer_holds_is_found_stale():
+    """``node.stale_marks``, for engines RUNNING and free on their node: a part lost with the
+    node and a fleet operation that ended (a failed migration left its mark while the engine
+    ran again on its source) no longer hold; a running fleet operation's mark, a node-local
+    operation's (no fleet record: its own end takes it back) and an unreadable one stay."""
+    from ckpt_controller.fleet.node import stale_marks
+
+    def op(status):
+        return FleetOp(op_id="x", kind="migrate", engines=["a"], max_unavailable=1,
+                       created=1.0, status=status)
+
+    ops = {"ended-mig": op("failed"), "moving": op("running")}
+
+    def read_op(op_id):
+        if op_id == "damaged":
+            raise DamagedRecordError("unreadable", key="/ckpt/ops/damaged")
+        return ops.get(op_id)
+
+    marks = {"a": "ended-mig", "b": "lost:old-cycle", "c": "moving", "d": "local-op-7",
+             "e": "damaged"}
+    assert stale_marks(marks, read_op) == {"a": "ended-mig", "b": "lost:old-cycle"}
+
+
+def test_a_node_local_operation_past_a_running_fleet_limit_is_refused():
+    """``guard.check_room``: with a fleet cycle at ``--max-unavailable 2`` running and two
+    engines out, a node-local cycle of a third is refused naming the fleet operation (3 were
+    out at once); one of an engine out already, or with room, or with no fleet operation
+    that takes engines out running, goes on."""
+    from ckpt_controller.errors import BusyError
+    from ckpt_controller.fleet.guard import check_room
+
+    def op(kind, limit):
+        return FleetOp(op_id=f"f-{kind}", kind=kind, engines=["a", "b", "c"],
+                       max_unavailable=limit, created=1.0)
+
+    out = {"a": "f-cycle", "b": "f-cycle"}
+    with pytest.raises(BusyError, match="past fleet operation f-cycle's --max-unavailable 2"):
+        check_room(out, ["c"], [op("cycle", 2)], "local-1")
+    check_room(out, ["a"], [op("cycle", 2)], "local-2")  # out already: nothing more
+    check_room(out, ["c"], [op("cycle", 3)], "local-3")
+    check_room(out, ["c"], [op("restore", 1)], "local-4")  # takes nothing out
+    check_room(out, ["c"], [], "local-5")
