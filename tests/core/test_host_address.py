@@ -22,16 +22,36 @@ def test_a_host_name_resolves_to_the_address_criu_needs():
     assert info.value.details["key"] == "fleet.address" and info.value.exit_code == 2
 
 
-def test_a_node_whose_address_does_not_resolve_is_refused_at_start(tmp_path):
-    """``[fleet] address`` (the host's name when not given) must resolve: a node whose name
-    does not is refused at start, exit 2, before it registers (a migration to it once failed
-    late with ``criu page-server did not start on vm:PORT``)."""
+def _serve_node_at(tmp_path, address: str):
+    """``ckptctl serve`` of a node whose ``[fleet] address`` is ``address`` (its etcd
+    nowhere: the address is judged first)."""
     (tmp_path / "hooks").mkdir()
     config = tmp_path / "node.toml"
     config.write_text(f'[controller]\nendpoint = "ipc://{tmp_path}/c.sock"\n'
                       f'state_dir = "{tmp_path}/state"\nhooks_dir = "{tmp_path}/hooks"\n'
                       '[fleet]\netcd = ["http://127.0.0.1:1"]\nnode = "n1"\n'
-                      'address = "no-such-node.invalid"\n')
-    out = ckptctl("serve", "--config", str(config), timeout=60)
+                      f'address = "{address}"\n')
+    return ckptctl("serve", "--config", str(config), timeout=60)
+
+
+def test_a_node_whose_address_does_not_resolve_is_refused_at_start(tmp_path):
+    """``[fleet] address`` (the host's name when not given) must resolve: a node whose name
+    does not is refused at start, exit 2, before it registers (a migration to it once failed
+    late with ``criu page-server did not start on vm:PORT``)."""
+    out = _serve_node_at(tmp_path, "no-such-node.invalid")
     assert out.returncode == 2, out.stdout + out.stderr
     assert "'no-such-node.invalid' does not resolve to an address" in out.stderr
+
+
+def test_a_node_whose_address_is_not_its_own_is_refused_at_start(tmp_path):
+    """A ``[fleet] address`` that is no address of this host (or of its network namespace)
+    cannot be listened on by the target's page server: the node is refused at start, exit
+    2, instead of failing a migration to it after the whole send."""
+    from ckpt_controller.endpoints import check_local_address
+
+    check_local_address("localhost", "127.0.0.1")
+    with pytest.raises(ConfigError, match="not an address of this host"):
+        check_local_address("node-b", "192.0.2.1")  # TEST-NET-1: never a host's own
+    out = _serve_node_at(tmp_path, "192.0.2.1")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "'192.0.2.1' (192.0.2.1) is not an address of this host" in out.stderr

@@ -1,7 +1,7 @@
 """A migration refused before anything moves when it could only fail late: an engine not the
-init of a PID namespace of its own, two nodes sharing one network namespace (both once ran
-the whole send and failed at ``criu restore ... failed (1)``), and a node whose ``[fleet]
-address`` is not its own to listen on (refused at its start)."""
+init of a PID namespace of its own, and two nodes sharing one network namespace (both once
+ran the whole send and failed at ``criu restore ... failed (1)``). A node whose ``[fleet]
+address`` is not its own is refused at its start: ``tests/core/test_host_address.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from ckpt_controller.errors import ConfigError, UsageError
+from ckpt_controller.errors import UsageError
 from ckpt_controller.fleet import records as r
 from ckpt_controller.fleet.migration import procs
 from ckpt_controller.fleet.migration.record import preflight
@@ -98,23 +98,3 @@ def test_fleet_migrate_between_two_nodes_of_one_namespace_exits_2_before_anythin
         assert out.returncode == 2, out.stdout + out.stderr
         assert "n1 and n2 share one network namespace" in out.stderr
         assert store.get_prefix(keys.ops) == []
-
-
-def test_a_node_whose_address_is_not_its_own_is_refused_at_start(tmp_path):
-    """A ``[fleet] address`` that is no address of this host (or of its network namespace)
-    cannot be listened on by the target's page server: the node is refused at start, exit
-    2, instead of failing a migration to it after the whole send."""
-    from ckpt_controller.endpoints import check_local_address
-
-    check_local_address("localhost", "127.0.0.1")
-    with pytest.raises(ConfigError, match="not an address of this host"):
-        check_local_address("node-b", "192.0.2.1")  # TEST-NET-1: never a host's own
-    (tmp_path / "hooks").mkdir()
-    config = tmp_path / "node.toml"
-    config.write_text(f'[controller]\nendpoint = "ipc://{tmp_path}/c.sock"\n'
-                      f'state_dir = "{tmp_path}/state"\nhooks_dir = "{tmp_path}/hooks"\n'
-                      '[fleet]\netcd = ["http://127.0.0.1:1"]\nnode = "n1"\n'
-                      'address = "192.0.2.1"\n')
-    out = ckptctl("serve", "--config", str(config), timeout=60)
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert "'192.0.2.1' (192.0.2.1) is not an address of this host" in out.stderr
