@@ -78,6 +78,18 @@ def reachable_at(endpoint: str, address: str) -> str:
     return f"{scheme}://{f'[{address}]' if ':' in address else address}:{port}{slash}{path}"
 
 
+def _registration(kv) -> bool:
+    """Whether ``kv`` (a ``nodes/<node>`` key) is some controller's registration: under a
+    lease, and a node record."""
+    if kv.lease == 0:
+        return False
+    try:
+        r.decode(NodeRecord, kv.value, kv.key)
+    except DamagedRecordError:  # policy: unreadable: no controller wrote it
+        return False
+    return True
+
+
 def stale_marks(marks: dict[str, str], read_op) -> dict[str, str]:
     """Of ``marks`` (engine -> what ``unavailable`` says took it out, for engines RUNNING
     and free on this node), those that no longer hold: a part lost with this node, or a
@@ -117,6 +129,7 @@ class FleetNode:
         self.lease: int | None = None
         self._lease_expired = False
         self._said_taken = False
+        self._said_replaced = False  # that this node's record was replaced under it
         self._said_damaged = False
         #: engines this node owns in etcd (claimed), and those another node owns
         self.owned: set[str] = set()
@@ -266,6 +279,8 @@ class FleetNode:
             self.lease = None
         if self.lease is None:
             self.register()
+        elif self.rounds % 8 == 0:
+            self._still_registered()
         names = [eng.name for eng in self.config.engines]
         for name in (self.owned | set(self.conflicts)) - set(names):  # given away
             self.owned.discard(name)
@@ -304,6 +319,30 @@ class FleetNode:
                 log.info("fleet: forgot %d fleet operations ended over %g days ago",
                          len(done.deleted), self.fleet.keep_days)
 
+    def _still_registered(self) -> None:
+        """This node's record, deleted by hand while its lease lives (it would show as down
+        for good, and never register again until restarted): written again, said."""
+        key = self.keys.node(self.fleet.node)
+        kv = self.etcd.get(key)
+        if kv is not None and kv.lease == self.lease:
+            return
+        if kv is None:
+            rec = NodeRecord(node=self.fleet.node, controller=self.config.endpoint,
+                             pid=os.getpid(), host=socket.gethostname(), started=time.time(),
+                             version=__version__, lease=self.lease,
+                             netns=procs.net_namespace())
+            ok, _ = self.etcd.txn([e.compare_created(key)],
+                                  [e.put_op(key, encode(rec), self.lease)])
+            if ok:
+                log.warning("fleet: this node's record %s was gone while its lease lived; "
+                            "written again", key)
+            return
+        if not self._said_replaced:  # another lease's, or none: replaced under it; said
+            log.error("fleet: %s no longer holds this node's registration (lease %s, not "
+                      "%s): another controller, or a person, wrote it", key, kv.lease,
+                      self.lease)
+            self._said_replaced = True
+
     def register(self) -> None:
         """The node's record under a new lease, if no other controller holds the node's name
         (a second copy of this node, or this one's previous life whose lease has not expired
@@ -315,6 +354,16 @@ class FleetNode:
         key = self.keys.node(self.fleet.node)
         ok, resp = self.etcd.txn([e.compare_created(key)], [e.put_op(key, encode(rec), lease)],
                                  [e.get_op(key)])
+        if not ok and resp[0]["kvs"] and not _registration(resp[0]["kvs"][0]):
+            # no controller's: written by hand under no lease, or unreadable; it would never
+            # expire, and this node would wait for it for ever: replaced, said
+            held = resp[0]["kvs"][0]
+            ok, _ = self.etcd.txn([e.compare_modified(key, held.mod_revision)],
+                                  [e.put_op(key, encode(rec), lease)])
+            if ok:
+                log.warning("fleet: %s held no controller's registration (under no lease, or "
+                            "unreadable: %r); replaced by this node's", key,
+                            held.value[:200])
         if not ok:
             self.etcd.revoke(lease)
             held = resp[0]["kvs"][0].value if resp[0]["kvs"] else b"?"
@@ -462,6 +511,15 @@ class FleetNode:
         me = self.fleet.node
         ok, resp = self.etcd.txn([e.compare_created(key)], [e.put_op(key, me, self.lease or 0)],
                                  [e.get_op(key)])
+        if not ok and resp[0]["kvs"] and resp[0]["kvs"][0].lease == 0 and self.lease:
+            # a coordinator key under no lease is no node's election (a put by hand): it
+            # would never go, and no node would coordinate; taken over, said
+            held = resp[0]["kvs"][0]
+            ok, _ = self.etcd.txn([e.compare_modified(key, held.mod_revision)],
+                                  [e.put_op(key, me, self.lease)])
+            if ok:
+                log.warning("fleet: the coordinator key named %r under no lease (no node's "
+                            "election); taken over by %s", held.value[:100], me)
         holder = me if ok else (resp[0]["kvs"][0].value.decode() if resp[0]["kvs"] else None)
         if (holder == me) != self.is_coordinator:
             log.info("fleet: node %s %s the coordinator", me,

@@ -200,6 +200,14 @@ class PartsDriver:
         turn)."""
         starting, room = [], dict(out)
         takes_out = KINDS[op.kind].takes_out
+        if takes_out:  # its own running parts are out, whatever ``unavailable`` says now
+            # (a key deleted or overwritten under it would let more start than the limit;
+            # the start's transaction writes them back)
+            for name in op.engines:
+                part = parts[name][0]
+                if part.status is PartStatus.STARTED or (part.status.ended
+                                                         and not part.settled):
+                    room.setdefault(name, op.op_id)
         locked = None
         for name in op.engines:
             part, rev = parts[name]

@@ -25,6 +25,7 @@ from ckpt_controller.fleet.records import (
     EngineRecord,
     Migration,
     NodeRecord,
+    Part,
     StepEnd,
     Task,
     decode,
@@ -399,3 +400,29 @@ def test_a_fleet_operation_on_an_engine_a_node_local_one_holds_never_takes_its_l
     assert op.status == "failed"
     assert "held by operation local-op-1" in op.error
     assert unavailable.read(f.c, K)[0] == {}  # m0 was never taken out
+
+
+def test_unavailable_deleted_under_a_running_cycle_never_lets_more_out_than_its_limit(fleet):
+    """``unavailable`` deleted by hand while a cycle at ``--max-unavailable 1`` has a part
+    running: the next part still waits for it (3 of 1 were out once), and the start that
+    follows writes the running part's place back."""
+    f = fleet
+    f.c.put(K.owner("x1"), "n2")
+    f.c.put(K.engine("x1"), encode(EngineRecord(engine="x1", node="n2", state="running",
+                                                generation=0)))
+    parts.submit(f.c, K, spec(FleetKind.CYCLE), op_id="roll", engines=["m0", "x1"],
+                 params={}, max_unavailable=1)
+    f.drive()
+    assert unavailable.read(f.c, K)[0] == {"m0": "roll"}
+    f.c.delete(K.unavailable)
+    f.drive()
+    assert f.c.get_prefix(K.inbox("n2")) == []  # x1 waits for m0's part
+    task, rev = f.task("n1")  # n1 ends m0's part, RUNNING again, as a node writes it
+    ended = Part(engine="m0", node="n1", local_op=task.local_op, status="succeeded",
+                       state="running", started=task.started, ended=time.time())
+    assert f.c.txn([e.compare_created(K.todo("n1", "roll", "m0"), rev)],
+                   [e.put_op(K.part("roll", "m0"), encode(ended)),
+                    e.delete_op(K.todo("n1", "roll", "m0"))])[0]
+    f.drive()
+    assert f.task("n2")[0].engine == "x1"
+    assert unavailable.read(f.c, K)[0] == {"x1": "roll"}
