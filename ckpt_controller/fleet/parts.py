@@ -159,6 +159,8 @@ class PartsDriver:
         ending = self._ending(op, parts, nodes)
         if ending:
             return self._settle(op, ending, out, out_rev)
+        if self._restore_inboxes(op, parts, nodes):
+            return True
         if any(p.status in (PartStatus.FAILED, PartStatus.LOST) for p, _ in parts.values()):
             if self._skip(op, parts):
                 return True
@@ -226,6 +228,31 @@ class PartsDriver:
                 room[name] = op.op_id
             starting.append((part, rev))
         return starting, room, None
+
+    def _restore_inboxes(self, op: r.FleetOp, parts: dict, nodes: dict) -> bool:
+        """A started part whose task is gone from its (live) node's inbox, deleted by hand,
+        would never end, and its engine's place in ``unavailable`` would be held for ever:
+        the task is put back (the node runs it once: a repeated local op id is answered
+        with its first result), said. Whether it wrote anything."""
+        wrote = False
+        for name in op.engines:
+            part, rev = parts[name]
+            if part.status is not PartStatus.STARTED or part.node not in nodes:
+                continue
+            todo = self.keys.todo(part.node, op.op_id, name)
+            if self.etcd.get(todo) is not None:
+                continue
+            task = r.Task(op_id=op.op_id, kind=op.kind, engine=name, node=part.node,
+                          local_op=part.local_op, params=op.params,
+                          started=part.started or time.time())
+            ok, _ = self.etcd.txn([e.compare_modified(self.keys.part(op.op_id, name), rev),
+                                   e.compare_created(todo)],
+                                  [e.put_op(todo, r.encode(task))])
+            if ok:
+                log.warning("fleet: %s's task of %s %s was gone from node %s's inbox while it "
+                            "ran; put back", name, op.kind, op.op_id, part.node)
+                wrote = True
+        return wrote
 
     def _refuse(self, op: r.FleetOp, part: r.Part, rev: int, holder: str) -> bool:
         """``part``'s engine is held by operation ``holder``: the part ends failed, never

@@ -426,3 +426,26 @@ def test_unavailable_deleted_under_a_running_cycle_never_lets_more_out_than_its_
     f.drive()
     assert f.task("n2")[0].engine == "x1"
     assert unavailable.read(f.c, K)[0] == {"x1": "roll"}
+
+
+def test_a_started_parts_task_deleted_from_its_inbox_is_put_back(fleet):
+    """The task of a running part deleted by hand from its node's inbox (the operation ran
+    for ever, its engine's place held): the coordinator puts it back, the node's end is
+    written against it, and the operation ends."""
+    f = fleet
+    parts.submit(f.c, K, spec(FleetKind.CYCLE), op_id="lost-task", engines=["m0"], params={},
+                 max_unavailable=1)
+    f.drive()
+    task, _ = f.task("n1")
+    f.c.delete(K.todo("n1", "lost-task", "m0"))
+    f.drive()
+    again, rev = f.task("n1")
+    assert (again.local_op, again.engine) == (task.local_op, "m0")
+    ended = Part(engine="m0", node="n1", local_op=again.local_op, status="succeeded",
+                 state="running", started=again.started, ended=time.time())
+    assert f.c.txn([e.compare_created(K.todo("n1", "lost-task", "m0"), rev)],
+                   [e.put_op(K.part("lost-task", "m0"), encode(ended)),
+                    e.delete_op(K.todo("n1", "lost-task", "m0"))])[0]
+    f.drive()
+    assert ops.read_op(f.c, K, "lost-task").status == "succeeded"
+    assert unavailable.read(f.c, K)[0] == {}
