@@ -80,6 +80,18 @@ class Fleet:
             error=None if status == "succeeded" else f"{step} failed"))
         return step
 
+    def end_part(self, node: str) -> None:
+        """``node`` ends the part in its inbox, succeeded, its engine RUNNING: the part's end
+        written and the task taken out in one transaction, as a node writes it."""
+        task, rev = self.task(node)
+        ended = Part(engine=task.engine, node=node, local_op=task.local_op,
+                     status="succeeded", state="running", started=task.started,
+                     ended=time.time())
+        todo = K.todo(node, task.op_id, task.engine)
+        assert self.c.txn([e.compare_created(todo, rev)],
+                          [e.put_op(K.part(task.op_id, task.engine), encode(ended)),
+                           e.delete_op(todo)])[0]
+
     def at_adopt(self) -> None:
         """A migration of m0 to n2 submitted, received and sent: the adopt in n2's inbox."""
         submit(self)
@@ -417,12 +429,7 @@ def test_unavailable_deleted_under_a_running_cycle_never_lets_more_out_than_its_
     f.c.delete(K.unavailable)
     f.drive()
     assert f.c.get_prefix(K.inbox("n2")) == []  # x1 waits for m0's part
-    task, rev = f.task("n1")  # n1 ends m0's part, RUNNING again, as a node writes it
-    ended = Part(engine="m0", node="n1", local_op=task.local_op, status="succeeded",
-                       state="running", started=task.started, ended=time.time())
-    assert f.c.txn([e.compare_created(K.todo("n1", "roll", "m0"), rev)],
-                   [e.put_op(K.part("roll", "m0"), encode(ended)),
-                    e.delete_op(K.todo("n1", "roll", "m0"))])[0]
+    f.end_part("n1")  # m0's part, RUNNING again
     f.drive()
     assert f.task("n2")[0].engine == "x1"
     assert unavailable.read(f.c, K)[0] == {"x1": "roll"}
@@ -439,13 +446,9 @@ def test_a_started_parts_task_deleted_from_its_inbox_is_put_back(fleet):
     task, _ = f.task("n1")
     f.c.delete(K.todo("n1", "lost-task", "m0"))
     f.drive()
-    again, rev = f.task("n1")
+    again, _ = f.task("n1")
     assert (again.local_op, again.engine) == (task.local_op, "m0")
-    ended = Part(engine="m0", node="n1", local_op=again.local_op, status="succeeded",
-                 state="running", started=again.started, ended=time.time())
-    assert f.c.txn([e.compare_created(K.todo("n1", "lost-task", "m0"), rev)],
-                   [e.put_op(K.part("lost-task", "m0"), encode(ended)),
-                    e.delete_op(K.todo("n1", "lost-task", "m0"))])[0]
+    f.end_part("n1")
     f.drive()
     assert ops.read_op(f.c, K, "lost-task").status == "succeeded"
     assert unavailable.read(f.c, K)[0] == {}
