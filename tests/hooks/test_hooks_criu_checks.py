@@ -245,3 +245,28 @@ def test_restore_checks_pages_from_a_page_server_against_their_pagemaps(recorded
     (image / "pages-7.img").unlink()
     out = run()
     assert out.returncode == 2 and "./pages-7.img: missing" in out.stderr, out.stderr
+
+
+def test_criu_s_own_first_error_is_the_first_line_of_a_failed_hook(recorded_dump, tmp_path):
+    """What the operator's error says is the hook's first stderr line: when criu restore
+    (or dump) fails, CRIU's own first error from its log is in it ("Can't fork ... File
+    exists"), not only "failed (1)" with the reason in a log that a failed migration's
+    cleanup deletes."""
+    rc, _, err, image = recorded_dump()
+    assert rc == 0, err
+    standin = tmp_path / "criu-failing"  # writes the log it is given, with CRIU's words
+    standin.write_text(
+        '#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && log="$2"; shift; done\n'
+        'printf "(00.01) Warn: something\\n(00.02) 1: Error (criu/cr-restore.c:1234): '
+        'Can\'t fork for 42: File exists\\n(00.03) Error (criu/cr-restore.c:99): later\\n" '
+        '> "$CKPT_IMAGE_DIR/$log"\nexit 1\n')
+    standin.chmod(0o755)
+    out = subprocess.run([str(ROOT / "hooks" / "criu-restore")], capture_output=True,
+                         text=True, timeout=scaled(60),
+                         env={"PATH": os.environ["PATH"], "CKPT_ENGINE_PID": "999999999",
+                              "CKPT_IMAGE_DIR": str(image), "CKPT_CRIU": str(standin),
+                              "CKPT_RESTORE_WAIT_S": "0"})
+    assert out.returncode == 1
+    first = out.stderr.splitlines()[0]
+    assert first == (f"criu-restore: criu restore of the image in {image} failed (1): Error "
+                     "(criu/cr-restore.c:1234): Can't fork for 42: File exists"), out.stderr
