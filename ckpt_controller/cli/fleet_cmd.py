@@ -89,6 +89,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("op_id", metavar="OP_ID", help="the fleet operation's id")
     w.add_argument("--json", action="store_true",
                    help="JSON lines: one per change of a part or step, then the result")
+    _timeout_opt(w)
     w.set_defaults(run=_watch)
     for spec in KINDS.values():  # one subcommand per row of the table of fleet kinds
         kp = fsub.add_parser(spec.kind, help=spec.help, **fmt)
@@ -109,6 +110,16 @@ def _common_opts(sp: argparse.ArgumentParser) -> None:
                     help="overall deadline of each node-local operation (default: each "
                          "node's own)")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    _timeout_opt(sp)
+
+
+def _timeout_opt(sp: argparse.ArgumentParser) -> None:
+    from ckpt_controller.cli.common import arg_type
+    from ckpt_controller.values import DURATION
+
+    sp.add_argument("--timeout", type=arg_type(DURATION), metavar="S",
+                    help="stop following after S seconds (exit 3, saying what it waits on); "
+                         "the operation goes on (default: until it ends)")
 
 
 def _select_opts(sp: argparse.ArgumentParser) -> None:
@@ -208,7 +219,8 @@ def _migrate(args: argparse.Namespace) -> int:
     with client(args) as c:
         got = _submitted(op_id, lambda: SUBMIT[kind.drive](
             c, keys, kind, op_id=op_id, engine=args.engine, to=args.to, params=params),
-            announce, lambda: follow_migration(c, keys, op_id, progress=not args.json))
+            announce, lambda: follow_migration(c, keys, op_id, progress=not args.json,
+                                               timeout_s=args.timeout))
     if isinstance(got, int):
         return got
     op, mig = got
@@ -360,7 +372,8 @@ def _operation(args: argparse.Namespace) -> int:
         got = _submitted(op_id, lambda: SUBMIT[kind.drive](
             c, keys, kind, op_id=op_id, engines=engines, params=params,
             max_unavailable=limit), announce, lambda: follow(c, keys, op_id,
-                                                            progress=not args.json))
+                                                            progress=not args.json,
+                                                            timeout_s=args.timeout))
     if isinstance(got, int):
         return got
     op, parts = got
@@ -417,10 +430,10 @@ def _watch(args: argparse.Namespace) -> int:
         try:
             if steps:  # steps on two nodes, not parts
                 op, mig = follow_migration(c, keys, args.op_id, progress=not args.json,
-                                           lines=args.json)
+                                           lines=args.json, timeout_s=args.timeout)
             else:
                 op, parts = follow(c, keys, args.op_id, progress=not args.json,
-                                   lines=args.json)
+                                   lines=args.json, timeout_s=args.timeout)
         except KeyboardInterrupt:
             return 130
     if steps:

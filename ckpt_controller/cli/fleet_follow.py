@@ -15,7 +15,8 @@ import sys
 import time
 
 from ckpt_controller.cli.output import emit
-from ckpt_controller.errors import DamagedRecordError, UnreachableError, UsageError
+from ckpt_controller.errors import (DamagedRecordError, DeadlineError, UnreachableError,
+                                    UsageError)
 from ckpt_controller.vocab import MigrationOutcome, OperationStatus, PartStatus
 
 #: while following an operation that goes on without the command, how long etcd may leave
@@ -63,9 +64,18 @@ class Patient:
             return value
 
 
-def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: bool = False):
+def gave_up(op_id: str, timeout_s: float, waits: str) -> DeadlineError:
+    """``--timeout`` passed: the command stops following, the operation goes on."""
+    return DeadlineError(f"fleet operation {op_id} did not end within --timeout {timeout_s:g}s; "
+                         f"it goes on (ckptctl fleet watch {op_id}): {waits}",
+                         op_id=op_id, timeout_s=timeout_s)
+
+
+def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: bool = False,
+           timeout_s: float | None = None):
     """Wait for the fleet operation ``op_id`` to end: (its record, its parts); prints each
-    part's changes on stderr with ``progress``, or as JSON lines on stdout with ``lines``."""
+    part's changes on stderr with ``progress``, or as JSON lines on stdout with ``lines``.
+    ``timeout_s``: give up following after that long (``DeadlineError``, exit 3)."""
     from ckpt_controller.fleet import ops
 
     seen: dict[str, str] = {}
@@ -76,6 +86,10 @@ def follow(c, keys, op_id: str, progress: bool, every_s: float = 0.2, lines: boo
         op = patient.read(lambda: ops.read_op(c, keys, op_id))
         if op is None:
             raise UsageError(f"no fleet operation {op_id}", op_id=op_id)
+        if timeout_s is not None and time.monotonic() - start > timeout_s \
+                and op.status is OperationStatus.RUNNING:
+            parts = patient.read(lambda: ops.read_parts(c, keys, op_id))
+            raise gave_up(op_id, timeout_s, patient.read(lambda: waiting_on(c, keys, op, parts)))
         if not (lines or progress) and op.status is OperationStatus.RUNNING:
             time.sleep(every_s)  # nothing to print: the parts are read once, at the end
             continue
@@ -138,10 +152,10 @@ def waiting_on(c, keys, op, parts) -> str:
 
 
 def follow_migration(c, keys, op_id: str, progress: bool, every_s: float = 0.2,
-                     lines: bool = False):
+                     lines: bool = False, timeout_s: float | None = None):
     """Wait for migration ``op_id`` to end: (its operation, its record); prints each step's
     start and end on stderr with ``progress``, or each ended step as a JSON line on stdout
-    with ``lines``."""
+    with ``lines``. ``timeout_s``: as ``follow``'s."""
     from ckpt_controller.fleet import ops
     from ckpt_controller.fleet.migration import record
 
@@ -171,6 +185,10 @@ def follow_migration(c, keys, op_id: str, progress: bool, every_s: float = 0.2,
                   file=sys.stderr, flush=True)
         if op.status is not OperationStatus.RUNNING:
             return op, mig
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            step = (f"{mig.step} on {mig.node_of(mig.step)}" if mig.started
+                    else f"its {mig.step or 'first'} step to start")
+            raise gave_up(op_id, timeout_s, f"the migration waits on {step}")
         time.sleep(every_s)
 
 

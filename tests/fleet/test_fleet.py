@@ -823,3 +823,23 @@ def test_keys_deleted_or_overwritten_by_hand_are_repaired_and_said(etcd, agents,
         assert json.loads(c.get(k.node("n2")).value)["pid"] == again.pid
     assert "held no controller's registration" in again.log_path.read_text()
     assert fleet(etcd, "cycle", "--all").returncode == 0
+
+
+def test_a_fleet_command_gives_up_following_at_its_timeout_and_says_why(etcd, agents, nodes):
+    """No node may coordinate (``coordinator = false``): a fleet cycle never starts a part.
+    With ``--timeout 2`` the command stops following at once after it, exit 3, saying that
+    no node coordinates and that the operation goes on (it once waited for ever); ``fleet
+    watch --timeout`` too."""
+    (a,) = agents("nc0")
+    nodes("n1", node_toml(etcd, "n1", [a], extra="coordinator = false\n"))
+    wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("nc0"), what="published")
+    started = time.monotonic()
+    r = fleet(etcd, "cycle", "nc0", "--op-id", "nobody", "--timeout", "2", "--json")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert time.monotonic() - started < scaled(30)
+    err = json.loads(r.stdout)["error"]
+    assert err["kind"] == "DeadlineError" and "within --timeout 2s" in err["message"]
+    assert "no node coordinates" in err["message"]
+    assert "ckptctl fleet watch nobody" in err["message"]
+    w = fleet(etcd, "watch", "nobody", "--timeout", "1")
+    assert w.returncode == 3 and "did not end within --timeout 1s" in w.stderr, w.stderr
