@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ckpt_controller.cli.common import EXIT_CODES, age, table
 from ckpt_controller.cli.fleet_follow import (
+    engine_now,
     follow,
     follow_migration,
     migration_exit_code,
@@ -221,13 +222,14 @@ def _migrate(args: argparse.Namespace) -> int:
             c, keys, kind, op_id=op_id, engine=args.engine, to=args.to, params=params),
             announce, lambda: follow_migration(c, keys, op_id, progress=not args.json,
                                                timeout_s=args.timeout))
-    if isinstance(got, int):
-        return got
-    op, mig = got
+        if isinstance(got, int):
+            return got
+        op, mig = got
+        now = engine_now(c, keys, mig.engine) if not args.json else None
     if args.json:
         emit("fleet-migration", op=op, migration=mig)
     else:
-        print(migration_summary(op, mig))
+        print(migration_summary(op, mig, now))
     return migration_exit_code(mig)
 
 
@@ -436,11 +438,12 @@ def _watch(args: argparse.Namespace) -> int:
                                    lines=args.json, timeout_s=args.timeout)
         except KeyboardInterrupt:
             return 130
+        now = engine_now(c, keys, mig.engine) if steps and not args.json else None
     if steps:
         if args.json:
             emit("fleet-migration", op=op, migration=mig)
         else:
-            print(migration_summary(op, mig))
+            print(migration_summary(op, mig, now))
         return migration_exit_code(mig)
     if args.json:
         emit("fleet-operation", op=op, parts=parts)

@@ -210,10 +210,28 @@ def migration_exit_code(mig) -> int:
 WHERE = {MigrationOutcome.MOVED: "RUNNING on {mig.target}",
          MigrationOutcome.STAYED: "RUNNING on {mig.source}",
          MigrationOutcome.LOST: "lost (the engine died)",
-         MigrationOutcome.FAILED: "not RUNNING"}
+         MigrationOutcome.FAILED: "not RUNNING when it ended"}
 
 
-def migration_summary(op, mig) -> str:
+def migration_summary(op, mig, now=None) -> str:
+    """The human line of a migration's end; ``now``: the engine's record in the registry,
+    read after it ended. A ``failed`` migration says where the engine was when it ended
+    ("not RUNNING"), and then what the registry says now: a node back from a restart may
+    have resumed it since (it once read "not RUNNING" while the engine served again)."""
     where = WHERE.get(mig.outcome, "").format(mig=mig)
-    return (f"fleet migrate {op.op_id}: {op.status}: {mig.engine} {mig.outcome}"
+    line = (f"fleet migrate {op.op_id}: {op.status}: {mig.engine} {mig.outcome}"
             + (f", {where}" if where else "") + (f" ({mig.error})" if mig.error else ""))
+    if mig.outcome == MigrationOutcome.FAILED and now is not None:
+        line += (f"; now {now.state or 'unreachable'} on {now.node} (its node's record"
+                 + ("" if now.reachable else ", the agent not answering") + ")")
+    return line
+
+
+def engine_now(c, keys, engine: str):
+    """The engine's record in the registry now, or None (not there, unreadable)."""
+    from ckpt_controller.fleet import records as r
+
+    try:
+        return r.read(c, keys.engine(engine), r.EngineRecord)
+    except (DamagedRecordError, UnreachableError):  # policy: the summary goes without it
+        return None

@@ -274,3 +274,22 @@ def test_a_node_local_operation_past_a_running_fleet_limit_is_refused():
     check_room(out, ["c"], [op("cycle", 3)], "local-3")
     check_room(out, ["c"], [op("restore", 1)], "local-4")  # takes nothing out
     check_room(out, ["c"], [], "local-5")
+
+
+def test_a_failed_migration_s_summary_says_where_the_engine_is_now():
+    """``fleet migrate``'s human line for a ``failed`` migration: where the engine was when
+    it ended, then what its node's record says now (a source back from a restart resumed it:
+    the line once said "not RUNNING" while it served again)."""
+    from ckpt_controller.cli.fleet_follow import migration_summary
+    from ckpt_controller.fleet.records import EngineRecord, Migration
+
+    op = FleetOp(op_id="m-1", kind="migrate", engines=["m0"], max_unavailable=1, created=1.0,
+                 status="failed")
+    mig = Migration(op_id="m-1", engine="m0", source="n1", target="n2", outcome="failed",
+                    error="the source could not send it: node n1 was lost")
+    now = EngineRecord(engine="m0", node="n1", state="running")
+    line = migration_summary(op, mig, now)
+    assert line == ("fleet migrate m-1: failed: m0 failed, not RUNNING when it ended (the "
+                    "source could not send it: node n1 was lost); now running on n1 (its "
+                    "node's record)")
+    assert migration_summary(op, mig).endswith("node n1 was lost)")  # no record: as before
