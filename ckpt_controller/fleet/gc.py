@@ -22,6 +22,7 @@ from ckpt_controller.fleet import etcd as e
 from ckpt_controller.fleet import records as r
 from ckpt_controller.fleet import unavailable
 from ckpt_controller.fleet.keys import Keys
+from ckpt_controller.fleet.migration.settle import newest_per_engine
 from ckpt_controller.vocab import OperationStatus
 
 #: how often the coordinator collects
@@ -75,10 +76,6 @@ def _held(client: e.Etcd, keys: Keys) -> dict[str, str]:
         held.setdefault(kv.value.decode(errors="replace"), "it holds an engine's lock")
     for kv in client.get_prefix(f"{keys.prefix}/moving/"):
         held.setdefault(kv.value.decode(errors="replace"), "its engine may still move")
-    newest: dict[str, tuple[int, str]] = {}
-    for mig, kv in r.read_all(client, keys.migrations, r.Migration, {}):
-        if mig.engine not in newest or kv.create_revision > newest[mig.engine][0]:
-            newest[mig.engine] = (kv.create_revision, mig.op_id)
-    for engine, (_, op_id) in newest.items():
-        held.setdefault(op_id, f"the newest migration of {engine}")
+    for mig in newest_per_engine(r.read_all(client, keys.migrations, r.Migration, {})):
+        held.setdefault(mig.op_id, f"the newest migration of {mig.engine}")
     return held
