@@ -168,7 +168,9 @@ def test_pings_follow_the_last_round_and_watchdog_pid_of_another_process(notify,
     assert [m.get("READY") for m in notify.read(0.5)] == ["1"]  # READY still goes
     other.close()
 
-    beat = [time.monotonic()]
+    # a round "now" for the next hour: a beat taken at this line could be older than the
+    # period by the time a loaded machine runs the watchdog thread's first check
+    beat = [time.monotonic() + 3600]
     n = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"})  # a ping every 0.1 s
     n.start_watchdog(lambda: beat[0])
     try:
@@ -176,7 +178,7 @@ def test_pings_follow_the_last_round_and_watchdog_pid_of_another_process(notify,
         beat[0] = 0.0  # the loop stopped: older than a period
         notify.read(0.15)  # a ping already on its way
         assert notify.pings(0.6) == 0
-        beat[0] = time.monotonic() + 3600  # alive again (a round "now" for the next hour)
+        beat[0] = time.monotonic() + 3600  # alive again
         wait_until(lambda: notify.pings(0.2), 5, "pings again")
     finally:
         n.close()
