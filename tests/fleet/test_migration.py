@@ -56,8 +56,9 @@ class Pair:
         self.controllers: dict[str, ControllerProcess] = {}
         try:
             self.made.add(self.ns["n2"])
-            addrs = self.made.segment(f"ckpt-ms-{tag}", {self.ns["n1"]: f"vckm1{tag}",
-                                                        self.ns["n2"]: f"vckm2{tag}"},
+            self.links = {"n1": f"vckm1{tag}", "n2": f"vckm2{tag}"}
+            addrs = self.made.segment(f"ckpt-ms-{tag}", {self.ns[n]: self.links[n]
+                                                        for n in ("n1", "n2")},
                                       root_if=f"vckmr{tag}")
             self.addr = {"n1": addrs[self.ns["n1"]], "n2": addrs[self.ns["n2"]],
                          "root": addrs["root"]}
@@ -134,6 +135,27 @@ class Pair:
         fd = os.open(marks / f"{node}-{point}.fifo", os.O_RDWR | os.O_NONBLOCK)
         os.write(fd, b"go\n" * 16)
         self.held.append(fd)
+
+    def link(self, node: str, up: bool) -> None:
+        """``node``'s one link (to etcd, the other node, the clients) down or up again; its
+        engines' loopback stays."""
+        from support.netns_util import ip
+
+        ip("-n", self.ns[node], "link", "set", self.links[node], "up" if up else "down")
+        if up:  # the route of the segment comes back with the link
+            wait_until(lambda: "scope link" in ip("-n", self.ns[node], "route"), timeout_s=10,
+                       what=f"{node}'s route back")
+
+    def stopped_engines(self) -> list[int]:
+        """The engine processes left stopped (a dumped tree no one ended or continued)."""
+        out = []
+        for pid in self.engine_pids():
+            try:
+                if psutil.Process(pid).status() == "stopped":
+                    out.append(pid)
+            except psutil.NoSuchProcess:  # policy: ended meanwhile: not left
+                continue
+        return out
 
     def migrate(self, *extra: str) -> subprocess.Popen:
         return subprocess.Popen([*CKPTCTL, "--etcd", self.url,
@@ -351,20 +373,37 @@ class Moving:
             self.client.requests[i].token_ids for i in self.kept), timeout_s=30,
             what="every kept request under way")
 
-    def start(self) -> subprocess.Popen:
+    def start(self, load_s: float | None = None) -> subprocess.Popen:
+        """The migration; with ``load_s``, ``ckptctl load`` following the engine by name
+        beside it for that long (``load_report`` says how it went)."""
+        self.load = None
+        if load_s is not None:
+            self.load = subprocess.Popen([*CKPTCTL, "load", "--engine", "m0", "--etcd",
+                                          self.pair.url, "--rate", "10", "--duration",
+                                          str(load_s), "--json"], stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True, cwd=ROOT)
         self.mig = self.pair.migrate()
         return self.mig
 
-    def ended(self, rc: int, outcome: str, timeout_s: float = 240) -> dict:
-        """The migration's end: its exit code and outcome as expected (the client polled
-        meanwhile, so it follows the engine wherever it goes)."""
+    def load_report(self) -> dict:
+        """The load's report: every request it sent ended (done, or refused retryably while
+        the engine was away), none lost and none errored."""
+        out, err = self.load.communicate(timeout=scaled(180))
+        report = json.loads(out)
+        assert report["lost"] == 0 and report["errored"] == 0, out + err
+        assert report["completed"] > 0, report
+        return report
+
+    def ended(self, rc: int, outcome: str | None = None, timeout_s: float = 240) -> dict:
+        """The migration's end: its exit code and outcome (unless None) as expected (the
+        client polled meanwhile, so it follows the engine wherever it goes)."""
         deadline = deadline_in(timeout_s)
         while self.mig.poll() is None and time.monotonic() < deadline:
             self.client.poll(0.05)
         out, err = self.mig.communicate(timeout=scaled(10))
         assert self.mig.returncode == rc, out + err
         doc = json.loads(out)
-        assert doc["migration"]["outcome"] == outcome, doc
+        assert outcome is None or doc["migration"]["outcome"] == outcome, doc
         return doc
 
     def runs_on(self, node: str, requests: bool = True) -> None:
@@ -390,6 +429,9 @@ class Moving:
 
     def close(self) -> None:
         self.client.close()
+        if getattr(self, "load", None) is not None and self.load.poll() is None:
+            self.load.kill()
+            self.load.communicate()
 
 
 @pytest.fixture
@@ -588,5 +630,87 @@ def test_the_source_controller_killed_mid_send_the_engine_stays_and_resumes(pair
         pair.started.remove(pair.controllers["n1"])
         pair.start_controller("n1", "page-server")
         m.runs_on("n1")
+    finally:
+        m.close()
+
+
+# ---------------------------------------------------------------- the fault cells of issue 28
+
+def test_the_target_controller_killed_while_the_source_dumps_the_engine_serves_on(pair):
+    """The target's controller killed while the source dumps into its page server, then
+    started again (as systemd would): the engine ends RUNNING on the source with every kept
+    request whole, and nothing of the move is left on either node."""
+    pair.pause("n1", "dump")
+    m = Moving(pair)
+    try:
+        m.start(load_s=20)
+        pair.paused("n1", "dump")
+        pair.controllers["n2"].kill9()
+        pair.go("n1", "dump")
+        doc = m.ended(1, "stayed")  # the adopt never started: the source resumed it
+        assert "n2 was down before it could adopt it" in doc["migration"]["error"]
+        pair.started.remove(pair.controllers["n2"])
+        pair.start_controller("n2", "page-server")
+        m.runs_on("n1")
+        assert pair.stopped_engines() == []
+        # n2, back, removes the image it received for a migration that did not come
+        received = pair.d / "n2" / "state" / "images" / "m0" / "mv.m0.capture"
+        wait_until(lambda: not received.exists(), timeout_s=30,
+                   what="the image n2 received removed")
+        m.load_report()
+    finally:
+        m.close()
+
+
+def test_the_source_controller_killed_after_its_dump_the_engine_serves_again(pair):
+    """The source's controller killed once its dump left the engine stopped, before the
+    send ended, then started again: the send is lost, the target abandons, and the source,
+    back, continues the stopped tree and restores it: RUNNING there, every kept request
+    whole."""
+    pair.pause("n1", "post-dump")
+    m = Moving(pair)
+    try:
+        m.start(load_s=20)
+        pair.paused("n1", "post-dump")
+        pair.controllers["n1"].kill9()
+        doc = m.ended(1, "failed")
+        assert doc["migration"]["done"][1]["status"] == "lost"
+        pair.go("n1", "post-dump")
+        pair.started.remove(pair.controllers["n1"])
+        pair.start_controller("n1", "page-server")
+        m.runs_on("n1")
+        assert pair.stopped_engines() == []
+        m.load_report()
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("cut", ["short", "past-the-lease"])
+def test_the_source_cut_off_during_finish_leaves_no_stopped_copy(pair, cut):
+    """The source's link cut once the target has taken the engine over, so its finish
+    (ending the stopped tree) runs while etcd is out of reach: for less than a lease, or
+    past it (the finish counted lost). When the link returns the source ends its stopped
+    copy: the engine RUNNING on the target only, nothing stopped left on the source."""
+    pair.pause("n2", "post-restore")  # after the take-over
+    m = Moving(pair)
+    try:
+        m.start(load_s=20)
+        pair.paused("n2", "post-restore")
+        pair.link("n1", up=False)
+        try:
+            pair.go("n2", "post-restore")
+            if cut == "short":
+                time.sleep(TTL_S / 2)
+            else:
+                doc = m.ended(0, "moved")
+                assert doc["migration"]["done"][-1]["status"] == "lost", doc  # the finish
+        finally:
+            pair.link("n1", up=True)
+        if cut == "short":
+            m.ended(0, "moved")
+        m.runs_on("n2")
+        wait_until(lambda: pair.stopped_engines() == [], timeout_s=30,
+                   what="no stopped engine process left on n1")
+        m.load_report()
     finally:
         m.close()

@@ -3,9 +3,9 @@ back (its controller killed and started again, or cut off from etcd).
 
 A source whose engine moved ends its stopped copy and gives the engine away; a source whose
 engine did not move lets its tree go on and restores it; a target holding a copy of an engine
-that did not come ends it and gives it back. Only each engine's newest migration is looked
-at (an older one says nothing of where the engine is now), once per life of the controller
-(the node calls ``settle`` every few rounds).
+that did not come ends it and gives it back, and removes the image it received. Only each
+engine's newest migration is looked at (an older one says nothing of where the engine is
+now), once per life of the controller (the node calls ``settle`` every few rounds).
 Neighbours: ``record`` (the records, local ids), ``procs``, ``local``, ``steps``
 (``NodeMigration.settle`` calls it), the controller (``give_away``, ``status``).
 """
@@ -13,6 +13,7 @@ Neighbours: ``record`` (the records, local ids), ``procs``, ``local``, ``steps``
 from __future__ import annotations
 
 import logging
+import shutil
 
 from ckpt_controller.errors import CkptError
 from ckpt_controller.fleet import local
@@ -51,9 +52,11 @@ class Settler:
             self._settled.add(mig.op_id)
             if me not in (mig.source, mig.target):
                 continue
-            if not self.controller.config.knows(mig.engine):
-                continue  # given away already, or never here
             try:
+                if mig.target == me and mig.outcome is not MigrationOutcome.MOVED:
+                    self._received(mig)
+                if not self.controller.config.knows(mig.engine):
+                    continue  # given away already, or never here
                 if mig.source == me:
                     self._source(mig)
                 else:
@@ -84,6 +87,20 @@ class Settler:
                       OperationKind.RESTORE, mig.engine, {})
             log.info("fleet: %s stayed here (migration %s %s while this node was away); "
                      "resumed", mig.engine, mig.op_id, mig.outcome)
+
+    def _received(self, mig: r.Migration) -> None:
+        """The image received for a migration that did not come here (its target's
+        controller was down when it should have adopted or abandoned it): removed, as the
+        abandon would have (real images are GiB)."""
+        folder = self.node.config.image_dir / mig.engine / capture_op(mig.op_id, mig.engine)
+        if folder.is_symlink():
+            folder.unlink()
+        elif folder.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            return
+        log.info("fleet: the image received for migration %s of %s, which did not come "
+                 "here, is removed", mig.op_id, mig.engine)
 
     def _target(self, mig: r.Migration) -> None:
         if self._owner(mig.engine) == self.node.fleet.node:
