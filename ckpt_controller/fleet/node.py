@@ -145,6 +145,9 @@ class FleetNode:
         self._stop = threading.Event()
         self._nudge = threading.Event()
         self._thread: threading.Thread | None = None
+        self._fencing: threading.Thread | None = None
+        #: when etcd last answered this node (a lease renewal, a round)
+        self.heard = time.monotonic()
         self.available = False  # whether the last round reached etcd
         self.rounds = 0
         #: tasks of fleet operations running here: local op id -> the task
@@ -186,9 +189,24 @@ class FleetNode:
                                     self.fleet.lease_ttl_s)
                         self._lease_expired = True
                         self.nudge()
+                    self.heard = time.monotonic()
                 except CkptError:  # policy: etcd away: tried again soon, the TTL is short
                     wait = min(wait, 0.5)
+            silent = time.monotonic() - self.heard
+            if silent > self.fleet.lease_ttl_s:
+                wait = min(wait, 0.5)
+                self._fence(silent)
             self._stop.wait(wait)
+
+    def _fence(self, silent_s: float) -> None:
+        """No word from etcd for longer than the lease: the migration's fence stops the
+        copies held uncertainly here (``migration.fence``), on a thread of its own (it asks
+        the controller about its engines; the lease's renewals never wait for that)."""
+        if self.migration is None or (self._fencing is not None and self._fencing.is_alive()):
+            return
+        self._fencing = threading.Thread(target=self.migration.fence.cut_off,
+                                         args=(silent_s,), name="fleet-fence", daemon=True)
+        self._fencing.start()
 
     def nudge(self) -> None:
         """Publish now rather than at the next interval (an engine just changed)."""
@@ -218,10 +236,13 @@ class FleetNode:
                     self.rounds += 1
                 elif self.lease is not None:
                     self.fleet_work()  # woken by a watch: only the fleet operations' part
-                if not self.available:
-                    log.info("fleet: node %s registered in etcd (%s)", self.fleet.node,
-                             ", ".join(self.fleet.etcd))
-                self.available = True
+                # a round may touch etcd not at all (nothing changed): etcd is available
+                # while the lease's renewals (or a registration) are answered
+                if time.monotonic() - self.heard <= self.fleet.lease_ttl_s:
+                    if not self.available:
+                        log.info("fleet: node %s registered in etcd (%s)", self.fleet.node,
+                                 ", ".join(self.fleet.etcd))
+                    self.available = True
             except NodeNameTakenError:  # policy: said once by register; tried each round
                 self.available = False
                 self.rounds += 1
@@ -297,6 +318,8 @@ class FleetNode:
         if unclaimed:
             self.claim(unclaimed)
         self.publish([n for n in names if n in self.owned])
+        if self.migration is not None and self.migration.fence.fenced:
+            self.migration.fence.in_touch()  # copies stopped while etcd was away
         if self.migration is not None and self.rounds % 8 == 0:
             self.migration.settle()  # migrations that ended while this node was away
         self.fleet_work()
@@ -376,6 +399,7 @@ class FleetNode:
             raise NodeNameTakenError(f"node name {self.fleet.node} is registered already",
                                      node=self.fleet.node)
         self._said_taken = False
+        self.heard = time.monotonic()
         self.lease = lease
         self._woken = dict.fromkeys(self._woken, True)  # look at everything again
         self._written.clear()  # write every record again: etcd may have lost or missed some

@@ -691,7 +691,7 @@ def test_the_source_cut_off_during_finish_leaves_no_stopped_copy(pair, cut):
     (ending the stopped tree) runs while etcd is out of reach: for less than a lease, or
     past it (the finish counted lost). When the link returns the source ends its stopped
     copy: the engine RUNNING on the target only, nothing stopped left on the source."""
-    pair.pause("n2", "post-restore")  # after the take-over
+    pair.pause("n2", "post-restore")  # the target takes it over once this hook ends
     m = Moving(pair)
     try:
         m.start(load_s=20)
@@ -712,5 +712,51 @@ def test_the_source_cut_off_during_finish_leaves_no_stopped_copy(pair, cut):
         wait_until(lambda: pair.stopped_engines() == [], timeout_s=30,
                    what="no stopped engine process left on n1")
         m.load_report()
+    finally:
+        m.close()
+
+
+def test_a_target_cut_off_before_its_take_over_fences_its_copy(pair):
+    """The target's link cut after its restore, before it could take the engine over: past
+    one lease it stops its copy (SIGSTOP), says so in its log and journal; the source
+    resumes the engine (``stayed``); when the link returns the target kills the copy and
+    gives the engine back. At no moment do two copies run."""
+    pair.pause("n2", "post-restore")  # re-woken, not yet taken over
+    m = Moving(pair)
+    try:
+        m.start(load_s=20)
+        pair.paused("n2", "post-restore")
+        (copy,) = [p for p in pair.live_engines() if pair.in_node(p) == "n2"]
+        pair.link("n2", up=False)
+        try:
+            cut = time.monotonic()
+            pair.go("n2", "post-restore")
+            wait_until(lambda: psutil.Process(copy).status() == "stopped",
+                       timeout_s=3 * TTL_S, every_s=0.05, what="n2's copy stopped")
+            stopped_after = time.monotonic() - cut
+            log = pair.controllers["n2"].log_path
+            wait_until(lambda: "the copy of m0 restored here by migration mv" in
+                       log.read_text(), timeout_s=10, what="n2 saying it stopped its copy")
+            doc = m.ended(1, "stayed")
+            assert doc["migration"]["done"][2]["step"] == "adopt"
+            wait_until(lambda: pair.running_on("n1"), timeout_s=30, every_s=0.2,
+                       what="m0 RUNNING on n1 while n2 is cut off")
+            assert [pair.in_node(p) for p in pair.live_engines()] == ["n1"]
+            assert psutil.Process(copy).status() == "stopped"
+        finally:
+            pair.link("n2", up=True)
+        wait_until(lambda: not psutil.pid_exists(copy) or
+                   psutil.Process(copy).status() == "zombie", timeout_s=30,
+                   what="n2's stopped copy killed once n2 hears from etcd again")
+        m.runs_on("n1")
+        assert pair.stopped_engines() == []
+        m.load_report()
+        text = log.read_text()
+        assert "the copy restored here" in text and "is killed" in text, text[-3000:]
+        hist = pair.controllers["n2"].ckptctl("history", "--op-id", "mv.m0.restore", "--json")
+        actions = [r["data"]["action"] for r in json.loads(hist.stdout)["records"]
+                   if r["record_type"] == "fenced"]
+        assert actions == ["stopped", "killed"], hist.stdout
+        print(f"fenced {stopped_after:.1f} s after the cut (lease {TTL_S} s)")
     finally:
         m.close()

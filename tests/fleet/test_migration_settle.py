@@ -22,20 +22,8 @@ from ckpt_controller.fleet.keys import Keys
 from ckpt_controller.fleet.migration.settle import Settler
 from ckpt_controller.vocab import MigrationOutcome
 from support.processes import gone
+from support.standins import StandInEtcd
 from support.timing import scaled, wait_until
-
-
-class StandInEtcd:
-    """``get_prefix`` in key order, as etcd answers a range; ``get`` one key."""
-
-    def __init__(self, kvs: list[KeyValue]) -> None:
-        self.kvs = sorted(kvs, key=lambda kv: kv.key)
-
-    def get_prefix(self, prefix: str) -> list[KeyValue]:
-        return [kv for kv in self.kvs if kv.key.startswith(prefix)]
-
-    def get(self, key: str) -> KeyValue | None:
-        return next((kv for kv in self.kvs if kv.key == key), None)
 
 
 class StandInController:

@@ -30,6 +30,7 @@ from ckpt_controller.fleet import etcd as e
 from ckpt_controller.fleet import local
 from ckpt_controller.fleet import records as r
 from ckpt_controller.fleet.migration import procs
+from ckpt_controller.fleet.migration.fence import Fence
 from ckpt_controller.fleet.migration.record import local_ids, read, write_end
 from ckpt_controller.fleet.migration.settle import Settler
 from ckpt_controller.vocab import (
@@ -81,6 +82,8 @@ class NodeMigration:
         #: engines sent from here whose migration has not ended here (finish or resume)
         self.leaving: set[str] = set()
         self.settler = Settler(node, controller)
+        #: the copies restored here that a node cut off from etcd stops (``fence``)
+        self.fence = Fence(node, controller, self.arriving)
 
     def settle(self) -> None:
         """What a migration that ended while this node was away left here, put right."""
