@@ -86,6 +86,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="keep what ended in the last D days (default 7, as [fleet] keep_days)")
     g.add_argument("--json", action="store_true", help="print one JSON document")
     g.set_defaults(run=_gc)
+    fg = fsub.add_parser(
+        "forget-node", help="free a node name whose controller and state dir are gone",
+        description="A node's name belongs to the controller that first registered it (the "
+                    "node id in its state dir, node-ids/NODE in etcd); another controller "
+                    "with that name is refused, also while the first is paused past its "
+                    "lease. When the first is gone for good (its state dir with it), this "
+                    "frees the name: the next controller that registers it owns it. Refused "
+                    "while a controller holds the name's registration.", **fmt)
+    fg.add_argument("node", metavar="NODE", help="the node's name")
+    fg.add_argument("--json", action="store_true", help="print one JSON document")
+    fg.set_defaults(run=_forget_node)
     w = fsub.add_parser("watch", help="follow a fleet operation until it ends", **fmt)
     w.add_argument("op_id", metavar="OP_ID", help="the fleet operation's id")
     w.add_argument("--json", action="store_true",
@@ -417,6 +428,39 @@ def _gc(args: argparse.Namespace) -> int:
         print(f"  kept {op_id}: {why}")
     for key, why in sorted(done.damaged.items()):
         print(f"  unreadable {key}: {why}", file=sys.stderr)
+    return 0
+
+
+def _forget_node(args: argparse.Namespace) -> int:
+    from ckpt_controller.fleet import etcd as e
+    from ckpt_controller.fleet.keys import Keys
+
+    k = Keys(args.etcd_prefix)
+    with client(args) as c:
+        registered = c.get(k.node(args.node))
+        if registered is not None:
+            raise UsageError(f"node {args.node} is registered now ({k.node(args.node)} lives "
+                             "under a controller's lease): stop that controller first; "
+                             "forget-node frees only a name no live controller holds",
+                             node=args.node)
+        held = c.get(k.node_id(args.node))
+        forgot = None
+        if held is not None:
+            ok, _ = c.txn([e.compare_modified(held.key, held.mod_revision)],
+                          [e.delete_op(held.key)])
+            if not ok:
+                raise UsageError(f"node {args.node}'s identity changed meanwhile (a "
+                                 "controller registered it): nothing forgotten",
+                                 node=args.node)
+            forgot = held.value.decode(errors="replace")
+    if args.json:
+        emit("fleet-forget-node", node=args.node, forgot=forgot)
+        return 0
+    if forgot is None:
+        print(f"node {args.node}: no identity recorded; its name is free already")
+    else:
+        print(f"node {args.node}: forgot node id {forgot}; the next controller that "
+              "registers this name owns it")
     return 0
 
 

@@ -3,6 +3,11 @@
 - ``nodes/<node>``: a ``NodeRecord``, under the node controller's lease: present while the
   node is alive (it keeps the lease alive), gone within the lease's TTL after it dies, at once
   when it stops cleanly (the lease is revoked).
+- ``node-ids/<node>``: the identity that owns the node's name (``node_id``, kept in that
+  controller's state dir as ``node-id``), written once by its first registration, under no
+  lease: a second controller with the same name (another state dir) is refused also after
+  the first one's lease expired (it was paused, say), and never deletes the first's records.
+  ``ckptctl fleet forget-node`` frees a name whose controller and state dir are gone.
 - ``owners/<engine>``: the name of the node that owns the engine; engine names are unique in
   the fleet. Written only by a transaction that finds it absent (or the node's own), so two
   nodes configured with one name do not both publish it.
@@ -36,6 +41,7 @@ class Keys:
         self.prefix = prefix.rstrip("/")
         self.nodes = f"{self.prefix}/nodes/"
         self.owners = f"{self.prefix}/owners/"
+        self.node_ids = f"{self.prefix}/node-ids/"
         self.locks = f"{self.prefix}/locks/"
         self.engines = f"{self.prefix}/engines/"
         self.ops = f"{self.prefix}/ops/"
@@ -47,6 +53,9 @@ class Keys:
 
     def node(self, name: str) -> str:
         return self.nodes + name
+
+    def node_id(self, name: str) -> str:
+        return self.node_ids + name
 
     def owner(self, engine: str) -> str:
         return self.owners + engine

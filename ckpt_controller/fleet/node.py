@@ -22,12 +22,21 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
+import uuid
+from pathlib import Path
 
+from ckpt_controller import files
 from ckpt_controller.controller.config import ControllerConfig
-from ckpt_controller.errors import CkptError, DamagedRecordError, NodeNameTakenError
+from ckpt_controller.errors import (
+    CkptError,
+    ConfigError,
+    DamagedRecordError,
+    NodeNameTakenError,
+)
 from ckpt_controller.fleet import etcd as e
 from ckpt_controller.fleet import gc
 from ckpt_controller.fleet import records as r
@@ -76,6 +85,34 @@ def reachable_at(endpoint: str, address: str) -> str:
     if not sep or host not in WILDCARD_HOSTS:
         return endpoint
     return f"{scheme}://{f'[{address}]' if ':' in address else address}:{port}{slash}{path}"
+
+
+NODE_ID_FILE = "node-id"
+
+
+def node_identity(state_dir: Path) -> str:
+    """This controller's node identity: ``<state_dir>/node-id``, made (random, 32 hex
+    digits) the first time; it survives restarts and pauses, and goes only with the state
+    dir. ``ConfigError`` naming the file when it holds anything else."""
+    path = state_dir / NODE_ID_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        try:
+            text = files.read_small(path, 256).decode("ascii", "replace").strip()
+        except (OSError, files.UnfitFileError):  # policy: said as a damaged identity
+            text = ""
+        if not re.fullmatch(r"[0-9a-f]{32}", text):
+            raise ConfigError(f"{path} is not a node identity (32 hex digits): the fleet "
+                              "knows this node by it; restore it, or remove it and free the "
+                              "node's name with `ckptctl fleet forget-node`",
+                              path=str(path)) from None
+        return text
+    with os.fdopen(fd, "w") as f:
+        f.write(uuid.uuid4().hex + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return path.read_text().strip()
 
 
 def _registration(kv) -> bool:
@@ -127,6 +164,8 @@ class FleetNode:
         self.etcd = e.Etcd(self.fleet.etcd, ca_cert=self.fleet.ca_cert, cert=self.fleet.cert,
                            key=self.fleet.key)
         self.lease: int | None = None
+        #: the identity that owns the node's name in etcd (``node-ids/<node>``)
+        self.node_id = node_identity(config.state_dir)
         self._lease_expired = False
         self._said_taken = False
         self._said_replaced = False  # that this node's record was replaced under it
@@ -366,10 +405,36 @@ class FleetNode:
                       self.lease)
             self._said_replaced = True
 
+    def _own_name(self) -> None:
+        """The node's name is this controller's: ``node-ids/<node>`` names this state dir's
+        identity (written now if absent). Another identity there is another controller
+        with this name, whose lease may only have expired (it was paused): refused, said
+        once, tried again each round; the name never passes to it by a lease's expiry."""
+        key = self.keys.node_id(self.fleet.node)
+        ok, resp = self.etcd.txn([e.compare_created(key)], [e.put_op(key, self.node_id)],
+                                 [e.get_op(key)])
+        held = (resp[0]["kvs"][0].value.decode(errors="replace")
+                if not ok and resp[0]["kvs"] else self.node_id)
+        if held == self.node_id:
+            return
+        if not self._said_taken:
+            log.error("fleet: node name %s belongs to another controller (node id %s; this "
+                      "one's, in %s, is %s): registered by another controller with this name "
+                      "and another state dir. Two controllers with one name is a "
+                      "configuration error; if that controller and its state dir are gone "
+                      "for good, `ckptctl fleet forget-node %s` frees the name",
+                      self.fleet.node, held[:64], self.config.state_dir / NODE_ID_FILE,
+                      self.node_id, self.fleet.node)
+            self._said_taken = True
+        raise NodeNameTakenError(f"node name {self.fleet.node} belongs to node id "
+                                 f"{held[:64]}, not this controller's {self.node_id}",
+                                 node=self.fleet.node)
+
     def register(self) -> None:
-        """The node's record under a new lease, if no other controller holds the node's name
-        (a second copy of this node, or this one's previous life whose lease has not expired
-        yet): then it says so, and tries again each round."""
+        """The node's record under a new lease, if the node's name is this controller's
+        (``_own_name``) and no other controller holds it (this one's previous life whose
+        lease has not expired yet): else it says so, and tries again each round."""
+        self._own_name()
         lease = self.etcd.grant(self.fleet.lease_ttl_s)
         rec = NodeRecord(node=self.fleet.node, controller=self.config.endpoint, pid=os.getpid(),
                          host=socket.gethostname(), started=time.time(), version=__version__,

@@ -843,3 +843,53 @@ def test_a_fleet_command_gives_up_following_at_its_timeout_and_says_why(etcd, ag
     assert "ckptctl fleet watch nobody" in err["message"]
     w = fleet(etcd, "watch", "nobody", "--timeout", "1")
     assert w.returncode == 3 and "did not end within --timeout 1s" in w.stderr, w.stderr
+
+
+def test_a_paused_node_keeps_its_name_and_engines_from_a_second_controller(etcd, agents,
+                                                                           nodes):
+    """A node controller SIGSTOPped past its lease, and a second controller started with its
+    name (another state dir): the name belongs to the first one's node id, so the second is
+    refused and deletes nothing (it once took the name, deleted the first's engine records,
+    and the first, resumed, was refused). Resumed, the first registers again with its
+    engines. ``fleet forget-node`` is refused while the name is registered; once the first
+    is gone for good it frees the name, and the second takes it."""
+    from ckpt_controller.fleet.keys import Keys
+
+    k = Keys("/ckpt")
+    (p0,) = agents("p0")
+    first = nodes("np1", node_toml(etcd, "np", [p0], ttl=2))
+    wait_until(lambda: "p0" in engines_of(fleet_json(etcd)[1]), what="p0 published by np")
+    node_id = (first.state_dir / "node-id").read_text().strip()
+    with etcd.client() as c:
+        assert c.get(k.node_id("np")).value.decode() == node_id
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        with etcd.client() as c:
+            wait_until(lambda: c.get(k.node("np")) is None, timeout_s=15,
+                       what="the paused np's lease expired")
+        (q0,) = agents("q0")
+        twin = nodes("np2", node_toml(etcd, "np", [q0], ttl=2))
+        wait_until(lambda: "belongs to another controller" in twin.log_path.read_text(),
+                   timeout_s=15, what="the second np saying the name is not its own")
+        assert "fleet forget-node np" in twin.log_path.read_text()
+        with etcd.client() as c:
+            assert c.get(k.node("np")) is None  # the twin never registered
+            assert c.get(k.owner("p0")).value.decode() == "np"
+        assert "p0" in engines_of(fleet_json(etcd)[1])  # its record never deleted
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("p0", {}).get("node_up"),
+               timeout_s=15, what="np (the first) registered again with p0")
+    with etcd.client() as c:
+        assert json.loads(c.get(k.node("np")).value)["pid"] == first.pid
+    assert "q0" not in engines_of(fleet_json(etcd)[1])
+    refused = fleet(etcd, "forget-node", "np")
+    assert refused.returncode == 2 and "registered now" in refused.stderr, refused.stderr
+    first.stop()
+    freed = fleet(etcd, "forget-node", "np", "--json")
+    assert freed.returncode == 0, freed.stderr
+    assert json.loads(freed.stdout)["forgot"] == node_id
+    wait_until(lambda: "q0" in engines_of(fleet_json(etcd)[1]), timeout_s=15,
+               what="the second np registered with its engine once the name was freed")
+    again = fleet(etcd, "forget-node", "nobody")
+    assert again.returncode == 0 and "free already" in again.stdout
