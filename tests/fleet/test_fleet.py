@@ -146,7 +146,7 @@ def test_a_node_killed_is_shown_down_within_its_lease_and_returns(etcd, agents, 
     assert r.returncode == 4 and "NODE-DOWN (running)" in r.stdout and "down: n1" in r.stdout
 
     ctl.proc.wait()
-    ctl2 = nodes("n1b", text)
+    ctl2 = nodes("n1", text)  # restarted: the same state dir (its node id)
     wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("ka", {}).get("node_up"),
                what="the node back and its engine up")
     assert fleet_json(etcd)[1]["nodes"][0]["pid"] == ctl2.pid
