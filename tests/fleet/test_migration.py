@@ -760,3 +760,37 @@ def test_a_target_cut_off_before_its_take_over_fences_its_copy(pair):
         print(f"fenced {stopped_after:.1f} s after the cut (lease {TTL_S} s)")
     finally:
         m.close()
+
+
+def test_a_blip_shorter_than_the_lease_at_the_take_over_does_not_abort_the_move(
+        tmp_path, model_dir_private):
+    """The target's link down for 2 s (its lease 5 s) just as it takes the engine over:
+    the take-over is tried again until etcd answers, and the engine moves (it once failed
+    the restore at the first unanswered request, and the move was given up)."""
+    if _reason is not None:
+        pytest.skip(_reason)
+    pair = Pair(tmp_path, model_dir_private, "page-server", ttl=5)
+    try:
+        pair.pause("n2", "post-restore")  # the take-over comes right after this hook
+        m = Moving(pair)
+        try:
+            m.start()
+            pair.paused("n2", "post-restore")
+            pair.link("n2", up=False)
+            try:
+                pair.go("n2", "post-restore")
+                log = pair.controllers["n2"].log_path
+                wait_until(lambda: "waits for etcd" in log.read_text(), timeout_s=10,
+                           every_s=0.05, what="n2's take-over waiting for etcd")
+                time.sleep(2)
+            finally:
+                pair.link("n2", up=True)
+            doc = m.ended(0, "moved")
+            assert [d["step"] for d in doc["migration"]["done"]] == [
+                "receive", "send", "adopt", "finish"]
+            m.runs_on("n2")
+            assert "etcd answered the take-over of m0 again" in log.read_text()
+        finally:
+            m.close()
+    finally:
+        pair.close()

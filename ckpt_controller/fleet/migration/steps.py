@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ckpt_controller.controller import roster
 from ckpt_controller.endpoints import resolve_host
-from ckpt_controller.errors import CkptError, OperationError, UsageError
+from ckpt_controller.errors import CkptError, OperationError, UnreachableError, UsageError
 from ckpt_controller.fleet import etcd as e
 from ckpt_controller.fleet import local
 from ckpt_controller.fleet import records as r
@@ -50,6 +50,8 @@ Step = MigrationStep
 CHUNK_BYTES = 512 * 1024
 #: and at most this many bytes in all: more says to use the shared transport
 MAX_SMALL_BYTES = 64 * CHUNK_BYTES
+#: how often a take-over that could not reach etcd is tried again
+TAKE_OVER_RETRY_S = 0.25
 
 
 @dataclasses.dataclass
@@ -358,11 +360,34 @@ class NodeMigration:
                                  owner=owner)
 
     def _take_over(self, op_id: str, engine: str) -> None:
+        """The take-over transaction, tried again while etcd is out of reach, for up to two
+        lease TTLs: a blip shorter than the lease (the coordinator still counts this node
+        up) must not abort the move; past that the coordinator has decided without this
+        node, and the transaction's answer (or the fence) says so. Trying again is safe:
+        it only ever succeeds while ``moving/<engine>`` names this migration."""
         k = self.node.keys
         me = self.node.fleet.node
-        ok, _ = self.node.etcd.txn(
-            [e.compare_value(k.moving(engine), op_id)],
-            [e.put_op(k.owner(engine), me), e.delete_op(k.moving(engine))])
+        give_up = time.monotonic() + 2 * self.node.fleet.lease_ttl_s
+        said = False
+        while True:
+            try:
+                ok, _ = self.node.etcd.txn(
+                    [e.compare_value(k.moving(engine), op_id)],
+                    [e.put_op(k.owner(engine), me), e.delete_op(k.moving(engine))])
+                break
+            except UnreachableError as err:
+                if time.monotonic() >= give_up:
+                    raise
+                if not said:
+                    log.warning("fleet: the take-over of %s (migration %s) waits for etcd: "
+                                "%s; trying again for up to %gs", engine, op_id, err.message,
+                                2 * self.node.fleet.lease_ttl_s)
+                    said = True
+                time.sleep(TAKE_OVER_RETRY_S)
+        if said:
+            log.info("fleet: etcd answered the take-over of %s again", engine)
+            if not ok and self._owner(engine) == me:
+                ok = True  # an earlier try committed; its answer was lost
         if not ok:
             raise OperationError(f"migration {op_id} no longer lets {me} take {engine} over "
                                  "(the source resumes it)", engine=engine)
