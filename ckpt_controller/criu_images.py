@@ -270,6 +270,17 @@ def _free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
+def criu_error(log_text: str) -> str | None:
+    """CRIU's first error in ``log_text`` (its log): the words an operator needs, e.g.
+    ``Error (criu/util.c:1239): Can't bind page server: Address already in use``, without
+    the timestamp before them; None when it has none."""
+    for line in log_text.splitlines():
+        at = line.find("Error (")
+        if at >= 0:
+            return line[at:].strip()[:500]
+    return None
+
+
 class PageServer:
     """``criu page-server -D folder --address address --port port``, for one dump: started
     here, ready once it listens (CRIU's ``--status-fd`` byte), ending by itself once the dump
@@ -298,8 +309,11 @@ class PageServer:
                 return
             if port:
                 break
-        raise OperationError(f"criu page-server did not start on {address}:{self.port}",
-                             address=address, port=self.port, log_tail=self.log_tail())
+        tail = self.log_tail()
+        said = criu_error(tail)
+        raise OperationError(f"criu page-server did not start on {address}:{self.port}"
+                             + (f": {said}" if said else " (its log says no error)"),
+                             address=address, port=self.port, log_tail=tail)
 
     @property
     def endpoint(self) -> str:

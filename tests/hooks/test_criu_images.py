@@ -177,6 +177,37 @@ def test_a_page_server_without_criu_is_a_typed_error(tmp_path):
         PageServer(tmp_path / "no-criu", tmp_path, "127.0.0.1", 4711)
 
 
+def test_a_page_server_that_does_not_start_says_criu_s_words(tmp_path):
+    """A bad address or a port already taken: the error names CRIU's own first error (it
+    reached the operator as "did not start on ADDR:PORT" only, the why in a log file)."""
+    import socket
+
+    from ckpt_controller.criu_images import PageServer
+    from ckpt_controller.errors import OperationError
+    from support.criu import CRIU, criu_missing, required
+
+    reason = required(criu_missing(), "the page server test")
+    if reason is not None:
+        pytest.skip(reason)
+    with pytest.raises(OperationError, match=r"did not start on 256\.1\.1\.1:4711: Error "
+                                             r"\(.*\): Invalid server address"):
+        PageServer(CRIU, tmp_path, "256.1.1.1", 4711)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OperationError, match="Address already in use"):
+            PageServer(CRIU, tmp_path, "127.0.0.1", port)
+
+
+def test_criu_error_is_the_first_error_line_without_its_timestamp():
+    log = ("(00.000010) Version: 4.2\n(00.000400) Error (criu/util.c:1239): Can't bind page "
+           "server: Address already in use\n(00.000500) Error (criu/x.c:1): later\n")
+    assert criu_images.criu_error(log) == ("Error (criu/util.c:1239): Can't bind page "
+                                           "server: Address already in use")
+    assert criu_images.criu_error("(00.1) Warn: nothing wrong\n") is None
+
+
 def test_image_bytes_counts_regular_files_at_their_apparent_size(tmp_path):
     from ckpt_controller.criu_images import image_bytes
 
