@@ -52,7 +52,8 @@ from ckpt_controller.errors import (CkptError, EngineError, OperationError, Over
                                     ProtocolError)
 from ckpt_controller.security import CurveServer, ZapHandler, log_handshake_failures
 from ckpt_controller.zmqutil import (DeathHook, Outbox, exit_on_thread_death, guarded,
-                                     monitor_socket, more_to_read, recv_monitor_event)
+                                     monitor_socket, more_to_read, recv_monitor_event,
+                                     room_for_connections)
 
 log = logging.getLogger("ckpt_controller.rpc")
 
@@ -124,7 +125,9 @@ class RpcServer:
     def bind(self) -> None:
         """Bind the endpoint without serving yet: what arrives waits in the socket until
         ``start``. A server that must check its endpoint before it touches anything (the
-        controller, before it recovers) binds first."""
+        controller, before it recovers) binds first. The process's soft open-files limit is
+        raised to its hard one first (``room_for_connections``)."""
+        room_for_connections()
         try:
             self._outbox = Outbox(self._ctx, self.name)
             self._router = self._ctx.socket(zmq.ROUTER)

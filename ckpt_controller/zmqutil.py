@@ -23,6 +23,9 @@ API is dead). The default policy, ``exit_on_thread_death``, logs and ends the pr
 exit status ``THREAD_DEATH_EXIT`` (70, EX_SOFTWARE) so supervision sees it and restarts it;
 an embedder that must not exit (an in-process test server) passes its own hook.
 ``monitor_socket`` and ``recv_monitor_event`` watch a socket's connection events.
+``room_for_connections`` raises the process's soft open-files limit to its hard one before a
+server binds: libzmq aborts the whole process when its ipc listener cannot accept a
+connection for want of a descriptor.
 Neighbours: ``rpcserver`` (agent, controller) and ``engine.server`` own such sockets.
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import struct
 import threading
 import time
@@ -326,3 +330,20 @@ def recv_monitor_event(pair: zmq.Socket) -> dict:
         raise RuntimeError(f"not a zmq monitor event: {frames!r}")
     event, value = struct.unpack("=hi", frames[0])
     return {"event": event, "value": value, "endpoint": frames[1]}
+
+
+def room_for_connections() -> int:
+    """Raise this process's soft open-files limit to its hard limit (the soft limit now):
+    every accepted connection costs a server a descriptor, and libzmq aborts the process
+    (``Too many open files (src/ipc_listener.cpp:297)``) when its ipc listener cannot take
+    one: at a soft limit of 300, a burst of 389 connections to an agent's socket ended its
+    engine."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or hard == resource.RLIM_INFINITY or soft >= hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # policy: the limit stays; said, not fatal
+        log.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
+        return soft
+    return hard

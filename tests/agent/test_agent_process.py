@@ -460,3 +460,40 @@ def test_every_command_in_every_state_over_the_wire(shared_engines, state):
     ctl.restore(op_id=f"{state}-recover")  # and FAILED recovers through RESTORING
     st = ctl.status()
     assert st.state == "running" and st.in_flight == 0
+
+
+def test_a_burst_of_connections_does_not_end_the_engine(ipc_dir):
+    """600 connections opened at once to an agent's ipc socket, the engine's soft
+    open-files limit 300 (hard 4096): libzmq aborted the engine's process at 389 of them
+    (its ipc listener cannot accept: "Too many open files"). The server raises the soft
+    limit to the hard one before it binds; the agent answers during the burst."""
+    import socket
+    import subprocess
+    import sys
+
+    control = f"ipc://{ipc_dir}/burst.ctl"
+    code = ("import resource, sys, time\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (300, 4096))\n"
+            "from ckpt_controller.agent import Agent\n"
+            f"a = Agent('burst', control={control!r}, heartbeat_interval_s=0.2).start()\n"
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)\n"
+            "sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    burst: list[socket.socket] = []
+    try:
+        assert proc.stdout.readline().strip() == "4096"
+        for _ in range(600):
+            s = socket.socket(socket.AF_UNIX)
+            burst.append(s)
+            s.connect(str(ipc_dir / "burst.ctl"))
+        client = AgentClient(control, timeout_s=scaled(10))
+        _clients.append(client)
+        assert client.status().engine == "burst"
+        assert proc.poll() is None
+    finally:
+        for s in burst:
+            s.close()
+        proc.stdin.close()
+        proc.wait(timeout=scaled(30))
+        proc.stdout.close()
