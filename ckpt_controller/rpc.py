@@ -114,6 +114,8 @@ class RpcClient:
         self.curve = curve
         self.timeout_s = check(DURATION, timeout_s, "timeout_s")
         self.retries = check(count(0, 100), retries, "retries")
+        #: the current (or last) call's attempt: 2 and more is a resend after no answer
+        self.attempt = 1
         self.missed_beats = check(COUNT, missed_beats, "missed_beats")
         self.liveness_s = check(DURATION, heartbeat_interval_s, "heartbeat_interval_s") \
             * missed_beats
@@ -233,6 +235,7 @@ class RpcClient:
         start = time.monotonic()
         attempts = retries + 1
         for attempt in range(1, attempts + 1):
+            self.attempt = attempt  # a resend's answer may come from a new server process
             cmd = msgspec.structs.replace(cmd, call_id=next(self._calls))
             notice = None
             if self.on_wait is not None:

@@ -40,7 +40,12 @@ import zmq
 from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig
-from ckpt_controller.errors import CkptError, ProtocolError, UnreachableError
+from ckpt_controller.errors import (
+    CkptError,
+    InvalidTransitionError,
+    ProtocolError,
+    UnreachableError,
+)
 from ckpt_controller.vocab import CheckpointState
 from ckpt_controller.zmqutil import monitor_socket
 
@@ -54,6 +59,8 @@ LINK_TIMEOUT_S = 2.0
 #: it knows (``AgentLink.knows``) instead of asking the agent's status: no older than a
 #: status the operation would read just before
 KNOWN_FRESH_S = 1.0
+#: the requests that move an engine (a resend of one answered by a refusal is contact lost)
+_STEPS = frozenset({p.RequestType.PREPARE, p.RequestType.RESTORE, p.RequestType.ROLLBACK})
 #: a heartbeat's state (a string on the wire) as an engine's state
 _STATES = {s.value: s for s in CheckpointState}
 
@@ -95,6 +102,20 @@ class AgentLink(AgentClient):
         except (UnreachableError, ProtocolError):
             self.healthy = False
             raise
+        except InvalidTransitionError as exc:
+            if rtype not in _STEPS or self.attempt == 1:
+                raise
+            # a step sent again after no answer, refused: the agent that ran it would have
+            # answered with its first result (its op id), so another agent process answered
+            # (a sidecar restarted within seconds, finding its engine paused: FAILED). The
+            # step's engine is where that agent left it: contact was lost, and the
+            # reconciler settles it, as after a restart that took longer
+            self.healthy = False
+            raise UnreachableError(
+                f"contact lost with {self.endpoint}: the step was sent again after no "
+                f"answer, and the agent that answered does not know it ({exc.message}); it "
+                "restarted meanwhile", endpoint=self.endpoint, reason="restarted",
+                refused=exc.message) from exc
         self._learn(result)
         if self.on_reply is not None:
             self.on_reply(result)
