@@ -13,9 +13,10 @@ import pytest
 
 from ckpt_controller.adapters.vllm import VllmEngine, VllmHttp
 from ckpt_controller.adapters.vllm.http import parse_metrics
+from ckpt_controller.adapters.vllm.sidecar import DEAD_AFTER_S
 from ckpt_controller.errors import EngineError, UsageError
 from support.cli import ckptctl
-from support.timing import deadline_in
+from support.timing import deadline_in, scaled, wait_until
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
@@ -179,6 +180,24 @@ def test_the_engine_counts_as_gone_when_it_stops_answering(stand):
     finally:
         engine.close()
         s.healthy = True
+
+
+def test_the_engine_counts_as_gone_soon_when_its_port_refuses(stand):
+    """vLLM killed, its PID not known (a server on another host, say): the port refuses at
+    once, so the engine counts as gone after about a second of refusals, not after the 30 s
+    a slow server is given (a status called the sidecar's engine reachable that long)."""
+    s = stand()
+    engine = VllmEngine(VllmHttp(s.url, timeout_s=1), poll_s=0.05).start()
+    try:
+        time.sleep(0.3)
+        assert engine.alive()
+        s.close()  # nothing listens on its port any more
+        gone = time.monotonic()
+        wait_until(lambda: not engine.alive(), timeout_s=10, every_s=0.05,
+                   what="a refusing engine counted as gone")
+        assert time.monotonic() - gone < scaled(DEAD_AFTER_S / 3)
+    finally:
+        engine.close()
 
 
 def test_the_engine_counts_as_gone_when_its_process_is_gone(stand):

@@ -130,7 +130,8 @@ class VllmHttp:
         except (urllib.error.URLError, OSError) as err:  # refused, reset, timed out
             reason = getattr(err, "reason", err)
             raise EngineError(f"vLLM at {self.url} did not answer {method} {path}: {reason}",
-                              url=self.url, path=path, unreachable=True) from None
+                              url=self.url, path=path, unreachable=True,
+                              refused=isinstance(reason, ConnectionRefusedError)) from None
 
     # ------------------------------------------------------------------ state
 

@@ -99,6 +99,9 @@ GOLDEN_ATTEMPTS = 3
 #: seconds without an answer from vLLM before the engine counts as gone (its API server can be
 #: slow to answer while its engine core is busy; a vanished process counts at once)
 DEAD_AFTER_S = 30.0
+#: seconds of refused connections (nothing listens on vLLM's port: a live server, however
+#: busy, never refuses) before the engine counts as gone, when its PID is not known
+REFUSED_DEAD_S = 1.0
 _TAGS = ("weights", "kv_cache")
 #: vLLM's finish reasons (its ``/metrics`` labels) that count as a completion in a drain: ours,
 #: less ``abort``, and vLLM's own ``repetition`` (a repetition detector ended the request)
@@ -140,6 +143,7 @@ class VllmEngine(EngineHooks):
         self._kept = 0
         self._metrics = RequestMetrics()
         self._last_ok = time.monotonic()
+        self._refused_since: float | None = None  # refused on every poll since then
         self._poll_s, self._dead_after_s = poll_s, dead_after_s
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="vllm-poll", daemon=True)
@@ -164,8 +168,13 @@ class VllmEngine(EngineHooks):
             try:
                 self._metrics = self.http.metrics(timeout_s=2.0)
                 self._last_ok = time.monotonic()
-            except EngineError:  # policy: not answering: alive() says so once it lasts
-                pass
+                self._refused_since = None
+            except EngineError as err:  # policy: not answering: alive() says so once it
+                # lasts; refused, nothing listens there any more: soon
+                if not err.details.get("refused"):
+                    self._refused_since = None
+                elif self._refused_since is None:
+                    self._refused_since = time.monotonic()
 
     def alive(self) -> bool:
         pid = self.pid
@@ -175,6 +184,9 @@ class VllmEngine(EngineHooks):
                     return False
             except psutil.NoSuchProcess:  # policy: the process is gone: not alive
                 return False
+        refused = self._refused_since
+        if refused is not None and time.monotonic() - refused >= REFUSED_DEAD_S:
+            return False  # its port refuses: the server is gone (killed, its PID unknown)
         return time.monotonic() - self._last_ok < self._dead_after_s
 
     def request_counts(self) -> tuple[int, int]:
