@@ -56,3 +56,65 @@ def test_sleep_and_a_full_wake_up_resume_and_complete_the_same(vllm_url):
     assert call(vllm_url, "/wake_up?tags=kv_cache", "POST")["status"] == "awake"
     assert call(vllm_url, "/is_paused")["is_paused"] is False  # a full wake-up resumes
     assert complete(vllm_url) == golden
+
+
+def _stream(url: str, prompt: str, tokens: int, out: dict) -> None:
+    """A streaming completion: its data lines, in ``out[prompt]``."""
+    model = call(url, "/v1/models")["data"][0]["id"]
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        out[prompt] = [line.decode().strip() for line in resp if line.strip()]
+
+
+def _finish(lines: list[str]) -> str | None:
+    """The finish reason a stream's chunks gave, if any."""
+    reasons = [json.loads(line[6:])["choices"][0].get("finish_reason")
+               for line in lines if line.startswith("data: {")]
+    return next((r for r in reversed(reasons) if r), None)
+
+
+@pytest.mark.parametrize("escalation", ["abort", "keep"])
+def test_a_request_queued_behind_a_pending_wait_and_the_escalation(vllm_url, escalation):
+    """A streaming request sent while a ``/pause?mode=wait`` is pending is queued; an
+    escalation to ``abort`` ends it with a bare ``data: [DONE]``: no chunk, no finish
+    reason (the request had produced nothing), where a non-streaming one gets
+    ``finish_reason: abort``. A streaming client must read a stream that ends without a
+    finish reason as aborted. An escalation to ``keep`` holds it until ``/resume``, then it
+    completes (docs/vllm.md: what to choose)."""
+    import threading
+    import time
+
+    from support.timing import wait_until
+
+    out: dict[str, list[str]] = {}
+    running = threading.Thread(target=_stream, args=(vllm_url, "running", 3000, out))
+    running.start()
+    wait_until(lambda: call(vllm_url, "/v1/models") and _in_flight(vllm_url) >= 1,
+               timeout_s=60, what="the long request running")
+    waiting = threading.Thread(target=call, args=(vllm_url, "/pause?mode=wait", "POST"))
+    waiting.start()
+    wait_until(lambda: call(vllm_url, "/is_paused")["is_paused"], timeout_s=30,
+               what="paused, the wait pending")
+    queued = threading.Thread(target=_stream, args=(vllm_url, "queued", 20, out))
+    queued.start()
+    time.sleep(1.0)  # sent and queued behind the pause
+    call(vllm_url, f"/pause?mode={escalation}", "POST")
+    waiting.join(timeout=120)
+    call(vllm_url, "/resume", "POST")
+    for t in (running, queued):
+        t.join(timeout=300)
+    if escalation == "abort":
+        assert out["queued"] == ["data: [DONE]"], out["queued"]
+        assert _finish(out["running"]) == "abort"
+    else:
+        assert _finish(out["queued"]) == "length" and _finish(out["running"]) == "length"
+
+
+def _in_flight(url: str) -> int:
+    from ckpt_controller.adapters.vllm.http import parse_metrics
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        return parse_metrics(resp.read().decode()).in_flight
