@@ -22,23 +22,14 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import threading
 import time
-import uuid
-from pathlib import Path
 
-from ckpt_controller import files
 from ckpt_controller.controller.config import ControllerConfig
-from ckpt_controller.errors import (
-    CkptError,
-    ConfigError,
-    DamagedRecordError,
-    NodeNameTakenError,
-)
+from ckpt_controller.errors import CkptError, DamagedRecordError, NodeNameTakenError
 from ckpt_controller.fleet import etcd as e
-from ckpt_controller.fleet import gc
+from ckpt_controller.fleet import gc, identity
 from ckpt_controller.fleet import records as r
 from ckpt_controller.fleet import unavailable
 from ckpt_controller.fleet.coordinator import Coordinator
@@ -49,7 +40,7 @@ from ckpt_controller.fleet.migration import procs
 from ckpt_controller.fleet.migration.record import local_ids
 from ckpt_controller.fleet.records import EngineRecord, NodeRecord, encode
 from ckpt_controller.version import __version__
-from ckpt_controller.vocab import CheckpointState, OperationStatus
+from ckpt_controller.vocab import CheckpointState
 
 log = logging.getLogger("ckpt_controller.fleet")
 
@@ -87,67 +78,6 @@ def reachable_at(endpoint: str, address: str) -> str:
     return f"{scheme}://{f'[{address}]' if ':' in address else address}:{port}{slash}{path}"
 
 
-NODE_ID_FILE = "node-id"
-
-
-def node_identity(state_dir: Path) -> str:
-    """This controller's node identity: ``<state_dir>/node-id``, made (random, 32 hex
-    digits) the first time; it survives restarts and pauses, and goes only with the state
-    dir. ``ConfigError`` naming the file when it holds anything else."""
-    path = state_dir / NODE_ID_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        try:
-            text = files.read_small(path, 256).decode("ascii", "replace").strip()
-        except (OSError, files.UnfitFileError):  # policy: said as a damaged identity
-            text = ""
-        if not re.fullmatch(r"[0-9a-f]{32}", text):
-            raise ConfigError(f"{path} is not a node identity (32 hex digits): the fleet "
-                              "knows this node by it; restore it, or remove it and free the "
-                              "node's name with `ckptctl fleet forget-node`",
-                              path=str(path)) from None
-        return text
-    with os.fdopen(fd, "w") as f:
-        f.write(uuid.uuid4().hex + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    return path.read_text().strip()
-
-
-def _registration(kv) -> bool:
-    """Whether ``kv`` (a ``nodes/<node>`` key) is some controller's registration: under a
-    lease, and a node record."""
-    if kv.lease == 0:
-        return False
-    try:
-        r.decode(NodeRecord, kv.value, kv.key)
-    except DamagedRecordError:  # policy: unreadable: no controller wrote it
-        return False
-    return True
-
-
-def stale_marks(marks: dict[str, str], read_op) -> dict[str, str]:
-    """Of ``marks`` (engine -> what ``unavailable`` says took it out, for engines RUNNING
-    and free on this node), those that no longer hold: a part lost with this node, or a
-    fleet operation that has ended. A mark no fleet record names is a node-local
-    operation's, which its own end takes back (it may have begun since the engine was
-    seen free): it stays. ``read_op(op_id)``: the fleet operation, or None. Engine -> the
-    mark."""
-    stale = {}
-    for engine, by in marks.items():
-        if unavailable.is_lost(by):
-            stale[engine] = by
-            continue
-        try:
-            op = read_op(by)
-        except DamagedRecordError:  # policy: unreadable: the mark stays, said elsewhere
-            continue
-        if op is not None and op.status != OperationStatus.RUNNING:
-            stale[engine] = by
-    return stale
-
-
 class FleetNode:
     """A node controller's registration in etcd and its part of the fleet's work, beside
     ``controller`` (the node's ``service.Controller``: its engines' status and last
@@ -165,7 +95,7 @@ class FleetNode:
                            key=self.fleet.key)
         self.lease: int | None = None
         #: the identity that owns the node's name in etcd (``node-ids/<node>``)
-        self.node_id = node_identity(config.state_dir)
+        self.node_id = identity.node_identity(config.state_dir)
         self._lease_expired = False
         self._said_taken = False
         self._said_replaced = False  # that this node's record was replaced under it
@@ -406,16 +336,12 @@ class FleetNode:
             self._said_replaced = True
 
     def _own_name(self) -> None:
-        """The node's name is this controller's: ``node-ids/<node>`` names this state dir's
-        identity (written now if absent). Another identity there is another controller
-        with this name, whose lease may only have expired (it was paused): refused, said
-        once, tried again each round; the name never passes to it by a lease's expiry."""
-        key = self.keys.node_id(self.fleet.node)
-        ok, resp = self.etcd.txn([e.compare_created(key)], [e.put_op(key, self.node_id)],
-                                 [e.get_op(key)])
-        held = (resp[0]["kvs"][0].value.decode(errors="replace")
-                if not ok and resp[0]["kvs"] else self.node_id)
-        if held == self.node_id:
+        """The node's name is this controller's (``identity.claim_name``); another identity
+        there is another controller with this name, whose lease may only have expired (it
+        was paused): refused, said once, tried again each round; the name never passes to
+        it by a lease's expiry."""
+        held = identity.claim_name(self.etcd, self.keys, self.fleet.node, self.node_id)
+        if held is None:
             return
         if not self._said_taken:
             log.error("fleet: node name %s belongs to another controller (node id %s; this "
@@ -423,8 +349,9 @@ class FleetNode:
                       "and another state dir. Two controllers with one name is a "
                       "configuration error; if that controller and its state dir are gone "
                       "for good, `ckptctl fleet forget-node %s` frees the name",
-                      self.fleet.node, held[:64], self.config.state_dir / NODE_ID_FILE,
-                      self.node_id, self.fleet.node)
+                      self.fleet.node, held[:64],
+                      self.config.state_dir / identity.NODE_ID_FILE, self.node_id,
+                      self.fleet.node)
             self._said_taken = True
         raise NodeNameTakenError(f"node name {self.fleet.node} belongs to node id "
                                  f"{held[:64]}, not this controller's {self.node_id}",
@@ -442,7 +369,7 @@ class FleetNode:
         key = self.keys.node(self.fleet.node)
         ok, resp = self.etcd.txn([e.compare_created(key)], [e.put_op(key, encode(rec), lease)],
                                  [e.get_op(key)])
-        if not ok and resp[0]["kvs"] and not _registration(resp[0]["kvs"][0]):
+        if not ok and resp[0]["kvs"] and not identity.registration(resp[0]["kvs"][0]):
             # no controller's: written by hand under no lease, or unreadable; it would never
             # expire, and this node would wait for it for ever: replaced, said
             held = resp[0]["kvs"][0]
@@ -528,7 +455,7 @@ class FleetNode:
         out, _ = unavailable.read(self.etcd, self.keys)
         free = {v.engine for v in views if v.engine in out and v.status is not None
                 and v.status.state == CheckpointState.RUNNING and v.holder is None}
-        back = stale_marks({k: out[k] for k in free},
+        back = unavailable.stale_marks({k: out[k] for k in free},
                            lambda op_id: r.read(self.etcd, self.keys.op(op_id), r.FleetOp))
         if back:
             unavailable.update(self.etcd, self.keys, lambda cur: {

@@ -19,6 +19,7 @@ from ckpt_controller.errors import BusyError, DamagedRecordError
 from ckpt_controller.fleet import etcd as e
 from ckpt_controller.fleet.keys import Keys
 from ckpt_controller.fleet.records import LOST_PREFIX, Unavailable, decode
+from ckpt_controller.vocab import OperationStatus
 
 
 def read(client: e.Etcd, keys: Keys) -> tuple[Unavailable, int]:
@@ -60,3 +61,24 @@ def update(client: e.Etcd, keys: Keys, change: Callable[[Unavailable], Unavailab
 def is_lost(by: str) -> bool:
     """Whether ``unavailable``'s ``by`` marks an engine lost with its node."""
     return by.startswith(LOST_PREFIX)
+
+
+def stale_marks(marks: dict[str, str], read_op) -> dict[str, str]:
+    """Of ``marks`` (engine -> what ``unavailable`` says took it out, for engines RUNNING
+    and free on this node), those that no longer hold: a part lost with this node, or a
+    fleet operation that has ended. A mark no fleet record names is a node-local
+    operation's, which its own end takes back (it may have begun since the engine was
+    seen free): it stays. ``read_op(op_id)``: the fleet operation, or None. Engine -> the
+    mark."""
+    stale = {}
+    for engine, by in marks.items():
+        if is_lost(by):
+            stale[engine] = by
+            continue
+        try:
+            op = read_op(by)
+        except DamagedRecordError:  # policy: unreadable: the mark stays, said elsewhere
+            continue
+        if op is not None and op.status != OperationStatus.RUNNING:
+            stale[engine] = by
+    return stale

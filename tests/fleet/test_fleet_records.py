@@ -233,11 +233,11 @@ def test_a_followed_operation_that_does_not_move_says_what_it_waits_on(monkeypat
 
 
 def test_a_mark_in_unavailable_that_no_longer_holds_is_found_stale():
-    """``node.stale_marks``, for engines RUNNING and free on their node: a part lost with the
+    """``unavailable.stale_marks``, for engines RUNNING and free on their node: a part lost with the
     node and a fleet operation that ended (a failed migration left its mark while the engine
     ran again on its source) no longer hold; a running fleet operation's mark, a node-local
     operation's (no fleet record: its own end takes it back) and an unreadable one stay."""
-    from ckpt_controller.fleet.node import stale_marks
+    from ckpt_controller.fleet.unavailable import stale_marks
 
     def op(status):
         return FleetOp(op_id="x", kind="migrate", engines=["a"], max_unavailable=1,

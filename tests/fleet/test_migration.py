@@ -245,8 +245,8 @@ def net_of(pid: int) -> int:
 
 PROMPTS = [[i + 1, 7, 3] for i in range(6)]
 LONG = 400
-#: the requests in flight across the move under load: long enough that they are still in
-#: flight when the migration's prepare begins on a loaded machine
+#: the requests in flight across the move under load: sent while the migration's prepare
+#: waits at pre-prepare, long enough to be still in flight when its drain begins
 KEPT_LONG = 1000
 
 
@@ -270,15 +270,13 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
         rec = pair.engine_record()
         assert rec["endpoints"]["api"] == f"tcp://{pair.addr['n1']}:{API_PORT}"
         before = pair.engine_pids()
+        # the kept requests are sent once the migration's prepare is about to drain (a hook
+        # at pre-prepare waits for them): sent before the migration, on a loaded machine
+        # they once ended on n1 before its prepare began, and nothing was kept
+        pair.pause("n1", "pre-prepare")
         with EngineClient.for_engine("m0", Resolver(pair.url)) as client:
             want = exact_outputs(client, KEPT_LONG)
-            kept = [client.submit(p, KEPT_LONG) for p in PROMPTS]
-            # in flight when the migration starts: each has tokens, none has ended
-            wait_until(lambda: client.poll(0.05) is not None and all(
-                client.requests[i].token_ids for i in kept), timeout_s=30,
-                what="every kept request under way")
-            assert not any(client.requests[i].ended for i in kept)
-            # and `ckptctl load`, following the engine by name, all through the move
+            # `ckptctl load`, following the engine by name, all through the move
             load_cli = subprocess.Popen([*CKPTCTL, "load",
                                          "--engine", "m0", "--etcd", pair.url, "--rate", "10",
                                          "--duration", "20", "--json"],
@@ -289,6 +287,14 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
                                     "--drain", "keep", "--op-id", "mv1", "--json"],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    cwd=ROOT)
+            pair.paused("n1", "pre-prepare")
+            kept = [client.submit(p, KEPT_LONG) for p in PROMPTS]
+            # in flight when the drain starts: each has tokens, none has ended
+            wait_until(lambda: client.poll(0.05) is not None and all(
+                client.requests[i].token_ids for i in kept), timeout_s=30,
+                what="every kept request under way")
+            assert not any(client.requests[i].ended for i in kept)
+            pair.go("n1", "pre-prepare")
             load: list[str] = []
             deadline = deadline_in(240)
             while (mig.poll() is None or not all(client.requests[i].ended for i in kept)) \
@@ -307,8 +313,6 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
             # kept, not run again: each was queued once, on n1, and finished on n2
             assert all(sum(e.type == "queued" for e in client.requests[i].events) == 1
                        for i in kept)
-            # (empty moves with every kept request ended whole: they ended on n1 before the
-            # migration's prepare began, a machine too loaded for this test's premise)
             assert client.moves == [f"tcp://{pair.addr['n2']}:{API_PORT}"], (
                 f"reconnects {client.reconnects}; kept requests' events: "
                 f"{[[e.type for e in client.requests[i].events] for i in kept]}")
