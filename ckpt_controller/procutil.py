@@ -11,9 +11,10 @@ container's namespace could not be captured. It also keeps a terminal's Ctrl-C f
 the child directly; the parent stops it in order instead.
 
 ``ProcessTree`` keeps track of every descendant of a child that was made a subreaper
-(``become_subreaper`` before it execs), including those that leave its session or process
+(``hook_preexec`` before it execs), including those that leave its session or process
 group, as ``criu restore --restore-detached`` makes a restored tree do, so a child that fails
-or times out can be ended whole (``HookRunner`` in ``controller.hooks`` does).
+or times out can be ended whole (``HookRunner`` in ``controller.hooks`` does); the same
+``hook_preexec`` has the child told (SIGTERM) when its parent dies.
 
 ``StopSignals`` is the child's side of that: a server (the reference engine, the controller,
 the vLLM sidecar) runs until SIGTERM or SIGINT, whose handler only sets a flag, and cleans up
@@ -39,6 +40,7 @@ import psutil
 from ckpt_controller.errors import OperationError
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
@@ -121,13 +123,23 @@ class ReadyProcess:
             self.log.close()
 
 
-def become_subreaper() -> None:
-    """Make the calling process the reaper of its orphaned descendants (``prctl``
-    ``PR_SET_CHILD_SUBREAPER``, kept across ``exec``): as ``preexec_fn``, a child stays the
-    ancestor of whatever it starts, even of a tree that detaches, for as long as it runs.
-    Only a system call through a function bound at import, so it is safe between fork and
-    exec."""
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+def hook_preexec(parent: int):
+    """A ``preexec_fn`` for a hook started by process ``parent``: the reaper of its
+    orphaned descendants (``PR_SET_CHILD_SUBREAPER``: it stays the ancestor of whatever it
+    starts, even of a tree that detaches), told SIGTERM when the thread that started it dies
+    with its process (``PR_SET_PDEATHSIG``); both are kept across ``exec``. So a hook whose
+    controller was killed is ended as at its timeout (criu-restore stops its criu), not left
+    to restore a copy no controller follows: under ``KillMode=process`` systemd leaves it
+    running. A parent gone before the call: SIGTERM at once. Only system calls through
+    functions bound at import, so it is safe between fork and exec."""
+    term = int(signal.SIGTERM)
+
+    def preexec() -> None:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        _prctl(_PR_SET_PDEATHSIG, term, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), term)
+    return preexec
 
 
 class ProcessTree:

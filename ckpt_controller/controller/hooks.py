@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_controller.errors import ConfigError, HookError, HookTimeoutError
-from ckpt_controller.procutil import OutputReader, ProcessTree, become_subreaper
+from ckpt_controller.procutil import OutputReader, ProcessTree, hook_preexec
 from ckpt_controller.protocol import HookRun
 from ckpt_controller.security import check_owner_and_mode, trusted_path
 from ckpt_controller.vocab import HookPoint
@@ -111,7 +111,8 @@ def hook_env(point: str, ctx: HookContext) -> dict[str, str]:
 def run_hook(path: Path, point: str, ctx: HookContext, timeout_s: float,
              grace_s: float = 5.0) -> HookRun:
     """Run one hook to its end or its timeout; never raises for the hook's own failure.
-    The hook is made a subreaper, so whatever it starts stays in its tree even when it
+    It gets SIGTERM if the controller dies while it runs (``hook_preexec``). The hook is
+    made a subreaper, so whatever it starts stays in its tree even when it
     leaves the hook's session (``criu restore --restore-detached``): on a timeout that whole
     tree gets SIGTERM, the grace, then SIGKILL; after a failure what the hook left running
     is ended the same way. After a success it is left alone (a restored engine)."""
@@ -120,7 +121,7 @@ def run_hook(path: Path, point: str, ctx: HookContext, timeout_s: float,
         proc = subprocess.Popen([str(path)], env=hook_env(point, ctx), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, cwd=str(ctx.image_dir),
-                                preexec_fn=become_subreaper)
+                                preexec_fn=hook_preexec(os.getpid()))
     except (OSError, subprocess.SubprocessError) as exc:  # policy: a hook that cannot start
         # is a failed hook (exit 127)
         return HookRun(point=point, path=str(path), exit_code=127,

@@ -360,3 +360,38 @@ def test_a_hook_pidfile_is_never_seen_empty_or_half_written(tmp_path):
         reader.join()
     assert len(seen) > 1 and all(text.startswith("4242\n") for text in seen)
     assert sorted(p.name for p in tmp_path.iterdir()) == [pidfile.name]
+
+
+def test_a_hook_whose_controller_is_killed_gets_sigterm(tmp_path):
+    """A controller killed -9 while a hook runs (systemd's KillMode=process leaves the hook
+    alive): the hook gets SIGTERM, as at its timeout, so criu-restore stops its criu instead
+    of restoring a copy no controller follows (a vLLM copy once came up beside its stopped
+    source that way and broke it)."""
+    import subprocess
+    import sys
+
+    hooks = tmp_path / "hooks"
+    marker = tmp_path / "told"
+    write_hook(hooks, "pre-restore", "10-long",
+               f'trap "echo SIGTERM > {marker}; exit 143" TERM\n'
+               f'echo started > {tmp_path}/started\nsleep 120 & wait')
+    image = tmp_path / "image"
+    image.mkdir(mode=0o700)
+    code = ("import os, sys, time\n"
+            "from pathlib import Path\n"
+            "from ckpt_controller.controller.hooks import HookContext, run_point\n"
+            f"c = HookContext(engine='e1', pid=os.getpid(), state='prepared', generation=0, "
+            f"op_id='op', image_dir=Path({str(image)!r}), deadline_wall=time.time() + 300)\n"
+            f"run_point(Path({str(hooks)!r}), 'pre-restore', c, 300, [])\n")
+    controller = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    try:
+        wait_until(lambda: (tmp_path / "started").exists(), timeout_s=30,
+                   what="the hook running")
+        controller.kill()
+        controller.wait()
+        wait_until(marker.exists, timeout_s=10, what="the hook told SIGTERM")
+        assert marker.read_text().strip() == "SIGTERM"
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait()
