@@ -29,6 +29,27 @@ def test_the_state_survives_a_new_reader_and_is_private(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))  # written whole, then renamed
 
 
+def test_a_state_about_another_vllm_process_starts_afresh(tmp_path):
+    """A brand-new vLLM under the same name (another process, started later) once went on
+    with the old one's generation; the state records its process's start time and a
+    sidecar beside another process starts afresh. The same process (its start time read
+    again) keeps it; an unknown start time keeps it too."""
+    path = tmp_path / "vl.state"
+    first = StateFile(path)
+    assert first.belongs_to(1000.0)
+    first.state.generation = 4
+    first.state.progress = Progress(released=["weights"], level=1)
+    first.save()
+    same = StateFile(path)
+    assert same.belongs_to(1000.3) and same.belongs_to(None)
+    assert same.state.generation == 4 and same.state.progress.level == 1
+    new = StateFile(path)
+    assert not new.belongs_to(5000.0)
+    assert new.state.generation == 0 and new.state.progress == Progress()
+    again = StateFile(path).state  # saved: the new process's, from generation 0
+    assert again.generation == 0 and again.engine_started == 5000.0
+
+
 def test_an_unreadable_state_starts_afresh(tmp_path):
     path = tmp_path / "vl.state"
     path.write_text("{not json")

@@ -135,3 +135,14 @@ def find_server_pid(port: int) -> int | None:
     except (psutil.Error, OSError):  # policy: not allowed to list sockets: not visible
         return None
     return None
+
+
+def process_started(pid: int | None) -> float | None:
+    """When process ``pid`` started (wall clock, seconds since the epoch; None: no PID, or
+    no such process)."""
+    if not pid:
+        return None
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:  # policy: gone, or not ours to see: not known
+        return None

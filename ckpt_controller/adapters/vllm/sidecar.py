@@ -60,6 +60,7 @@ from ckpt_controller.adapters.vllm.process import (
     EngineFingerprint,
     find_server_pid,
     parent_host_pid,
+    process_started,
     tree_usage,
 )
 from ckpt_controller.adapters.vllm.state import Progress, StateFile, state_path
@@ -498,6 +499,7 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
     elif pid is None and http.host in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
         pid = pid_of = find_server_pid(http.port)
     state = StateFile(state_path(control, name))
+    state.belongs_to(process_started(pid))  # another vLLM process: afresh
     engine = VllmEngine(http, pid=pid_of, golden_prompt=golden_prompt,
                         golden_tokens=golden_tokens, verify_weights=verify_weights,
                         step_timeout_s=max(timeout_s, 60.0), state=state).start()
@@ -509,7 +511,11 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
                   incarnation=IncarnationTracker(fingerprint),
                   generation=state.state.generation, endpoints={"http": http.url})
     # restored elsewhere, the engine (the launcher) has another host PID: status says it
-    fingerprint.on_new_pid = lambda new: setattr(agent, "engine_pid", new)
+    def new_pid(new: int) -> None:  # restored (by CRIU): the same engine, a new process
+        agent.engine_pid = new
+        state.state.engine_started = process_started(new)
+        state.save()
+    fingerprint.on_new_pid = new_pid
     agent.lifecycle.subscribe(lambda t: _keep_generation(state, t.generation))
     # never claim RUNNING for an engine that is not serving: FAILED says why, and a restore
     # (recovery) resumes and wakes it

@@ -5,6 +5,9 @@ One small JSON file, rewritten whole (write, fsync, rename) at every change:
 
 - ``generation``: the engine's completed cycles (``status``'s ``generation`` survives a
   restart of the sidecar);
+- ``engine_started``: when the vLLM process it is about started, so a sidecar beside a
+  brand-new vLLM of the same name starts afresh rather than with the old one's generation
+  (updated when a restore brings a new process: ``belongs_to``);
 - ``progress``: what the current prepare did to vLLM and must be undone by a restore or a
   rollback (tags put to sleep, the level, whether ``checkpoint_prepare`` ran, requests kept)
   and the baseline taken before it (golden completion, weight checksums), so a successor's
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,6 +49,13 @@ class Progress:
 class SidecarState:
     generation: int = 0
     progress: Progress = field(default_factory=Progress)
+    #: when the vLLM process this state is about started (wall clock, from ``/proc``; None:
+    #: not known): a sidecar beside another vLLM process starts afresh (``belongs_to``)
+    engine_started: float | None = None
+
+
+#: two start times of one process, as read at two moments, differ by less than this
+SAME_START_S = 1.0
 
 
 def state_path(control: str | None, name: str) -> Path:
@@ -65,13 +76,33 @@ class StateFile:
     def _read(self) -> SidecarState:
         try:
             raw = json.loads(self.path.read_text())
+            started = raw.get("engine_started")
             return SidecarState(generation=int(raw.get("generation", 0)),
-                                progress=Progress(**raw.get("progress", {})))
+                                progress=Progress(**raw.get("progress", {})),
+                                engine_started=None if started is None else float(started))
         except FileNotFoundError:
             return SidecarState()
         except (OSError, ValueError, TypeError) as err:  # policy: start afresh, say so
             log.warning("ignoring the sidecar state in %s: %s", self.path, err)
             return SidecarState()
+
+    def belongs_to(self, started: float | None) -> bool:
+        """Whether this state is about the vLLM process that started at ``started`` (None:
+        not known, and then it is kept). A state about another process (a brand-new vLLM
+        under the same name: it once went on with the old one's generation) is dropped:
+        generation 0, nothing to undo. The process's start time is recorded either way."""
+        known = self.state.engine_started
+        same = started is None or known is None or abs(started - known) < SAME_START_S
+        if not same:
+            log.warning("the sidecar state in %s is about another vLLM process (started %s, "
+                        "this one %s): generation and progress start afresh", self.path,
+                        time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(known)),
+                        time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)))
+            self.state = SidecarState()
+        if started is not None and self.state.engine_started != started:
+            self.state.engine_started = started
+            self.save()
+        return same
 
     def save(self) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
