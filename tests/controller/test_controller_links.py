@@ -146,27 +146,37 @@ def test_the_controller_raises_its_open_files_limit_for_its_engines():
     assert soft == "8192"
 
 
+def _serve_config(ipc_dir, engines: list[str]):
+    """A config for ``ckptctl serve`` in ``ipc_dir`` (its hooks folder made) with an
+    engine on ``ipc://<ipc_dir>/<name>.ctl`` for each of ``engines``: (its path, the
+    controller's endpoint)."""
+    (ipc_dir / "hooks").mkdir()
+    config = ipc_dir / "controller.toml"
+    endpoint = f"ipc://{ipc_dir}/c.sock"
+    config.write_text(f'[controller]\nendpoint = "{endpoint}"\n'
+                      f'state_dir = "{ipc_dir}/state"\nhooks_dir = "{ipc_dir}/hooks"\n'
+                      + engines_toml(*[(n, f"ipc://{ipc_dir}/{n}.ctl") for n in engines]))
+    return config, endpoint
+
+
+def _open_files(soft: int, hard: int):
+    """A ``preexec_fn`` that gives the child these open-files limits."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_roster_the_hard_limit_cannot_hold_is_refused_at_start(ipc_dir):
     """``ckptctl serve`` with 40 engines and a hard limit of 512 open files exits 2 at once,
     saying what to raise: it once started, warned, and died of EMFILE (libzmq's abort) in
     the middle of a cycle of all its engines."""
-    import resource
     import subprocess
 
     from support.cli import CKPTCTL
 
-    (ipc_dir / "hooks").mkdir()
-    config = ipc_dir / "controller.toml"
-    config.write_text(f'[controller]\nendpoint = "ipc://{ipc_dir}/c.sock"\n'
-                      f'state_dir = "{ipc_dir}/state"\nhooks_dir = "{ipc_dir}/hooks"\n'
-                      + engines_toml(*[(f"e{i}", f"ipc://{ipc_dir}/e{i}.ctl")
-                                       for i in range(40)]))
-
-    def low_limit():
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512))
-
+    config, _ = _serve_config(ipc_dir, [f"e{i}" for i in range(40)])
     out = subprocess.run([*CKPTCTL, "serve", "--config", str(config)], capture_output=True,
-                         text=True, timeout=scaled(60), preexec_fn=low_limit)
+                         text=True, timeout=scaled(60), preexec_fn=_open_files(256, 512))
     assert out.returncode == 2, out.stdout + out.stderr
     assert "40 engines need about 736 open files" in out.stderr
     assert "room for 21 engines: raise LimitNOFILE=" in out.stderr
@@ -177,29 +187,18 @@ def test_a_burst_of_client_connections_does_not_kill_the_controller(ipc_dir):
     limit 300 (hard 4096): it once died of it (libzmq aborts the process when its ipc
     listener cannot accept, "Too many open files (src/ipc_listener.cpp:297)"). It raises the
     soft limit to the hard one at start, serves a cycle during the burst and after it."""
-    import resource
     import socket
     import subprocess
 
     from ckpt_controller.agent import Agent
     from support.cli import CKPTCTL, ckptctl
 
-    (ipc_dir / "hooks").mkdir()
     agents = [Agent(f"b{i}", control=f"ipc://{ipc_dir}/b{i}.ctl",
                     heartbeat_interval_s=0.2).start() for i in range(2)]
-    config = ipc_dir / "controller.toml"
-    endpoint = f"ipc://{ipc_dir}/c.sock"
-    config.write_text(f'[controller]\nendpoint = "{endpoint}"\n'
-                      f'state_dir = "{ipc_dir}/state"\nhooks_dir = "{ipc_dir}/hooks"\n'
-                      + engines_toml(*[(f"b{i}", f"ipc://{ipc_dir}/b{i}.ctl")
-                                       for i in range(2)]))
-
-    def low_limit():
-        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 4096))
-
+    config, endpoint = _serve_config(ipc_dir, ["b0", "b1"])
     ctl = subprocess.Popen([*CKPTCTL, "serve", "--config", str(config)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           preexec_fn=low_limit)
+                           preexec_fn=_open_files(300, 4096))
     burst: list[socket.socket] = []
     try:
         wait_until(lambda: ckptctl("status", endpoint=endpoint).returncode == 0,

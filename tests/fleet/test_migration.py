@@ -620,20 +620,27 @@ def test_the_coordinator_killed_another_takes_over_and_no_step_runs_twice(tmp_pa
         pair.close()
 
 
-def test_the_source_controller_killed_mid_send_the_engine_stays_and_resumes(pair):
-    pair.pause("n1", "dump")
+@pytest.mark.parametrize("point", ["dump", "post-dump"], ids=["mid-send", "after-its-dump"])
+def test_the_source_controller_killed_mid_send_the_engine_stays_and_resumes(pair, point):
+    """The source's controller killed during the send, before its dump or once its dump
+    left the engine stopped, then started again: the send is lost, the target abandons,
+    and the source, back, finds the engine its own, continues the stopped tree and restores
+    it: RUNNING there, every kept request whole, nothing left stopped, and a load beside it
+    losing nothing."""
+    pair.pause("n1", point)
     m = Moving(pair)
     try:
-        m.start()
-        pair.paused("n1", "dump")
+        m.start(load_s=20)
+        pair.paused("n1", point)
         pair.controllers["n1"].kill9()
         doc = m.ended(1, "failed")
         assert doc["migration"]["done"][1]["status"] == "lost"
-        pair.go("n1", "dump")
-        # n1, back, finds the engine it was sending still its own, and resumes it
+        pair.go("n1", point)
         pair.started.remove(pair.controllers["n1"])
         pair.start_controller("n1", "page-server")
         m.runs_on("n1")
+        assert pair.stopped_engines() == []
+        m.load_report()
     finally:
         m.close()
 
@@ -661,29 +668,6 @@ def test_the_target_controller_killed_while_the_source_dumps_the_engine_serves_o
         received = pair.d / "n2" / "state" / "images" / "m0" / "mv.m0.capture"
         wait_until(lambda: not received.exists(), timeout_s=30,
                    what="the image n2 received removed")
-        m.load_report()
-    finally:
-        m.close()
-
-
-def test_the_source_controller_killed_after_its_dump_the_engine_serves_again(pair):
-    """The source's controller killed once its dump left the engine stopped, before the
-    send ended, then started again: the send is lost, the target abandons, and the source,
-    back, continues the stopped tree and restores it: RUNNING there, every kept request
-    whole."""
-    pair.pause("n1", "post-dump")
-    m = Moving(pair)
-    try:
-        m.start(load_s=20)
-        pair.paused("n1", "post-dump")
-        pair.controllers["n1"].kill9()
-        doc = m.ended(1, "failed")
-        assert doc["migration"]["done"][1]["status"] == "lost"
-        pair.go("n1", "post-dump")
-        pair.started.remove(pair.controllers["n1"])
-        pair.start_controller("n1", "page-server")
-        m.runs_on("n1")
-        assert pair.stopped_engines() == []
         m.load_report()
     finally:
         m.close()
