@@ -155,3 +155,26 @@ def test_in_touch_again_a_copy_stays_stopped_until_its_migration_ends_then_dies(
     fence.in_touch()
     assert fence.fenced == {} and copies.given == [("m", "mv", "n1")]
     assert [rec[1]["action"] for rec in copies.records] == ["stopped", "killed"]
+
+
+def test_a_restored_copy_is_known_by_its_pid_file_only_while_that_process_lives(tmp_path):
+    """``procs.restored_pid``: the copy criu-restore wrote down, while it lives; a process
+    started after the file was written (the PID reused) is not it, so nothing kills it."""
+    import os
+    import time
+
+    from ckpt_controller.fleet.migration import procs
+
+    copy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        time.sleep(0.05)
+        (tmp_path / "criu-restored-pid").write_text(f"{copy.pid}\n")
+        assert procs.restored_pid(tmp_path) == copy.pid
+        past = time.time() - 3600  # written before that process started: a reused PID
+        os.utime(tmp_path / "criu-restored-pid", (past, past))
+        assert procs.restored_pid(tmp_path) is None
+    finally:
+        copy.kill()
+        copy.wait()
+    assert procs.restored_pid(tmp_path) is None  # gone
+    assert procs.restored_pid(tmp_path / "nowhere") is None

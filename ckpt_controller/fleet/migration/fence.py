@@ -89,8 +89,7 @@ class Fence:
         return out
 
     def _pid(self, engine: str, mig: str) -> int | None:
-        folder = self.node.config.image_dir / engine / capture_op(mig, engine)
-        pid = procs.dumped_pid(folder, "criu-restored-pid")
+        pid = procs.restored_pid(self.node.config.image_dir / engine / capture_op(mig, engine))
         if pid is None or not procs.alive(pid):
             try:
                 view = self.controller.status([engine]).engines[0].status

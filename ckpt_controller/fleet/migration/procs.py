@@ -16,6 +16,8 @@ import os
 import signal
 from pathlib import Path
 
+import psutil
+
 
 def kill_stopped(pid) -> bool:
     """End the dumped tree the source kept stopped (its root: the PID namespace's init)."""
@@ -35,6 +37,21 @@ def dumped_pid(folder: Path, name: str = "criu-pid") -> int | None:
         return int((folder / name).read_text().split()[0])
     except (OSError, ValueError, IndexError):  # policy: no dump there
         return None
+
+
+def restored_pid(folder: Path) -> int | None:
+    """The PID of the copy the criu-restore hook restored from ``folder``
+    (``criu-restored-pid``), while that process lives: one started after the file was
+    written is another process under a reused PID, and None."""
+    pid = dumped_pid(folder, "criu-restored-pid")
+    if pid is None:
+        return None
+    try:
+        written = (folder / "criu-restored-pid").stat().st_mtime
+        started = psutil.Process(pid).create_time()
+    except (OSError, psutil.Error):  # policy: gone (or the file with it): no copy
+        return None
+    return pid if started <= written + 1.0 else None
 
 
 def continue_tree(folder: Path, pid) -> None:

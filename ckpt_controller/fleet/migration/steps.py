@@ -19,6 +19,7 @@ import base64
 import dataclasses
 import logging
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -30,8 +31,8 @@ from ckpt_controller.fleet import etcd as e
 from ckpt_controller.fleet import local
 from ckpt_controller.fleet import records as r
 from ckpt_controller.fleet.migration import procs
-from ckpt_controller.fleet.migration.fence import Fence
-from ckpt_controller.fleet.migration.record import local_ids, read, write_end
+from ckpt_controller.fleet.migration.fence import Fence, signal_tree
+from ckpt_controller.fleet.migration.record import capture_op, local_ids, read, write_end
 from ckpt_controller.fleet.migration.settle import Settler
 from ckpt_controller.vocab import (
     CheckpointState,
@@ -352,12 +353,21 @@ class NodeMigration:
         return None
 
     def _confirm_owner(self, op_id: str, engine: str) -> None:
+        """Recovery's restore of an engine migration ``op_id`` brought: resumed only while
+        etcd names this node its owner. Otherwise the copy restored here is killed at once,
+        before the restore fails: on one host it maps the same shared memory (``/dev/shm``)
+        as the source, which may run the engine again already, and a live copy beside it,
+        even one never admitted, once broke the source's vLLM (its workers failed on a
+        request id)."""
         me = self.node.fleet.node
         owner = self._owner(engine)  # etcd away: UnreachableError, and it is not resumed
         if owner != me:
+            pid = procs.restored_pid(self.config.image_dir / engine / capture_op(op_id, engine))
+            killed = pid is not None and bool(signal_tree(pid, signal.SIGKILL))
             raise OperationError(f"{engine} came here by migration {op_id}, but etcd names "
-                                 f"{owner} its owner: not resumed here", engine=engine,
-                                 owner=owner)
+                                 f"{owner} its owner: not resumed here"
+                                 + (f"; the copy restored here (pid {pid}) is killed"
+                                    if killed else ""), engine=engine, owner=owner)
 
     def _take_over(self, op_id: str, engine: str) -> None:
         """The take-over transaction, tried again while etcd is out of reach, for up to two
