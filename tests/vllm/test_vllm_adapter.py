@@ -560,11 +560,17 @@ def test_each_sample_config_works_as_written_for_a_vllm_engine(where, text, vllm
     prepare and restore succeed on this CPU host. Only where things live changes (endpoints,
     folders, a free metrics port; CURVE keys are made where the sample names them): every
     deadline and prepare default is as written. A ``[fleet]`` table stays as written too (its
-    etcd is not there: the node serves on its own), with TLS files made where it names them."""
+    etcd is not there: the node serves on its own), with TLS files made where it names them
+    and this host's address for its node's. A sample of other tables alone gets one vLLM
+    engine."""
+    if "engine" not in tomllib.loads(text):  # a sample of one table ([journal], say): with
+        # the engine a person adds to it
+        text += '\n[[engine]]\nname = "vl"\ncontrol = "ipc:///run/ckpt/vl.ctl"\nkind = "vllm"\n'
     conf = tomllib.loads(text)
-    engines = conf.get("engine", [])
-    assert engines, f"{where} names no engine"
+    engines = conf["engine"]
     local = _set(text, "endpoint", f'"ipc://{ipc_dir}/ctl.sock"')
+    # this node's own address, where a [fleet] sample names another host's
+    local = _set(local, "address", '"127.0.0.1"')
     if "controller" not in conf:  # a sample of other tables: the controller's defaults but its
         # endpoint (the default one is shared by every controller of this user)
         local = f'[controller]\nendpoint = "ipc://{ipc_dir}/ctl.sock"\n' + local
