@@ -82,7 +82,10 @@ class Fence:
                 restore = local_ids(mig, name)[OperationKind.RESTORE]
                 if self.controller.last_op(name) not in (None, restore):
                     continue  # an operation since the migration's: the engine was ours
-                view = self.controller.status([name]).engines[0].status
+                try:
+                    view = self.controller.status([name]).engines[0].status
+                except CkptError:  # policy: given away meanwhile: not here to fence
+                    continue
                 if view is not None and view.state == CheckpointState.RUNNING:
                     continue  # RUNNING only through the take-over: ours
             out[name] = mig
@@ -103,7 +106,14 @@ class Fence:
 
     def cut_off(self, silent_s: float) -> None:
         """No word from etcd for ``silent_s`` (at least one lease TTL): every copy held
-        uncertainly stopped, said."""
+        uncertainly stopped, said. (On the fence's own thread: a failure is logged, and
+        the next look, half a second later, tries again.)"""
+        try:
+            self._cut_off(silent_s)
+        except Exception:  # policy: a bug here must not end the lease thread's fencing
+            log.exception("fleet: fencing the copies held uncertainly failed")
+
+    def _cut_off(self, silent_s: float) -> None:
         with self._lock:
             for engine, mig in self.uncertain().items():
                 pid = self._pid(engine, mig)
