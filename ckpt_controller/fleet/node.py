@@ -115,7 +115,7 @@ class FleetNode:
         self._nudge = threading.Event()
         self._thread: threading.Thread | None = None
         self._fencing: threading.Thread | None = None
-        #: when etcd last answered this node (a lease renewal, a round)
+        #: when etcd last answered this node (a lease renewal, a registration)
         self.heard = time.monotonic()
         self.available = False  # whether the last round reached etcd
         self.rounds = 0
