@@ -89,6 +89,42 @@ def test_cycle_with_a_real_dump_keeps_serving(spawn_reference, spawn_controller)
             [api.generate(pr, 300).token_ids for pr in prompts]
 
 
+def test_a_dump_past_its_timeout_is_ended_and_the_engine_serves_on(spawn_reference,
+                                                                    spawn_controller,
+                                                                    monkeypatch, tmp_path):
+    """``criu dump --tcp-established`` hung with the engine's tree frozen (an action script
+    sleeping at post-dump): at the hook's timeout the dump is ended, CRIU's network lock
+    (its nftables table) removed, the cycle rolled back, and the engine answers on the
+    connection it had: it once stayed locked, and its clients' requests never ended."""
+    import re
+    import subprocess
+
+    hang = tmp_path / "hang.sh"
+    hang.write_text('#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] && sleep 120\n'
+                    'exit 0\n')
+    hang.chmod(0o755)
+    monkeypatch.setenv("CKPT_CRIU_EXTRA", f"--action-script {hang}")
+    monkeypatch.setenv("CKPT_CRIU_TCP", "established")
+    eng = tcp_engine(spawn_reference, "crhg")
+    ctl = spawn_controller(config_for(eng) + "\n[deadlines]\nhook = 4\n")
+    link_hook(ctl, "dump", "10-criu-dump", "criu-dump")
+    with EngineClient(eng.api) as api:
+        assert api.generate([1, 2, 3], 5).finish_reason == "length"  # the connection open
+        out = ctl.ckptctl("cycle", "crhg", "--json")
+        assert out.returncode == 3, out.stdout + out.stderr  # HookTimeoutError
+        (o,) = json.loads(out.stdout)["engines"]
+        assert o["status"] == "rolled_back" and o["state"] == "running", o
+        (dump,) = [h for h in o["hooks"] if h["point"] == "dump"]
+        assert dump["timed_out"] and "stopped (the hook's timeout)" in dump["stderr_tail"]
+        table = re.search(r"removed CRIU's network lock \(table inet (CRIU-[0-9a-f-]+)\)",
+                          dump["stderr_tail"])
+        assert table, dump["stderr_tail"]
+        nft = ROOT / ".cache" / "criu" / "bin" / "nft"
+        assert subprocess.run([str(nft), "list", "table", "inet", table.group(1)],
+                              capture_output=True).returncode != 0  # gone
+        assert api.generate([4, 5, 6], 5, timeout_s=scaled(20)).finish_reason == "length"
+
+
 def test_an_engine_on_ipc_endpoints_cannot_be_dumped_and_is_told_why(spawn_reference,
                                                                      spawn_controller):
     eng = spawn_reference("cripc")  # ipc:// endpoints: the controller's connection is a unix socket
