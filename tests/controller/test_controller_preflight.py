@@ -12,6 +12,7 @@ import time
 
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.controller.journal import Journal
+from ckpt_controller.controller.links import KNOWN_FRESH_S
 from support.config import engines_toml
 from support.processes import wait_state
 from support.timing import scaled, wait_until
@@ -117,9 +118,13 @@ def test_a_group_with_one_dead_engine_takes_none_out_of_service(spawn_controller
             doc = json.loads(ctl.ckptctl("status", engine, "--json").stdout)
             return doc["engines"][0]["status"]["state"] == state
 
-        # the preflight goes by what the controller heard from gd2 in the last second (one
-        # that changed within that second is found by the operation itself): wait for it
+        # the preflight goes by what the controller's link heard from gd2 in the last
+        # second (one that changed within that second is found by the operation itself):
+        # past that second, what the link heard before the prepare (a heartbeat saying
+        # RUNNING, read after the prepare had answered) is too old to be used. Waiting only
+        # for a fresh status to say PREPARED once let that heartbeat through (1 in ~6 runs)
         wait_until(lambda: heard("gd2", "prepared"), 20, "the controller told of the prepare")
+        time.sleep(KNOWN_FRESH_S + 0.1)
         out = ctl.ckptctl("cycle", "gd1", "gd2", "--json")
         assert out.returncode == 2, out.stdout + out.stderr
         assert "gd2 is prepared" in json.loads(out.stdout)["error"]["message"]
