@@ -3,8 +3,8 @@
 Each engine costs the controller up to ``FILES_PER_ENGINE`` descriptors (its link: a socket,
 its monitor pair, zmq's mailboxes; the monitor's link; a probe's), and the rest of the
 controller ``FILES_BASE``. The usual soft limit is 1,024, so ``ensure`` raises it to the hard
-limit (at least what the roster needs), leaving room for clients' connections; a roster the hard limit cannot hold is refused with a ``ConfigError`` saying
-how many engines fit and what to raise, at start (``ckptctl serve`` exits 2) and for an
+limit (``zmqutil.room_for_connections``: clients' connections cost descriptors too); a roster
+the hard limit cannot hold is refused with a ``ConfigError`` saying how many engines fit and what to raise, at start (``ckptctl serve`` exits 2) and for an
 engine adopted later (refused before it is journaled). A controller that ran out of
 descriptors in the middle of an operation once died of it: libzmq aborts the process when it
 cannot make a socket's mailbox. Neighbours: ``server`` (at start and as the roster grows),
@@ -18,6 +18,7 @@ import resource
 
 from ckpt_controller.errors import ConfigError
 from ckpt_controller.rpc import SHARED_MAX_SOCKETS
+from ckpt_controller.zmqutil import room_for_connections
 
 log = logging.getLogger("ckpt_controller.controller")
 
@@ -55,13 +56,10 @@ def ensure(engines: int) -> int:
             f"{SHARED_MAX_SOCKETS} sockets, room for {fit} engines: raise LimitNOFILE= in its "
             "systemd unit (or ulimit -Hn before it starts), or split the engines over more "
             "controllers", key="engine", engines=engines, needed=need, limit=limit, fits=fit)
-    # all the hard limit allows, not only the roster's need: the clients' connections cost
-    # descriptors too, and libzmq aborts the whole process when its ipc listener cannot
-    # accept one (a burst of 373 connections did so at a limit of 300)
-    want = need if hard == resource.RLIM_INFINITY else max(need, hard)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        log.debug("open files: soft limit %d -> %d (%d engines need %d)", soft, want,
-                  engines, need)
-        return want
+    if hard != resource.RLIM_INFINITY:  # all it allows (need <= hard, checked above)
+        return room_for_connections()
+    if soft != resource.RLIM_INFINITY and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        log.debug("open files: soft limit %d -> %d for %d engines", soft, need, engines)
+        return need
     return soft
