@@ -24,11 +24,8 @@ Neighbours: ``steps`` (``NodeMigration``: ``arriving``), ``procs``, ``record``, 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
-
-import psutil
 
 from ckpt_controller.errors import BusyError, CkptError
 from ckpt_controller.fleet.migration import procs
@@ -36,24 +33,6 @@ from ckpt_controller.fleet.migration.record import capture_op, local_ids, read
 from ckpt_controller.vocab import CheckpointState, MigrationOutcome, OperationKind
 
 log = logging.getLogger("ckpt_controller.fleet")
-
-
-def signal_tree(pid: int, sig: int) -> list[int]:
-    """``sig`` to process ``pid`` and every descendant (a stopped parent cannot pass a
-    signal on); the PIDs it reached."""
-    try:
-        root = psutil.Process(pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.Error:  # policy: gone already: nothing to signal
-        return []
-    reached = []
-    for proc in tree:
-        try:
-            os.kill(proc.pid, sig)
-            reached.append(proc.pid)
-        except ProcessLookupError:  # policy: ended meanwhile
-            continue
-    return reached
 
 
 class Fence:
@@ -119,7 +98,7 @@ class Fence:
                 pid = self._pid(engine, mig)
                 if pid is None:
                     continue  # nothing restored yet (or gone): looked at again next time
-                stopped = signal_tree(pid, signal.SIGSTOP)
+                stopped = procs.signal_tree(pid, signal.SIGSTOP)
                 if not stopped:
                     continue
                 self.fenced[engine] = (mig, pid)
@@ -153,7 +132,7 @@ class Fence:
         kv = self.node.etcd.get(k.owner(engine))
         owner = kv.value.decode() if kv is not None else None
         if owner == me:
-            signal_tree(pid, signal.SIGCONT)
+            procs.signal_tree(pid, signal.SIGCONT)
             self.node.owned.add(engine)
             del self.fenced[engine]
             log.warning("fleet: etcd names this node the owner of %s: its copy (pid %d) goes "
@@ -164,7 +143,7 @@ class Fence:
         if record is not None and record.outcome is MigrationOutcome.RUNNING:
             return  # the coordinator has not decided yet: stays stopped
         source = record.source if record is not None else owner
-        if engine not in self.killed and signal_tree(pid, signal.SIGKILL):
+        if engine not in self.killed and procs.signal_tree(pid, signal.SIGKILL):
             log.warning("fleet: migration %s ended without this node (%s; %s owns %s): the "
                         "copy restored here (pid %d) is killed", mig,
                         record.outcome if record is not None else "its record gone", owner,

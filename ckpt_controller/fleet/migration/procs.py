@@ -6,7 +6,7 @@ the PIDs they dumped and restored in the image folder (``dumped_pid``). What a m
 of the processes, checked before anything moves: the engine the init of a PID namespace of
 its own (``own_pid_namespace``), the two nodes in network namespaces of their own
 (``net_namespace``).
-Neighbours: ``steps`` and ``settle`` (their users), ``hooks/criu-dump`` and
+Neighbours: ``steps``, ``settle`` and ``fence`` (their users), ``hooks/criu-dump`` and
 ``hooks/criu-restore`` (which write ``criu-pid``, ``criu-pids``, ``criu-restored-pid``).
 """
 
@@ -119,3 +119,21 @@ def net_namespace() -> str | None:
         return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
     except OSError:  # policy: no procfs: not known, nothing is refused for it
         return None
+
+
+def signal_tree(pid: int, sig: int) -> list[int]:
+    """``sig`` to process ``pid`` and every descendant (a stopped parent cannot pass a
+    signal on); the PIDs it reached."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:  # policy: gone already: nothing to signal
+        return []
+    reached = []
+    for proc in tree:
+        try:
+            os.kill(proc.pid, sig)
+            reached.append(proc.pid)
+        except ProcessLookupError:  # policy: ended meanwhile
+            continue
+    return reached

@@ -31,7 +31,7 @@ from ckpt_controller.fleet import etcd as e
 from ckpt_controller.fleet import local
 from ckpt_controller.fleet import records as r
 from ckpt_controller.fleet.migration import procs
-from ckpt_controller.fleet.migration.fence import Fence, signal_tree
+from ckpt_controller.fleet.migration.fence import Fence
 from ckpt_controller.fleet.migration.record import capture_op, local_ids, read, write_end
 from ckpt_controller.fleet.migration.settle import Settler
 from ckpt_controller.vocab import (
@@ -363,7 +363,7 @@ class NodeMigration:
         owner = self._owner(engine)  # etcd away: UnreachableError, and it is not resumed
         if owner != me:
             pid = procs.restored_pid(self.config.image_dir / engine / capture_op(op_id, engine))
-            killed = pid is not None and bool(signal_tree(pid, signal.SIGKILL))
+            killed = pid is not None and bool(procs.signal_tree(pid, signal.SIGKILL))
             raise OperationError(f"{engine} came here by migration {op_id}, but etcd names "
                                  f"{owner} its owner: not resumed here"
                                  + (f"; the copy restored here (pid {pid}) is killed"
