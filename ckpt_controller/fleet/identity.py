@@ -30,26 +30,32 @@ NODE_ID_FILE = "node-id"
 def node_identity(state_dir: Path) -> str:
     """This controller's node identity: ``<state_dir>/node-id``, made (random, 32 hex
     digits) the first time; it survives restarts and pauses, and goes only with the state
-    dir. ``ConfigError`` naming the file when it holds anything else."""
+    dir. Made whole or not at all (written to a temporary name, then linked into place), so
+    a controller killed while making it leaves no empty file. ``ConfigError`` naming the
+    file when it holds anything else."""
     path = state_dir / NODE_ID_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
+    if not os.path.lexists(path):
+        tmp = state_dir / f".{NODE_ID_FILE}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(uuid.uuid4().hex + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         try:
-            text = files.read_small(path, 256).decode("ascii", "replace").strip()
-        except (OSError, files.UnfitFileError):  # policy: said as a damaged identity
-            text = ""
-        if not re.fullmatch(r"[0-9a-f]{32}", text):
-            raise ConfigError(f"{path} is not a node identity (32 hex digits): the fleet "
-                              "knows this node by it; restore it, or remove it and free the "
-                              "node's name with `ckptctl fleet forget-node`",
-                              path=str(path)) from None
-        return text
-    with os.fdopen(fd, "w") as f:
-        f.write(uuid.uuid4().hex + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    return path.read_text().strip()
+            os.link(tmp, path)  # never over one already there
+        except FileExistsError:  # policy: made meanwhile: that one is read below
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    try:
+        text = files.read_small(path, 256).decode("ascii", "replace").strip()
+    except (OSError, files.UnfitFileError):  # policy: said as a damaged identity
+        text = ""
+    if not re.fullmatch(r"[0-9a-f]{32}", text):
+        raise ConfigError(f"{path} is not a node identity (32 hex digits): the fleet knows "
+                          "this node by it; restore it, or remove it and free the node's "
+                          "name with `ckptctl fleet forget-node`", path=str(path))
+    return text
 
 
 def claim_name(client: e.Etcd, keys: Keys, node: str, node_id: str) -> str | None:

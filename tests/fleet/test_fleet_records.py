@@ -293,3 +293,27 @@ def test_a_failed_migration_s_summary_says_where_the_engine_is_now():
                     "source could not send it: node n1 was lost); now running on n1 (its "
                     "node's record)")
     assert migration_summary(op, mig).endswith("node n1 was lost)")  # no record: as before
+
+
+def test_a_node_identity_is_made_whole_once_and_kept(tmp_path):
+    """``identity.node_identity``: made the first time, the same ever after; never an empty
+    file (a controller killed while making it left one, refused at every later start); a
+    file that is not an identity (garbage, empty, a FIFO: never waited on) refuses the start
+    naming it."""
+    import os
+
+    from ckpt_controller.errors import ConfigError
+    from ckpt_controller.fleet.identity import node_identity
+
+    first = node_identity(tmp_path)
+    assert len(first) == 32 and node_identity(tmp_path) == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["node-id"]  # no temporary left
+    for damage in ("garbage", "empty", "fifo"):
+        (tmp_path / "node-id").unlink()
+        if damage == "fifo":
+            os.mkfifo(tmp_path / "node-id")
+        else:
+            (tmp_path / "node-id").write_text("zz\n" if damage == "garbage" else "")
+        with pytest.raises(ConfigError, match="is not a node identity") as info:
+            node_identity(tmp_path)
+        assert info.value.details["path"] == str(tmp_path / "node-id")
