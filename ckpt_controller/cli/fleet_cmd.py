@@ -94,7 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "lease. When the first is gone for good (its state dir with it), this "
                     "frees the name: the next controller that registers it owns it. Refused "
                     "while a controller holds the name's registration.", **fmt)
-    fg.add_argument("node", metavar="NODE", help="the node's name")
+    fg.add_argument("node", metavar="NODE", type=_node_name, help="the node's name")
     fg.add_argument("--json", action="store_true", help="print one JSON document")
     fg.set_defaults(run=_forget_node)
     w = fsub.add_parser("watch", help="follow a fleet operation until it ends", **fmt)
@@ -398,6 +398,19 @@ def _operation(args: argparse.Namespace) -> int:
         print(table(rows))
         print(f"fleet {op.kind} {op.op_id}: {op.status}")
     return parts_exit_code(op, parts)
+
+
+def _node_name(text: str) -> str:
+    """A node's name, by the rule ``[fleet] node`` follows."""
+    from ckpt_controller.endpoints import check_name
+    from ckpt_controller.errors import ConfigError
+
+    try:
+        return check_name(text)
+    except ConfigError:
+        raise argparse.ArgumentTypeError("must be 1-64 letters, digits, '.', '_' or '-', "
+                                         f"starting with a letter or digit; got {text[:80]!r}"
+                                         ) from None
 
 
 def _keep_days(text: str) -> float:

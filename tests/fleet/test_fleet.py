@@ -893,3 +893,6 @@ def test_a_paused_node_keeps_its_name_and_engines_from_a_second_controller(etcd,
                what="the second np registered with its engine once the name was freed")
     again = fleet(etcd, "forget-node", "nobody")
     assert again.returncode == 0 and "free already" in again.stdout
+    for bad in ("", "a/b", "x" * 65):  # no node could have such a name: a usage error
+        out = fleet(etcd, "forget-node", bad)
+        assert out.returncode == 2 and "must be 1-64 letters" in out.stderr, out.stderr
