@@ -13,6 +13,7 @@ Neighbours: ``steps``, ``settle`` and ``fence`` (their users), ``hooks/criu-dump
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -137,3 +138,15 @@ def signal_tree(pid: int, sig: int) -> list[int]:
         except ProcessLookupError:  # policy: ended meanwhile
             continue
     return reached
+
+
+def remove_received(folder: Path) -> bool:
+    """The image a migration's target received, gone (the folder, or the link to the shared
+    one; never what the link points at); whether there was one."""
+    if folder.is_symlink():
+        folder.unlink()
+    elif folder.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+    else:
+        return False
+    return True

@@ -13,7 +13,6 @@ Neighbours: ``record`` (the records, local ids), ``procs``, ``local``, ``steps``
 from __future__ import annotations
 
 import logging
-import shutil
 
 from ckpt_controller.errors import CkptError
 from ckpt_controller.fleet import local
@@ -93,11 +92,7 @@ class Settler:
         controller was down when it should have adopted or abandoned it): removed, as the
         abandon would have (real images are GiB)."""
         folder = self.node.config.image_dir / mig.engine / capture_op(mig.op_id, mig.engine)
-        if folder.is_symlink():
-            folder.unlink()
-        elif folder.exists():
-            shutil.rmtree(folder, ignore_errors=True)
-        else:
+        if not procs.remove_received(folder):
             return
         log.info("fleet: the image received for migration %s of %s, which did not come "
                  "here, is removed", mig.op_id, mig.engine)

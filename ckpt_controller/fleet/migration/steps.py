@@ -450,11 +450,7 @@ class NodeMigration:
                 pass
             self.controller.give_away(task.engine, op_id=task.op_id,
                                       to=str(task.params["source"]))
-        folder = self._folder(task)
-        if folder.is_symlink():
-            folder.unlink()
-        elif folder.exists():
-            shutil.rmtree(folder, ignore_errors=True)
+        procs.remove_received(self._folder(task))
         log.info("fleet: migration %s of %s abandoned here: %s", task.op_id, task.engine, why)
 
     # ---------------------------------------------------------------- helpers
