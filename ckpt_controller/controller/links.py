@@ -203,7 +203,7 @@ class AgentLink(AgentClient):
             return False
         if time.monotonic() - self._idle_since > IDLE_REFRESH_S:
             return False
-        if self._monitor.poll(0, zmq.POLLIN):
+        if self.dropped():
             return False  # the connection dropped at least once while it was parked
         try:
             self._take_pending()
@@ -211,6 +211,10 @@ class AgentLink(AgentClient):
             return False
         self.events.clear()
         return True
+
+    def dropped(self) -> bool:
+        """Whether the socket monitor saw this link's connection drop (reads nothing)."""
+        return self._monitor is not None and bool(self._monitor.poll(0, zmq.POLLIN))
 
     def _stop_watching(self) -> None:
         if self._monitor is not None:
@@ -281,6 +285,15 @@ class AgentLinks:
         with self._lock:
             link = self._parked.get(engine)
         return link.known if link is not None else None
+
+    def parked_dropped(self, engine: str) -> bool:
+        """Whether ``engine``'s parked link saw its connection drop (it will not be used
+        again); for tests and diagnostics: a killed agent's drop reaches the socket monitor a
+        moment after the kill, and an operation taken before that starts from what the link
+        knew (and finds the agent gone within its heartbeat silence)."""
+        with self._lock:
+            link = self._parked.get(engine)
+        return link is not None and link.dropped()
 
     def drop(self, engine: str) -> None:
         """Close ``engine``'s parked link, if any: it was given away, or adopted (a link of

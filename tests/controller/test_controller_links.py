@@ -81,6 +81,10 @@ def test_a_dead_agents_parked_link_is_not_waited_on(tmp_path, spawn_engine):
         assert ctl.run(_op("cycle", "ln3"), 60).status == "succeeded"
         eng.proc.kill()
         eng.proc.wait(scaled(10))
+        # the drop reaches the link's socket monitor a moment after the kill; an operation
+        # taken before it starts from what the link knew, and finds the agent gone only
+        # after its heartbeats' silence (an operation that fails in 1.2 s, not this refusal)
+        wait_until(lambda: ctl.links.parked_dropped("ln3"), 10, "the drop seen")
         start = time.monotonic()
         with pytest.raises(UnreachableError, match="no socket file|refused"):
             ctl.run(_op("cycle", "ln3"), 60)
