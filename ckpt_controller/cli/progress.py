@@ -121,14 +121,15 @@ class Progress:
 
 
 def describe_hook(engine: str, run: dict[str, Any]) -> str:
-    """A hook's end (a ``HookRun`` as plain data), with its stderr's tail when it failed."""
+    """A hook's end (a ``HookRun`` as plain data), with its stderr's tail: why it failed, or
+    what a hook that succeeded warns of."""
     name = str(run.get("path", "")).rsplit("/", 1)[-1]
     what = f"{engine + ': ' if engine else ''}hook {run.get('point')} {name}"
     took = f" in {float(run.get('duration_s') or 0):.2f}s"
     if run.get("timed_out"):
         head = f"{what} timed out{took}"
     elif run.get("exit_code") == 0:
-        return f"{what} done{took}"
+        head = f"{what} done{took}"
     else:
         head = f"{what} FAILED, exit {run.get('exit_code')}{took}"
     return head + "".join(f"\n  | {line}" for line in hook_tail(run.get("stderr_tail") or ""))

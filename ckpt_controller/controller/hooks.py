@@ -266,6 +266,11 @@ def run_point(hooks_dir: Path | None, point: str, ctx: HookContext, timeout_s: f
         left = max(0.1, min(timeout_s, end - time.time()))
         run = run_hook(path, point, ctx, left, grace_s=grace_s)
         runs.append(run)
+        if not run.timed_out and run.exit_code == 0 and run.stderr_tail.strip():
+            # a hook that succeeded and still wrote to stderr warns (tcp-hold: a hold that
+            # lasted past its bound)
+            said = " | ".join(ln.strip() for ln in run.stderr_tail.splitlines() if ln.strip())
+            log.warning("%s: %s hook %s: %s", ctx.engine, point, path.name, said[-1000:])
         if run.timed_out or run.exit_code != 0:
             what = "timed out" if run.timed_out else f"exited {run.exit_code}"
             if run.timed_out and ctx.stop is not None and ctx.stop.is_set():

@@ -133,6 +133,14 @@ def test_progress_by_itself():
         "[   6.00s] e: drain wait done",
         "[   6.00s] e: hook dump 10-a started",
         "[   7.50s] e: hook dump 10-a done in 1.50s"]
+    # a hook that succeeded but wrote to stderr (tcp-hold past its bound) shows what it said
+    warned = io.StringIO()
+    Progress(warned, live=False, clock=lambda: 8.0).hook_ended(
+        "e", {"point": "pre-restore", "path": "/h/pre-restore/30-b", "exit_code": 0,
+              "duration_s": 0.25, "stderr_tail": "held 70.0 s, past its bound\n"})
+    assert warned.getvalue().splitlines() == [
+        "[   0.00s] e: hook pre-restore 30-b done in 0.25s",
+        "[   0.00s]   | held 70.0 s, past its bound"]
     now = [0.0]
     tty = io.StringIO()
     pr = Progress(tty, live=True, clock=lambda: now[0], width=200)
