@@ -297,7 +297,8 @@ class Controller:
         try:
             self.record("operation_start", {"kind": cmd.kind, "engines": engines},
                         op_id=cmd.op_id)
-            outcomes, peak = self._execute(cmd, engines, images, links)
+            unanswered = {e for e, status in statuses.items() if status is None}
+            outcomes, peak = self._execute(cmd, engines, images, links, unanswered)
             result = summarize(cmd.op_id, cmd.kind, outcomes, wall, time.monotonic() - start)
             result.max_unavailable_seen = peak
         except Exception as exc:  # policy: a controller bug still ends the operation, journaled
@@ -352,13 +353,14 @@ class Controller:
         return session
 
     def _execute(self, cmd: p.OperationCommand, engines: list[str],
-                 images: dict[str, str | None], links: dict[str, AgentLink]
-                 ) -> tuple[list[p.EngineOutcome], int]:
+                 images: dict[str, str | None], links: dict[str, AgentLink],
+                 unanswered: set[str]) -> tuple[list[p.EngineOutcome], int]:
         sessions = []
         try:
             for e in engines:
                 sessions.append(self._session(cmd, e, links.pop(e)))
                 sessions[-1].image = images.get(e)
+                sessions[-1].unanswered = e in unanswered
             if cmd.kind == OperationKind.CYCLE:
                 return rolling(sessions, cmd.max_unavailable or len(sessions))
             if cmd.kind == OperationKind.RESTORE:

@@ -84,6 +84,9 @@ class EngineSession:
         #: the image (the id of the operation that dumped it) a restore gives its pre-restore
         #: hooks; None: no image (the service chooses it, ``use_image`` hands it over)
         self.image: str | None = None
+        #: a restore's engine the preflight asked and had no answer from (its process may be
+        #: gone, and pre-restore hooks may bring it back): its hooks run without asking again
+        self.unanswered = False
         self._image_dir: Path | None = None
         #: the operation's own hook settings (``OperationCommand.hook_env``)
         self.hook_env: dict[str, str] = {}

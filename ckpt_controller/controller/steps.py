@@ -82,20 +82,25 @@ def restore(s: EngineSession) -> StepOutcome:
 
 def revive_and_restore(s: EngineSession) -> StepOutcome:
     """A restore whose engine's process may be gone (dumped with stop, or a migration): the
-    pre-restore hooks may bring it back from its image, so the session opens after them."""
-    try:
-        s.open()
-    except UnreachableError:
-        if not find_hooks(s.config.hooks_dir, HookPoint.PRE_RESTORE):
-            raise
-        # policy: the process is gone and pre-restore hooks may bring it back from an image
-        # (what their failure does: the table's (pre-restore, NO_PROCESS))
-        out = s.at(HookPoint.PRE_RESTORE, s.pre_restore, condition=HookCondition.NO_PROCESS)
-        if out is not None:
-            return out
-        s.reconnect()
-        return s.restore(run_pre_restore=False)
-    return restore(s)
+    pre-restore hooks may bring it back from its image, so the session opens after them. An
+    engine the preflight found unanswered just now goes to them at once: asking it again
+    would only wait out its link's timeout and resend (4 s on a dead TCP port), time that a
+    client held by ``tcp-hold`` waits too."""
+    if not s.unanswered:
+        try:
+            s.open()
+        except UnreachableError:
+            if not find_hooks(s.config.hooks_dir, HookPoint.PRE_RESTORE):
+                raise
+        else:
+            return restore(s)
+    # policy: the process is gone and pre-restore hooks may bring it back from an image
+    # (what their failure does: the table's (pre-restore, NO_PROCESS))
+    out = s.at(HookPoint.PRE_RESTORE, s.pre_restore, condition=HookCondition.NO_PROCESS)
+    if out is not None:
+        return out
+    s.reconnect()
+    return s.restore(run_pre_restore=False)
 
 
 def rollback(s: EngineSession, reason: str) -> StepOutcome:

@@ -15,11 +15,13 @@ import pytest
 from ckpt_controller import protocol as p
 from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller import links as links_mod
+from ckpt_controller.controller import session as session_mod
 from ckpt_controller.controller.config import parse_config
 from ckpt_controller.controller.service import Controller
 from ckpt_controller.errors import UnreachableError
 from ckpt_controller.rpc import new_op_id
 from support.config import controller_toml, engines_toml
+from support.hooks import write_hook
 from support.timing import deadline_in, scaled, wait_until
 
 
@@ -261,6 +263,41 @@ def _count_status_requests(monkeypatch) -> list[str]:
         return real(self, **kw)
     monkeypatch.setattr(links_mod.AgentLink, "status", status)
     return asked
+
+
+def test_a_restore_of_an_engine_found_gone_runs_its_hooks_without_asking_again(
+        tmp_path, spawn_engine, monkeypatch):
+    """The preflight asked the engine (prepared, then its process gone, as a stop-mode dump
+    leaves it) and had no answer: the restore runs its pre-restore hooks at once. It once
+    asked again on opening, and waited out the link's timeout and a resend (4 s on a dead
+    TCP port) while a client held by tcp-hold waited too."""
+    opened: list[str] = []
+    real_open = session_mod.EngineSession.open
+
+    def open_(self):
+        opened.append(self.name)
+        return real_open(self)
+    monkeypatch.setattr(session_mod.EngineSession, "open", open_)
+    eng = spawn_engine("ln8", weights_mib=4, kv_mib=1)
+    write_hook(tmp_path / "hooks", "pre-restore", "10-revive",
+               'echo "no image to bring it back from" >&2; exit 1')
+    ctl = Controller(parse_config(controller_toml(
+        tmp_path, eng, keys=f'hooks_dir = "{tmp_path}/hooks"\nheartbeat_interval_s = 0.2\n',
+        defaults='level = 0\ndrain = "wait"')))
+    try:
+        assert ctl.run(_op("prepare", "ln8"), 60).status == "succeeded"
+        eng.proc.kill()
+        eng.proc.wait(scaled(10))
+        wait_until(lambda: ctl.links.parked_dropped("ln8"), 10, "the drop seen")
+        del opened[:]
+        result = ctl.run(_op("restore", "ln8"), 60)
+        (o,) = result.engines
+        assert o.status == "failed" and "no image to bring it back from" in \
+            result.error.message, result
+        assert [h.point for h in o.hooks] == ["pre-restore"]
+        assert opened == []  # the preflight asked; the restore did not ask again
+    finally:
+        ctl.close()
 
 
 def test_a_link_that_heard_its_agent_just_now_asks_no_status(tmp_path, spawn_engine,
