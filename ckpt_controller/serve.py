@@ -88,7 +88,9 @@ def serve(config: ControllerConfig, ready=None, notifier=None) -> None:
         node.start()
         for result in recovered:
             log.warning("recovered interrupted operation %s (%s): %s", result.op_id, result.kind,
-                        ", ".join(f"{o.engine} {o.state}" for o in result.engines))
+                        ", ".join(f"{o.engine} {o.state}"
+                                  + (f" ({o.error.message})" if o.error else "")
+                                  for o in result.engines))
         if ready is not None:
             ready({"event": "ready", "endpoint": server.endpoint, "pid": os.getpid(),
                    "state_dir": str(config.state_dir), "recovered": len(recovered),

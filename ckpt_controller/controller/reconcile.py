@@ -24,7 +24,7 @@ from ckpt_controller.controller import preflight
 from ckpt_controller.controller.admission import Admission
 from ckpt_controller.controller.config import ControllerConfig
 from ckpt_controller.controller.journal import Journal
-from ckpt_controller.controller.outcome import StepOutcome
+from ckpt_controller.controller.outcome import StepOutcome, error_info
 from ckpt_controller.controller.session import EngineSession
 from ckpt_controller.errors import CkptError
 from ckpt_controller.vocab import (
@@ -220,7 +220,9 @@ def settle_state(s: EngineSession, found: str, reason: str, step: str) -> str:
     migration brought here that etcd no longer names this node's) may refuse it, and then
     it is as the table's (post-restore, TAKING_OVER) row says: FAILED, with the reason."""
     if found in (CheckpointState.PREPARED, CheckpointState.PREPARING,
-                 CheckpointState.RESTORING) and s.taken_over() is not None:
+                 CheckpointState.RESTORING) and (refused := s.taken_over()) is not None:
+        if refused.error is not None:  # why, in the outcome (and the recovery's log line)
+            s.outcome.error = error_info(refused.error)
         return s.refresh_state() or CheckpointState.FAILED  # not to serve here
     if found in (CheckpointState.PREPARED, CheckpointState.PREPARING):
         s.rollback(reason, step=step)

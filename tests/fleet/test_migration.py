@@ -27,7 +27,7 @@ from support.config import engines_toml, node_toml
 from support.criu import migration_missing, required
 from support.hooks import CRIU_HOOKS, link_hooks, write_hook
 from support.netns_util import Namespaces, run_tag
-from support.processes import ControllerProcess, kill_naming, stop_all
+from support.processes import ControllerProcess, gone, kill_naming, stop_all
 from support.timing import deadline_in, scaled, wait_until
 
 pytestmark = pytest.mark.fleet
@@ -552,14 +552,21 @@ def test_the_target_controller_killed_mid_adopt_the_source_resumes(pair):
     try:
         m.start()
         pair.paused("n2", "post-restore")
+        (copy,) = pair.live_engines()  # the source is stopped; the copy restored on n2 runs
+        assert pair.in_node(copy) == "n2"
         pair.controllers["n2"].kill9()
         doc = m.ended(1, "stayed")
         assert doc["migration"]["done"][-2]["status"] == "lost"  # the adopt, with its node
         pair.go("n2", "post-restore")
         # the copy restored on n2 is no longer n2's to run: n2, back, does not resume it
-        # (its recovery asks etcd who owns it: n1), and ends it
+        # (its recovery asks etcd who owns it: n1), and kills it before it says so (not
+        # only later, when it settles the migration)
         pair.started.remove(pair.controllers["n2"])
         n2 = pair.start_controller("n2", "page-server")
+        said = f"the copy restored here (pid {copy}) is killed"
+        wait_until(lambda: said in n2.log_path.read_text(), timeout_s=60,
+                   what="n2's recovery saying it killed the copy")
+        assert gone(copy)
         m.runs_on("n1")
         log = n2.log_path.read_text()
         assert "recovered interrupted operation mv.m0.restore (restore): m0 failed" in log, \
