@@ -12,6 +12,7 @@ default where root and ``unshare`` are."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -276,6 +277,74 @@ def test_vllm_moves_to_another_node_and_its_clients_follow(tmp_path, tiny_llama)
         for line in (tmp_path / "v0-logs" / "launcher.log",):
             if line.exists():
                 print(line.read_text()[-2000:])
+        pair.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+@pytest.mark.fleet
+@pytest.mark.skipif(_vllm_reason is not None, reason=_vllm_reason or "")
+def test_a_vllm_move_abandoned_after_its_restore_leaves_the_source_serving(tmp_path,
+                                                                            tiny_llama):
+    """The target's controller killed once its copy is restored (held at post-restore): the
+    move is abandoned (``stayed``) and the source resumed while the copy still lives beside
+    it, on one host. The copy has a /dev/shm of its own: its restore and re-wake leave the
+    stopped source's shared-memory queues (``psm_*``) as the source left them (they were
+    the copy's too, and a source so resumed once died: its worker raised ``KeyError`` on a
+    request id), and the source's vLLM serves on with the answers it gave before. The
+    target's controller, back, ends the copy."""
+    pair = VllmPair(tmp_path, tiny_llama, "shared")
+    try:
+        eng = pair.start_vllm()
+        wait_until(lambda: pair.running_on("n1", "v0"), timeout_s=60, every_s=0.2,
+                   what="v0 RUNNING on n1 in the registry")
+        before = Sender(pair.url, PROMPTS[0], 200)
+        before.join(scaled(300))
+        assert before.error is None and before.text, before.error
+        pair.pause("n2", "pre-restore")
+        pair.pause("n2", "post-restore")
+        args = ["--etcd", pair.url, "fleet", "migrate", "v0", "--to", "n2", "--drain", "keep",
+                "--op-id", "mva", "--json"]
+        mig = subprocess.Popen([*CKPTCTL, *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        # the source dumped and stopped: its shared-memory files as it left them
+        pair.paused("n2", "pre-restore", timeout_s=300)
+        shm = (pair.shared / "v0" / "mva" / "criu-shm-files").read_text().split()
+        assert shm and all(f.startswith("/dev/shm/psm_") for f in shm), shm
+        left = {f: hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in shm}
+        pair.go("n2", "pre-restore")
+        # the copy restored and re-woken (vLLM's wake-up goes through those queues): the
+        # source's files are as it left them, the copy wrote its own
+        pair.paused("n2", "post-restore", timeout_s=300)
+        assert {f: hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in shm} == left
+        (copy,) = [p for p in pair.live_tree() if p.pid != eng.info["pid"]]
+        assert net_of(copy.pid) == os.stat(f"/run/netns/{pair.ns['n2']}").st_ino
+        pair.controllers["n2"].kill9()
+        out, err = mig.communicate(timeout=scaled(400))
+        rc = mig.returncode
+        for _ in range(5):  # a starved etcd: the command ends (4), the migration goes on
+            if rc != 4 or "stays recorded" not in err:
+                break
+            again = ckptctl(*args, timeout=400)
+            rc, out, err = again.returncode, again.stdout, again.stderr
+        print(f"migrate: rc {rc}\n{out}\n{err}")
+        assert rc == 1 and json.loads(out)["migration"]["outcome"] == "stayed", out + err
+        wait_until(lambda: pair.running_on("n1", "v0"), timeout_s=60, every_s=0.2,
+                   what="v0 RUNNING on n1 in the registry again")
+        assert copy.is_running() and copy.status() != "zombie"  # still beside the source
+        for _ in range(3):
+            again = Sender(pair.url, PROMPTS[0], 200)
+            again.join(scaled(300))
+            assert again.error is None and again.text == before.text, again.error
+        assert eng.proc.poll() is None, (tmp_path / "v0-logs" / "vllm.log").read_text()[-3000:]
+        # n2, back (as systemd would start it), ends the copy that is no longer its to run
+        pair.go("n2", "post-restore")
+        pair.started.remove(pair.controllers["n2"])
+        pair.start_controller("n2", "shared")
+        live = wait_until(lambda: len(got := pair.live_tree()) == 1 and got, timeout_s=60,
+                          what="only the source's vLLM launcher running")
+        assert live[0].pid == eng.info["pid"]
+    finally:
         pair.close()
 
 
