@@ -234,6 +234,8 @@ def timeline(op: dict, migration: dict, command_s: float) -> dict:
     return {"steps_s": steps, "before_first_s": at(done[0], "started") - at(op, "created"),
             "between_steps_s": sum(at(b, "started") - at(a, "ended")
                                    for a, b in zip(done, done[1:])),
+            "gaps_s": {f"{a['step']}->{b['step']}": at(b, "started") - at(a, "ended")
+                       for a, b in zip(done, done[1:])},
             "after_last_s": at(op, "ended") - at(done[-1], "ended"),
             "command_s": command_s - recorded}
 

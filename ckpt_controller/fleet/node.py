@@ -286,12 +286,20 @@ class FleetNode:
                      and n not in moving]
         if unclaimed:
             self.claim(unclaimed)
-        self.publish([n for n in names if n in self.owned])
+        self.publish(self._publishable(names))
         if self.migration is not None and self.migration.fence.fenced:
             self.migration.fence.in_touch()  # copies stopped while etcd was away
         if self.migration is not None and self.rounds % 8 == 0:
             self.migration.settle()  # migrations that ended while this node was away
         self.fleet_work()
+
+    def _publishable(self, names: list[str]) -> list[str]:
+        """The engines a round asks the status of and publishes: this node's, except those a
+        migration is dumping here or has left stopped (they answer nothing: a round once
+        waited out a status request's 2 s timeout on one, and the migration's finish, in
+        this node's inbox, waited behind it)."""
+        stopped = self.migration.stopped if self.migration is not None else set()
+        return [n for n in names if n in self.owned and n not in stopped]
 
     def fleet_work(self) -> None:
         """Run this node's new parts; coordinate (a few rounds while they move things on):

@@ -84,6 +84,11 @@ class NodeMigration:
         self.arriving: set[str] = set()
         #: engines sent from here whose migration has not ended here (finish or resume)
         self.leaving: set[str] = set()
+        #: those of them being dumped here or dumped and left stopped (SIGSTOP, their whole
+        #: tree): they answer nothing until finish ends them or resume continues them, so
+        #: the node's rounds do not ask them (a round's status request sent as the dump froze
+        #: the engine waited out its 2 s timeout, and the finish waiting in the inbox with it)
+        self.stopped: set[str] = set()
         self.settler = Settler(node, controller)
         #: the copies restored here that a node cut off from etcd stops (``fence``)
         self.fence = Fence(node, controller, self.arriving)
@@ -165,9 +170,11 @@ class NodeMigration:
             ended = self._send(task)
         except BaseException:  # policy: not sent: the engine is this node's as before
             self.leaving.discard(task.engine)
+            self.stopped.discard(task.engine)
             raise
         if ended.error is not None:
             self.leaving.discard(task.engine)
+            self.stopped.discard(task.engine)
         return ended
 
     def _send(self, task: r.Task) -> Ended:
@@ -190,6 +197,7 @@ class NodeMigration:
             hook_env["CKPT_PAGE_SERVER"] = str(received["page_server"])
         before = self.controller.status([task.engine]).engines[0].status
         pid = before.pid if before is not None else None
+        self.stopped.add(task.engine)  # from the dump on (a failed one: send() takes it out)
         captured = local.run(self.controller, ids[OperationKind.CAPTURE],
                              OperationKind.CAPTURE, task.engine, {}, hook_env=hook_env)
         if captured.status != OutcomeStatus.SUCCEEDED:
@@ -415,6 +423,7 @@ class NodeMigration:
                                   to=str(task.params["target"]))
         self.node.owned.discard(task.engine)
         self.leaving.discard(task.engine)
+        self.stopped.discard(task.engine)
         return Ended(detail={"killed": killed})
 
     def resume(self, task: r.Task, pid=None) -> Ended:
@@ -423,6 +432,7 @@ class NodeMigration:
             pid = mig.detail(Step.SEND).get("pid")
         procs.continue_tree(self._folder(task), pid)  # a dead engine: the restore says so
         self.leaving.discard(task.engine)
+        self.stopped.discard(task.engine)
         self.node.conflicts.pop(task.engine, None)  # it is this node's again
         back = local.run(self.controller, local_ids(task.op_id, task.engine)[Step.RESUME],
                          OperationKind.RESTORE, task.engine, {})
