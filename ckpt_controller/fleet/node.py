@@ -286,20 +286,12 @@ class FleetNode:
                      and n not in moving]
         if unclaimed:
             self.claim(unclaimed)
-        self.publish(self._publishable(names))
+        self.publish([n for n in names if n in self.owned])
         if self.migration is not None and self.migration.fence.fenced:
             self.migration.fence.in_touch()  # copies stopped while etcd was away
         if self.migration is not None and self.rounds % 8 == 0:
             self.migration.settle()  # migrations that ended while this node was away
         self.fleet_work()
-
-    def _publishable(self, names: list[str]) -> list[str]:
-        """The engines a round asks the status of and publishes: this node's, except those a
-        migration is dumping here or has left stopped (they answer nothing: a round once
-        waited out a status request's 2 s timeout on one, and the migration's finish, in
-        this node's inbox, waited behind it)."""
-        stopped = self.migration.stopped if self.migration is not None else set()
-        return [n for n in names if n in self.owned and n not in stopped]
 
     def fleet_work(self) -> None:
         """Run this node's new parts; coordinate (a few rounds while they move things on):
@@ -440,10 +432,15 @@ class FleetNode:
     def publish(self, names: list[str]) -> None:
         if not names:
             return
-        reply = self._status(names)
+        # an engine a migration is dumping here or holds stopped answers nothing: it is
+        # published out of reach without asking (asking waited out a 2 s timeout)
+        stopped = self.migration.stopped if self.migration is not None else set()
+        asked = [n for n in names if n not in stopped]
+        views = [*(self._status(asked).engines if asked else ()),
+                 *(self.migration.out_of_reach(n) for n in names if n in stopped)]
         changed: list[EngineRecord] = []
         driven = self.config.roster.by_name  # one snapshot: engines may be given away
-        for view in reply.engines:
+        for view in views:
             if view.engine not in driven:
                 continue  # given away since ``names`` was read: no longer this node's
             rec = self.record(view, driven[view.engine])
@@ -452,7 +449,7 @@ class FleetNode:
         for i in range(0, len(changed), TXN_ENGINES):
             self._write(changed[i:i + TXN_ENGINES])
         if self.rounds % 8 == 0:  # rare: a part lost with this node; looked at now and then
-            self._back_from_lost(reply.engines)
+            self._back_from_lost(views)
 
     def _back_from_lost(self, views) -> None:
         """An engine that counts as out of service although it is RUNNING here and free

@@ -320,16 +320,33 @@ def test_a_node_identity_is_made_whole_once_and_kept(tmp_path):
 
 
 def test_a_round_does_not_ask_an_engine_a_migration_froze_here():
-    """A node's round asks the status of its engines and publishes them, except those a
-    migration is dumping here or has left stopped: a stopped engine answers nothing, and a
-    round once waited out a status request's 2 s timeout on one while the migration's
-    finish waited in the node's inbox (``bench/migrate.py``: 0.2 to 0.65 s between the
-    adopt and the finish, 0.02 s since)."""
+    """A node's round asks the status of its engines and publishes them; one a migration is
+    dumping here or has left stopped answers nothing, so it is published out of reach
+    without asking: a round once waited out a status request's 2 s timeout on one while the
+    migration's finish waited in the node's inbox (``bench/migrate.py``: 0.2 to 0.65 s
+    between the adopt and the finish, 0.02 s since)."""
     from types import SimpleNamespace
 
     from ckpt_controller.fleet.node import FleetNode
+    from ckpt_controller.protocol import EngineView
 
-    node = SimpleNamespace(owned={"a", "b", "c"}, migration=SimpleNamespace(stopped={"b"}))
-    assert FleetNode._publishable(node, ["a", "b", "c", "d"]) == ["a", "c"]
-    alone = SimpleNamespace(owned={"a", "b"}, migration=None)
-    assert FleetNode._publishable(alone, ["a", "b"]) == ["a", "b"]
+    asked: list[str] = []
+    written: list = []
+
+    def status(names):
+        asked.extend(names)
+        return SimpleNamespace(engines=[EngineView(engine=n, kind="native", control="c",
+                                                   reachable=True) for n in names])
+
+    def out_of_reach(name):
+        return EngineView(engine=name, kind="native", control="c", reachable=False)
+
+    node = SimpleNamespace(
+        _status=status, migration=SimpleNamespace(stopped={"b"}, out_of_reach=out_of_reach),
+        config=SimpleNamespace(roster=SimpleNamespace(by_name={"a": None, "b": None})),
+        record=lambda view, eng: SimpleNamespace(engine=view.engine,
+                                                 content=lambda: view.reachable),
+        _written={}, _write=written.extend, rounds=1)
+    FleetNode.publish(node, ["a", "b"])
+    assert asked == ["a"]
+    assert {(rec.engine, rec.content()) for rec in written} == {("a", True), ("b", False)}

@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from ckpt_controller import protocol as p
 from ckpt_controller.controller import roster
 from ckpt_controller.endpoints import resolve_host
 from ckpt_controller.errors import CkptError, OperationError, UnreachableError, UsageError
@@ -86,12 +87,20 @@ class NodeMigration:
         self.leaving: set[str] = set()
         #: those of them being dumped here or dumped and left stopped (SIGSTOP, their whole
         #: tree): they answer nothing until finish ends them or resume continues them, so
-        #: the node's rounds do not ask them (a round's status request sent as the dump froze
-        #: the engine waited out its 2 s timeout, and the finish waiting in the inbox with it)
+        #: the node's rounds publish them without asking (``out_of_reach``: a round's status
+        #: request sent as the dump froze the engine waited out its 2 s timeout, and the
+        #: finish waiting in the inbox with it)
         self.stopped: set[str] = set()
         self.settler = Settler(node, controller)
         #: the copies restored here that a node cut off from etcd stops (``fence``)
         self.fence = Fence(node, controller, self.arriving)
+
+    def out_of_reach(self, engine: str) -> p.EngineView:
+        """How a node's round sees an engine in ``stopped``, without asking it: out of reach
+        (its record keeps its endpoints, ``FleetNode.record``), held as the controller says."""
+        eng = self.config.engine(engine)
+        return p.EngineView(engine=engine, kind=eng.kind, control=eng.control, reachable=False,
+                            holder=self.controller.admission.holders.get(engine))
 
     def settle(self) -> None:
         """What a migration that ended while this node was away left here, put right."""
