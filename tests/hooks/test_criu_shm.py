@@ -14,6 +14,7 @@ into a /dev/shm file it maps, every 20 ms. Needs root, unshare and CRIU (``make 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -65,7 +66,7 @@ def test_a_copy_restored_beside_its_original_gets_its_own_shared_memory(tmp_path
         ["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", _COUNTER, str(shm)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True)
-    copy_pid = None
+    copy_pid = kid = None
     try:
         wait_until(lambda: shm.exists() and _count(shm) > 0, 30, "the counter counting")
         (kid,) = psutil.Process(launcher.pid).children()
@@ -93,8 +94,12 @@ def test_a_copy_restored_beside_its_original_gets_its_own_shared_memory(tmp_path
         wait_until(lambda: _count(shm) > frozen + 5, 30, "the original counting again")
         assert _count(own) > frozen + 5
     finally:
-        if copy_pid is not None:
-            os.kill(copy_pid, signal.SIGKILL)
+        # each is the init of a PID namespace of its own, in a session of its own: only its
+        # own SIGKILL ends it (killing the launcher's group left them counting for good)
+        for pid in (copy_pid, kid.pid if kid is not None else None):
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
         shm.unlink(missing_ok=True)
