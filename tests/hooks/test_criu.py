@@ -151,6 +151,20 @@ def test_dump_stops_the_engine_and_restore_brings_it_back(spawn_reference, spawn
         kill_naming(eng.control, [eng.pid])
 
 
+def stop_capture_restore(ctl, eng) -> dict:
+    """``prepare``, ``capture`` (the dump hooks end the engine: ``CKPT_CRIU_MODE=stop``),
+    the engine reaped (its PIDs free for the restore), ``restore``: each succeeds; the
+    restore's outcome for the engine."""
+    assert ctl.ckptctl("prepare", eng.name).returncode == 0
+    out = ctl.ckptctl("capture", eng.name, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    eng.proc.wait(timeout=scaled(10))  # the dump ended it; reaped, its PID is free again
+    out = ctl.ckptctl("restore", eng.name, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    (o,) = json.loads(out.stdout)["engines"]
+    return o
+
+
 def _stop_and_restore(eng, spawn_controller) -> None:
     ctl = spawn_controller(config_for(eng))
     link_hooks(ctl, CRIU_HOOKS)
@@ -158,13 +172,7 @@ def _stop_and_restore(eng, spawn_controller) -> None:
         want = api.generate([5, 6, 7], 40).token_ids
         kept = api.submit([8, 8, 8], 400)
         time.sleep(0.1)
-        assert ctl.ckptctl("prepare", "crs").returncode == 0
-        out = ctl.ckptctl("capture", "crs", "--json")
-        assert out.returncode == 0, out.stdout + out.stderr
-        eng.proc.wait(timeout=scaled(10))  # the dump ended it; reaped, its PID is free again
-        out = ctl.ckptctl("restore", "crs", "--json")
-        assert out.returncode == 0, out.stdout + out.stderr
-        (o,) = json.loads(out.stdout)["engines"]
+        o = stop_capture_restore(ctl, eng)
         assert o["state"] == "running"
         with AgentClient(eng.control) as agent:
             st = agent.status()

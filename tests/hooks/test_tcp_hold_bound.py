@@ -25,7 +25,7 @@ from support.criu import criu_missing, required
 from support.hooks import CRIU_TCP_HOLD_HOOKS, link_hooks
 from support.processes import kill_naming
 from support.timing import scaled, wait_until
-from test_criu import config_for, tcp_engine
+from test_criu import config_for, stop_capture_restore, tcp_engine
 
 NFT = ROOT / ".cache" / "criu" / "bin" / "nft"
 _reason = required(criu_missing(), "the tcp-hold tests") or (
@@ -141,12 +141,7 @@ def test_a_dump_that_would_hold_past_the_bound_is_ended_and_the_engine_serves_on
     slow.write_text("#!/bin/sh\nexit 0\n")
     (folder / "last-restore-s").unlink()
     try:
-        assert ctl.ckptctl("prepare", "hb1").returncode == 0
-        out = ctl.ckptctl("capture", "hb1", "--json")
-        assert out.returncode == 0, out.stdout + out.stderr
-        eng.proc.wait(timeout=scaled(10))  # the dump ended it; reaped, its PID is free again
-        out = ctl.ckptctl("restore", "hb1", "--json")
-        assert out.returncode == 0, out.stdout + out.stderr
+        assert stop_capture_restore(ctl, eng)["state"] == "running"
         assert float((folder / "last-restore-s").read_text()) > 0  # this one's, for the next
     finally:  # the restored copy is no child of ours: end it by its PID
         kill_naming(eng.control, [eng.pid])
