@@ -8,7 +8,8 @@ if any engine does not answer or is not in a state the operation needs (``NEEDS`
 with one dead engine takes none out of service (one that died within that last second is found
 by the operation itself, as one that dies just after a status request is). A restore may go to
 an engine that does not answer when pre-restore hooks are installed: they may bring its process
-back from an image. ``choose_images`` gives a restore the image of each engine: the one the
+back from an image; one whose command says its process is ``absent`` (a migration's adopt) is
+not asked at all. ``choose_images`` gives a restore the image of each engine: the one the
 operator named, else the newest one a capture dumped at the engine's generation; an older one
 must be named. A refusal here raises, and the controller turns it into a refused request:
 nothing journaled, counted as refused. Neighbours: ``service`` calls both before it journals an
@@ -69,6 +70,9 @@ def ask(config: ControllerConfig, cmd: p.OperationCommand, engines: list[str],
     statuses: dict[str, p.StatusReply | None] = {}
 
     def look(name: str) -> CkptError | None:
+        if revive and cmd.absent:  # known not to run here: its hooks bring it back
+            statuses[name] = None
+            return None
         try:
             status = statuses[name] = probe(config, name, links.get(name))
         except UnreachableError as err:  # policy: unreachable refuses, unless revivable

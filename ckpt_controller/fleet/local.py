@@ -23,11 +23,12 @@ PASSED_ON = ("drain", "drain_timeout_s", "on_deadline", "level", "deadline_s")
 
 
 def run(controller, op_id: str, kind: OperationKind, engine: str, params: dict,
-        hook_env: dict | None = None) -> p.OperationResult:
-    """Run a node-local operation to its end (its result); a refusal raises its error."""
+        hook_env: dict | None = None, absent: bool = False) -> p.OperationResult:
+    """Run a node-local operation to its end (its result); a refusal raises its error.
+    ``absent``: a restore of an engine whose process is known not to run here."""
     fields = {k: v for k, v in params.items() if k in PASSED_ON}
     cmd = msgspec.convert(dict(fields, call_id=0, op_id=op_id, kind=kind, engines=[engine],
-                               hook_env=hook_env or {}), p.OperationCommand)
+                               hook_env=hook_env or {}, absent=absent), p.OperationCommand)
     done = threading.Event()
     box: list = []
 

@@ -178,6 +178,10 @@ class OperationCommand(Command, kw_only=True):
     #: a fleet migration's stop-and-stay dump into the target's page server, its restore
     #: beside the stopped original)
     hook_env: HookEnv = {}
+    #: restore: the engines' processes are known not to run here (a migration's adopt: the
+    #: engine comes from its image), so none is asked its status first (a refused connection
+    #: took half a second to tell); their pre-restore hooks bring them back
+    absent: bool = False
 
 
 class HistoryCommand(Command, kw_only=True):

@@ -189,3 +189,34 @@ def test_the_preflight_probe_waits_as_long_as_the_config_says(spawn_controller, 
             assert c.status().state == "prepared"
     finally:
         agent.close()
+
+
+def test_a_restore_of_an_engine_known_absent_asks_no_status(tmp_path, monkeypatch):
+    """A migration's adopt restores an engine whose process is not on this node (it comes
+    from the image): its command says so (``absent``) and the preflight asks nothing. It once
+    asked, and a refused connection took half a second to tell, inside the downtime."""
+    from ckpt_controller import protocol as p
+    from ckpt_controller.controller import preflight
+    from ckpt_controller.controller.config import parse_config
+    from ckpt_controller.errors import UnreachableError
+    from support.config import controller_toml
+    from support.hooks import write_hook
+
+    write_hook(tmp_path / "hooks", "pre-restore", "10-revive", "exit 0")
+    config = parse_config(controller_toml(
+        tmp_path, ("a0", f"ipc://{tmp_path}/a0.ctl"), keys=f'hooks_dir = "{tmp_path}/hooks"\n'))
+    asked: list[str] = []
+
+    def probe(config, name, link=None):
+        asked.append(name)
+        raise UnreachableError("nobody there")
+    monkeypatch.setattr(preflight, "probe", probe)
+
+    def restore(absent: bool) -> p.OperationCommand:
+        return p.OperationCommand(call_id=0, op_id="r1", kind="restore", engines=["a0"],
+                                  absent=absent)
+
+    assert preflight.ask(config, restore(True), ["a0"]) == {"a0": None}
+    assert asked == []
+    assert preflight.ask(config, restore(False), ["a0"]) == {"a0": None}  # asked: no answer
+    assert asked == ["a0"]

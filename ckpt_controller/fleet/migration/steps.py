@@ -290,7 +290,7 @@ class NodeMigration:
             restored = local.run(self.controller,
                                  local_ids(task.op_id, task.engine)[OperationKind.RESTORE],
                                  OperationKind.RESTORE, task.engine, {},
-                                 hook_env={"CKPT_CRIU_BESIDE": "1"})
+                                 hook_env={"CKPT_CRIU_BESIDE": "1"}, absent=True)
         finally:
             self.arriving.discard(task.engine)
         if restored.status == OutcomeStatus.SUCCEEDED:
