@@ -807,21 +807,24 @@ def test_keys_deleted_or_overwritten_by_hand_are_repaired_and_said(etcd, agents,
     a, b, n1, n2 = two_nodes(etcd, agents, nodes, per=1)
     with etcd.client() as c:
         c.delete(k.node("n1"))
-        wait_until(lambda: c.get(k.node("n1")) is not None, scaled(20),
+        wait_until(lambda: c.get(k.node("n1")) is not None, 20,
                    what="n1's record written again")
-        assert "record /ckpt/nodes/n1 was gone while its lease lived" in n1.log_path.read_text()
+        # said once written (a look at the log at once could come before the line)
+        wait_until(lambda: "record /ckpt/nodes/n1 was gone while its lease lived"
+                   in n1.log_path.read_text(), 20, what="n1 saying it wrote its record again")
         c.put(k.coordinator, "ghost")  # under no lease: no node's election
-        wait_until(lambda: c.get(k.coordinator).value in (b"n1", b"n2"), scaled(20),
+        wait_until(lambda: c.get(k.coordinator).value in (b"n1", b"n2"), 20,
                    what="a node coordinating again")
         n2.stop()
-        wait_until(lambda: c.get(k.node("n2")) is None, scaled(20), what="n2 deregistered")
+        wait_until(lambda: c.get(k.node("n2")) is None, 20, what="n2 deregistered")
         c.put(k.node("n2"), b"{written by hand")
     again = nodes("n2", node_toml(etcd, "n2", b, labels={"pool": "b"}, ttl=2))
     with etcd.client() as c:
-        wait_until(lambda: c.get(k.node("n2")).lease != 0, scaled(20),
+        wait_until(lambda: c.get(k.node("n2")).lease != 0, 20,
                    what="n2 registered again over the record written by hand")
         assert json.loads(c.get(k.node("n2")).value)["pid"] == again.pid
-    assert "held no controller's registration" in again.log_path.read_text()
+    wait_until(lambda: "held no controller's registration" in again.log_path.read_text(), 20,
+               what="n2 saying it replaced the record written by hand")
     assert fleet(etcd, "cycle", "--all").returncode == 0
 
 
