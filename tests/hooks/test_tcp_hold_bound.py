@@ -65,11 +65,15 @@ def test_the_hold_is_bounded_by_the_kernels_syn_retries_unless_told(images):
         out = tcp_hold("pre-restore", os.getpid(), images)
         assert out.returncode == 0 and "(held " in out.stdout and out.stderr == "", out
         assert not (images.parent / "tcp-hold-since").exists()
-        for bad in ("abc", "-1", "1.2.3", ""):
-            if bad == "":
-                continue  # empty: the default
+        for bad in ("abc", "-1", "1.2.3", "0", "0.0", "nan", "1e9"):
             out = tcp_hold("dump", os.getpid(), images, CKPT_TCP_HOLD_MAX_S=bad)
             assert out.returncode == 2 and "CKPT_TCP_HOLD_MAX_S" in out.stderr, (bad, out)
+        assert f"ckpt_hold_{images.parent.name}" not in _tables()
+        # a hold is let go whatever the setting says by then
+        assert tcp_hold("dump", os.getpid(), images).returncode == 0
+        assert f"ckpt_hold_{images.parent.name}" in _tables()
+        out = tcp_hold("pre-restore", os.getpid(), images, CKPT_TCP_HOLD_MAX_S="abc")
+        assert out.returncode == 0 and "go through again" in out.stdout, out
         assert f"ckpt_hold_{images.parent.name}" not in _tables()
     finally:
         tcp_hold("pre-restore", os.getpid(), images)
