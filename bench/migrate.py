@@ -5,17 +5,21 @@ image transports (``page-server``, ``shared``) in one run.
 Each repeat is two fresh nodes (``Pair`` of ``tests/fleet/test_migration.py``: two node controllers
 in network namespaces of their own on one link-local segment made by
 ``tests/support/netns_util.py``'s ``Namespaces.segment``, etcd in the root namespace, the
-criu-dump/criu-restore hooks), with the node's ``[defaults] level`` set to ``--level`` (0 by
-default: the weights stay in the process and go with the image). In each:
+criu-dump/criu-restore hooks); the migration asks for ``--level`` (0 by default: the weights
+stay in the process and go with the image; 2: left behind, re-woken from the model's file on
+the target, which both nodes check first). In each:
 
 - cold start: the engine's own command (``unshare --pid --fork setsid ckptctl engine serve``,
   the same model, on other ports) started in n2's namespace; from the process's start to the
   first token of one request sent as soon as it says it is ready. Then it is killed.
 - migration: the engine started on n1, RUNNING in the registry; a client that follows it
-  (``EngineClient.for_engine``, polling all along) sends ``--kept`` long requests and, once
-  each has tokens, ``ckptctl fleet migrate m0 --to n2 --drain keep --json`` runs. Downtime is
-  the time from the last output with new tokens the client got from n1 to the first it got
-  after it moved to n2 (the kept requests, recomputed there).
+  (``EngineClient.for_engine``, polling all along, moved by its registry watch) sends
+  ``--kept`` long requests and, once each has tokens, ``ckptctl fleet migrate m0 --to n2
+  --drain keep --level L --json`` runs. Downtime is the time from the last output with new
+  tokens the client got from n1 to the first it got after it moved to n2 (the kept requests,
+  recomputed there). The client's wait after ready: the wall time it first heard from n2 (the
+  answer to its resends) less the engine's RUNNING there (its record's ``since``; below 0:
+  the client was there before); the first token after ready adds the engine's next step.
 - the image, read in the target's folder after the move: pages (``pages-*.img``) and the rest
   (every other file but logs: what ``criu_images.pack_small`` ships); what was moved:
   page server, the pages streamed during the dump plus the packed small files through etcd
@@ -115,6 +119,9 @@ class Stream:
         self.seen = 0
         self.last_source: float | None = None
         self.first_target: float | None = None
+        self.first_target_wall: float | None = None
+        #: wall time the client first heard from n2 (an answer to its resends)
+        self.heard_target_wall: float | None = None
         #: the requests without an end when the client moved: the ones kept across
         self.kept_across: int | None = None
 
@@ -134,6 +141,9 @@ class Stream:
         now = time.monotonic()
         if c.moves and self.kept_across is None:
             self.kept_across = sum(not c.requests[i].ended for i in self.ids)
+        if c.moves and self.heard_target_wall is None and any(
+                c.requests[i].heard for i in self.ids):
+            self.heard_target_wall = time.time()
         # tokens, not outputs: after the move the first answer may be a resend's whole
         # output so far (the target ran the kept requests on before the client came back)
         n = sum(len(c.requests[i].token_ids) for i in self.ids)
@@ -142,7 +152,7 @@ class Stream:
             if not c.moves:
                 self.last_source = now
             elif self.first_target is None:
-                self.first_target = now
+                self.first_target, self.first_target_wall = now, time.time()
         if self.refill:
             if c.moves or any(c.requests[i].rejected is not None for i in self.ids):
                 self.refill = False
@@ -151,7 +161,23 @@ class Stream:
                 self.ids += [self._submit() for _ in range(self.kept - live)]
 
 
-def migrate(nodes: Nodes, kept: int, max_tokens: int, follow_after_s: float) -> dict:
+def ready_at(nodes: Nodes) -> float:
+    """When m0 last entered its state (its record's ``since``: the agent's last transition),
+    wall time: after a move, its RUNNING on the target, the first moment it serves there."""
+    from ckpt_controller.fleet.etcd import Etcd
+    from ckpt_controller.fleet.keys import Keys
+    from ckpt_controller.fleet.records import EngineRecord, decode
+
+    with Etcd([nodes.url]) as store:
+        kv = store.get(Keys("/ckpt").engine("m0"))
+        rec = decode(EngineRecord, kv.value, kv.key)
+    if rec.node != "n2" or rec.since is None:
+        raise RuntimeError(f"m0's record names {rec.node}, since {rec.since}")
+    return rec.since
+
+
+def migrate(nodes: Nodes, kept: int, max_tokens: int, follow_after_s: float,
+            level: int) -> dict:
     """The engine moved n1 to n2 under a following client: downtime, the migration's wall
     time and record."""
     from ckpt_controller.engine.client import EngineClient
@@ -168,7 +194,8 @@ def migrate(nodes: Nodes, kept: int, max_tokens: int, follow_after_s: float) -> 
         t0, mig_s = time.monotonic(), None
         mig = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd", nodes.url,
                                 "fleet", "migrate", "m0", "--to", "n2", "--drain", "keep",
-                                "--op-id", "mv", "--json"], stdout=subprocess.PIPE,
+                                "--level", str(level), "--op-id", "mv", "--json"],
+                               stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, cwd=ROOT)
         try:
             while stream.first_target is None or mig_s is None:
@@ -195,7 +222,10 @@ def migrate(nodes: Nodes, kept: int, max_tokens: int, follow_after_s: float) -> 
     doc = json.loads(out)
     if doc["migration"]["outcome"] != "moved":
         raise RuntimeError(f"the migration did not move the engine: {doc['migration']}")
+    ready = ready_at(nodes)
     return {"downtime_s": stream.first_target - stream.last_source, "migrate_s": mig_s,
+            "client_wait_s": stream.heard_target_wall - ready,
+            "first_token_after_ready_s": stream.first_target_wall - ready,
             "kept_across": stream.kept_across, "requests": len(stream.ids),
             "moves": client.moves, "op": doc["op"], "migration": doc["migration"]}
 
@@ -251,7 +281,7 @@ def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bo
         if not count_cold:  # the run's first: it writes the weight file
             cold_start(nodes)
         cold = cold_start(nodes)
-        moved = migrate(nodes, args.kept, args.max_tokens, args.follow_after)
+        moved = migrate(nodes, args.kept, args.max_tokens, args.follow_after, args.level)
         img = image(moved["migration"])
         times = timeline(moved["op"], moved["migration"], moved["migrate_s"])
         if img["transport"] != transport:
@@ -263,9 +293,12 @@ def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bo
             shutil.rmtree(d, ignore_errors=True)
     run = {"cold_ready_s": cold["ready_s"], "cold_s": cold["first_token_s"],
            "downtime_s": moved["downtime_s"], "migrate_s": moved["migrate_s"],
+           "client_wait_s": moved["client_wait_s"],
+           "first_token_after_ready_s": moved["first_token_after_ready_s"],
            "kept_across": moved["kept_across"], "requests": moved["requests"], **img,
            **times}
     run["downtime_over_cold"] = run["downtime_s"] / run["cold_s"]
+    run["migrate_over_downtime"] = run["migrate_s"] / run["downtime_s"]
     run["moved_over_image"] = run["moved_bytes"] / run["image_bytes"]
     return run
 
@@ -313,9 +346,12 @@ def print_tables(res: dict) -> None:
     table(f"downtime of a kept request against a cold start on the target (median of {n}; "
           f"{' '.join(res['model_args'])}, level {res['level']})",
           ["transport", "downtime s", "cold start s", "downtime / cold", "cold: ready s",
-           "migration s"],
+           "migration s", "migration / downtime", "client's wait after ready s",
+           "first token after ready s"],
           [[t, m["downtime_s"], m["cold_s"], m["downtime_over_cold"], m["cold_ready_s"],
-            m["migrate_s"]] for t, m in ((t, tr[t]["median"]) for t in tr)])
+            m["migrate_s"], m["migrate_over_downtime"], m["client_wait_s"],
+            m["first_token_after_ready_s"]]
+           for t, m in ((t, tr[t]["median"]) for t in tr)])
     table("the image and moving it (median)",
           ["transport", "pages MiB", "rest KiB", "packed KiB", "moved MiB", "moved / image",
            "frozen s", "pages written s", "restore s"],
@@ -345,8 +381,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=1000,
                    help="each kept request's max_tokens (one that ends on the source is "
                         "replaced until the drain)")
-    p.add_argument("--follow-after", type=float, default=0.2,
-                   help="the client's follow_after_s: silence before it looks the engine up")
+    p.add_argument("--follow-after", type=float, default=1.0,
+                   help="the client's follow_after_s: silence before it looks the engine up "
+                        "again without its registry watch (default 1, the client's)")
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="run in DIR and leave it (the nodes' logs and images, etcd's); a "
                         "short path")

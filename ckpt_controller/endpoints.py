@@ -26,7 +26,10 @@ from ckpt_controller.errors import CkptError, ConfigError
 class Resolve(Protocol):
     """Where an engine is reached now: ``resolve(engine, kind)`` is its endpoint of ``kind``
     (``api``, ``http``); ``close`` ends what the resolver holds. Clients that follow an engine
-    across migrations take one (``EngineClient.for_engine``, ``FollowingVllm``)."""
+    across migrations take one (``EngineClient.for_engine``, ``FollowingVllm``). A resolver
+    may also have ``watch(engine, wake)``: ``wake()`` from a thread of its own whenever
+    where the engine is may have changed (the fleet's registry does); clients then look it up
+    again at once instead of after a silence."""
 
     def __call__(self, engine: str, kind: str) -> str: ...
 

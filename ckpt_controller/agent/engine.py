@@ -73,6 +73,8 @@ class MemoryManager(Protocol):
 
     def registered_bytes(self) -> dict[str, int]: ...
 
+    def reload_files(self) -> dict[str, str]: ...
+
     def plan(self, level: int | None = None, tags: list[str] | None = None) -> object: ...
 
     def release(self, plan: object, residual_budget_bytes: int | None = None) -> MemoryReport: ...
@@ -86,6 +88,9 @@ class NoMemory:
     released_tags: list[str] = []
 
     def registered_bytes(self) -> dict[str, int]:
+        return {}
+
+    def reload_files(self) -> dict[str, str]:
         return {}
 
     def plan(self, level: int | None = None, tags: list[str] | None = None) -> object:

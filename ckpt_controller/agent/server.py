@@ -274,6 +274,7 @@ class Agent(RpcServer):
             current_op=current.op_id if current else None,
             last_transition=p.TransitionRecord.of(history[-1]) if history else None,
             endpoints={**self.endpoints, "control": self.endpoint},
+            reload_files=self.memory.reload_files(),
         )
 
     # ------------------------------------------------------------------ operations

@@ -162,7 +162,7 @@ def _prepare_opts(sp: argparse.ArgumentParser) -> None:
 def _drain_opts(sp: argparse.ArgumentParser) -> None:
     from ckpt_controller.cli.common import arg_type, word_arg
     from ckpt_controller.values import DURATION
-    from ckpt_controller.vocab import DrainMode
+    from ckpt_controller.vocab import DrainMode, ReleaseLevel
 
     sp.add_argument("--drain", **word_arg(DrainMode),
                     help="in-flight requests: kept and finished on the target (keep), "
@@ -170,6 +170,12 @@ def _drain_opts(sp: argparse.ArgumentParser) -> None:
                          "node's")
     sp.add_argument("--drain-timeout", type=arg_type(DURATION), metavar="S",
                     help="how long a wait drain may take (default: the source node's)")
+    sp.add_argument("--level", **word_arg(ReleaseLevel),
+                    help="what the source releases before the dump: 0 nothing (the weights "
+                         "and KV cache go with the image), 1 the KV cache (weights offloaded "
+                         "to host memory, in the image), 2 both (the target re-wakes the "
+                         "weights from the model's file, which it must read byte for byte "
+                         "the same: checked before the dump); default: the source node's")
 
 
 def _reason_opts(sp: argparse.ArgumentParser) -> None:
@@ -222,7 +228,8 @@ def _migrate(args: argparse.Namespace) -> int:
     keys = Keys(args.etcd_prefix)
     kind = spec(args.kind)
     params = {k: v for k, v in (("drain", args.drain), ("drain_timeout_s", args.drain_timeout),
-                                ("deadline_s", args.deadline)) if v is not None}
+                                ("level", args.level), ("deadline_s", args.deadline))
+              if v is not None}
     op_id = args.op_id or f"fleet-{kind.kind}-{uuid.uuid4().hex[:12]}"
     def announce(op) -> None:
         if not args.json:

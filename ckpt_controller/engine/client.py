@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +39,8 @@ RCV_HWM = 1_000_000
 UNREACHABLE_HINT = "is the engine running? check its request API endpoint (--api)"
 #: a followed engine (``for_engine``) silent this long while requests wait is looked up again
 FOLLOW_AFTER_S = 1.0
+#: a watched engine's waits (``poll``) look this often whether its record changed
+WATCH_SLICE_S = 0.02
 
 log = logging.getLogger("ckpt_controller.engine")
 
@@ -118,12 +121,17 @@ class EngineClient:
         #: the engine's name when followed through the registry (``for_engine``)
         self.engine: str | None = None
         self._lookup_failed: str | None = None  # said once until it changes
+        #: set by the resolver's watch when the engine's record changed (``for_engine``)
+        self._changed = threading.Event()
+        self._watched = False
 
     @classmethod
     def for_engine(cls, name: str, resolve: Resolve, **kwargs) -> "EngineClient":
         """A client of the engine ``name`` wherever ``resolve`` says it is (its ``api``
-        endpoint), asked again when the engine is silent while requests wait
-        (``follow_after_s``), and followed when it names another. The client closes
+        endpoint), asked again at once when the resolver's watch says the engine's record
+        changed (a resolver with ``watch``: the fleet's does), else when the engine is
+        silent while requests wait (``follow_after_s``), and followed when it names
+        another. The client closes
         ``resolve`` with itself, also when it cannot be made. For the fleet's registry:
         ``EngineClient.for_engine("llama-a", Resolver("http://10.0.0.5:2379"))`` with
         ``fleet.registry.Resolver``, whose errors it raises: ``UsageError`` (not in the
@@ -139,6 +147,10 @@ class EngineClient:
             raise
         client.engine = name
         client._on_close.append(resolve.close)
+        watch = getattr(resolve, "watch", None)
+        if watch is not None:
+            watch(name, client._changed.set)
+            client._watched = True
         return client
 
     def _socket(self) -> zmq.Socket:
@@ -211,6 +223,9 @@ class EngineClient:
         client moved."""
         if self._locate is None:
             return False
+        if self._changed.is_set():  # the record changed (the resolver's watch): look now
+            self._changed.clear()
+            force = True
         now = time.monotonic()
         if not force and (now - max(self._heard_at, self._located_at) < self.follow_after_s
                           or all(c.ended for c in self.requests.values())):
@@ -303,15 +318,31 @@ class EngineClient:
         self._follow()
         self._resend_unheard()
         try:
-            ready = self._contact.poll(timeout_s)  # UnreachableError: nobody serves it
+            ready = self._wait(timeout_s)  # UnreachableError: nobody serves it
         except UnreachableError:
             if not self._follow(force=True):  # policy: a followed engine may have moved
                 raise
-            ready = self._contact.poll(timeout_s)
+            ready = self._wait(timeout_s)
         self._after_reconnect()
         if ready:
             take_all()
         return ended
+
+    def _wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the engine's socket to be readable; a watched
+        engine's wait looks every ``WATCH_SLICE_S`` whether its record changed, and moves
+        (then waits on the new socket) when it names another endpoint."""
+        if not self._watched:
+            return self._contact.poll(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if self._contact.poll(max(0.0, min(left, WATCH_SLICE_S))):
+                return True
+            if left <= WATCH_SLICE_S:
+                return False
+            if self._changed.is_set():
+                self._follow()
 
     def _take(self, msg: api.RequestOutput | api.RequestRejected) -> Completion | None:
         c = self.requests.get(msg.request_id)

@@ -35,7 +35,7 @@ class Option(enum.Enum):
     ONE_ENGINE_TO = "one-engine-to"  # ENGINE --to NODE
     MAX_UNAVAILABLE = "max-unavailable"  # --max-unavailable N|P%
     PREPARE = "prepare"  # --drain --drain-timeout --on-deadline --level|--tags --budget
-    DRAIN = "drain"  # --drain --drain-timeout (a migration's prepare)
+    DRAIN = "drain"  # --drain --drain-timeout --level (a migration's prepare)
     REASON = "reason"  # --reason (rollback)
     IMAGE = "image"  # --image OP_ID (restore)
 

@@ -39,6 +39,7 @@ from ckpt_controller.fleet.kinds import KINDS, Drive
 from ckpt_controller.fleet.migration import procs
 from ckpt_controller.fleet.migration.record import local_ids
 from ckpt_controller.fleet.records import EngineRecord, NodeRecord, encode
+from ckpt_controller.fleet.registry import published_endpoints
 from ckpt_controller.version import __version__
 from ckpt_controller.vocab import CheckpointState
 
@@ -48,34 +49,6 @@ log = logging.getLogger("ckpt_controller.fleet")
 TXN_ENGINES = 60
 #: each part of the fleet's work is looked at this often at least, watched or not
 SAFETY_S = 2.0
-
-
-#: hosts an endpoint binds to for every address: clients cannot reach the engine there
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", "[::]"})
-
-
-def published_endpoints(endpoints: dict[str, str], control: str, address: str) -> dict[str, str]:
-    """What an engine record publishes: the agent's endpoints (``StatusReply.endpoints``),
-    each tcp:// one bound to a wildcard host given this node's ``[fleet] address`` instead;
-    ``control`` (the configured one) when the agent names none (an older agent, or none
-    reached)."""
-    out = {kind: reachable_at(endpoint, address) for kind, endpoint in endpoints.items()}
-    out.setdefault("control", control)
-    return out
-
-
-def reachable_at(endpoint: str, address: str) -> str:
-    """``endpoint`` (``tcp://``, ``http://`` or ``https://``) with a wildcard host (0.0.0.0,
-    *, ::) replaced by ``address`` (an IPv6 address in brackets); any other endpoint as it
-    is. An http URL keeps its path."""
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep or scheme not in ("tcp", "http", "https"):
-        return endpoint
-    authority, slash, path = rest.partition("/")
-    host, sep, port = authority.rpartition(":")
-    if not sep or host not in WILDCARD_HOSTS:
-        return endpoint
-    return f"{scheme}://{f'[{address}]' if ':' in address else address}:{port}{slash}{path}"
 
 
 class FleetNode:
@@ -108,11 +81,13 @@ class FleetNode:
         self._written: dict[str, tuple] = {}
         self._last_ops: dict[str, str | None] = {}
         self._moved: dict[str, tuple] = {}  # engine -> its last transition seen (wall, gen)
-        self._endpoints: dict[str, dict] = {}  # engine -> the endpoints its agent last said
+        #: engine -> what its agent last said of where it is reached and what it reloads
+        self._endpoints: dict[str, tuple[dict, dict]] = {}
         self._pid_ns: dict[int | None, bool | None] = {}  # engine PID -> own PID namespace
         self._gc_at = 0.0  # when the coordinator next forgets old operations (fleet.gc)
         self._stop = threading.Event()
         self._nudge = threading.Event()
+        self._publishing = threading.Lock()
         self._thread: threading.Thread | None = None
         self._fencing: threading.Thread | None = None
         #: when etcd last answered this node (a lease renewal, a registration)
@@ -430,8 +405,14 @@ class FleetNode:
                 self.conflicts[name] = owner
 
     def publish(self, names: list[str]) -> None:
+        """Write what changed of ``names``' records: the rounds, and a migration's adopt as
+        soon as the engine runs here (one at a time: none writes what it read before)."""
         if not names:
             return
+        with self._publishing:
+            self._publish(names)
+
+    def _publish(self, names: list[str]) -> None:
         # an engine a migration is dumping here or holds stopped answers nothing: it is
         # published out of reach without asking (asking waited out a 2 s timeout)
         stopped = self.migration.stopped if self.migration is not None else set()
@@ -479,16 +460,16 @@ class FleetNode:
             self._moved[view.engine] = (last.wall, last.generation)
             self._last_ops[view.engine] = self._last_op_of(view.engine)
         if s is not None and s.endpoints:
-            self._endpoints[view.engine] = dict(s.endpoints)
+            self._endpoints[view.engine] = (dict(s.endpoints), dict(s.reload_files))
         # an agent out of reach (stopped for a dump, say) keeps the endpoints it last had:
         # clients following the engine still know where to ask
-        said = s.endpoints if s is not None and s.endpoints else self._endpoints.get(
-            view.engine, {})
+        said, reloads = self._endpoints.get(view.engine, ({}, {}))
         return EngineRecord(
             engine=view.engine, node=self.fleet.node, state=s.state if s else None,
             generation=s.generation if s else None, holder=view.holder,
             last_op=self._last_ops.get(view.engine), labels=dict(eng.labels),
             endpoints=published_endpoints(said, eng.control, self.fleet.address),
+            reload_files=reloads,
             reachable=view.reachable,
             pid=s.pid if s else None, since=last.wall if last is not None else None,
             own_pid_namespace=self._own_pid_namespace(s.pid if s else None),

@@ -77,12 +77,16 @@ class EngineRecord(msgspec.Struct, kw_only=True):
     since: float | None = None
     #: wall time the node wrote this record
     updated: float = 0.0
+    #: memory tag -> the file a level-2 re-wake reads it back from (``StatusReply``): what
+    #: a migration's target must read byte for byte the same
+    reload_files: dict[str, str] = {}
 
     def content(self) -> tuple:
         """What a change is: everything but ``updated``."""
         return (self.state, self.generation, self.holder, self.last_op,
                 tuple(sorted(self.labels.items())), tuple(sorted(self.endpoints.items())),
-                self.reachable, self.pid, self.since, self.node)
+                self.reachable, self.pid, self.since, self.node,
+                tuple(sorted(self.reload_files.items())))
 
 
 class FleetOp(msgspec.Struct, kw_only=True):
@@ -156,6 +160,9 @@ class Migration(msgspec.Struct, kw_only=True):
     transport: ImageTransport | None = None
     #: the node-local prepare's parameters (drain mode, its timeout, level)
     params: dict[str, Param] = {}
+    #: memory tag -> the file a level-2 re-wake reads it back from, as the engine's record
+    #: said when the migration was asked for (the target must read the same bytes there)
+    reload_files: dict[str, str] = {}
     #: the step that runs now (``started``: in its node's inbox), or the one to start next
     step: MigrationStep | None = None
     started: bool = False

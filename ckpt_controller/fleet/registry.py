@@ -1,7 +1,8 @@
 """The fleet as its readers see it: every node and engine etcd holds in one view, and where
 one engine is reached now.
 
-``read`` takes one consistent snapshot (two ranges, nodes and engines, at one revision) and
+``published_endpoints`` is what a node publishes of an engine's endpoints (a wildcard host
+given the node's address). ``read`` takes one consistent snapshot (two ranges, nodes and engines, at one revision) and
 joins them: an engine whose node has no live record (its lease expired, or it stopped) is
 shown with ``node_up`` false and its last known state. ``engine_endpoint`` reads one engine's
 published endpoint. ``Resolver`` is what the fleet gives the clients that follow an engine
@@ -13,7 +14,8 @@ and JSON), ``engine.client`` and ``adapters.vllm.follow`` (resolver users).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -25,6 +27,34 @@ from ckpt_controller.fleet.keys import Keys
 
 #: the version of ``fleet status --json``'s shape
 VIEW_VERSION = 1
+
+
+#: hosts an endpoint binds to for every address: clients cannot reach the engine there
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", "[::]"})
+
+
+def published_endpoints(endpoints: dict[str, str], control: str, address: str) -> dict[str, str]:
+    """What an engine record publishes: the agent's endpoints (``StatusReply.endpoints``),
+    each tcp:// one bound to a wildcard host given this node's ``[fleet] address`` instead;
+    ``control`` (the configured one) when the agent names none (an older agent, or none
+    reached)."""
+    out = {kind: reachable_at(endpoint, address) for kind, endpoint in endpoints.items()}
+    out.setdefault("control", control)
+    return out
+
+
+def reachable_at(endpoint: str, address: str) -> str:
+    """``endpoint`` (``tcp://``, ``http://`` or ``https://``) with a wildcard host (0.0.0.0,
+    *, ::) replaced by ``address`` (an IPv6 address in brackets); any other endpoint as it
+    is. An http URL keeps its path."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "http", "https"):
+        return endpoint
+    authority, slash, path = rest.partition("/")
+    host, sep, port = authority.rpartition(":")
+    if not sep or host not in WILDCARD_HOSTS:
+        return endpoint
+    return f"{scheme}://{f'[{address}]' if ':' in address else address}:{port}{slash}{path}"
 
 
 class EngineRow(msgspec.Struct, kw_only=True):
@@ -95,7 +125,10 @@ def engine_endpoint(client: Etcd, keys: Keys, engine: str, kind: str = "api") ->
 class Resolver:
     """Where an engine is reached now, by name, from the fleet's registry: a client that
     follows an engine across migrations calls it (``resolver(engine, kind)``: the endpoint
-    of ``kind``, ``api`` or ``http``) and ``close``s it with itself.
+    of ``kind``, ``api`` or ``http``) and ``close``s it with itself. ``watch(engine, wake)``
+    calls ``wake()`` (on a thread of its own) whenever the engine's record changes, so the
+    client looks it up again at once: a migration's target publishes the record as soon as
+    the engine runs there.
 
     ``etcd``: client URLs (a comma-separated string or a list), or an ``Etcd`` (closed with
     the resolver); ``prefix``: the fleet's keys (``[fleet] prefix``); ``ca_cert``, ``cert``,
@@ -113,9 +146,18 @@ class Resolver:
             self.etcd = Etcd([u for u in urls if u], ca_cert=ca_cert, cert=cert, key=key,
                              **extra)
         self.keys = Keys(prefix)
+        self._stop = threading.Event()
 
     def __call__(self, engine: str, kind: str) -> str:
         return engine_endpoint(self.etcd, self.keys, engine, kind)
 
+    def watch(self, engine: str, wake: Callable[[], None]) -> None:
+        """``wake()`` at each change of ``engine``'s record (and when the watch is made
+        again after etcd was away), until ``close``."""
+        key = self.keys.engine(engine)
+        threading.Thread(target=self.etcd.watch, args=(key, key + "\x00", wake, self._stop),
+                         name=f"registry-watch-{engine}", daemon=True).start()
+
     def close(self) -> None:
+        self._stop.set()
         self.etcd.close()

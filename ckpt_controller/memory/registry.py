@@ -158,6 +158,13 @@ class MemoryRegistry:
         """Tag -> bytes of its distinct storages (as registered, also while released)."""
         return {name: tag.nbytes for name, tag in dict(self._tags).items()}
 
+    def reload_files(self) -> dict[str, str]:
+        """Tag -> the safetensors file a level-2 re-wake reads it back from (preserved tags
+        registered with a ``source``): what a node that restores this engine's image must
+        be able to read, byte for byte the same (a migration checks it before the dump)."""
+        return {name: str(tag.source) for name, tag in dict(self._tags).items()
+                if tag.preserve and tag.source is not None}
+
     # ---------------------------------------------------------------- planning
 
     def plan(self, level: int | None = None, tags: Sequence[str] | None = None) -> ReleasePlan:

@@ -125,6 +125,8 @@ class StatusReply(msgspec.Struct, kw_only=True, tag=True):
     #: reference engine's requests), ``http`` (a vLLM server); a wildcard host (0.0.0.0, *,
     #: ::) is left as it is: a fleet node publishes its own address in its place
     endpoints: dict[str, str] = {}
+    #: tag -> the file a level-2 re-wake reads it back from (``MemoryManager.reload_files``)
+    reload_files: dict[str, str] = {}
 
 
 class PrepareReply(msgspec.Struct, kw_only=True, tag=True):

@@ -25,7 +25,7 @@ from ckpt_controller.errors import (
     UnreachableError,
     UsageError,
 )
-from ckpt_controller.fleet.node import published_endpoints, reachable_at
+from ckpt_controller.fleet.registry import published_endpoints, reachable_at
 from ckpt_controller.fleet.registry import Resolver
 from support.cli import ckptctl
 from support.config import node_toml
@@ -339,6 +339,46 @@ def test_a_client_follows_an_engine_through_the_registry(etcd, engine, spawn_ref
     finally:
         c.close()
         ctl.restore()  # the kept requests end there, unheard: the shared engine goes on
+        ctl.close()
+
+
+@pytest.mark.fleet
+def test_a_client_moves_when_the_watched_record_changes_not_after_a_silence(
+        etcd, engine, spawn_reference):
+    """The resolver's watch wakes the client: with a silence of ten minutes needed to look
+    again, an idle client moves as soon as the record names another endpoint, and one blocked
+    in a long ``poll`` on a silent engine (kept by a prepare) moves within that same call and
+    hears from the new engine before the call ends (without the watch: ten minutes)."""
+    other = spawn_reference("fl3")
+    _record(etcd, "llama-w", {"api": other.api, "control": other.control}, node="n2")
+    c = EngineClient.for_engine("llama-w", Resolver(",".join(etcd.urls)), follow_after_s=600)
+    ctl = AgentClient(engine.control, timeout_s=30)
+    prepared = None
+    try:
+        assert c.endpoint == other.api
+        _record(etcd, "llama-w", {"api": engine.api, "control": engine.control})
+        wait_until(lambda: c.poll(0.05) is not None and c.moves == [engine.api],
+                   what="the idle client on the endpoint the record names now")
+        with EngineClient(engine.api) as ref:
+            want = ref.generate([3, 1, 4], 300).token_ids
+        rid = c.submit([3, 1, 4], 300)
+        while not c.requests[rid].token_ids:
+            c.poll(0.1)
+        prepared = ctl.prepare(drain="keep", level=2)
+        assert prepared.drain.kept == 1  # silent from now on
+        _record(etcd, "llama-w", {"api": other.api, "control": other.control}, node="n2")
+        c.poll(600)  # one call: woken by the watch, moved, answered there (it ran anew)
+        assert c.moves == [engine.api, other.api]
+        assert c.requests[rid].heard
+        deadline = deadline_in(120)
+        while not c.requests[rid].ended:
+            assert time.monotonic() < deadline, "the request never ended after the move"
+            c.poll(0.2)
+        assert c.requests[rid].token_ids == want
+    finally:
+        c.close()
+        if prepared is not None:  # the kept request ends there, unheard: it goes on
+            ctl.restore()
         ctl.close()
 
 

@@ -308,6 +308,10 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
             assert doc["migration"]["outcome"] == "moved", doc
             assert [d["step"] for d in doc["migration"]["done"]] == [
                 "receive", "send", "adopt", "finish"]
+            # level 2 (the nodes' default): n2 read the weight file m0 re-wakes from, and it
+            # was the same as n1's, before n1 prepared it
+            assert [line[66:] for line in doc["migration"]["done"][0]["detail"]["weights"]] \
+                == [rec["reload_files"]["weights"]]
             # the kept requests ended on n2 with exactly the tokens of an engine never moved
             assert [client.requests[i].token_ids for i in kept] == want
             # kept, not run again: each was queued once, on n1, and finished on n2

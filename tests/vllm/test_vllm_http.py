@@ -35,6 +35,9 @@ class Stand:
 
     def __init__(self, refuse: int = 0) -> None:
         self.refuse, self.seen, self.healthy = refuse, 0, True
+        #: cleared: completions wait for it (a server stopped mid-request, as a dumped one)
+        self.answering = threading.Event()
+        self.answering.set()
         stand = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -67,6 +70,7 @@ class Stand:
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.path == "/v1/completions":
                     stand.seen += 1
+                    stand.answering.wait(60)
                     if stand.seen <= stand.refuse:
                         self._send(503, b'{"error": "paused"}', extra=[("Retry-After", "0.1")])
                         return
@@ -95,6 +99,52 @@ def stand():
     yield make
     for s in made:
         s.close()
+
+
+class MovingResolver:
+    """A resolver that watches: ``move(url)`` names another URL and wakes the watcher."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.wakes = url, []
+
+    def __call__(self, engine: str, kind: str) -> str:
+        return self.url
+
+    def watch(self, engine: str, wake) -> None:
+        self.wakes.append(wake)
+
+    def move(self, url: str) -> None:
+        self.url = url
+        for wake in self.wakes:
+            wake()
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_watched_vllm_request_is_sent_again_at_once_where_the_registry_names(stand):
+    """A request stuck on a stopped server (the source, dumped) is sent again at the new URL
+    as soon as the resolver's watch says the engine moved, not when the old connection
+    breaks (here: never, until the test lets the old server go)."""
+    from ckpt_controller.adapters.vllm.follow import FollowingVllm
+
+    source, target = stand(), stand()
+    source.answering.clear()
+    resolver = MovingResolver(source.url)
+    client = FollowingVllm("v0", resolver, timeout_s=60)
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(client.complete("hi", 4)), daemon=True)
+    try:
+        t.start()
+        wait_until(lambda: source.seen == 1, what="the request at the stopped source")
+        resolver.move(target.url)
+        t.join(scaled(10))
+        assert box and box[0].text == " hello", box
+        assert client.moves == [target.url] and target.seen == 1
+    finally:
+        source.answering.set()
+        t.join(scaled(10))
+        client.close()
 
 
 def test_metrics_are_summed_over_engines_and_reasons():

@@ -259,6 +259,9 @@ class VllmEngine(EngineHooks):
     def registered_bytes(self) -> dict[str, int]:
         return {}  # vLLM does not tell; the memory reports measure the process tree
 
+    def reload_files(self) -> dict[str, str]:
+        return {}  # vLLM reloads from its own model folder, which it does not list
+
     def plan(self, level: int | None = None, tags: list[str] | None = None) -> _Plan:
         if tags:
             unknown = sorted(set(tags) - set(_TAGS))

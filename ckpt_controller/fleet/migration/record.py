@@ -83,7 +83,8 @@ def submit(client: e.Etcd, keys: Keys, spec: KindSpec, *, op_id: str, engine: st
     op = r.FleetOp(op_id=op_id, kind=spec.kind, engines=[engine], params=params,
                    max_unavailable=1, created=time.time())
     part = r.Part(engine=engine, node=source, local_op=ops.local_op_id(op_id, engine))
-    mig = r.Migration(op_id=op_id, engine=engine, source=source, target=to, params=params)
+    mig = r.Migration(op_id=op_id, engine=engine, source=source, target=to, params=params,
+                      reload_files=dict(record.reload_files))
     return ops.create(client, keys, op, [e.put_op(keys.migration(op_id), r.encode(mig)),
                                          e.put_op(keys.part(op_id, engine), r.encode(part))])
 

@@ -31,7 +31,7 @@ from ckpt_controller.errors import CkptError, OperationError, UnreachableError, 
 from ckpt_controller.fleet import etcd as e
 from ckpt_controller.fleet import local
 from ckpt_controller.fleet import records as r
-from ckpt_controller.fleet.migration import procs
+from ckpt_controller.fleet.migration import procs, weights
 from ckpt_controller.fleet.migration.fence import Fence
 from ckpt_controller.fleet.migration.record import capture_op, local_ids, read, write_end
 from ckpt_controller.fleet.migration.settle import Settler
@@ -152,6 +152,7 @@ class NodeMigration:
     def receive(self, task: r.Task) -> Ended:
         from ckpt_controller import criu_images
 
+        checked = self._weights_here(task)
         mig = self.config.migration
         folder = self._folder(task)
         if mig.image_transport == ImageTransport.SHARED:
@@ -160,7 +161,8 @@ class NodeMigration:
             folder.parent.mkdir(parents=True, exist_ok=True)
             if not folder.is_symlink():
                 _replace_with_link(folder, shared)
-            return Ended(detail={"transport": ImageTransport.SHARED, "folder": str(shared)})
+            return Ended(detail={"transport": ImageTransport.SHARED, "folder": str(shared),
+                                 **checked})
         address = resolve_host(self._address())  # looked up again at each receive
         with self._lock:
             server = self._page_servers.get(task.op_id)
@@ -170,7 +172,19 @@ class NodeMigration:
                                                 port=mig.page_server_port)
                 self._page_servers[task.op_id] = server
         return Ended(detail={"transport": ImageTransport.PAGE_SERVER,
-                             "page_server": f"{address}:{server.port}", "folder": str(folder)})
+                             "page_server": f"{address}:{server.port}", "folder": str(folder),
+                             **checked})
+
+    def _weights_here(self, task: r.Task) -> dict:
+        """Before anything moves, when the source may prepare at level 2 (asked, or its
+        node's default): the SHA-256 of each file the engine re-wakes from, as read here
+        (``weights``); one this node cannot read fails the receive (``weights.read_all``)."""
+        mig, _ = read(self.node.etcd, self.node.keys, task.op_id)
+        level = task.params.get("level")
+        if mig is None or not mig.reload_files or not (level is None or weights.reloads(level)):
+            return {}
+        return {"weights": weights.lines(weights.read_all(
+            mig.reload_files, self.node.fleet.node, task.engine))}
 
     # ---------------------------------------------------------------- send
 
@@ -189,6 +203,17 @@ class NodeMigration:
     def _send(self, task: r.Task) -> Ended:
         mig, _ = read(self.node.etcd, self.node.keys, task.op_id)
         received = mig.detail(Step.RECEIVE)
+        level = task.params.get("level")
+        if level is None:
+            level = self.config.prepare_defaults(task.engine).level
+        if weights.reloads(level) and mig.reload_files:
+            # the target must re-wake the very weights this engine holds: compared before
+            # anything happens to the engine (a difference: it stays, untouched)
+            try:
+                weights.compare(mig.reload_files, received.get("weights") or [],
+                                self.node.fleet.node, mig.target, task.engine)
+            except OperationError as err:
+                return Ended(err.message, {"state": CheckpointState.RUNNING})
         ids = local_ids(task.op_id, task.engine)
         eng = self.config.engine(task.engine)
         self.leaving.add(task.engine)
@@ -294,6 +319,7 @@ class NodeMigration:
         finally:
             self.arriving.discard(task.engine)
         if restored.status == OutcomeStatus.SUCCEEDED:
+            self._publish(task.engine)  # RUNNING here, now rather than at the next round
             return Ended(detail={"state": CheckpointState.RUNNING})
         why = local.why(restored, task.engine)
         if self._owner(task.engine) == self.node.fleet.node:
@@ -422,6 +448,20 @@ class NodeMigration:
         self.node.conflicts.pop(engine, None)
         self.arriving.discard(engine)
         log.info("fleet: %s is now this node's (migration %s)", engine, op_id)
+        # its record names this node from now on (the re-admission does not wait for it):
+        # clients that watch it connect while the engine is re-admitted, and their kept
+        # requests are answered the moment it runs
+        threading.Thread(target=self._publish, args=(engine,), name=f"publish-{engine}",
+                         daemon=True).start()
+
+    def _publish(self, engine: str) -> None:
+        """``engine``'s record written now rather than at the next round (up to
+        ``publish_interval_s`` away)."""
+        try:
+            self.node.publish([engine])
+        except CkptError as err:  # policy: the next round writes it
+            log.warning("fleet: publishing %s after its take-over failed: %s", engine,
+                        err.message)
 
     # ---------------------------------------------------------------- finish, resume, abandon
 

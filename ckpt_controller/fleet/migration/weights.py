@@ -1,0 +1,102 @@
+"""The weight files a level-2 migration leaves behind: checked on both nodes before the dump.
+
+At level 2 the source drops the engine's weights before the dump, so the image holds none, and
+the target's re-wake reads them back from the file the engine registered them from
+(``StatusReply.reload_files``, published in the engine's record and copied into the
+migration's). The target must read there byte for byte what the source's engine holds, or the
+re-wake fails its bit-exact check after the engine was already stopped. So, before anything
+happens to the engine: the target's ``receive`` reads each file and gives its SHA-256
+(``read_all``: a file it cannot read fails the receive, and the migration stays), and the
+source's ``send`` compares them with its own (``compare``: a difference fails the send before
+the prepare, and the migration stays). Digests are kept per file while its size, inode and
+modification time stay (``digest``), so a second migration does not read it again.
+Neighbours: ``steps`` (receive, send), ``records`` (``Migration.reload_files``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import stat
+import threading
+
+from ckpt_controller.errors import OperationError
+from ckpt_controller.vocab import ReleaseLevel
+
+log = logging.getLogger("ckpt_controller.fleet")
+
+#: a file this large is said in the log before it is read (seconds of reading)
+SAY_ABOVE_BYTES = 1 << 30
+
+_lock = threading.Lock()
+#: path -> ((device, inode, size, mtime_ns), sha256 hex)
+_known: dict[str, tuple[tuple[int, int, int, int], str]] = {}
+
+
+def digest(path: str) -> str:
+    """The SHA-256 of ``path`` (hex), read again only when the file changed. ``OSError`` when
+    it cannot be read; ``OperationError`` when it is no regular file (opened without
+    blocking: a FIFO never wedges the step)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OperationError(f"{path} is not a regular file", path=path)
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with _lock:
+            known = _known.get(path)
+        if known is not None and known[0] == key:
+            return known[1]
+        if st.st_size > SAY_ABOVE_BYTES:
+            log.info("fleet: reading %s (%.1f GiB) for its checksum", path, st.st_size / 2**30)
+        value = hashlib.file_digest(f, "sha256").hexdigest()
+    with _lock:
+        _known[path] = (key, value)
+    return value
+
+
+def read_all(files: dict[str, str], node: str, engine: str) -> dict[str, str]:
+    """Path -> SHA-256 of each file in ``files`` (tag -> path), as this node reads it; an
+    ``OperationError`` naming the first it cannot read. ``lines`` writes it as a step's
+    detail."""
+    out = {}
+    for tag, path in sorted(files.items()):
+        try:
+            out[path] = digest(path)
+        except (OSError, OperationError) as err:
+            why = err.message if isinstance(err, OperationError) else (
+                err.strerror or str(err))
+            raise OperationError(
+                f"{node} cannot read {path}, the file {engine} re-wakes its {tag} from after "
+                f"a level-2 move: {why}; give {node} the same file at that path, or migrate "
+                "with --level 0", node=node, path=path, tag=tag) from None
+    return out
+
+
+def lines(digests: dict[str, str]) -> list[str]:
+    """``read_all``'s answer as ``sha256sum`` prints it: ``<hex>  <path>`` per file."""
+    return [f"{value}  {path}" for path, value in sorted(digests.items())]
+
+
+def compare(files: dict[str, str], theirs: list, node: str, target: str,
+            engine: str) -> None:
+    """The target's digests (``theirs``, its ``lines``) against this node's of the same
+    files: an ``OperationError`` naming the first file that differs or that the target did
+    not read."""
+    said = {str(line)[66:]: str(line)[:64] for line in theirs}
+    mine = read_all(files, node, engine)
+    for path, value in mine.items():
+        there = said.get(path)
+        if there != value:
+            said = f"sha256 {str(there)[:12]}" if there else "not read there"
+            raise OperationError(
+                f"{path} differs on {target} ({said}) from {node}'s (sha256 {value[:12]}): "
+                f"after a level-2 move {engine} would re-wake other weights there; put the "
+                f"same file on {target}, or migrate with --level 0", path=path,
+                node=node, target=target)
+
+
+def reloads(level) -> bool:
+    """Whether a prepare at ``level`` drops weights that the re-wake reads from their file."""
+    return level is not None and int(level) == ReleaseLevel.DISCARD

@@ -1,0 +1,70 @@
+"""``fleet.migration.weights`` alone: the digests of the files a level-2 re-wake reads, and the
+refusals the migration's receive and send give (no etcd, no nodes)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from ckpt_controller.errors import OperationError
+from ckpt_controller.fleet.migration import weights
+
+
+def _file(tmp_path, name: str, data: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+def test_the_digest_is_sha256_and_read_again_only_when_the_file_changed(tmp_path, monkeypatch):
+    path = _file(tmp_path, "w.safetensors", b"x" * 4096)
+    assert weights.digest(path) == hashlib.sha256(b"x" * 4096).hexdigest()
+    reads = []
+    real = hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda f, alg: reads.append(1) or real(f, alg))
+    weights.digest(path)
+    assert reads == []  # unchanged: the kept digest
+    with open(path, "r+b") as f:  # same size, other bytes, a later modification time
+        f.write(b"y")
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    assert weights.digest(path) == hashlib.sha256(b"y" + b"x" * 4095).hexdigest()
+    assert reads == [1]
+
+
+def test_what_the_target_cannot_read_is_named_and_a_fifo_never_blocks(tmp_path):
+    missing = str(tmp_path / "gone.safetensors")
+    with pytest.raises(OperationError) as err:
+        weights.read_all({"weights": missing}, "n2", "m0")
+    assert err.value.message == (
+        f"n2 cannot read {missing}, the file m0 re-wakes its weights from after a level-2 "
+        "move: No such file or directory; give n2 the same file at that path, or migrate "
+        "with --level 0")
+    fifo = tmp_path / "w.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OperationError, match="is not a regular file"):
+        weights.read_all({"weights": str(fifo)}, "n2", "m0")  # returns: nobody writes it
+    with pytest.raises(OperationError, match="Is a directory|is not a regular file"):
+        weights.read_all({"weights": str(tmp_path)}, "n2", "m0")
+
+
+def test_the_source_refuses_weights_that_differ_or_were_not_read_there(tmp_path):
+    path = _file(tmp_path, "w.safetensors", b"abc")
+    mine = weights.read_all({"weights": path}, "n1", "m0")
+    same = weights.lines(mine)
+    assert same == [f"{hashlib.sha256(b'abc').hexdigest()}  {path}"]
+    weights.compare({"weights": path}, same, "n1", "n2", "m0")  # the same bytes: no error
+    other = [f"{hashlib.sha256(b'abd').hexdigest()}  {path}"]
+    with pytest.raises(OperationError) as err:
+        weights.compare({"weights": path}, other, "n1", "n2", "m0")
+    assert err.value.message.startswith(
+        f"{path} differs on n2 (sha256 {hashlib.sha256(b'abd').hexdigest()[:12]}) from n1's")
+    with pytest.raises(OperationError, match=r"differs on n2 \(not read there\)"):
+        weights.compare({"weights": path}, [], "n1", "n2", "m0")
+
+
+@pytest.mark.parametrize(("level", "reloads"), [(None, False), (0, False), (1, False),
+                                                (2, True)])
+def test_only_level_2_reloads_from_the_file(level, reloads):
+    assert weights.reloads(level) is reloads
