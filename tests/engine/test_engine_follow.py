@@ -231,13 +231,13 @@ def test_a_request_that_ended_while_its_client_was_cut_off_is_asked_for_again(
     port = free_port()
     eng = spawn_reference("cutoff", api=f"tcp://127.0.0.1:{port}")
     prompt = [5, 8, 13, 2]
-    with EngineClient(eng.api) as ref:
-        want = ref.generate(prompt, 300).token_ids
+    with EngineClient(eng.api) as ref:  # long enough to be in flight at the prepare on a
+        want = ref.generate(prompt, 1500).token_ids  # busy host (300 once ended before it)
     link = TcpCut(("127.0.0.1", port))
     ctl = AgentClient(eng.control, timeout_s=30)
     try:
         with EngineClient(link.endpoint) as client:
-            c = client.requests[client.submit(prompt, 300)]
+            c = client.requests[client.submit(prompt, 1500)]
             while not c.token_ids:
                 client.poll(0.1)
             assert ctl.prepare(drain="keep", level=0).drain.kept == 1

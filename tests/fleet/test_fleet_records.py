@@ -347,6 +347,6 @@ def test_a_round_does_not_ask_an_engine_a_migration_froze_here():
         record=lambda view, eng: SimpleNamespace(engine=view.engine,
                                                  content=lambda: view.reachable),
         _written={}, _write=written.extend, rounds=1)
-    FleetNode.publish(node, ["a", "b"])
+    FleetNode._publish(node, ["a", "b"])  # (``publish`` is it under a lock)
     assert asked == ["a"]
     assert {(rec.engine, rec.content()) for rec in written} == {("a", True), ("b", False)}
