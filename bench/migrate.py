@@ -270,6 +270,23 @@ def timeline(op: dict, migration: dict, command_s: float) -> dict:
             "command_s": command_s - recorded}
 
 
+def phases(nodes: Nodes) -> dict[str, dict[str, float]]:
+    """The node-local operations of the move, phase by phase (seconds, from each node's
+    journal: ``ckptctl history --op-id``): the source's prepare and capture, the target's
+    restore (its pre-restore phase is the criu-restore hook)."""
+    from ckpt_controller.fleet.migration.record import local_ids
+
+    ids = local_ids("mv", "m0")
+    out: dict[str, dict[str, float]] = {}
+    for node, kind in (("n1", "prepare"), ("n1", "capture"), ("n2", "restore")):
+        r = nodes.controllers[node].ckptctl("history", "--op-id", ids[kind], "--json",
+                                            timeout=60)
+        doc = json.loads(r.stdout)
+        out[kind] = {rec["data"]["name"]: rec["data"]["duration_s"]
+                     for rec in doc["records"] if rec["record_type"] == "phase"}
+    return out
+
+
 def engine_args(args) -> list[str]:
     return ["--model", args.model, "--kv-blocks", str(args.kv_blocks)]
 
@@ -283,6 +300,7 @@ def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bo
         cold = cold_start(nodes)
         moved = migrate(nodes, args.kept, args.max_tokens, args.follow_after, args.level)
         img = image(moved["migration"])
+        parts = phases(nodes)
         times = timeline(moved["op"], moved["migration"], moved["migrate_s"])
         if img["transport"] != transport:
             raise RuntimeError(f"the target received the image by {img['transport']}, not "
@@ -295,6 +313,7 @@ def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bo
            "downtime_s": moved["downtime_s"], "migrate_s": moved["migrate_s"],
            "client_wait_s": moved["client_wait_s"],
            "first_token_after_ready_s": moved["first_token_after_ready_s"],
+           "phases_s": parts,
            "kept_across": moved["kept_across"], "requests": moved["requests"], **img,
            **times}
     run["downtime_over_cold"] = run["downtime_s"] / run["cold_s"]
@@ -309,6 +328,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         med = {k: median([r[k] for r in rows]) for k, v in rows[0].items()
                if isinstance(v, (int, float))}
         med["steps_s"] = {s: median([r["steps_s"][s] for r in rows]) for s in STEPS}
+        med["phases_s"] = {op: {ph: median([r["phases_s"][op].get(ph, 0.0) for r in rows])
+                                for ph in rows[0]["phases_s"][op]}
+                           for op in rows[0]["phases_s"]}
         out[transport] = {"median": med, "runs": rows}
     return out
 
@@ -358,6 +380,12 @@ def print_tables(res: dict) -> None:
           [[t, m["pages_bytes"] / mib, m["rest_bytes"] / 1024, m["small_packed_bytes"] / 1024,
             m["moved_bytes"] / mib, m["moved_over_image"], m["frozen_s"], m["pages_write_s"],
             m["restore_s"]] for t, m in ((t, tr[t]["median"]) for t in tr)])
+    for op in next(iter(tr.values()))["median"]["phases_s"]:
+        names = list(next(iter(tr.values()))["median"]["phases_s"][op])
+        table(f"the {op} of the move, phase by phase, seconds (median; from the node's "
+              "journal)", ["transport", *names],
+              [[t, *(m["phases_s"][op].get(n, 0.0) for n in names)]
+               for t, m in ((t, tr[t]["median"]) for t in tr)])
     table("the migration's steps and waits, seconds (median; waits: the coordinator's "
           "before the first step, between steps, after the last; the command's own)",
           ["transport", *STEPS, "before", "between", "after", "command", "whole"],

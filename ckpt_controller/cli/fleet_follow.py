@@ -12,6 +12,7 @@ Neighbours: ``cli.fleet_cmd`` (the commands), ``fleet.ops`` and ``fleet.migratio
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 from ckpt_controller.cli.output import emit
@@ -155,14 +156,28 @@ def follow_migration(c, keys, op_id: str, progress: bool, every_s: float = 0.2,
                      lines: bool = False, timeout_s: float | None = None):
     """Wait for migration ``op_id`` to end: (its operation, its record); prints each step's
     start and end on stderr with ``progress``, or each ended step as a JSON line on stdout
-    with ``lines``. ``timeout_s``: as ``follow``'s."""
+    with ``lines``. ``timeout_s``: as ``follow``'s. Woken by a watch of the two keys as
+    soon as either changes (read again every ``every_s`` as well: a watch may be lost)."""
+    stop = threading.Event()
+    try:
+        return _follow_migration(c, keys, op_id, progress, every_s, lines, timeout_s, stop)
+    finally:
+        stop.set()
+
+
+def _follow_migration(c, keys, op_id, progress, every_s, lines, timeout_s, stop):
     from ckpt_controller.fleet import ops
     from ckpt_controller.fleet.migration import record
 
     start = time.monotonic()
     said: set[tuple] = set()
     patient = Patient(op_id)
+    changed = threading.Event()
+    for key in (keys.op(op_id), keys.migration(op_id)):
+        threading.Thread(target=c.watch, args=(key, key + "\x00", changed.set, stop),
+                         name="follow-watch", daemon=True).start()
     while True:
+        changed.clear()
         op = patient.read(lambda: ops.read_op(c, keys, op_id))
         mig, _ = patient.read(lambda: record.read(c, keys, op_id))
         if op is None or mig is None:
@@ -189,7 +204,7 @@ def follow_migration(c, keys, op_id: str, progress: bool, every_s: float = 0.2,
             step = (f"{mig.step} on {mig.node_of(mig.step)}" if mig.started
                     else f"its {mig.step or 'first'} step to start")
             raise gave_up(op_id, timeout_s, f"the migration waits on {step}")
-        time.sleep(every_s)
+        changed.wait(every_s)
 
 
 def parts_exit_code(op, parts) -> int:

@@ -5,8 +5,9 @@ the target's re-wake reads them back from the file the engine registered them fr
 (``StatusReply.reload_files``, published in the engine's record and copied into the
 migration's). The target must read there byte for byte what the source's engine holds, or the
 re-wake fails its bit-exact check after the engine was already stopped. So, before anything
-happens to the engine: the target's ``receive`` reads each file and gives its SHA-256
-(``read_all``: a file it cannot read fails the receive, and the migration stays), and the
+happens to the engine: the target's ``receive`` reads each file and gives its digest
+(``read_all``, ``chunked_sha256``: a file it cannot read fails the receive, and the
+migration stays), and the
 source's ``send`` compares them with its own (``compare``: a difference fails the send before
 the prepare, and the migration stays). Digests are kept per file while its size, inode and
 modification time stay (``digest``), so a second migration does not read it again.
@@ -20,6 +21,7 @@ import logging
 import os
 import stat
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from ckpt_controller.errors import OperationError
 from ckpt_controller.vocab import ReleaseLevel
@@ -28,6 +30,9 @@ log = logging.getLogger("ckpt_controller.fleet")
 
 #: a file this large is said in the log before it is read (seconds of reading)
 SAY_ABOVE_BYTES = 1 << 30
+#: the pieces hashed side by side (``chunked_sha256``), and each read's size
+CHUNK_BYTES = 64 << 20
+READ_BYTES = 1 << 20
 
 _lock = threading.Lock()
 #: path -> ((device, inode, size, mtime_ns), sha256 hex)
@@ -35,9 +40,9 @@ _known: dict[str, tuple[tuple[int, int, int, int], str]] = {}
 
 
 def digest(path: str) -> str:
-    """The SHA-256 of ``path`` (hex), read again only when the file changed. ``OSError`` when
-    it cannot be read; ``OperationError`` when it is no regular file (opened without
-    blocking: a FIFO never wedges the step)."""
+    """``chunked_sha256`` of ``path`` (hex), read again only when the file changed.
+    ``OSError`` when it cannot be read; ``OperationError`` when it is no regular file
+    (opened without blocking: a FIFO never wedges the step)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with open(fd, "rb") as f:
         st = os.fstat(fd)
@@ -50,14 +55,35 @@ def digest(path: str) -> str:
             return known[1]
         if st.st_size > SAY_ABOVE_BYTES:
             log.info("fleet: reading %s (%.1f GiB) for its checksum", path, st.st_size / 2**30)
-        value = hashlib.file_digest(f, "sha256").hexdigest()
+        value = chunked_sha256(f.fileno(), st.st_size)
     with _lock:
         _known[path] = (key, value)
     return value
 
 
+def chunked_sha256(fd: int, size: int) -> str:
+    """The SHA-256 of the SHA-256s of the file's ``CHUNK_BYTES`` pieces, in order, and its
+    size: each piece read and hashed on a thread of its own (hashing gives up the GIL), so a
+    file of tens of GiB takes its size over this host's cores, not over one."""
+    pieces = max(1, -(-size // CHUNK_BYTES))
+
+    def piece(i: int) -> bytes:
+        h, at, end = hashlib.sha256(), i * CHUNK_BYTES, min(size, (i + 1) * CHUNK_BYTES)
+        while at < end:
+            buf = os.pread(fd, min(READ_BYTES, end - at), at)
+            if not buf:
+                raise OSError(f"the file ended at {at} bytes while read ({size} expected)")
+            h.update(buf)
+            at += len(buf)
+        return h.digest()
+
+    with ThreadPoolExecutor(max_workers=min(pieces, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(piece, range(pieces)))
+    return hashlib.sha256(b"".join(digests) + size.to_bytes(8, "little")).hexdigest()
+
+
 def read_all(files: dict[str, str], node: str, engine: str) -> dict[str, str]:
-    """Path -> SHA-256 of each file in ``files`` (tag -> path), as this node reads it; an
+    """Path -> digest of each file in ``files`` (tag -> path), as this node reads it; an
     ``OperationError`` naming the first it cannot read. ``lines`` writes it as a step's
     detail."""
     out = {}
@@ -75,7 +101,7 @@ def read_all(files: dict[str, str], node: str, engine: str) -> dict[str, str]:
 
 
 def lines(digests: dict[str, str]) -> list[str]:
-    """``read_all``'s answer as ``sha256sum`` prints it: ``<hex>  <path>`` per file."""
+    """``read_all``'s answer as a step's detail: ``<hex>  <path>`` per file."""
     return [f"{value}  {path}" for path, value in sorted(digests.items())]
 
 
