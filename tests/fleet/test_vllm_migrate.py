@@ -59,10 +59,10 @@ class VllmPair(Pair):
     def engine_table(self) -> str:
         return "\n" + engines_toml(("v0", f"tcp://127.0.0.1:{CONTROL_PORT}"), kind="vllm")
 
-    def start_vllm(self, node: str = "n1"):
+    def start_vllm(self, node: str = "n1", http: int = HTTP_PORT, control: int = CONTROL_PORT):
         """vLLM and its sidecar under ``vllm-launch``, in ``node``'s network namespace and a
-        PID namespace of their own, listening on wildcard addresses; io_uring off while
-        vLLM starts (CRIU cannot dump it)."""
+        PID namespace of their own, listening on wildcard addresses (ports ``http``,
+        ``control``); io_uring off while vLLM starts (CRIU cannot dump it)."""
         from ckpt_controller.procutil import ReadyProcess
 
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
@@ -75,12 +75,12 @@ class VllmPair(Pair):
             eng = ReadyProcess(
                 [*self.made.enter(self.ns[node]), "unshare", "--pid", "--fork", "setsid",
                  *CKPTCTL, "agent", "vllm-launch", "--url",
-                 f"http://0.0.0.0:{HTTP_PORT}", "--control", f"tcp://0.0.0.0:{CONTROL_PORT}",
+                 f"http://0.0.0.0:{http}", "--control", f"tcp://0.0.0.0:{control}",
                  "--name", "v0", "--heartbeat", "1.0", "--log-dir", str(self.d / "v0-logs"),
                  "--", *VLLM_CPU, str(VLLM_PY), "-m",
                  "vllm.entrypoints.launchers.api_server.entry", "--model", str(self.model_dir),
                  "--enforce-eager", "--dtype", "float32", "--host", "0.0.0.0",
-                 "--port", str(HTTP_PORT)],
+                 "--port", str(http)],
                 self.d / "v0.log", "vLLM launcher v0", cwd=ROOT, env=env, timeout_s=420)
         finally:
             URING.write_text(old)
