@@ -270,13 +270,13 @@ def timeline(op: dict, migration: dict, command_s: float) -> dict:
             "command_s": command_s - recorded}
 
 
-def phases(nodes: Nodes) -> dict[str, dict[str, float]]:
+def phases(nodes: Nodes, op_id: str = "mv", engine: str = "m0") -> dict[str, dict[str, float]]:
     """The node-local operations of the move, phase by phase (seconds, from each node's
     journal: ``ckptctl history --op-id``): the source's prepare and capture, the target's
     restore (its pre-restore phase is the criu-restore hook)."""
     from ckpt_controller.fleet.migration.record import local_ids
 
-    ids = local_ids("mv", "m0")
+    ids = local_ids(op_id, engine)
     out: dict[str, dict[str, float]] = {}
     for node, kind in (("n1", "prepare"), ("n1", "capture"), ("n2", "restore")):
         r = nodes.controllers[node].ckptctl("history", "--op-id", ids[kind], "--json",

@@ -38,9 +38,12 @@ from _common import ROOT, median, parser, table, write
 
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "fleet")]
 import test_vllm_migrate as tv  # noqa: E402  (the two nodes the vLLM migration test uses)
+from migrate import phases  # noqa: E402  (each node-local operation's phases)
 from support.processes import kill_naming  # noqa: E402
 from support.timing import wait_until  # noqa: E402
 from support.vllm import make_tiny_llama  # noqa: E402
+
+from ckpt_controller.criu_images import read_stats  # noqa: E402
 
 PROMPTS = ["the engine moved to", "a second node answers", "checkpoints carry", "four"]
 COLD_HTTP, COLD_CONTROL = tv.HTTP_PORT + 20, tv.CONTROL_PORT + 20
@@ -108,7 +111,8 @@ def migrate(pair: tv.VllmPair, args) -> dict:
                what="every client answered twice by n1")
     t0 = time.monotonic()
     cmd = [sys.executable, "-m", "ckpt_controller", "--etcd", pair.url, "fleet", "migrate",
-           "v0", "--to", "n2", "--drain", args.drain, "--op-id", "mvv", "--json"]
+           "v0", "--to", "n2", "--drain", args.drain, "--level", str(args.level),
+           "--op-id", "mvv", "--json"]
     for _ in range(5):  # vLLM on both CPUs may starve etcd: exit 4, the same --op-id goes on
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                               timeout=MOVE_TIMEOUT_S)
@@ -129,7 +133,16 @@ def migrate(pair: tv.VllmPair, args) -> dict:
     first_n2 = min(t for t, u, _ in answers if u == n2)
     wrong = sum(text != want[c.prompt] for c in clients for _, _, text in c.answers)
     doc = json.loads(done.stdout)
+    folder = pair.shared / "v0" / "mvv"
+    dump, restore = read_stats(folder / "stats-dump"), read_stats(folder / "stats-restore")
     return {"downtime_s": first_n2 - last_n1, "migrate_s": mig_s,
+            "phases_s": phases(pair, "mvv", "v0"),
+            "image_bytes": sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()),
+            "largest_files": sorted(((p.stat().st_size, p.name) for p in folder.rglob("*")
+                                     if p.is_file()), reverse=True)[:6],
+            "frozen_s": dump.get("frozen_us", 0) / 1e6,
+            "pages_write_s": dump.get("memwrite_us", 0) / 1e6,
+            "restore_s": restore.get("restore_us", 0) / 1e6,
             "answers": len(answers), "lost": sum(len(c.errors) for c in clients),
             "errors": [e for c in clients for e in c.errors][:5],
             "wrong_answers": wrong, "outcome": doc["migration"]["outcome"],
@@ -142,7 +155,7 @@ def measure(args) -> dict:
     if why is not None:
         raise SystemExit(f"bench/migrate_vllm.py: {why}")
     runs = []
-    with tempfile.TemporaryDirectory(prefix="ckpt-migv-", dir="/tmp") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ckpt-migv-", dir=args.base) as tmp:
         base = Path(tmp)
         model = make_tiny_llama(base / "tinyllama")
         for i in range(args.repeat):
@@ -162,18 +175,28 @@ def measure(args) -> dict:
                   f"{run['cold_s']:.1f} s, lost {run['lost']}", file=sys.stderr, flush=True)
     med = {k: median([r[k] for r in runs]) for k, v in runs[0].items()
            if isinstance(v, (int, float))}
-    return {"drain": args.drain, "clients": args.clients, "tokens": args.tokens,
+    return {"drain": args.drain, "level": args.level, "base": str(args.base),
+            "clients": args.clients, "tokens": args.tokens,
             "repeat": args.repeat, "median": med, "runs": runs}
 
 
 def print_tables(res: dict) -> None:
     m = res["median"]
     table(f"a vLLM moved n1 -> n2 under {res['clients']} clients (median of {res['repeat']}; "
-          f"drain {res['drain']}, {res['tokens']}-token completions)",
+          f"drain {res['drain']}, level {res['level']}, {res['tokens']}-token completions, "
+          f"images under {res['base']})",
           ["downtime s", "vLLM cold start s", "downtime / cold", "cold: ready s",
            "migration s", "answers", "lost", "wrong answers"],
           [[m["downtime_s"], m["cold_s"], m["downtime_over_cold"], m["cold_ready_s"],
             m["migrate_s"], m["answers"], m["lost"], m["wrong_answers"]]])
+    table("the image (median)", ["image MiB", "frozen s", "pages written s", "CRIU restore s"],
+          [[m["image_bytes"] / 2**20, m["frozen_s"], m["pages_write_s"], m["restore_s"]]])
+    last = res["runs"][-1]
+    table("the steps and the node-local operations' phases of the last move, seconds",
+          ["step or operation", "phases"],
+          [[step, f"{s:.2f}"] for step, s in last["steps_s"].items()]
+          + [[op, ", ".join(f"{k} {v:.2f}" for k, v in ph.items())]
+             for op, ph in last["phases_s"].items()])
 
 
 def main() -> int:
@@ -184,6 +207,14 @@ def main() -> int:
     p.add_argument("--drain", choices=["keep", "wait", "abort"], default="wait",
                    help="the migration's drain (default wait: the short completions in "
                         "flight end on n1 before the dump)")
+    p.add_argument("--level", type=int, choices=[0, 1, 2], default=1,
+                   help="what the source releases before the dump (default 1, as the vLLM "
+                        "migration test)")
+    p.add_argument("--base", type=Path, default=Path("/tmp"),
+                   help="where the nodes' folders and the shared image folder go (default "
+                        "/tmp; not under /dev/shm: a copy restored beside its original gets "
+                        "a /dev/shm of its own, so criu-restore refuses an engine that "
+                        "writes below it)")
     args = p.parse_args()
     if not (1 <= args.clients <= len(PROMPTS)) or min(args.repeat, args.tokens) < 1:
         p.error(f"--clients 1 to {len(PROMPTS)}; --repeat and --tokens at least 1")
