@@ -36,7 +36,7 @@ from ckpt_controller.fleet.coordinator import Coordinator
 from ckpt_controller.fleet.drivers import node_runners
 from ckpt_controller.fleet.keys import Keys
 from ckpt_controller.fleet.kinds import KINDS, Drive
-from ckpt_controller.fleet.migration import procs
+from ckpt_controller.fleet.migration import procs, weights
 from ckpt_controller.fleet.migration.record import local_ids
 from ckpt_controller.fleet.records import EngineRecord, NodeRecord, encode
 from ckpt_controller.fleet.registry import published_endpoints
@@ -460,6 +460,9 @@ class FleetNode:
             self._moved[view.engine] = (last.wall, last.generation)
             self._last_ops[view.engine] = self._last_op_of(view.engine)
         if s is not None and s.endpoints:
+            if s.reload_files and self._endpoints.get(view.engine, ({}, {}))[1] != \
+                    s.reload_files:  # digested ahead of a migration's send (``weights``)
+                weights.warm(s.reload_files.values())
             self._endpoints[view.engine] = (dict(s.endpoints), dict(s.reload_files))
         # an agent out of reach (stopped for a dump, say) keeps the endpoints it last had:
         # clients following the engine still know where to ask

@@ -47,6 +47,24 @@ def test_the_digest_is_a_chunked_sha256_read_again_only_when_the_file_changed(tm
     assert weights.digest(empty) == _chunked(b"", 1000)
 
 
+def test_a_node_digests_its_engines_files_ahead_and_a_send_reads_none(tmp_path,
+                                                                      monkeypatch):
+    from support.timing import wait_until
+
+    path = _file(tmp_path, "ahead.safetensors", b"z" * 5000)
+    missing = str(tmp_path / "not-there.safetensors")
+    weights.warm([path, missing])  # a file it cannot read is the migration's to say
+    wait_until(lambda: path in weights._known and not weights._warming,
+               what="the digest made in the background")
+    reads = []
+    monkeypatch.setattr(weights, "chunked_sha256", lambda fd, size: reads.append(1) or "x")
+    assert weights.read_all({"weights": path}, "n1", "m0") == {
+        path: _chunked(b"z" * 5000, weights.CHUNK_BYTES)}
+    assert reads == []
+    weights.warm([path])  # known: nothing started
+    assert not weights._warming
+
+
 def test_what_the_target_cannot_read_is_named_and_a_fifo_never_blocks(tmp_path):
     missing = str(tmp_path / "gone.safetensors")
     with pytest.raises(OperationError) as err:

@@ -10,8 +10,11 @@ happens to the engine: the target's ``receive`` reads each file and gives its di
 migration stays), and the
 source's ``send`` compares them with its own (``compare``: a difference fails the send before
 the prepare, and the migration stays). Digests are kept per file while its size, inode and
-modification time stay (``digest``), so a second migration does not read it again.
-Neighbours: ``steps`` (receive, send), ``records`` (``Migration.reload_files``).
+modification time stay (``digest``), so a second migration does not read it again, and a node
+digests the files of its engines in the background as it first publishes them (``warm``),
+so a source's send finds its own ready.
+Neighbours: ``steps`` (receive, send), ``node`` (``warm``), ``records``
+(``Migration.reload_files``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ READ_BYTES = 1 << 20
 _lock = threading.Lock()
 #: path -> ((device, inode, size, mtime_ns), sha256 hex)
 _known: dict[str, tuple[tuple[int, int, int, int], str]] = {}
+#: paths ``warm`` is digesting now
+_warming: set[str] = set()
 
 
 def digest(path: str) -> str:
@@ -80,6 +85,32 @@ def chunked_sha256(fd: int, size: int) -> str:
     with ThreadPoolExecutor(max_workers=min(pieces, os.cpu_count() or 1)) as pool:
         digests = list(pool.map(piece, range(pieces)))
     return hashlib.sha256(b"".join(digests) + size.to_bytes(8, "little")).hexdigest()
+
+
+def warm(paths) -> None:
+    """Digest ``paths`` on a thread of its own at a low priority, those not known yet: a node
+    does so for the files its engines re-wake from as it first publishes them, so that a
+    migration's send finds the source's digests ready (0.2 s of its own here, with the
+    engine generating on both cores, for the small reference model's 264 MiB)."""
+    todo = [p for p in paths if p not in _known and p not in _warming]
+    if not todo:
+        return
+    _warming.update(todo)
+
+    def run() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except OSError:  # policy: at the usual priority, then
+            pass
+        for path in todo:
+            try:
+                digest(path)
+            except (OSError, OperationError) as err:  # policy: the migration says it
+                log.debug("fleet: no digest of %s ahead of a migration: %s", path, err)
+            finally:
+                _warming.discard(path)
+
+    threading.Thread(target=run, name="weights-digest", daemon=True).start()
 
 
 def read_all(files: dict[str, str], node: str, engine: str) -> dict[str, str]:
