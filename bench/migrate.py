@@ -17,9 +17,10 @@ the target, which both nodes check first). In each:
   ``--kept`` long requests and, once each has tokens, ``ckptctl fleet migrate m0 --to n2
   --drain keep --level L --json`` runs. Downtime is the time from the last output with new
   tokens the client got from n1 to the first it got after it moved to n2 (the kept requests,
-  recomputed there). The client's wait after ready: the wall time it first heard from n2 (the
-  answer to its resends) less the engine's RUNNING there (its record's ``since``; below 0:
-  the client was there before); the first token after ready adds the engine's next step.
+  recomputed there). After the engine's RUNNING on n2 (its record's ``since``; below 0:
+  before it): when the client moved there (connected, its requests sent again, seen within
+  its 10 ms polls), when it first heard from n2 (the answer to its resends: the engine
+  answers between two of its steps), and its first new token.
 - the image, read in the target's folder after the move: pages (``pages-*.img``) and the rest
   (every other file but logs: what ``criu_images.pack_small`` ships); what was moved:
   page server, the pages streamed during the dump plus the packed small files through etcd
@@ -120,8 +121,10 @@ class Stream:
         self.last_source: float | None = None
         self.first_target: float | None = None
         self.first_target_wall: float | None = None
-        #: wall time the client first heard from n2 (an answer to its resends)
+        #: wall time the client first heard from n2 (an answer to its resends), and when it
+        #: moved there (connected, its requests sent again)
         self.heard_target_wall: float | None = None
+        self.moved_wall: float | None = None
         #: the requests without an end when the client moved: the ones kept across
         self.kept_across: int | None = None
 
@@ -141,6 +144,7 @@ class Stream:
         now = time.monotonic()
         if c.moves and self.kept_across is None:
             self.kept_across = sum(not c.requests[i].ended for i in self.ids)
+            self.moved_wall = time.time()
         if c.moves and self.heard_target_wall is None and any(
                 c.requests[i].heard for i in self.ids):
             self.heard_target_wall = time.time()
@@ -225,6 +229,7 @@ def migrate(nodes: Nodes, kept: int, max_tokens: int, follow_after_s: float,
     ready = ready_at(nodes)
     return {"downtime_s": stream.first_target - stream.last_source, "migrate_s": mig_s,
             "client_wait_s": stream.heard_target_wall - ready,
+            "client_moved_s": stream.moved_wall - ready,
             "first_token_after_ready_s": stream.first_target_wall - ready,
             "kept_across": stream.kept_across, "requests": len(stream.ids),
             "moves": client.moves, "op": doc["op"], "migration": doc["migration"]}
@@ -312,6 +317,7 @@ def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bo
     run = {"cold_ready_s": cold["ready_s"], "cold_s": cold["first_token_s"],
            "downtime_s": moved["downtime_s"], "migrate_s": moved["migrate_s"],
            "client_wait_s": moved["client_wait_s"],
+           "client_moved_s": moved["client_moved_s"],
            "first_token_after_ready_s": moved["first_token_after_ready_s"],
            "phases_s": parts,
            "kept_across": moved["kept_across"], "requests": moved["requests"], **img,
@@ -368,11 +374,11 @@ def print_tables(res: dict) -> None:
     table(f"downtime of a kept request against a cold start on the target (median of {n}; "
           f"{' '.join(res['model_args'])}, level {res['level']})",
           ["transport", "downtime s", "cold start s", "downtime / cold", "cold: ready s",
-           "migration s", "migration / downtime", "client's wait after ready s",
-           "first token after ready s"],
+           "migration s", "migration / downtime", "client moved, after ready s",
+           "client heard, after ready s", "first token after ready s"],
           [[t, m["downtime_s"], m["cold_s"], m["downtime_over_cold"], m["cold_ready_s"],
-            m["migrate_s"], m["migrate_over_downtime"], m["client_wait_s"],
-            m["first_token_after_ready_s"]]
+            m["migrate_s"], m["migrate_over_downtime"], m["client_moved_s"],
+            m["client_wait_s"], m["first_token_after_ready_s"]]
            for t, m in ((t, tr[t]["median"]) for t in tr)])
     table("the image and moving it (median)",
           ["transport", "pages MiB", "rest KiB", "packed KiB", "moved MiB", "moved / image",

@@ -177,7 +177,7 @@ class NodeMigration:
 
     def _weights_here(self, task: r.Task) -> dict:
         """Before anything moves, when the source may prepare at level 2 (asked, or its
-        node's default): the SHA-256 of each file the engine re-wakes from, as read here
+        node's default): the digest of each file the engine re-wakes from, as read here
         (``weights``); one this node cannot read fails the receive (``weights.read_all``)."""
         mig, _ = read(self.node.etcd, self.node.keys, task.op_id)
         level = task.params.get("level")
