@@ -4,7 +4,8 @@ Figures are never asserted (these machines are noisy); what is checked is that e
 inputs were really measured: each run present, the re-woken weights verified, requests drained
 or aborted as counted. The full runs are in BENCHMARKS.md. ``capture.py`` needs CRIU (``make
 criu``) and skips with the reason without it; ``fleet.py`` needs etcd (``make etcd``), skips
-likewise, and is in the ``fleet`` suite, as is ``migrate.py`` (root, CRIU and etcd).
+likewise, and is in the ``fleet`` suite, as is ``migrate.py`` (root, CRIU and etcd);
+``migrate_vllm.py`` (a real vLLM moved: about three minutes) is in ``-m 'vllm and fleet'``.
 """
 
 from __future__ import annotations
@@ -309,6 +310,15 @@ def test_migration_downtime_against_a_cold_start_and_the_image_it_moved(tmp_path
         assert min(run[k] for k in ("before_first_s", "between_steps_s", "after_last_s",
                                     "command_s")) >= 0
         assert t["median"]["downtime_over_cold"] == run["downtime_over_cold"]
+        assert run["migrate_over_downtime"] == pytest.approx(run["migrate_s"] / run["downtime_s"])
+        # after the engine's RUNNING on n2: the client moved (its watch), then heard, then
+        # got a new token; each well inside the downtime
+        assert run["client_moved_s"] <= run["client_wait_s"] <= run["first_token_after_ready_s"]
+        assert run["first_token_after_ready_s"] < run["downtime_s"]
+        # each node-local operation's phases, from the nodes' journals
+        assert set(run["phases_s"]) == {"prepare", "capture", "restore"}
+        assert positive(run["phases_s"]["capture"]["capture"])
+        assert {"pre-restore", "rewake", "resume"} <= set(run["phases_s"]["restore"])
     ps = res["transports"]["page-server"]["runs"][0]
     # streamed pages plus the small files packed through etcd (smaller than unpacked)
     assert 0 < ps["small_packed_bytes"] < ps["rest_bytes"]
@@ -316,3 +326,28 @@ def test_migration_downtime_against_a_cold_start_and_the_image_it_moved(tmp_path
     assert positive(ps["moved_over_image"])
     shared = res["transports"]["shared"]["runs"][0]
     assert shared["moved_bytes"] == 0 and shared["moved_over_image"] == 0  # nothing copied
+
+
+@pytest.mark.vllm
+@pytest.mark.fleet
+@pytest.mark.timeout(900)
+def test_a_vllm_move_against_a_vllm_cold_start_loses_nothing(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests" / "fleet"))
+    from test_vllm_migrate import _vllm_reason
+
+    if _vllm_reason is not None:
+        pytest.skip(_vllm_reason)
+    out = tmp_path / "migrate_vllm.json"
+    run = subprocess.run([sys.executable, "bench/migrate_vllm.py", "--clients", "2",
+                          "--tokens", "8", "--out", str(out)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=scaled(800))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    res = json.loads(out.read_text())["results"]
+    (moved,) = res["runs"]
+    assert moved["outcome"] == "moved" and moved["lost"] == 0 and moved["wrong_answers"] == 0
+    assert moved["answers"] >= 2 * 2 + 2  # each client twice on n1, then once on n2 at least
+    assert positive(moved["downtime_s"]) and moved["cold_s"] >= moved["cold_ready_s"] > 0
+    assert moved["downtime_over_cold"] == pytest.approx(moved["downtime_s"] / moved["cold_s"])
+    assert set(moved["steps_s"]) == {"receive", "send", "adopt", "finish"}
+    assert positive(moved["frozen_s"]) and positive(moved["restore_s"])
+    assert moved["image_bytes"] >= sum(size for size, _ in moved["largest_files"]) > 0
