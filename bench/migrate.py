@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -401,6 +402,9 @@ def print_tables(res: dict) -> None:
 
 
 def main() -> int:
+    # a SIGTERM (``timeout``, ``kill``) ends the run through its ``finally`` blocks: the nodes'
+    # network namespaces, processes and folders go with it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = parser("migrate", __doc__)
     p.add_argument("--repeat", type=int, default=3, help="migrations per transport")
     p.add_argument("--model", default="small",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -200,6 +201,9 @@ def print_tables(res: dict) -> None:
 
 
 def main() -> int:
+    # a SIGTERM (``timeout``, ``kill``) ends the run through its ``finally`` blocks: the nodes'
+    # network namespaces, processes and folders go with it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = parser("migrate_vllm", __doc__)
     p.add_argument("--repeat", type=int, default=1, help="moves (each with its cold start)")
     p.add_argument("--clients", type=int, default=4, help="clients sending all along (1-4)")
