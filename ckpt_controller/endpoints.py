@@ -6,8 +6,9 @@
 ``free_port()`` finds a loopback TCP port nobody listens on (the demo's and the drill's
 engines); ``cannot_bind`` is the one error for an endpoint a server could not bind;
 ``Resolve`` is the shape of what tells a client where an engine is reached now (the fleet's
-registry supplies one: ``fleet.registry.Resolver``). Imports
-nothing of the project but ``errors``, so the CLI's parser may use it.
+registry supplies one: ``fleet.registry.Resolver``); ``watch_changes`` is how a client hears
+from a resolver that watches. Imports nothing of the project but ``errors``, so the CLI's
+parser may use it.
 Neighbours: ``rpc`` and ``rpcserver`` (check and secure endpoints), ``agent.server``,
 ``controller.config``, ``adapters.vllm.state`` (the runtime dir), the CLI, ``drill.runner``.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import threading
 from pathlib import Path
 from typing import Protocol
 
@@ -34,6 +36,21 @@ class Resolve(Protocol):
     def __call__(self, engine: str, kind: str) -> str: ...
 
     def close(self) -> None: ...
+
+
+#: how often a client whose resolver watches looks, while it waits, whether the record changed
+WATCH_SLICE_S = 0.02
+
+
+def watch_changes(resolve: Resolve, engine: str) -> threading.Event | None:
+    """An event set whenever ``resolve``'s watch says where ``engine`` is may have changed
+    (the clients clear it when they look again); None for a resolver without ``watch``."""
+    watch = getattr(resolve, "watch", None)
+    if watch is None:
+        return None
+    changed = threading.Event()
+    watch(engine, changed.set)
+    return changed
 
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

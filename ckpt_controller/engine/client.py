@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from ckpt_controller.contact import FirstContact
-from ckpt_controller.endpoints import Resolve, check_endpoint
+from ckpt_controller.endpoints import WATCH_SLICE_S, Resolve, check_endpoint, watch_changes
 from ckpt_controller.engine import api
 from ckpt_controller.errors import (CkptError, ConfigError, DeadlineError, OperationError,
                                     UnreachableError)
@@ -39,8 +39,6 @@ RCV_HWM = 1_000_000
 UNREACHABLE_HINT = "is the engine running? check its request API endpoint (--api)"
 #: a followed engine (``for_engine``) silent this long while requests wait is looked up again
 FOLLOW_AFTER_S = 1.0
-#: a watched engine's waits (``poll``) look this often whether its record changed
-WATCH_SLICE_S = 0.02
 
 log = logging.getLogger("ckpt_controller.engine")
 
@@ -122,8 +120,7 @@ class EngineClient:
         self.engine: str | None = None
         self._lookup_failed: str | None = None  # said once until it changes
         #: set by the resolver's watch when the engine's record changed (``for_engine``)
-        self._changed = threading.Event()
-        self._watched = False
+        self._changed: threading.Event | None = None
 
     @classmethod
     def for_engine(cls, name: str, resolve: Resolve, **kwargs) -> "EngineClient":
@@ -147,10 +144,7 @@ class EngineClient:
             raise
         client.engine = name
         client._on_close.append(resolve.close)
-        watch = getattr(resolve, "watch", None)
-        if watch is not None:
-            watch(name, client._changed.set)
-            client._watched = True
+        client._changed = watch_changes(resolve, name)
         return client
 
     def _socket(self) -> zmq.Socket:
@@ -223,7 +217,7 @@ class EngineClient:
         client moved."""
         if self._locate is None:
             return False
-        if self._changed.is_set():  # the record changed (the resolver's watch): look now
+        if self._changed is not None and self._changed.is_set():  # the record changed: look now
             self._changed.clear()
             force = True
         now = time.monotonic()
@@ -332,7 +326,7 @@ class EngineClient:
         """Wait up to ``timeout_s`` for the engine's socket to be readable; a watched
         engine's wait looks every ``WATCH_SLICE_S`` whether its record changed, and moves
         (then waits on the new socket) when it names another endpoint."""
-        if not self._watched:
+        if self._changed is None:
             return self._contact.poll(timeout_s)
         deadline = time.monotonic() + timeout_s
         while True:

@@ -460,9 +460,7 @@ class FleetNode:
             self._moved[view.engine] = (last.wall, last.generation)
             self._last_ops[view.engine] = self._last_op_of(view.engine)
         if s is not None and s.endpoints:
-            if s.reload_files and self._endpoints.get(view.engine, ({}, {}))[1] != \
-                    s.reload_files:  # digested ahead of a migration's send (``weights``)
-                weights.warm(s.reload_files.values())
+            weights.warm(s.reload_files.values())  # once each, ahead of a migration's send
             self._endpoints[view.engine] = (dict(s.endpoints), dict(s.reload_files))
         # an agent out of reach (stopped for a dump, say) keeps the endpoints it last had:
         # clients following the engine still know where to ask

@@ -2,12 +2,13 @@
 one engine is reached now.
 
 ``published_endpoints`` is what a node publishes of an engine's endpoints (a wildcard host
-given the node's address). ``read`` takes one consistent snapshot (two ranges, nodes and engines, at one revision) and
-joins them: an engine whose node has no live record (its lease expired, or it stopped) is
-shown with ``node_up`` false and its last known state. ``engine_endpoint`` reads one engine's
-published endpoint. ``Resolver`` is what the fleet gives the clients that follow an engine
-by name (``engine.client.EngineClient.for_engine``, ``adapters.vllm.follow.FollowingVllm``):
-they ask it where the engine is, and know nothing of etcd.
+given the node's address). ``read`` takes one consistent snapshot (two ranges, nodes and
+engines, at one revision) and joins them: an engine whose node has no live record (its lease
+expired, or it stopped) is shown with ``node_up`` false and its last known state.
+``engine_endpoint`` reads one engine's published endpoint. ``Resolver`` is what the fleet
+gives the clients that follow an engine by name (``engine.client.EngineClient.for_engine``,
+``adapters.vllm.follow.FollowingVllm``): they ask it where the engine is, and know nothing
+of etcd.
 Neighbours: ``records`` (the records), ``etcd`` (the client), ``cli.fleet_cmd`` (the tables
 and JSON), ``engine.client`` and ``adapters.vllm.follow`` (resolver users).
 """

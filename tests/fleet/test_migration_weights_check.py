@@ -98,6 +98,7 @@ def test_the_source_refuses_weights_that_differ_or_were_not_read_there(tmp_path)
 
 
 @pytest.mark.parametrize(("level", "reloads"), [(None, False), (0, False), (1, False),
-                                                (2, True)])
+                                                (2, True), ("2", False), ("x", False),
+                                                (float("nan"), False), ([2], False)])
 def test_only_level_2_reloads_from_the_file(level, reloads):
     assert weights.reloads(level) is reloads

@@ -24,13 +24,11 @@ import time
 from typing import Any
 
 from ckpt_controller.adapters.vllm.http import Completion, VllmHttp
-from ckpt_controller.endpoints import Resolve
+from ckpt_controller.endpoints import WATCH_SLICE_S, Resolve, watch_changes
 from ckpt_controller.errors import CkptError, EngineError
 
 log = logging.getLogger("ckpt_controller.vllm")
 
-#: a watched engine's waits look this often whether its record changed
-WATCH_SLICE_S = 0.02
 
 
 class FollowingVllm:
@@ -52,11 +50,8 @@ class FollowingVllm:
         self.moves: list[str] = []
         #: what each broken attempt said (``EngineError`` messages), in order
         self.broken: list[str] = []
-        self._changed = threading.Event()
-        watch = getattr(resolve, "watch", None)
-        self._watched = watch is not None
-        if watch is not None:
-            watch(engine, self._changed.set)
+        #: set by the resolver's watch when the engine's record changed, if it watches
+        self._changed = watch_changes(resolve, engine)
 
     def complete(self, prompt: str, max_tokens: int, **sampling: Any) -> Completion:
         """A greedy completion; sent again, at the URL the registry names then, while the
@@ -64,7 +59,7 @@ class FollowingVllm:
         end = time.monotonic() + self.follow_for_s
         while True:
             try:
-                if not self._watched:
+                if self._changed is None:
                     return self.http.complete(prompt, max_tokens, retry_for_s=30.0, **sampling)
                 done = self._until_moved(prompt, max_tokens, sampling)
                 if done is not None:
