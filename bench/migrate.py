@@ -27,6 +27,10 @@ the target, which both nodes check first). In each:
   (the send step's ``small_bytes``); shared, nothing. CRIU's own ``stats-dump`` gives the
   time the engine was frozen and the time the pages took to write (through the page server,
   or into the shared folder); ``stats-restore`` the restore's.
+- what the downtime is made of: the source's prepare; CRIU's dump (its ``-v3`` log's last
+  timestamp) and the capture hook's own work around it; CRIU's restore (``stats-restore``) and
+  the criu-restore hook's own; the re-wake; the first new token after RUNNING; the rest
+  (hand-offs between the nodes).
 - the steps: each ``done`` entry of the migration record (receive, send, adopt, finish),
   its end minus its start; "between steps" is the migration's wall time less their sum (the
   coordinator's rounds, the inbox watches).
@@ -257,6 +261,41 @@ def image(migration: dict) -> dict:
             "restore_s": restore.get("restore_us", 0) / 1e6}
 
 
+def criu_log_s(log: Path) -> float:
+    """CRIU's own time in a ``-v3`` log: its last line's timestamp (``(SS.ffffff)``, seconds
+    since it started); 0 when the log has none."""
+    last = 0.0
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("(") and ")" in line:
+            try:
+                last = float(line[1:line.index(")")])
+            except ValueError:
+                continue
+    return last
+
+
+def downtime_parts(run: dict) -> dict[str, float]:
+    """What the downtime is made of, seconds: the source's prepare; its capture hook, split
+    into CRIU's dump (its log) and the hook's own work around it (the tree walk, the image's
+    manifest); the target's criu-restore hook, split into CRIU's restore (its stats) and the
+    hook's own (the image's check, the PIDs, the process); the re-wake (weights read back and
+    verified bit-exact) and resume; the client's first new token after the engine's RUNNING
+    (its move, the kept requests' context computed again: level 2 left the KV cache out); and
+    the rest (the hand-offs between the nodes, the last token before the prepare)."""
+    ph = run["phases_s"]
+    restore = ph["restore"]
+    parts = {"prepare": ph["prepare"].get("prepare", 0.0),
+             "criu dump": run["criu_dump_s"],
+             "dump hook's own": ph["capture"].get("capture", 0.0) - run["criu_dump_s"],
+             "criu restore": run["restore_s"],
+             "restore hook's own": restore.get("pre-restore", 0.0) - run["restore_s"],
+             "re-wake": restore.get("rewake", 0.0) + restore.get("post-restore", 0.0)
+             + restore.get("resume", 0.0),
+             "first token after ready": run["first_token_after_ready_s"]}
+    parts["rest"] = run["downtime_s"] - sum(parts.values())
+    return parts
+
+
 def timeline(op: dict, migration: dict, command_s: float) -> dict:
     """Each step's time (its end less its start, on its node), and the rest of the
     command's time: the coordinator's waits before the first step, between steps and after
@@ -308,6 +347,7 @@ def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bo
         img = image(moved["migration"])
         parts = phases(nodes)
         times = timeline(moved["op"], moved["migration"], moved["migrate_s"])
+        img["criu_dump_s"] = criu_log_s(next(d.rglob("dump.log")))
         if img["transport"] != transport:
             raise RuntimeError(f"the target received the image by {img['transport']}, not "
                                f"{transport}")
@@ -326,6 +366,7 @@ def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bo
     run["downtime_over_cold"] = run["downtime_s"] / run["cold_s"]
     run["migrate_over_downtime"] = run["migrate_s"] / run["downtime_s"]
     run["moved_over_image"] = run["moved_bytes"] / run["image_bytes"]
+    run["downtime_parts_s"] = downtime_parts(run)
     return run
 
 
@@ -338,6 +379,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         med["phases_s"] = {op: {ph: median([r["phases_s"][op].get(ph, 0.0) for r in rows])
                                 for ph in rows[0]["phases_s"][op]}
                            for op in rows[0]["phases_s"]}
+        med["downtime_parts_s"] = {k: median([r["downtime_parts_s"][k] for r in rows])
+                                   for k in rows[0]["downtime_parts_s"]}
         out[transport] = {"median": med, "runs": rows}
     return out
 
@@ -393,6 +436,11 @@ def print_tables(res: dict) -> None:
               "journal)", ["transport", *names],
               [[t, *(m["phases_s"][op].get(n, 0.0) for n in names)]
                for t, m in ((t, tr[t]["median"]) for t in tr)])
+    names = list(next(iter(tr.values()))["median"]["downtime_parts_s"])
+    table("what the downtime is made of, seconds (median; each part's median: their sum "
+          "need not be the downtime's)", ["transport", *names, "downtime"],
+          [[t, *(m["downtime_parts_s"][n] for n in names), m["downtime_s"]]
+           for t, m in ((t, tr[t]["median"]) for t in tr)])
     table("the migration's steps and waits, seconds (median; waits: the coordinator's "
           "before the first step, between steps, after the last; the command's own)",
           ["transport", *STEPS, "before", "between", "after", "command", "whole"],

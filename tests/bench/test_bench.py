@@ -319,6 +319,14 @@ def test_migration_downtime_against_a_cold_start_and_the_image_it_moved(tmp_path
         assert set(run["phases_s"]) == {"prepare", "capture", "restore"}
         assert positive(run["phases_s"]["capture"]["capture"])
         assert {"pre-restore", "rewake", "resume"} <= set(run["phases_s"]["restore"])
+        # what the downtime is made of: CRIU's dump from its log, inside the capture hook;
+        # CRIU's restore inside the criu-restore hook; the parts and the rest add up to it
+        parts = run["downtime_parts_s"]
+        assert 0 < run["criu_dump_s"] < run["phases_s"]["capture"]["capture"]
+        assert parts["criu dump"] == run["criu_dump_s"]
+        assert parts["dump hook's own"] > 0 and parts["restore hook's own"] > 0
+        assert sum(parts.values()) == pytest.approx(run["downtime_s"])
+        assert t["median"]["downtime_parts_s"] == parts
     ps = res["transports"]["page-server"]["runs"][0]
     # streamed pages plus the small files packed through etcd (smaller than unpacked)
     assert 0 < ps["small_packed_bytes"] < ps["rest_bytes"]
