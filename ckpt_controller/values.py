@@ -1,4 +1,5 @@
-"""What a valid duration, operation id, rate, count and byte size are, said once.
+"""What a valid duration, operation id, rate, count, byte size and rolling limit are, said
+once.
 
 Every way in applies the same rules: the command line (``cli.common.arg_type`` turns a rule
 into an argparse ``type=``: exit 2 with the flag and the value), the Python clients (``check``
@@ -57,6 +58,7 @@ StepOpId = Annotated[str, Meta(min_length=1, max_length=MAX_STEP_OP_ID_LENGTH,
                                pattern=STEP_OP_ID_PATTERN)]
 ByteSize = Annotated[int, Meta(ge=0, le=MAX_BYTES)]
 Count = Annotated[int, Meta(ge=1, le=MAX_COUNT)]
+Percent = Annotated[int, Meta(ge=1, le=100)]
 Level = Annotated[int, Meta(ge=0, le=2)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT_LENGTH)]
 #: an engine name (as ``endpoints.check_name`` checks it)
@@ -192,6 +194,46 @@ TOKEN_ID = Rule("token id", _count(0, MAX_COUNT - 1), **_WHOLE)
 BYTES = Rule("size", _bytes, takes=(int, str), said="an int of bytes or a size such as '512MiB'")
 OP_ID = Rule("operation id", _op_id(OP_ID_PATTERN, MAX_OP_ID_LENGTH, slash=False))
 STEP_OP_ID = Rule("operation id", _op_id(STEP_OP_ID_PATTERN, MAX_STEP_OP_ID_LENGTH, slash=True))
+
+
+@dataclass(frozen=True)
+class Limit:
+    """How many engines a rolling operation may have out of service at once: ``value``
+    engines, or ``value`` percent of those it acts on (rounded down, at least one), as
+    kubectl's ``maxUnavailable``."""
+
+    value: int
+    percent: bool = False
+
+    def of(self, engines: int) -> int:
+        """The limit for an operation on ``engines`` engines."""
+        return max(1, engines * self.value // 100) if self.percent else self.value
+
+    def __str__(self) -> str:
+        return f"{self.value}%" if self.percent else str(self.value)
+
+
+def _limit(value: Any) -> Limit:
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            n = _integer(value.strip()[:-1])
+        except ValueError:
+            raise ValueError("not N or P%; give a whole number from 1, or a percentage from "
+                             "1% to 100%") from None
+        if not 1 <= n <= 100:
+            raise ValueError("out of range; give a percentage from 1% to 100%")
+        return Limit(n, percent=True)
+    try:
+        return Limit(_count(1, MAX_COUNT)(value))
+    except ValueError as err:  # policy: say both forms
+        raise ValueError(f"{err}, or a percentage such as 25%") from None
+
+
+#: the rolling limit of a cycle (node-local or fleet) that names none: a quarter of its
+#: engines, at least one; ``100%`` takes them all out at once (docs/cli.md)
+DEFAULT_MAX_UNAVAILABLE = Limit(25, percent=True)
+MAX_UNAVAILABLE = Rule("limit", _limit, takes=(int, str),
+                       said="an int of engines or a percentage such as '25%'")
 
 
 def count(lo: int = 1, hi: int = MAX_COUNT) -> Rule:

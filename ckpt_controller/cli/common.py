@@ -38,6 +38,10 @@ EXIT_CODES = """exit codes:
   4  the agent or controller is unreachable"""
 
 
+#: the rolling limit's default as argparse's help shows it (help is %-formatted: 25% is 25%%)
+LIMIT_HELP = str(values.DEFAULT_MAX_UNAVAILABLE).replace("%", "%%")
+
+
 def arg_type(rule: values.Rule) -> Callable[[str], Any]:
     """An argparse ``type=`` for ``rule``: a bad value exits 2 with usage, the flag, the value
     and what a valid one looks like."""

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 from ckpt_controller import values
 from ckpt_controller.cli.common import (
     EXIT_CODES,
+    LIMIT_HELP,
     PREPARE_HELP,
     STATUS_COLUMNS,
     WIDE_COLUMNS,
     arg_type,
-    count,
     curve_client,
     duration,
     goes_on_if_interrupted,
@@ -114,8 +114,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
             sp.add_argument("--no-all-or-nothing", action="store_true",
                             help="keep the engines that prepared even if another failed")
         if op == OperationKind.CYCLE:
-            sp.add_argument("--max-unavailable", type=count, metavar="N",
-                            help="at most N engines out of service at once (default: all)")
+            sp.add_argument("--max-unavailable", type=arg_type(values.MAX_UNAVAILABLE),
+                            metavar="N|P%", help=MAX_UNAVAILABLE_HELP)
         if op == OperationKind.ROLLBACK:
             sp.add_argument("--reason", default="", help="recorded with the transition")
         if op == OperationKind.RESTORE:
@@ -231,14 +231,21 @@ def _at_start(config, err: CkptError) -> CkptError:
 # ---------------------------------------------------------------- operations
 
 
+#: ``--max-unavailable``'s help of the node-local cycle
+MAX_UNAVAILABLE_HELP = (f"at most N engines (or P percent of them, rounded down, at least one) "
+                        f"out of service at once (default: "
+                        f"{LIMIT_HELP}; 100%%: all at once)")
+
+
 def _operation(args: argparse.Namespace) -> int:
     from ckpt_controller.controller.exit_codes import exit_code
 
     if bool(args.engines) == bool(args.all):
         raise UsageError("name the engines, or give --all (not both)")
     params = operation_params(args)
-    if args.op == OperationKind.CYCLE:
-        params["max_unavailable"] = args.max_unavailable
+    if args.op == OperationKind.CYCLE and args.max_unavailable is not None:
+        limit = args.max_unavailable
+        params["max_unavailable_percent" if limit.percent else "max_unavailable"] = limit.value
     from ckpt_controller.rpc import new_op_id
 
     op_id = args.op_id or new_op_id()  # known here, so that Ctrl-C can name it
@@ -248,7 +255,8 @@ def _operation(args: argparse.Namespace) -> int:
         c.subscribe()  # heartbeats bound the wait: a dead controller is noticed, not waited out
         try:
             with goes_on_if_interrupted(op_id, "controller", f"ckptctl history --op-id {op_id}"):
-                result = c.operation(args.op, args.engines, op_id=op_id, **params)
+                result = c.operation(args.op, args.engines or None, all_engines=args.all,
+                                     op_id=op_id, **params)
         finally:
             if progress is not None:
                 progress.finish()

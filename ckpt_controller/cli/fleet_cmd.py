@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from ckpt_controller.cli.common import EXIT_CODES, age, table
+from ckpt_controller import values
+from ckpt_controller.cli.common import EXIT_CODES, LIMIT_HELP, age, arg_type, table
 from ckpt_controller.cli.fleet_follow import (
     engine_now,
     follow,
@@ -147,10 +148,13 @@ def _one_engine_to_opts(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--to", required=True, metavar="NODE", help="the node it moves to")
 
 
+
 def _max_unavailable_opts(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--max-unavailable", metavar="N|P%", type=_max_unavailable,
-                    help="at most N engines (or P percent of those named) out of service at "
-                         "once, fleet-wide, counting those out already (default: all named)")
+    sp.add_argument("--max-unavailable", metavar="N|P%", type=arg_type(values.MAX_UNAVAILABLE),
+                    help="at most N engines (or P percent of those named, rounded down, at "
+                         "least one) out of service at once, fleet-wide, counting those out "
+                         f"already (default: {LIMIT_HELP} for a cycle; a "
+                         "prepare holds out all it names; 100%%: all at once)")
 
 
 def _prepare_opts(sp: argparse.ArgumentParser) -> None:
@@ -377,10 +381,7 @@ def _operation(args: argparse.Namespace) -> int:
     kind = spec(args.kind)
     with client(args) as c:
         engines = _select(args, c, keys)
-        limit = None
-        if args.max_unavailable is not None:
-            value, percent = args.max_unavailable
-            limit = max(1, len(engines) * value // 100) if percent else value
+        limit = None if args.max_unavailable is None else args.max_unavailable.of(len(engines))
         params = {k: v for k, v in operation_params(args).items() if v is not None}
         op_id = args.op_id or f"fleet-{kind.kind}-{uuid.uuid4().hex[:12]}"
 
@@ -514,19 +515,6 @@ def _watch(args: argparse.Namespace) -> int:
     else:
         print(f"fleet {op.kind} {op.op_id}: {op.status}" + (f": {op.error}" if op.error else ""))
     return parts_exit_code(op, parts)
-
-
-def _max_unavailable(text: str) -> tuple[int, bool]:
-    """``N`` or ``P%``: (the number, whether it is a percentage)."""
-    percent = text.endswith("%")
-    body = text[:-1] if percent else text
-    try:
-        value = int(body)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not N or P%: {text!r}") from None
-    if value < 1 or (percent and value > 100) or value > 1_000_000:
-        raise argparse.ArgumentTypeError(f"must be 1..1000000, or 1%..100%: {text!r}")
-    return value, percent
 
 
 #: how each option of the table of fleet kinds (``fleet.kinds.Option``) is added

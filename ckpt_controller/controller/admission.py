@@ -128,6 +128,10 @@ def check(cmd: p.OperationCommand) -> None:
         raise UsageError("give a level or tags, not both", level=cmd.level, tags=cmd.tags)
     if cmd.max_unavailable is not None and cmd.max_unavailable < 1:
         raise UsageError("max_unavailable must be at least 1", max_unavailable=cmd.max_unavailable)
+    if cmd.max_unavailable is not None and cmd.max_unavailable_percent is not None:
+        raise UsageError("give max_unavailable as a number or a percentage, not both",
+                         max_unavailable=cmd.max_unavailable,
+                         max_unavailable_percent=cmd.max_unavailable_percent)
     for name in ("deadline_s", "drain_timeout_s"):
         value = getattr(cmd, name)
         if value is not None and value <= 0:

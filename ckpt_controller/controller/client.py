@@ -6,6 +6,7 @@ methods with the same parameters.
     with ControllerClient() as c:            # $CKPT_CONTROLLER, else the CLI's default
         result = c.cycle(["engine-a", "engine-b"], max_unavailable=1, drain="keep",
                          level=2, budget="2GiB", drain_timeout=30)
+        c.restore(all_engines=True)          # every engine: said, never by naming none
         if result.status != "succeeded": ...
 
 Each keyword is a flag of ``ckptctl prepare``/``cycle``/... under its Python name
@@ -39,6 +40,7 @@ from ckpt_controller.values import (
     DURATION,
     MAX_NAME_LENGTH,
     MAX_TEXT_LENGTH,
+    MAX_UNAVAILABLE,
     OP_ID,
     check,
     check_optional,
@@ -81,6 +83,25 @@ def _engines(engines: Engines) -> list[str]:
                              f"{MAX_NAME_LENGTH} letters, digits, '.', '_', '-')",
                              field="engines", value=shown(name)) from None
     return names
+
+
+def _chosen(engines: Engines, all_engines: bool) -> list[str]:
+    """The engines an operation acts on: those named, or every one with ``all_engines``
+    (the CLI's ``--all``); naming none acts on none (``UsageError``), as an empty list from a
+    script's bug must not take every engine out."""
+    if not isinstance(all_engines, bool):
+        raise UsageError(f"all_engines = {shown(all_engines)} is not True or False",
+                         field="all_engines", value=shown(all_engines))
+    named = None if engines is None else _engines(engines)
+    if all_engines:
+        if named:
+            raise UsageError("name the engines, or give all_engines=True (not both)",
+                             field="engines", value=shown(engines))
+        return []
+    if not named:
+        raise UsageError("name the engines, or give all_engines=True to act on every "
+                         "configured engine", field="engines", value=shown(engines))
+    return named
 
 
 def _tags(tags, level) -> list[str] | None:
@@ -143,15 +164,17 @@ class ControllerClient(RpcClient):
                          timeout_s=max(self.timeout_s, 120.0))
 
     # ------------------------------------------------------------ operations
+    # Each names its engines, or gives ``all_engines=True`` (the CLI's ``--all``): naming
+    # none is refused, so that an empty list from a script's bug never takes every engine out.
 
-    def prepare(self, engines: Engines = None, *, drain: DrainMode | str | None = None,
-                drain_timeout: float | None = None,
+    def prepare(self, engines: Engines = None, *, all_engines: bool = False,
+                drain: DrainMode | str | None = None, drain_timeout: float | None = None,
                 on_deadline: Escalation | str | None = None,
                 level: ReleaseLevel | int | None = None, tags: Iterable[str] | None = None,
                 budget: int | str | None = None, deadline: float | None = None,
                 all_or_nothing: bool = True, op_id: str | None = None,
                 timeout_s: float | None = None) -> p.OperationResult:
-        """Drain and release ``engines`` (-> PREPARED; ``None``: every configured engine).
+        """Drain and release ``engines`` (-> PREPARED).
 
         ``drain``: ``wait`` | ``abort`` | ``keep``; ``drain_timeout``: seconds a wait drain
         may take; ``on_deadline``: what it does then (``abort`` | ``keep`` | ``fail``);
@@ -159,42 +182,52 @@ class ControllerClient(RpcClient):
         residual memory allowed after release (bytes, or ``"2GiB"``); ``deadline``: seconds
         per engine; ``all_or_nothing=False`` keeps the engines that prepared when another
         failed. ``None`` takes the controller's default."""
-        return self._operation(OperationKind.PREPARE, engines, op_id, timeout_s, deadline,
-                               all_or_nothing=bool(all_or_nothing),
+        return self._operation(OperationKind.PREPARE, engines, all_engines, op_id, timeout_s,
+                               deadline, all_or_nothing=bool(all_or_nothing),
                                **self._prepare_params(drain, drain_timeout, on_deadline, level,
                                                       tags, budget))
 
-    def capture(self, engines: Engines = None, *, deadline: float | None = None,
-                op_id: str | None = None, timeout_s: float | None = None) -> p.OperationResult:
-        """Run the dump hooks on PREPARED ``engines``; the result's ``image`` names it."""
-        return self._operation(OperationKind.CAPTURE, engines, op_id, timeout_s, deadline)
-
-    def restore(self, engines: Engines = None, *, image: str | None = None,
+    def capture(self, engines: Engines = None, *, all_engines: bool = False,
                 deadline: float | None = None, op_id: str | None = None,
                 timeout_s: float | None = None) -> p.OperationResult:
+        """Run the dump hooks on PREPARED ``engines``; the result's ``image`` names it."""
+        return self._operation(OperationKind.CAPTURE, engines, all_engines, op_id, timeout_s,
+                               deadline)
+
+    def restore(self, engines: Engines = None, *, all_engines: bool = False,
+                image: str | None = None, deadline: float | None = None,
+                op_id: str | None = None, timeout_s: float | None = None) -> p.OperationResult:
         """Re-wake PREPARED (or FAILED) ``engines`` (-> RUNNING); ``image``: the operation id
         whose image to restore (default: the one of the engine's generation)."""
-        return self._operation(OperationKind.RESTORE, engines, op_id, timeout_s, deadline,
-                               image=check_optional(OP_ID, image, "image"))
+        return self._operation(OperationKind.RESTORE, engines, all_engines, op_id, timeout_s,
+                               deadline, image=check_optional(OP_ID, image, "image"))
 
-    def cycle(self, engines: Engines = None, *, drain: DrainMode | str | None = None,
-              drain_timeout: float | None = None,
+    def cycle(self, engines: Engines = None, *, all_engines: bool = False,
+              drain: DrainMode | str | None = None, drain_timeout: float | None = None,
               on_deadline: Escalation | str | None = None,
               level: ReleaseLevel | int | None = None, tags: Iterable[str] | None = None,
               budget: int | str | None = None, deadline: float | None = None,
-              max_unavailable: int | None = None, op_id: str | None = None,
+              max_unavailable: int | str | None = None, op_id: str | None = None,
               timeout_s: float | None = None) -> p.OperationResult:
         """Prepare, capture and restore ``engines``, rolling across them with at most
-        ``max_unavailable`` out of service at once (default: all). The prepare keywords are
-        ``prepare``'s."""
-        return self._operation(OperationKind.CYCLE, engines, op_id, timeout_s, deadline,
-                               max_unavailable=check_optional(COUNT, max_unavailable,
-                                                              "max_unavailable"),
+        ``max_unavailable`` out of service at once: a number, or a percentage such as
+        ``"50%"`` (default: the controller's, 25% of them, at least one; ``"100%"``: all at
+        once). The prepare keywords are ``prepare``'s."""
+        if isinstance(max_unavailable, str) and not max_unavailable.strip().endswith("%"):
+            # a number is given as a number, as everywhere in this client; text is a percentage
+            raise UsageError(f"max_unavailable = {shown(max_unavailable)} is not a valid "
+                             f"limit: give an int of engines or a percentage such as '25%'",
+                             field="max_unavailable", value=shown(max_unavailable))
+        limit = check_optional(MAX_UNAVAILABLE, max_unavailable, "max_unavailable")
+        counted = {} if limit is None else {
+            "max_unavailable_percent" if limit.percent else "max_unavailable": limit.value}
+        return self._operation(OperationKind.CYCLE, engines, all_engines, op_id, timeout_s,
+                               deadline, **counted,
                                **self._prepare_params(drain, drain_timeout, on_deadline, level,
                                                       tags, budget))
 
-    def rollback(self, engines: Engines = None, *, reason: str = "",
-                 deadline: float | None = None, op_id: str | None = None,
+    def rollback(self, engines: Engines = None, *, all_engines: bool = False,
+                 reason: str = "", deadline: float | None = None, op_id: str | None = None,
                  timeout_s: float | None = None) -> p.OperationResult:
         """Return PREPARED ``engines`` to RUNNING; ``reason`` is recorded with the
         transition."""
@@ -202,19 +235,19 @@ class ControllerClient(RpcClient):
             raise UsageError(f"reason = {shown(reason)} is not a text of at most "
                              f"{MAX_TEXT_LENGTH} characters", field="reason",
                              value=shown(reason))
-        return self._operation(OperationKind.ROLLBACK, engines, op_id, timeout_s, deadline,
-                               reason=reason)
+        return self._operation(OperationKind.ROLLBACK, engines, all_engines, op_id, timeout_s,
+                               deadline, reason=reason)
 
     def operation(self, kind: OperationKind | str, engines: Engines = None, *,
-                  op_id: str | None = None, timeout_s: float | None = None,
-                  **fields) -> p.OperationResult:
+                  all_engines: bool = False, op_id: str | None = None,
+                  timeout_s: float | None = None, **fields) -> p.OperationResult:
         """Any operation with ``OperationCommand``'s own field names (``deadline_s``,
         ``drain_timeout_s``, ``residual_budget_bytes``...): the wire's spelling, for code
         that builds commands itself. Its limits are checked before sending as well."""
         kind = _word(OperationKind, kind, "kind")
         op_id = new_op_id() if op_id is None else check(OP_ID, op_id, "op_id")
-        cmd = p.OperationCommand(call_id=0, op_id=op_id, kind=kind, engines=_engines(engines),
-                                 **fields)
+        cmd = p.OperationCommand(call_id=0, op_id=op_id, kind=kind,
+                                 engines=_chosen(engines, all_engines), **fields)
         return self.call(p.RequestType.OPERATION, cmd,
                          timeout_s=DEFAULT_OPERATION_TIMEOUT_S if timeout_s is None else timeout_s)
 
@@ -229,15 +262,16 @@ class ControllerClient(RpcClient):
                 "level": level, "tags": _tags(tags, level),
                 "residual_budget_bytes": check_optional(BYTES, budget, "budget")}
 
-    def _operation(self, kind: OperationKind, engines: Engines, op_id: str | None,
-                   timeout_s: float | None, deadline: float | None,
+    def _operation(self, kind: OperationKind, engines: Engines, all_engines: bool,
+                   op_id: str | None, timeout_s: float | None, deadline: float | None,
                    **fields) -> p.OperationResult:
         """Every value checked (names, op id, deadline), then sent. After ``subscribe()`` the
         controller's heartbeats bound the wait (a controller that dies is noticed within
         seconds); else ``timeout_s`` does (default ``DEFAULT_OPERATION_TIMEOUT_S``)."""
-        names = _engines(engines)
+        names = _chosen(engines, all_engines)
         op_id = new_op_id() if op_id is None else check(OP_ID, op_id, "op_id")
         fields["deadline_s"] = check_optional(DURATION, deadline, "deadline")
         if timeout_s is not None:
             timeout_s = check(DURATION, timeout_s, "timeout_s")
-        return self.operation(kind, names, op_id=op_id, timeout_s=timeout_s, **fields)
+        return self.operation(kind, names or None, all_engines=not names, op_id=op_id,
+                              timeout_s=timeout_s, **fields)

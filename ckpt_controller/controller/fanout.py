@@ -3,7 +3,7 @@
 ``fan_out`` runs a step for every engine's session concurrently, each in a greenlet of a
 ``hub`` on the operation's thread (a group prepare takes about as long as its slowest
 engine); ``rolling`` cycles engines keeping at most ``max_unavailable`` of them out of service
-and stops at the first that does not succeed (the rest are ``skipped``); ``summarize`` turns
+(``rolling_limit``: a quarter of them unless the operation names its own) and stops at the first that does not succeed (the rest are ``skipped``); ``summarize`` turns
 the engines' outcomes into the operation's status.
 Neighbours: ``steps`` (what runs on each engine), ``session``; ``service`` calls these.
 """
@@ -17,6 +17,7 @@ from ckpt_controller import hub
 from ckpt_controller import protocol as p
 from ckpt_controller.controller import steps
 from ckpt_controller.controller.session import EngineSession
+from ckpt_controller.values import DEFAULT_MAX_UNAVAILABLE, Limit
 from ckpt_controller.vocab import OperationKind, OperationStatus, OutcomeStatus
 
 
@@ -28,6 +29,17 @@ def fan_out(sessions: list[EngineSession], step: Callable[[EngineSession], objec
         return
     run = steps.guarded(step) if guard else step
     hub.each(run, sessions, workers or len(sessions))
+
+
+def rolling_limit(cmd: p.OperationCommand, engines: int) -> int:
+    """A cycle's limit on ``engines`` engines: its ``max_unavailable``, else its
+    ``max_unavailable_percent`` of them, else ``values.DEFAULT_MAX_UNAVAILABLE`` (25%, at least
+    one): all at once only when asked (100%, or a number as large)."""
+    if cmd.max_unavailable is not None:
+        return cmd.max_unavailable
+    if cmd.max_unavailable_percent is not None:
+        return Limit(cmd.max_unavailable_percent, percent=True).of(engines)
+    return DEFAULT_MAX_UNAVAILABLE.of(engines)
 
 
 def rolling(sessions: list[EngineSession], max_unavailable: int

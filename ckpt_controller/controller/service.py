@@ -33,7 +33,7 @@ from ckpt_controller import protocol as p
 from ckpt_controller.controller import openfiles, preflight, recovery, roster, steps
 from ckpt_controller.controller.admission import Admission, Done
 from ckpt_controller.controller.config import ControllerConfig, EngineConfig, Roster
-from ckpt_controller.controller.fanout import fan_out, rolling, summarize
+from ckpt_controller.controller.fanout import fan_out, rolling, rolling_limit, summarize
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.links import AgentLink, AgentLinks
 from ckpt_controller.controller.outcome import error_info
@@ -362,7 +362,7 @@ class Controller:
                 sessions[-1].image = images.get(e)
                 sessions[-1].unanswered = e in unanswered
             if cmd.kind == OperationKind.CYCLE:
-                return rolling(sessions, cmd.max_unavailable or len(sessions))
+                return rolling(sessions, rolling_limit(cmd, len(sessions)))
             if cmd.kind == OperationKind.RESTORE:
                 # an engine whose process is gone (dumped with stop, or a migration) may be
                 # brought back by a pre-restore hook (criu-restore): open only after it

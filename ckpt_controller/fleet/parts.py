@@ -5,7 +5,8 @@ The life of one (``docs/fleet.md``, Fleet operations):
 
 1. ``submit`` checks the request against the fleet (every engine registered, its node up; a
    kind whose limit rule holds all its engines out (``prepare``) is refused up front when
-   they would not fit under ``--max-unavailable``), writes its parts
+   they would not fit under ``--max-unavailable``; a rolling kind that names no limit gets
+   ``default_limit``: a quarter of its engines, at least one), writes its parts
    (``parts/<op>/<engine>``, pending) and then the operation (``ops/<op>``), which makes it
    exist. Nothing of the operation lives in the caller: killed, it loses nothing.
 2. The coordinator (``PartsDriver.drive``) starts pending parts in engine order: a part that
@@ -44,6 +45,7 @@ from ckpt_controller.fleet import records as r
 from ckpt_controller.fleet import unavailable
 from ckpt_controller.fleet.keys import Keys
 from ckpt_controller.fleet.kinds import KINDS, KindSpec
+from ckpt_controller.values import DEFAULT_MAX_UNAVAILABLE
 from ckpt_controller.vocab import CheckpointState, LimitRule, OperationStatus, PartStatus
 
 log = logging.getLogger("ckpt_controller.fleet")
@@ -75,7 +77,7 @@ def submit(client: e.Etcd, keys: Keys, spec: KindSpec, *, op_id: str, engines: l
     if down:
         raise UnreachableError(f"node(s) down: {', '.join(down)}; their engines cannot take "
                                "part", nodes=down)
-    limit = max_unavailable if max_unavailable is not None else len(engines)
+    limit = max_unavailable if max_unavailable is not None else default_limit(spec, len(engines))
     if limit < 1:
         raise UsageError("--max-unavailable must be at least 1", max_unavailable=limit)
     if spec.takes_out:
@@ -89,6 +91,15 @@ def submit(client: e.Etcd, keys: Keys, spec: KindSpec, *, op_id: str, engines: l
         chunk = parts[i:i + PARTS_PER_TXN]
         client.txn([absent], [e.put_op(keys.part(op_id, p.engine), r.encode(p)) for p in chunk])
     return ops.create(client, keys, op, [])
+
+
+def default_limit(spec: KindSpec, engines: int) -> int:
+    """The limit of an operation that names none: a rolling one takes out
+    ``values.DEFAULT_MAX_UNAVAILABLE`` of its engines at once (25%, at least one); a prepare
+    holds out every engine it names (it could not finish under less)."""
+    if spec.limit is LimitRule.ROLLING:
+        return DEFAULT_MAX_UNAVAILABLE.of(engines)
+    return engines
 
 
 def _check_room(client: e.Etcd, keys: Keys, spec: KindSpec, engines: list[str],

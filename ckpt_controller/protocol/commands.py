@@ -21,6 +21,7 @@ from ckpt_controller.values import (
     HookEnv,
     Names,
     OpId,
+    Percent,
     StepOpId,
     Tags,
     Text,
@@ -166,8 +167,10 @@ class OperationCommand(Command, kw_only=True):
     residual_budget_bytes: ByteSize | None = None
     #: overall deadline per engine (default: the configured operation deadline)
     deadline_s: Duration | None = None
-    #: cycle: at most this many engines out of service at once (default: all at once)
+    #: cycle: at most this many engines out of service at once, or this percent of them
+    #: (rounded down, at least one); neither: ``values.DEFAULT_MAX_UNAVAILABLE`` (25%)
     max_unavailable: Count | None = None
+    max_unavailable_percent: Percent | None = None
     #: prepare: if one engine fails, roll back the others
     all_or_nothing: bool = True
     reason: Text = ""

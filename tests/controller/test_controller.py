@@ -265,6 +265,42 @@ def test_rolling_cycle_with_two_out_at_a_time(spawn_controller, ipc_dir):
             a.close()
 
 
+def test_a_cycle_rolls_a_quarter_at_a_time_unless_told(spawn_controller, ipc_dir):
+    """No limit named: a cycle of 8 takes out 25% (2) at once, never all 8; a percentage is
+    of the engines named, rounded down, at least one; 100% is all at once. The CLI and the
+    client say it the same way."""
+    agents = _slow_agents(ipc_dir, [f"q{i}" for i in range(8)], 0.3)
+    try:
+        ctl = spawn_controller(engines_toml(*agents))
+
+        def peak(op_id: str) -> int:  # from the journal's own times, not the result's count
+            spans = _out_of_service(ctl, op_id)
+            assert len(spans) == 8 and all(len(s) == 2 for s in spans.values())
+            return max(sum(a <= t < b for a, b in spans.values())
+                       for t in [s[0] for s in spans.values()])
+
+        out = ctl.ckptctl("cycle", "--all", "--json", "--op-id", "q-default")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["max_unavailable_seen"] == 2
+        assert peak("q-default") == 2
+        with ControllerClient(ctl.endpoint, timeout_s=120) as c:
+            half = c.cycle(all_engines=True, max_unavailable="50%", op_id="q-half")
+            assert half.status == "succeeded" and half.max_unavailable_seen == 4, half
+            few = c.cycle(["q0", "q1", "q2"], max_unavailable="10%", op_id="q-few")
+            assert few.max_unavailable_seen == 1  # 10% of 3, at least one
+        assert peak("q-half") == 4
+        out = ctl.ckptctl("cycle", "--all", "--max-unavailable", "100%", "--json",
+                          "--op-id", "q-all")
+        assert json.loads(out.stdout)["max_unavailable_seen"] == 8
+        for bad in ("0%", "101%", "0", "x", "1.5"):
+            out = ctl.ckptctl("cycle", "--all", "--max-unavailable", bad)
+            assert out.returncode == 2 and "--max-unavailable" in out.stderr, out.stderr
+        assert "default: 25%" in " ".join(ctl.ckptctl("cycle", "--help").stdout.split())
+    finally:
+        for a in agents:
+            a.close()
+
+
 def test_rolling_cycle_gives_each_engine_its_own_deadline(spawn_controller, ipc_dir):
     """--deadline bounds each engine from its turn, not from the operation's start: four
     cycles of about 0.6 s one after another, each within a 1.5 s deadline, all succeed."""
@@ -625,9 +661,9 @@ def test_group_prepare_fans_out_concurrently(spawn_controller, ipc_dir):
     try:
         ctl = spawn_controller(engines_toml(*agents))
         with ControllerClient(ctl.endpoint, timeout_s=120) as c:
-            group = c.prepare(level=0)
+            group = c.prepare(all_engines=True, level=0)
             assert group.status == "succeeded", group
-            c.rollback()
+            c.rollback(all_engines=True)
         assert len(group.engines) == 20 and not all_pausing.broken
     finally:
         all_pausing.abort()  # nobody waits on it after the test

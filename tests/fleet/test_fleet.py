@@ -312,6 +312,13 @@ def test_a_fleet_cycle_rolls_across_nodes_under_max_unavailable(etcd, agents, no
     # the same id for something else is refused
     other = fleet(etcd, "prepare", "a0", "--op-id", "roll-1")
     assert other.returncode == 2 and "already used" in other.stderr
+    # no limit named: a quarter of the four (one) at a time, never all at once
+    shared["most"] = 0
+    r = fleet(etcd, "cycle", "--all", "--op-id", "roll-2", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["op"]["max_unavailable"] == 1 and shared["most"] == 1
+    assert [p["status"] for p in doc["parts"]] == ["succeeded"] * 4
 
 
 def test_a_fleet_prepare_holds_its_places_until_restored(etcd, agents, nodes):
