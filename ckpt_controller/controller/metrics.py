@@ -1,7 +1,9 @@
 """Prometheus metrics of the controller: one registry (``prometheus_client``) and its endpoint.
 
 Counters: operations by kind and outcome, lifecycle transitions, drained requests by outcome,
-freed bytes, hook failures, drain escalations and reconciles. A histogram of phase durations by
+freed bytes, hook failures, drain escalations and reconciles; each series but the
+transitions' is there at 0 from the start or from when its engine is known (a dashboard's
+``increase()`` cannot count a series' first sample). A histogram of phase durations by
 phase and engine. Gauges per engine, kept current by ``monitor`` from the engines' heartbeats
 (nobody has to ask for ``status``): its state (``ckpt_engine_state``, every state present, 1 for
 the current one), whether it is up, since when it is in its state, its last successful cycle
@@ -31,8 +33,8 @@ import prometheus_client as prom
 from ckpt_controller import protocol as p
 from ckpt_controller.criu_images import image_bytes
 from ckpt_controller.errors import ConfigError
-from ckpt_controller.vocab import CheckpointState
-from ckpt_controller.vocab import OperationKind, OutcomeStatus
+from ckpt_controller.vocab import (CheckpointState, Escalation, HookPoint, OperationKind,
+                                   OperationStatus, OutcomeStatus)
 
 log = logging.getLogger("ckpt_controller.metrics")
 
@@ -54,6 +56,11 @@ DRAIN_OUTCOMES = ("completed", "aborted", "kept")
 UNKNOWN = "unknown"
 #: every value ``ckpt_engine_state`` and ``ckpt_engines`` carry in their ``state`` label
 STATES = (*(s.value for s in CheckpointState), UNKNOWN)
+#: every outcome ``ckpt_operations_total`` counts (``refused``: turned away before it began)
+OPERATION_OUTCOMES = (*(s.value for s in OperationStatus if s != OperationStatus.RUNNING),
+                      "refused")
+#: what a wait drain escalates to (``ckpt_drain_escalations_total``'s ``to``)
+ESCALATED_TO = (Escalation.ABORT.value, Escalation.KEEP.value)
 
 
 class Metrics:
@@ -123,8 +130,15 @@ class Metrics:
         self._forgotten: set[str] = set()
         for state in STATES:
             self._engines.labels(state).set(0)
+        # every series a counter can have is there at 0 from the start (its kind and outcome
+        # are known) or from when its engine is known (``engines_known``): Prometheus's
+        # increase() cannot count a series' first sample, so one born at 1 (the first hook
+        # failure of an engine) would read 0 on a dashboard
         for outcome in DRAIN_OUTCOMES:
             self._drained.labels(outcome)
+        for kind in OperationKind:
+            for outcome in OPERATION_OUTCOMES:
+                self._child(self._operations, kind.value, outcome)
 
     def _child(self, metric, *labels: str):
         key = (id(metric), *labels)
@@ -188,19 +202,29 @@ class Metrics:
         engine = rec.engine or ""
         data = rec.data
         if rec.type == "hook" and (data.get("timed_out") or data.get("exit_code") != 0):
-            self._hook_failures.labels(engine, str(data.get("point"))).inc()
+            self._child(self._hook_failures, engine, str(data.get("point"))).inc()
         elif rec.type == "drain" and data.get("escalated_to"):
-            self._escalations.labels(engine, str(data["escalated_to"])).inc()
+            self._child(self._escalations, engine, str(data["escalated_to"])).inc()
         elif rec.type == "reconciled":
-            self._reconciles.labels(engine, str(data.get("found"))).inc()
+            self._child(self._reconciles, engine, str(data.get("found"))).inc()
 
     # ---------------------------------------------------------------- engines (heartbeats)
 
+    def _engine_counters(self, engine: str) -> list[tuple[object, tuple[str, ...]]]:
+        """Every (counter, label values) series of ``engine``: its hook failures at each
+        point, drain escalations to each word, reconciles from each state."""
+        return ([(self._hook_failures, (engine, h.value)) for h in HookPoint]
+                + [(self._escalations, (engine, to)) for to in ESCALATED_TO]
+                + [(self._reconciles, (engine, s.value)) for s in CheckpointState])
+
     def engines_known(self, names: Iterable[str]) -> None:
-        """Declare the configured engines: each is ``unknown`` and down until it is seen."""
+        """Declare the configured engines: each is ``unknown`` and down until it is seen;
+        its counters are there at 0."""
         for name in names:
             with self._lock:
                 self._forgotten.discard(name)
+            for metric, labels in self._engine_counters(name):
+                self._child(metric, *labels)
             self._up.labels(name).set(0)
             if self._capture_deadline_s is not None:
                 self._capture_deadline.labels(name).set(self._capture_deadline_s)
@@ -245,7 +269,8 @@ class Metrics:
             for metric, labels in ((self._up, [(engine,)]), (self._since, [(engine,)]),
                                    (self._last_cycle, [(engine,)]), (self._image, [(engine,)]),
                                    (self._capture_deadline, [(engine,)]),
-                                   (self._state, [(engine, s) for s in STATES])):
+                                   (self._state, [(engine, s) for s in STATES]),
+                                   *((m, [v]) for m, v in self._engine_counters(engine))):
                 for values in labels:
                     try:
                         metric.remove(*values)

@@ -23,6 +23,7 @@ from ckpt_controller.agent.client import AgentClient
 from ckpt_controller.controller.config import ControllerConfig, EngineConfig
 from ckpt_controller.controller.metrics import (
     CONTENT_TYPE,
+    OPERATION_OUTCOMES,
     PHASE_BUCKETS,
     STATES,
     Metrics,
@@ -30,6 +31,7 @@ from ckpt_controller.controller.metrics import (
 )
 from ckpt_controller.controller.monitor import EngineMonitor
 from ckpt_controller.errors import ConfigError
+from ckpt_controller.vocab import CheckpointState, HookPoint, OperationKind
 from support.config import engines_toml
 from support.hooks import write_hook
 from support.timing import deadline_in, scaled
@@ -80,6 +82,12 @@ def values(samples, name):
     return {tuple(sorted(labels.items())): v for n, labels, v in samples if n == name}
 
 
+def counted(samples, name):
+    """``values`` of the series that counted anything (every series of a counter is there at
+    0 from the start or from when its engine is known)."""
+    return {k: v for k, v in values(samples, name).items() if v}
+
+
 def test_render_is_valid_exposition_text():
     m = Metrics()
     m.operation_finished("prepare", "ok")
@@ -108,7 +116,7 @@ def test_render_is_valid_exposition_text():
                      "ckpt_last_successful_cycle_timestamp_seconds": "gauge",
                      "ckpt_image_bytes": "gauge",
                      "ckpt_engine_capture_deadline_seconds": "gauge"}
-    assert values(samples, "ckpt_operations_total") == {
+    assert counted(samples, "ckpt_operations_total") == {
         (("kind", "prepare"), ("outcome", "ok")): 2, (("kind", "restore"), ("outcome", "failed")): 1}
     assert values(samples, "ckpt_transitions_total")[
         (("dest", "prepared"), ("engine", "engine-a"), ("source", "preparing"))] == 1
@@ -138,7 +146,9 @@ def test_fresh_registry_renders_zeroes():
     types, samples = parse(Metrics().render())
     assert len(types) == 15
     assert {n for n, _, _ in samples} == {"ckpt_drained_requests_total", "ckpt_freed_bytes_total",
-                                          "ckpt_engines"}
+                                          "ckpt_engines", "ckpt_operations_total"}
+    assert len(values(samples, "ckpt_operations_total")) == (
+        len(OperationKind) * len(OPERATION_OUTCOMES))  # each kind and outcome, at 0
     assert all(v == 0 for _, _, v in samples)
     assert {labels["state"] for n, labels, _ in samples if n == "ckpt_engines"} == set(STATES)
 
@@ -230,6 +240,32 @@ def test_journal_records_count_hook_failures_escalations_and_reconciles():
     assert values(samples, "ckpt_reconciles_total") == {
         (("engine", "a"), ("found", "prepared")): 2}
     assert values(samples, "ckpt_transitions_total") == {}  # counted by the session, not here
+
+
+def test_a_known_engines_counters_are_there_at_zero_and_go_with_it():
+    """A dashboard's increase() cannot count a series' first sample: every series of an
+    engine's counters is there at 0 once the engine is known, and goes when it is given away."""
+    m = Metrics()
+    m.engines_known(["a"])
+    _, samples = parse(m.render())
+    assert values(samples, "ckpt_hook_failures_total") == {
+        (("engine", "a"), ("point", h.value)): 0 for h in HookPoint}
+    assert values(samples, "ckpt_drain_escalations_total") == {
+        (("engine", "a"), ("to", to)): 0 for to in ("abort", "keep")}
+    assert values(samples, "ckpt_reconciles_total") == {
+        (("engine", "a"), ("found", s.value)): 0 for s in CheckpointState}
+    m.journaled(record("hook", "a", point="dump", exit_code=7, timed_out=False))
+    _, samples = parse(m.render())
+    assert counted(samples, "ckpt_hook_failures_total") == {
+        (("engine", "a"), ("point", "dump")): 1}
+    m.engine_forgotten("a")
+    _, samples = parse(m.render())
+    for name in ("ckpt_hook_failures_total", "ckpt_drain_escalations_total",
+                 "ckpt_reconciles_total"):
+        assert values(samples, name) == {}, name
+    m.engines_known(["a"])  # adopted again: at 0 again (a new series to Prometheus)
+    _, samples = parse(m.render())
+    assert counted(samples, "ckpt_hook_failures_total") == {}
 
 
 def test_a_successful_cycle_dates_its_engines_and_a_capture_sizes_its_image(tmp_path):
@@ -434,7 +470,7 @@ def test_concurrent_updates_add_up():
         t.join()
     n = threads_n * rounds
     _, samples = parse(m.render())
-    assert values(samples, "ckpt_operations_total") == {(("kind", "prepare"), ("outcome", "ok")): n}
+    assert counted(samples, "ckpt_operations_total") == {(("kind", "prepare"), ("outcome", "ok")): n}
     assert sum(values(samples, "ckpt_transitions_total").values()) == n
     assert values(samples, "ckpt_phase_duration_seconds_count") == {
         (("engine", "e0"), ("phase", "drain")): n // 2,
@@ -538,10 +574,15 @@ def test_a_cycle_dates_the_engine_and_times_its_phases_per_engine(spawn_referenc
     assert values(samples, "ckpt_image_bytes") == {(("engine", "gc"),): 4096}
     assert values(samples, "ckpt_engine_capture_deadline_seconds") == {
         (("engine", "gc"),): 600.0}  # [deadlines] capture, its default
-    assert values(samples, "ckpt_hook_failures_total") == {
+    # every series of these counters is there (at 0 until counted): the dashboards'
+    # increase() then sees each first failure
+    assert counted(samples, "ckpt_hook_failures_total") == {
         (("engine", "gc"), ("point", "post-resume")): 1}
-    assert values(samples, "ckpt_operations_total") == {
+    assert len(values(samples, "ckpt_hook_failures_total")) == len(HookPoint)
+    assert counted(samples, "ckpt_operations_total") == {
         (("kind", "cycle"), ("outcome", "succeeded")): 1}
+    assert len(values(samples, "ckpt_drain_escalations_total")) == 2
+    assert len(values(samples, "ckpt_reconciles_total")) == len(CheckpointState)
     assert values(samples, "ckpt_transitions_total")[
         (("dest", "preparing"), ("engine", "gc"), ("source", "running"))] == 1
 

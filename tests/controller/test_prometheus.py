@@ -12,8 +12,10 @@ import json
 import math
 import re
 import subprocess
+import time
+from collections import Counter
 
-
+from ckpt_controller.agent import AgentClient
 from ckpt_controller.controller.metrics import Metrics
 from support import ROOT
 from support.config import engines_toml
@@ -42,13 +44,18 @@ def rule_exprs() -> list[str]:
     return out
 
 
-def panel_targets() -> list[tuple[str, str]]:
-    """(panel title, expr) of every query target of every panel (rows' panels too)."""
+def targets() -> list[tuple[str, dict]]:
+    """(panel title, target) of every query target of every panel (rows' panels too)."""
     dash = json.loads(DASHBOARD.read_text())
     panels = list(dash["panels"])
     for p in dash["panels"]:
         panels += p.get("panels", [])
-    return [(p["title"], t["expr"]) for p in panels for t in p.get("targets", [])]
+    return [(p["title"], t) for p in panels for t in p.get("targets", [])]
+
+
+def panel_targets() -> list[tuple[str, str]]:
+    """(panel title, expr) of every query target of every panel."""
+    return [(title, t["expr"]) for title, t in targets()]
 
 
 def exported_names() -> set[str]:
@@ -172,3 +179,70 @@ def test_real_prometheus_scrapes_a_controller_and_runs_every_panel(
         assert http_get(f"http://{instance}/healthz") == (200, b"ok\n")
     finally:
         prom.stop()
+
+
+def test_each_in_range_panel_counts_the_first_failure_of_each_kind(
+        spawn_engine, spawn_controller, ipc_dir):
+    """A controller's first hook failure, drain escalation, failed and rolled-back operation
+    show on the dashboard's "in range" panels (they read 0 while the alerts fired: a counter
+    series born at 1 has no increase()). Failures scripted against a real Prometheus, then
+    each such panel's query over a range that began after Prometheus saw the counters at 0
+    (increase() counts them) and over one that began before the controller (its series are
+    new in it): each the true count, taken from the operations' own results."""
+    prometheus_tool("prometheus")
+    eng = spawn_engine("pf")
+    ctl = spawn_controller(engines_config(eng))
+    flag = ctl.dir / "fail-at"
+    for point, code in (("pre-prepare", 7), ("post-release", 1)):
+        write_hook(ctl, point, "10-fail", f'[ "$(cat {flag} 2>/dev/null)" = {point} ] && '
+                                          f"exit {code}; exit 0")
+    instance = f"127.0.0.1:{ctl.info['metrics_port']}"
+    prom = Prometheus(ipc_dir / "prom", {"ckpt-controller": [instance]})
+    try:
+        for series in ('ckpt_hook_failures_total{engine="pf",point="pre-prepare"}',
+                       'ckpt_drain_escalations_total{engine="pf",to="abort"}',
+                       'ckpt_operations_total{kind="cycle",outcome="rolled_back"}'):
+            wait_until(lambda s=series: value(prom, s) == 0, 30, f"Prometheus seeing {series} 0")
+        time.sleep(3)  # a range that begins 1 s before the first failure holds a scrape of 0
+        began = time.time()
+        ops: Counter = Counter()
+
+        def run(*args: str) -> dict:
+            doc = json.loads(ctl.ckptctl(*args, "--json").stdout)
+            ops[(doc["operation"], doc["status"])] += 1
+            return doc
+
+        assert run("cycle", "pf")["status"] == "succeeded"
+        flag.write_text("post-release")  # released, then rolled back to RUNNING
+        assert run("cycle", "pf")["status"] == "rolled_back"
+        flag.write_text("pre-prepare")  # vetoed: a failure, the engine never left RUNNING
+        assert run("cycle", "pf")["status"] == "failed"
+        flag.unlink()
+        for rid in ("r0", "r1"):  # 600 steps of 10 ms each: in flight when the drain begins
+            eng.submit(rid, steps=600)
+        with AgentClient(eng.control) as agent:
+            wait_until(lambda: agent.status().in_flight == 2, 20, "2 requests in flight")
+        drained = run("prepare", "pf", "--drain", "wait", "--drain-timeout", "0.05",
+                      "--on-deadline", "abort", "--level", "0")
+        assert drained["engines"][0]["drain"]["escalated_to"] == "abort", drained
+        assert run("restore", "pf")["status"] == "succeeded"
+        truth = {"hook failures": 2, "drain escalations": 1, "reconciles": 0}
+        wait_until(lambda: value(prom, "sum(ckpt_operations_total)") == sum(ops.values())
+                   and value(prom, "sum(ckpt_drain_escalations_total)") == 1, 20,
+                   "Prometheus seeing the last operation")
+
+        panels = {(title, t.get("legendFormat", "")): t["expr"] for title, t in targets()}
+        for why, window in (("increase", f"{math.ceil(time.time() - began) + 1}s"),
+                            ("new series", "5m")):
+            for legend, want in truth.items():
+                expr = panels[("Hook failures, drain escalations, reconciles in range", legend)]
+                got = value(prom, substitute(expr.replace("$__range", window), instance, "pf"))
+                assert got == want, (why, window, legend, got, want)
+            expr = panels[("Operations in range", "{{kind}} {{outcome}}")]
+            result = prom.query(substitute(expr.replace("$__range", window), instance, "pf"))
+            counted = {(r["metric"]["kind"], r["metric"]["outcome"]): float(r["value"][1])
+                       for r in result}
+            assert {k: v for k, v in counted.items() if v} == dict(ops), (why, window, counted)
+    finally:
+        prom.stop()
+
