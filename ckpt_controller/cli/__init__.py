@@ -24,6 +24,7 @@ from ckpt_controller.cli import (
     drill_cmd,
     engine_cmds,
     fleet_cmd,
+    images_cmd,
     keys_cmd,
     lifecycle_cmd,
 )
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     fleet_cmd.add_global_args(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     controller_cmds.add_parsers(sub)
+    images_cmd.add_parser(sub)
     agent_cmds.add_parser(sub)
     engine_cmds.add_parsers(sub)
     demo.add_parser(sub)

@@ -213,20 +213,24 @@ def table(rows: Sequence[Sequence[str]]) -> str:
 
 #: ``status``'s columns (``agent status`` prints the same); ``-o wide`` adds ``WIDE_COLUMNS``
 STATUS_COLUMNS = ("NAME", "STATE", "GEN", "IN-FLIGHT", "PID", "HELD-BY", "LAST-OP", "AGE")
-WIDE_COLUMNS = ("KIND", "KEPT", "ENDPOINT", "REGISTERED", "RELEASED", "IMAGE", "ERROR")
+WIDE_COLUMNS = ("KIND", "KEPT", "ENDPOINT", "REGISTERED", "RELEASED", "IMAGE", "IMAGES",
+                "ERROR")
 
 
 def status_row(name: str, status: p.StatusReply | None, *, now: float, state: str = "",
                holder: str | None = None, last_op: str | None = None, kind: str = "-",
-               endpoint: str = "-", error: str = "", wide: bool = False) -> tuple[str, ...]:
+               endpoint: str = "-", error: str = "", images: int | None = None,
+               wide: bool = False) -> tuple[str, ...]:
     """One engine's row of ``STATUS_COLUMNS`` (and ``WIDE_COLUMNS`` with ``wide``) from its
     agent's ``status``; ``None`` when the agent did not answer (``state`` then says why, and
-    the columns it would have given are ``-``). AGE is the time since its last transition."""
+    the columns it would have given are ``-``). AGE is the time since its last transition;
+    IMAGES the disk its capture images take (``images``)."""
     dash = "-"
     if status is None:
         row: tuple[str, ...] = (name, state or "UNREACHABLE", dash, dash, dash, holder or dash,
                                 last_op or dash, dash)
-        more = (kind, dash, endpoint, dash, dash, dash, error or dash)
+        more = (kind, dash, endpoint, dash, dash, dash,
+                dash if images is None else human_bytes(images), error or dash)
     else:
         t = status.last_transition
         row = (name, state or str(status.state), str(status.generation), str(status.in_flight),
@@ -236,7 +240,8 @@ def status_row(name: str, status: p.StatusReply | None, *, now: float, state: st
         image = (f"restored ({status.incarnation})" if status.restored_from_image else dash)
         more = (kind, str(status.kept), status.endpoints.get("control", endpoint),
                 human_bytes(sum(status.registered_bytes.values())),
-                ",".join(released) or dash, image, error or dash)
+                ",".join(released) or dash, image,
+                dash if images is None else human_bytes(images), error or dash)
     return row + more if wide else row
 
 
@@ -333,6 +338,19 @@ def add_curve_client_args(sp: argparse.ArgumentParser, server: str) -> None:
     sp.add_argument("--curve-server-key", type=Path, metavar="FILE",
                     default=os.environ.get("CKPT_CURVE_SERVER_KEY") or None,
                     help=f"the {server}'s public key file (default $CKPT_CURVE_SERVER_KEY)")
+
+
+def controller_client(args: argparse.Namespace, **kw):
+    """A ``ControllerClient`` of ``--controller``, with ``--curve-key``'s keys."""
+    from ckpt_controller.controller.client import ControllerClient
+
+    return ControllerClient(args.controller, curve=curve_client(args), **kw)
+
+
+def waiting_notice(line: str) -> None:
+    """A request that has waited a while says so on stderr (never stdout: ``--json`` prints
+    only its document there)."""
+    print(f"ckptctl: {line}", file=sys.stderr, flush=True)
 
 
 def curve_client(args: argparse.Namespace):

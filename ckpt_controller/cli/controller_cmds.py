@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -23,7 +22,7 @@ from ckpt_controller.cli.common import (
     STATUS_COLUMNS,
     WIDE_COLUMNS,
     arg_type,
-    curve_client,
+    controller_client,
     duration,
     goes_on_if_interrupted,
     human_bytes,
@@ -32,6 +31,7 @@ from ckpt_controller.cli.common import (
     prepare_flags,
     status_row,
     table,
+    waiting_notice,
     word_arg,
 )
 from ckpt_controller.cli.logsetup import add_log_args, setup_from_args
@@ -187,12 +187,6 @@ def _history_limit(text: str) -> int:
 _history_limit.__name__ = "count"  # argparse's fallback message names the type
 
 
-def _client(args: argparse.Namespace, **kw):
-    from ckpt_controller.controller.client import ControllerClient
-
-    return ControllerClient(args.controller, curve=curve_client(args), **kw)
-
-
 # ---------------------------------------------------------------- serve
 
 
@@ -251,7 +245,7 @@ def _operation(args: argparse.Namespace) -> int:
     op_id = args.op_id or new_op_id()  # known here, so that Ctrl-C can name it
     progress = None if args.json else Progress()
     on_event = None if progress is None else (lambda ev: show_event(progress, ev))
-    with _client(args, on_event=on_event) as c:
+    with controller_client(args, on_event=on_event) as c:
         c.subscribe()  # heartbeats bound the wait: a dead controller is noticed, not waited out
         try:
             with goes_on_if_interrupted(op_id, "controller", f"ckptctl history --op-id {op_id}"):
@@ -376,14 +370,8 @@ def _image_line(kind: str, o: p.EngineOutcome) -> str | None:
 # ---------------------------------------------------------------- status, history, watch
 
 
-def _waiting(line: str) -> None:
-    """A request that has waited a while says so on stderr (never stdout: ``--json`` prints
-    only its document there)."""
-    print(f"ckptctl: {line}", file=sys.stderr, flush=True)
-
-
 def _status(args: argparse.Namespace) -> int:
-    with _client(args, on_wait=_waiting) as c:
+    with controller_client(args, on_wait=waiting_notice) as c:
         reply = c.status(args.engines)
         # the same exit code for the table and --json: 4 when an engine did not answer
         code = 0 if all(v.reachable or v.moved_to for v in reply.engines) else 4
@@ -426,7 +414,8 @@ def status_table(reply: p.ControllerStatusReply, last_ops: dict[str, str | None]
         why = v.error.message if v.error else "no answer"
         rows.append(status_row(v.engine, v.status, now=now, holder=v.holder,
                                last_op=last_ops.get(v.engine), kind=v.kind, endpoint=v.control,
-                               error="" if v.status is not None else why, wide=wide))
+                               error="" if v.status is not None else why,
+                               images=v.images_bytes, wide=wide))
         if v.status is None:
             notes.append(f"{v.engine}: UNREACHABLE ({why})")
         if v.unsettled_by:
@@ -436,7 +425,7 @@ def status_table(reply: p.ControllerStatusReply, last_ops: dict[str, str | None]
 
 
 def _journal_compact(args: argparse.Namespace) -> int:
-    with _client(args, on_wait=_waiting) as c:
+    with controller_client(args, on_wait=waiting_notice) as c:
         reply = c.compact_journal()
     if args.json:
         emit("journal-compact", reply)
@@ -448,7 +437,7 @@ def _journal_compact(args: argparse.Namespace) -> int:
 
 
 def _history(args: argparse.Namespace) -> int:
-    with _client(args, on_wait=_waiting) as c:
+    with controller_client(args, on_wait=waiting_notice) as c:
         reply = c.history(engine=args.engine, op_id=args.op_id, limit=args.limit)
     if args.json:
         emit("history", reply)
@@ -468,7 +457,7 @@ def _history(args: argparse.Namespace) -> int:
 def _watch(args: argparse.Namespace) -> int:
     from ckpt_controller import protocol as p
 
-    with _client(args) as c:
+    with controller_client(args) as c:
         c.subscribe()
         end = None if args.duration is None else time.monotonic() + args.duration
         while end is None or time.monotonic() < end:

@@ -48,6 +48,7 @@ WALL_TIMES: dict[str, dict[str, str]] = {
     "Part": {"started": "started_at", "ended": "ended_at"},
     "StepEnd": {"started": "started_at", "ended": "ended_at"},
     "Migration": {"step_started": "step_started_at"},
+    "ImageInfo": {"wall": "changed_at"},
 }
 
 #: fields that go out under another name, where the Struct's own name would be ambiguous

@@ -157,6 +157,20 @@ class ControllerClient(RpcClient):
             call_id=0, engine=engine, op_id=op_id,
             limit=check(COUNT, limit, "limit")))
 
+    def images(self, engines: Engines = None, *, prune: bool = False, keep: int | None = None,
+               dry_run: bool = False) -> p.ImagesReply:
+        """The capture images on disk of ``engines`` (``None``: every engine's), each with
+        its size and why retention keeps it (``ckptctl images list``); with ``prune``, those
+        it does not keep are removed (``keep``: the newest good images each engine keeps,
+        default ``[images] keep``; ``dry_run``: only say which would go)."""
+        for name, flag in (("prune", prune), ("dry_run", dry_run)):
+            if not isinstance(flag, bool):
+                raise UsageError(f"{name} = {shown(flag)} is not True or False", field=name,
+                                 value=shown(flag))
+        return self.call(p.RequestType.IMAGES, p.ImagesCommand(
+            call_id=0, engines=_engines(engines), prune=prune, dry_run=dry_run,
+            keep=check_optional(COUNT, keep, "keep")), timeout_s=max(self.timeout_s, 120.0))
+
     def compact_journal(self) -> p.CompactReply:
         """Compact the controller's journal now, to its ``[journal]`` bounds: what it forgot
         (``ckptctl journal compact``)."""

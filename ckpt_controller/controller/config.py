@@ -179,6 +179,15 @@ class JournalConfig:
 
 
 @dataclass(frozen=True)
+class ImagesConfig:
+    """``[images]``: each engine keeps its newest ``keep`` good capture images (and what an
+    operation still needs); the controller removes the others after each good capture, or
+    at once with ``ckptctl images prune`` (``images.ImageStore``)."""
+
+    keep: int = 3
+
+
+@dataclass(frozen=True)
 class ControllerConfig:
     """Everything the controller service needs; see the module docstring for the file format."""
 
@@ -210,6 +219,8 @@ class ControllerConfig:
     migration: MigrationConfig = MigrationConfig()
     #: ``[journal]`` (its defaults when the file has none)
     journal: JournalConfig = JournalConfig()
+    #: ``[images]`` (its defaults when the file has none)
+    images: ImagesConfig = ImagesConfig()
     #: the file this was read from (named in errors found when the controller starts)
     source: str = "<defaults>"
 
@@ -334,6 +345,7 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
         fleet=_fleet(table.fleet, file, base) if table.fleet is not UNSET else None,
         migration=_migration(table.migration, file, base),
         journal=JournalConfig(**given(table.journal)),
+        images=ImagesConfig(**given(table.images)),
         source=file)
     engines_with_keys = [e.name for e in config.engines if e.curve_server_key]
     if engines_with_keys and config.curve_secret_key is None:

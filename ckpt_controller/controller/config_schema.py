@@ -160,6 +160,14 @@ class JournalTable(_Table):
         "an integer >= 1 and at most 1000000000"))] | UnsetType = UNSET
 
 
+class ImagesTable(_Table):
+    """``[images]``: how many capture images each engine keeps (``config.ImagesConfig``)."""
+
+    keep: Annotated[int, Meta(ge=1, le=10**6, description=(
+        "an integer >= 1 and at most 1000000 (the newest image is never removed)"))] \
+        | UnsetType = UNSET
+
+
 class FileTable(_Table):
     """The whole file."""
 
@@ -171,6 +179,7 @@ class FileTable(_Table):
     fleet: FleetTable | UnsetType = UNSET
     migration: MigrationTable = MigrationTable()
     journal: JournalTable = JournalTable()
+    images: ImagesTable = ImagesTable()
 
 
 def given(table: _Table) -> dict[str, Any]:

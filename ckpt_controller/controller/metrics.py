@@ -7,7 +7,7 @@ transitions' is there at 0 from the start or from when its engine is known (a da
 phase and engine. Gauges per engine, kept current by ``monitor`` from the engines' heartbeats
 (nobody has to ask for ``status``): its state (``ckpt_engine_state``, every state present, 1 for
 the current one), whether it is up, since when it is in its state, its last successful cycle
-and the size of its last capture's image, and its capture deadline (``[deadlines] capture``, for
+and the size of its last capture's image and of all its images, and its capture deadline (``[deadlines] capture``, for
 the alert on an engine left PREPARED); and ``ckpt_engines``, engines per state.
 Neighbours: ``service`` and ``session`` report operations, ``journaled`` reads the journal's
 records as they are written, ``monitor`` reports what heartbeats say; ``MetricsServer`` serves
@@ -116,6 +116,9 @@ class Metrics:
                                       "time).", ["engine"], registry=r)
         self._image = prom.Gauge("ckpt_image_bytes", "Size of the engine's last captured "
                                  "image.", ["engine"], registry=r)
+        self._images_bytes = prom.Gauge(
+            "ckpt_images_bytes", "Bytes all of the engine's capture images take on disk "
+            "([images] keep bounds them).", ["engine"], registry=r)
         self._capture_deadline = prom.Gauge(
             "ckpt_engine_capture_deadline_seconds", "Seconds the engine's capture may take "
             "([deadlines] capture); an engine PREPARED longer is stuck.", ["engine"], registry=r)
@@ -196,6 +199,14 @@ class Metrics:
         dumped nothing, 0)."""
         self._image.labels(str(engine)).set(0 if image_dir is None else image_bytes(image_dir))
 
+    def images_bytes(self, engine: str, n: int) -> None:
+        """``engine``'s capture images take ``n`` bytes on disk (counted again after a
+        capture or a prune)."""
+        with self._lock:
+            if engine in self._forgotten:
+                return
+        self._images_bytes.labels(str(engine)).set(n)
+
     def journaled(self, rec: p.JournalRecord) -> None:
         """Count what one journal record tells: a failed hook run, a drain escalation, an
         engine reconciled. Other records are not counted here."""
@@ -268,6 +279,7 @@ class Metrics:
                 self._engines.labels(before).set(self._per_state[before])
             for metric, labels in ((self._up, [(engine,)]), (self._since, [(engine,)]),
                                    (self._last_cycle, [(engine,)]), (self._image, [(engine,)]),
+                                   (self._images_bytes, [(engine,)]),
                                    (self._capture_deadline, [(engine,)]),
                                    (self._state, [(engine, s) for s in STATES]),
                                    *((m, [v]) for m, v in self._engine_counters(engine))):

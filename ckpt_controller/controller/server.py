@@ -38,7 +38,7 @@ RECORDS_DELAY_S = 0.02
 class ControllerServer(RpcServer):
     serves = frozenset({p.RequestType.HANDSHAKE, p.RequestType.STATUS,
                         p.RequestType.OPERATION, p.RequestType.HISTORY,
-                        p.RequestType.COMPACT})
+                        p.RequestType.COMPACT, p.RequestType.IMAGES})
 
     def __init__(self, config: ControllerConfig) -> None:
         super().__init__(config.endpoint, name="controller",
@@ -135,6 +135,9 @@ class ControllerServer(RpcServer):
             self.offload(identity, call_id, "HISTORY", lambda: self.controller.history(cmd))
         elif rtype is p.RequestType.COMPACT:
             self.offload(identity, call_id, "COMPACT", self.controller.retention.compact)
+        elif rtype is p.RequestType.IMAGES:
+            self.controller.status_names(cmd.engines)  # unknown names: a UsageError now
+            self.offload(identity, call_id, "IMAGES", lambda: self.controller.images.handle(cmd))
         elif rtype is p.RequestType.OPERATION:
             # the result, or the error of a refusal found by asking the engines
             self.controller.start(cmd, lambda r: self.reply(identity, call_id, r)

@@ -34,6 +34,7 @@ from ckpt_controller.controller import openfiles, preflight, recovery, roster, s
 from ckpt_controller.controller.admission import Admission, Done
 from ckpt_controller.controller.config import ControllerConfig, EngineConfig, Roster
 from ckpt_controller.controller.fanout import fan_out, rolling, rolling_limit, summarize
+from ckpt_controller.controller.images import ImageStore
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.links import AgentLink, AgentLinks
 from ckpt_controller.controller.outcome import error_info
@@ -114,8 +115,17 @@ class Controller:
         self.stopping = threading.Event()
         #: ``[journal]``'s bounds, applied while the controller serves
         self.retention = JournalRetention(config, self.journal)
+        #: the capture images on disk and ``[images]``'s retention of them
+        self.images = ImageStore(config.image_dir, config.images.keep, self.journal,
+                                 running=self._running_on,
+                                 on_bytes=metrics.images_bytes if metrics else None)
         if metrics is not None:
             self._carry_over_metrics()
+
+    def _running_on(self, engine: str) -> list[str]:
+        """The operations running on ``engine`` now (their image folders are in use)."""
+        holder = self.admission.holders.get(engine)
+        return [holder] if holder else []
 
     def _carry_over_metrics(self) -> None:
         """What the gauges said before a restart and the journal knows: each engine's last
@@ -125,6 +135,7 @@ class Controller:
             self._carry_over_engine(engine.name)
 
     def _carry_over_engine(self, engine: str) -> None:
+        self.images.images_bytes(engine)  # counted from the disk, for the gauge
         ended = self._last_good_cycle(engine)
         if ended is not None:
             self.metrics.last_cycle(engine, ended)
@@ -329,6 +340,9 @@ class Controller:
                       result.op_id, err)
         if self.metrics:
             self.metrics.operation_finished(result.kind, result.status, result.engines)
+        # what it dumped is the newest image of each engine: the older ones [images] keeps
+        # no longer go (on a thread of their own)
+        self.images.after_capture(o.engine for o in result.engines if o.dumped)
         for done in self.admission.release(result.op_id):
             done(result)
 
@@ -516,7 +530,8 @@ class Controller:
                                     moved_to=moved.to, moved_by=moved.op_id)
             v = p.EngineView(engine=name, kind=eng.kind, control=eng.control, reachable=False,
                              holder=self.admission.holders.get(name),
-                             unsettled_by=self.reconciler.unsettled_by(name))
+                             unsettled_by=self.reconciler.unsettled_by(name),
+                             images_bytes=self.images.images_bytes(name))
             try:
                 v.status, v.reachable = preflight.probe(self.config, name), True
             except CkptError as err:  # policy: an unreachable engine is part of the answer

@@ -31,6 +31,7 @@ from ckpt_controller import hub
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.config import ControllerConfig, PrepareDefaults
 from ckpt_controller.controller.hooks import HookContext, find_hooks, run_point
+from ckpt_controller.controller.images import remove_if_empty
 from ckpt_controller.controller.links import KNOWN_FRESH_S, AgentLink, AgentLinks
 from ckpt_controller.controller.outcome import StepOutcome
 from ckpt_controller.controller.policy import hook_failed
@@ -125,7 +126,9 @@ class EngineSession:
         return self.open()
 
     def close(self) -> None:
-        """Give the link back (parked for the engine's next operation when it is sound)."""
+        """Give the link back (parked for the engine's next operation when it is sound);
+        this operation's image folder goes when its hooks left nothing in it."""
+        remove_if_empty(self._image_dir)
         if self._parks:
             self.links.give(self.engine.name, self.client)
         else:

@@ -22,6 +22,7 @@ from ckpt_controller.protocol.commands import (
     Handshake,
     HeartbeatCommand,
     HistoryCommand,
+    ImagesCommand,
     OperationCommand,
     PrepareCommand,
     ReplyType,
@@ -49,6 +50,7 @@ COMMAND_TYPES: dict[RequestType, type[Command]] = {
     RequestType.OPERATION: OperationCommand,
     RequestType.HISTORY: HistoryCommand,
     RequestType.COMPACT: CompactCommand,
+    RequestType.IMAGES: ImagesCommand,
 }
 
 

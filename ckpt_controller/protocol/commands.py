@@ -61,6 +61,7 @@ class RequestType(bytes, enum.Enum):
     OPERATION = b"\x10"
     HISTORY = b"\x11"
     COMPACT = b"\x12"
+    IMAGES = b"\x13"
 
 
 class ReplyType(bytes, enum.Enum):
@@ -191,6 +192,18 @@ class HistoryCommand(Command, kw_only=True):
     engine: Text | None = None
     op_id: Text | None = None
     limit: Annotated[int, Meta(ge=1, le=MAX_HISTORY_LIMIT)] = 50
+
+
+class ImagesCommand(Command, kw_only=True):
+    """The capture images on disk of ``engines`` (none named: every engine's folder there;
+    ``ckptctl images list``); with ``prune``, remove those retention does not keep
+    (``keep``: the newest good images each keeps, default ``[images] keep``; ``dry_run``:
+    say what would go, remove nothing)."""
+
+    engines: Names = []
+    prune: bool = False
+    keep: Count | None = None
+    dry_run: bool = False
 
 
 class CompactCommand(Command, kw_only=True):

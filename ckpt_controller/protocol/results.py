@@ -250,6 +250,8 @@ class EngineView(msgspec.Struct, kw_only=True):
     moved_by: str | None = None
     #: the newest operation on it in the journal (None: none there)
     last_op: LastOperation | None = None
+    #: bytes its capture images take on disk (``<image_dir>/<engine>``); None: not counted
+    images_bytes: int | None = None
 
 
 class ControllerStatusReply(msgspec.Struct, kw_only=True, tag=True):
@@ -285,6 +287,32 @@ class HistoryReply(msgspec.Struct, kw_only=True, tag=True):
     records: list[JournalRecord]
 
 
+class ImageInfo(msgspec.Struct, kw_only=True):
+    """One operation's image folder of one engine (``<image_dir>/<engine>/<image>``)."""
+
+    engine: str
+    #: the folder's name: the id of the operation whose hooks made it
+    image: str
+    bytes: int
+    #: when it last changed (Unix time)
+    wall: float
+    #: a capture dumped it: an image a restore can use (else what a failed one left)
+    dumped: bool
+    #: why retention keeps it (``newest``, ``latest``, ``in use``, ``last attempt``); None: a
+    #: prune removes it
+    kept: str | None = None
+
+
+class ImagesReply(msgspec.Struct, kw_only=True, tag=True):
+    """The images on disk (after a prune: those that stayed), what a prune removed (or with
+    ``dry_run`` would remove), and the ``keep`` it kept to."""
+
+    images: list[ImageInfo]
+    removed: list[ImageInfo] = []
+    keep: int
+    dry_run: bool = False
+
+
 class CompactReply(msgspec.Struct, kw_only=True, tag=True):
     """What one compaction of the journal forgot, and the bounds it kept to."""
 
@@ -296,7 +324,8 @@ class CompactReply(msgspec.Struct, kw_only=True, tag=True):
 
 
 Result = (HandshakeReply | StatusReply | PrepareReply | RestoreReply | HeartbeatReply | Ack
-          | OperationResult | ControllerStatusReply | HistoryReply | CompactReply)
+          | OperationResult | ControllerStatusReply | HistoryReply | CompactReply
+          | ImagesReply)
 
 
 class Reply(msgspec.Struct, kw_only=True):

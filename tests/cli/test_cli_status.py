@@ -58,7 +58,7 @@ def test_every_engine_gets_a_readable_row():
     now = 10_000.0
     reply = p.ControllerStatusReply(controller_pid=1, engines=[
         p.EngineView(engine="a", kind="native", control="ipc:///x/a", reachable=True,
-                     status=_status("a", gen=2, wall=now - 192)),
+                     status=_status("a", gen=2, wall=now - 192), images_bytes=3 << 30),
         p.EngineView(engine="b", kind="native", control="ipc:///x/b", reachable=True,
                      status=_status("b", state="prepared", wall=now - 5), holder="op-7",
                      unsettled_by=None),
@@ -81,7 +81,8 @@ def test_every_engine_gets_a_readable_row():
                      "d: MOVED to node node-2 by operation mig-1 (not driven here)"]
     wide = _rows(status_table(reply, {}, wide=True, now=now))
     assert wide[0] == list(STATUS_COLUMNS + WIDE_COLUMNS)
-    assert wide[1][8:] == ["native", "1", "ipc:///x/a", "3.0 MiB", "-", "-", "-"]
+    assert wide[1][8:] == ["native", "1", "ipc:///x/a", "3.0 MiB", "-", "-", "3.0 GiB", "-"]
+    assert wide[2][-2] == "-"  # its images not counted
     assert wide[3][-1] == "c did not answer" and wide[4][-1] == "on node node-2"
     assert all(len(r) == len(wide[0]) for r in wide)
 

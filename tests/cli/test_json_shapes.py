@@ -23,6 +23,7 @@ from ckpt_controller.cli.output import SCHEMA_VERSION
 from support import ROOT
 from support.cli import CKPTCTL, StreamedLines, ckptctl
 from support.config import engines_toml
+from support.hooks import write_hook
 from support.net import ipc_connections, wait_connected
 from support.timing import scaled, wait_until
 
@@ -224,6 +225,7 @@ def test_a_checker_that_finds_nothing_would_be_a_defect():
 def test_controller_documents(spawn_reference, spawn_controller):
     eng = spawn_reference("js1")
     ctl = spawn_controller(engines_toml(eng))
+    write_hook(ctl, "dump", "10-image", 'echo image > "$CKPT_IMAGE_DIR/pages-1.img"')
     status = parsed(ctl.ckptctl("status", "--json"), "status")
     assert status["engines"][0]["status"]["state"] == "running"
 
@@ -259,6 +261,12 @@ def test_controller_documents(spawn_reference, spawn_controller):
     assert parsed(out, "operation")["engines"][0]["state"] == "prepared"
     out = ctl.ckptctl("rollback", "js1", "--json", "--reason", "shape test")
     assert parsed(out, "operation")["status"] == "succeeded"
+
+    images = parsed(ctl.ckptctl("images", "list", "--json"), "images")
+    assert [(i["image"], i["dumped"], i["kept"]) for i in images["images"]] == [
+        ("js-cycle", True, "newest")]
+    pruned = parsed(ctl.ckptctl("images", "prune", "--dry-run", "--json"), "images")
+    assert pruned["removed"] == [] and pruned["dry_run"] is True
 
     hist = parsed(ctl.ckptctl("history", "--op-id", "js-cycle", "--json"), "history")
     assert hist["operations"][0]["operation"] == "cycle"

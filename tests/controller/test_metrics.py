@@ -115,7 +115,8 @@ def test_render_is_valid_exposition_text():
                      "ckpt_engine_up": "gauge", "ckpt_engine_state_since_timestamp_seconds": "gauge",
                      "ckpt_last_successful_cycle_timestamp_seconds": "gauge",
                      "ckpt_image_bytes": "gauge",
-                     "ckpt_engine_capture_deadline_seconds": "gauge"}
+                     "ckpt_engine_capture_deadline_seconds": "gauge",
+                     "ckpt_images_bytes": "gauge"}
     assert counted(samples, "ckpt_operations_total") == {
         (("kind", "prepare"), ("outcome", "ok")): 2, (("kind", "restore"), ("outcome", "failed")): 1}
     assert values(samples, "ckpt_transitions_total")[
@@ -144,7 +145,7 @@ def test_render_is_valid_exposition_text():
 
 def test_fresh_registry_renders_zeroes():
     types, samples = parse(Metrics().render())
-    assert len(types) == 15
+    assert len(types) == 16
     assert {n for n, _, _ in samples} == {"ckpt_drained_requests_total", "ckpt_freed_bytes_total",
                                           "ckpt_engines", "ckpt_operations_total"}
     assert len(values(samples, "ckpt_operations_total")) == (
