@@ -21,6 +21,7 @@ from ckpt_controller.cli import (
     completion,
     controller_cmds,
     demo,
+    describe_cmd,
     drill_cmd,
     engine_cmds,
     fleet_cmd,
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     controller_cmds.add_parsers(sub)
     images_cmd.add_parser(sub)
+    describe_cmd.add_parser(sub)
     agent_cmds.add_parser(sub)
     engine_cmds.add_parsers(sub)
     demo.add_parser(sub)

@@ -21,6 +21,7 @@ from ckpt_controller.cli.common import (
     PREPARE_HELP,
     STATUS_COLUMNS,
     WIDE_COLUMNS,
+    age,
     arg_type,
     controller_client,
     duration,
@@ -36,9 +37,10 @@ from ckpt_controller.cli.common import (
 )
 from ckpt_controller.cli.logsetup import add_log_args, setup_from_args
 from ckpt_controller.cli.progress import Progress, describe_hook
-from ckpt_controller.cli.output import emit
+from ckpt_controller.cli.output import emit, iso
 from ckpt_controller.errors import CkptError, UsageError
-from ckpt_controller.vocab import DrainMode, Escalation, OperationKind, ReleaseLevel
+from ckpt_controller.vocab import (CheckpointState, DrainMode, Escalation, OperationKind,
+                                   ReleaseLevel)
 
 if TYPE_CHECKING:
     from ckpt_controller import protocol as p
@@ -396,8 +398,9 @@ def _last_op(c, engine: str) -> str | None:
 def status_table(reply: p.ControllerStatusReply, last_ops: dict[str, str | None] | None = None,
                  wide: bool = False, now: float | None = None) -> str:
     """``ckptctl status``'s table, then a line for each engine whose row needs one: why it
-    is unreachable, where it moved, which operation left it unsettled. LAST-OP is each
-    view's ``last_op``, or ``last_ops[engine]`` when given (asked of an older controller)."""
+    is unreachable or FAILED, where it moved, which operation left it unsettled. LAST-OP is
+    each view's ``last_op``, or ``last_ops[engine]`` when given (asked of an older
+    controller)."""
     now = time.time() if now is None else now
     if last_ops is None:
         last_ops = {v.engine: v.last_op.op_id for v in reply.engines if v.last_op is not None}
@@ -412,16 +415,32 @@ def status_table(reply: p.ControllerStatusReply, last_ops: dict[str, str | None]
                          "(not driven here)")
             continue
         why = v.error.message if v.error else "no answer"
+        failed = failed_reason(v.status, now, last_ops.get(v.engine))
         rows.append(status_row(v.engine, v.status, now=now, holder=v.holder,
                                last_op=last_ops.get(v.engine), kind=v.kind, endpoint=v.control,
-                               error="" if v.status is not None else why,
+                               error=why if v.status is None else (failed or ""),
                                images=v.images_bytes, wide=wide))
         if v.status is None:
             notes.append(f"{v.engine}: UNREACHABLE ({why})")
+        elif failed:
+            notes.append(f"{v.engine}: {failed} (`ckptctl describe {v.engine}`; `ckptctl "
+                         f"restore {v.engine}` recovers it)")
         if v.unsettled_by:
             notes.append(f"{v.engine}: unsettled since operation {v.unsettled_by} lost contact "
                          "(the reconciler settles it)")
     return table(rows) + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def failed_reason(status: p.StatusReply | None, now: float, op: str | None = None) -> str | None:
+    """Why a FAILED engine is: since when, in which operation (``op``, its newest), and its
+    transition's reason; None for an engine in any other state."""
+    if status is None or status.state != CheckpointState.FAILED:
+        return None
+    t = status.last_transition
+    by = f" in operation {op}" if op else ""
+    if t is None:  # found FAILED at its start (e.g. a sidecar beside a paused vLLM)
+        return f"FAILED{by} (no transition recorded)"
+    return f"FAILED {age(now - t.wall)} ago ({iso(t.wall)}){by}: {t.reason or t.trigger}"
 
 
 def _journal_compact(args: argparse.Namespace) -> int:

@@ -267,6 +267,10 @@ def test_controller_documents(spawn_reference, spawn_controller):
         ("js-cycle", True, "newest")]
     pruned = parsed(ctl.ckptctl("images", "prune", "--dry-run", "--json"), "images")
     assert pruned["removed"] == [] and pruned["dry_run"] is True
+    described = parsed(ctl.ckptctl("describe", "js1", "--json"), "describe")
+    assert "js-cycle" in [o["op_id"] for o in described["operations"]]
+    assert described["hooks"] == []  # its newest operation, the rollback, ran none
+    assert described["images"][0]["image"] == "js-cycle" and described["last_error"] is None
 
     hist = parsed(ctl.ckptctl("history", "--op-id", "js-cycle", "--json"), "history")
     assert hist["operations"][0]["operation"] == "cycle"
