@@ -35,7 +35,37 @@ back into the same class on the other side. Neighbours: ``protocol`` carries err
 
 from __future__ import annotations
 
+import enum
+import json
 from typing import Any, ClassVar
+
+
+def described(exc: BaseException) -> str:
+    """An unexpected exception as a person reads it: ``TypeError: what it said`` (its repr,
+    ``TypeError('what it said')``, is Python's, not an operator's)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def plain(value: Any) -> str:
+    """A detail as an operator reads it, never a Python repr: a word as it is (quoted, JSON
+    style, only when it has spaces or punctuation that would blur it), an enum as its word,
+    a list as ``a,b``, a number as written, a boolean as ``true``/``false``."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
+        return ",".join(plain(v) for v in items) if items else "none"
+    if isinstance(value, dict):
+        return json.dumps(value, default=str, separators=(",", ":"))
+    text = str(value)
+    if not text or any(c in text for c in ' ,="()\n\t'):
+        return json.dumps(text)
+    return text
 
 
 class CkptError(Exception):
@@ -53,7 +83,7 @@ class CkptError(Exception):
     def __str__(self) -> str:
         if not self.details:
             return self.message
-        facts = ", ".join(f"{k}={v!r}" for k, v in self.details.items() if v is not None)
+        facts = ", ".join(f"{k}={plain(v)}" for k, v in self.details.items() if v is not None)
         return f"{self.message} ({facts})" if facts else self.message
 
     @property

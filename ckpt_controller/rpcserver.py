@@ -49,7 +49,7 @@ from ckpt_controller import protocol as p
 from ckpt_controller.endpoints import cannot_bind, secure_ipc
 from ckpt_controller.clock import Clock
 from ckpt_controller.errors import (CkptError, EngineError, OperationError, OverloadedError,
-                                    ProtocolError)
+                                    ProtocolError, described)
 from ckpt_controller.security import CurveServer, ZapHandler, log_handshake_failures
 from ckpt_controller.zmqutil import (DeathHook, Outbox, exit_on_thread_death, guarded,
                                      monitor_socket, more_to_read, recv_monitor_event,
@@ -275,7 +275,7 @@ class RpcServer:
             except Exception as exc:  # policy: a bug answers this request, typed, and we go on
                 log.exception("%s: %s failed", self.name, what)
                 self.reply_error(identity, call_id, OperationError(
-                    f"{self.name} failed to handle {what}: {exc!r}", request=what))
+                    f"{self.name} failed to handle {what}: {described(exc)}", request=what))
 
         self._workers.submit(run, what)
 
@@ -425,7 +425,7 @@ class RpcServer:
         except Exception as exc:  # policy: a bug answers this request, typed, and we go on
             log.exception("%s: %s failed", self.name, rtype.name)
             self.reply_error(identity, cmd.call_id, OperationError(
-                f"{self.name} failed to handle {rtype.name}: {exc!r}", request=rtype.name))
+                f"{self.name} failed to handle {rtype.name}: {described(exc)}", request=rtype.name))
 
 
 class _Workers:

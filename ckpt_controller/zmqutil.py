@@ -301,7 +301,7 @@ def guarded(target: Callable[[], None], name: str, *, on_death: DeathHook | None
             target()
         except BaseException as exc:  # policy: no thread dies silently; see on_death
             if stopping():
-                log.debug("thread %s ended while stopping: %r", name, exc)
+                log.debug("thread %s ended while stopping: %s: %s", name, type(exc).__name__, exc)
                 return
             (on_death or exit_on_thread_death)(name, exc)
 

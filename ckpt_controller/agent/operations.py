@@ -36,6 +36,7 @@ from ckpt_controller.errors import (
     InvalidTransitionError,
     OperationError,
     UsageError,
+    described,
 )
 from ckpt_controller.lifecycle import Lifecycle
 from ckpt_controller.protocol import (
@@ -435,7 +436,7 @@ class Operations:
             raise
         except Exception as exc:  # policy: any engine bug becomes a typed EngineError
             log.exception("%s: engine hook %s raised", self.name, step)
-            raise EngineError(f"engine {step} failed: {exc!r}", engine=self.name, step=step) from exc
+            raise EngineError(f"engine {step} failed: {described(exc)}", engine=self.name, step=step) from exc
 
     def _check(self, deadline: Deadline, op_id: str, step: str) -> None:
         if deadline.passed():
@@ -448,5 +449,5 @@ def _typed(exc: Exception, engine: str, step: str) -> CkptError:
     if isinstance(exc, CkptError):
         exc.details.setdefault("step", step)
         return exc
-    log.error("%s: unexpected error in %s: %r", engine, step, exc, exc_info=exc)
-    return OperationError(f"{step} failed: {exc!r}", engine=engine, step=step)
+    log.error("%s: unexpected error in %s: %s", engine, step, described(exc), exc_info=exc)
+    return OperationError(f"{step} failed: {described(exc)}", engine=engine, step=step)

@@ -42,7 +42,8 @@ from ckpt_controller.agent.gate import AdmissionGate
 from ckpt_controller.agent.incarnation import IncarnationTracker, host_pid
 from ckpt_controller.agent.operations import Operations
 from ckpt_controller.clock import Clock
-from ckpt_controller.errors import BusyError, CkptError, OperationError, OverloadedError
+from ckpt_controller.errors import (BusyError, CkptError, OperationError, OverloadedError,
+                                    described)
 from ckpt_controller.lifecycle import Lifecycle, Transition
 from ckpt_controller.rpcserver import RpcServer
 from ckpt_controller.zmqutil import guarded
@@ -352,7 +353,7 @@ class Agent(RpcServer):
             op.error = err
         except Exception as exc:  # policy: a bug must still answer the caller, typed
             log.exception("agent %s: %s %s crashed", self.name, op.kind, op.op_id)
-            op.error = OperationError(f"{op.kind} crashed: {exc!r}", engine=self.name,
+            op.error = OperationError(f"{op.kind} crashed: {described(exc)}", engine=self.name,
                                       state=self.lifecycle.state.value)
         self.failpoints.operation_ended()
         if isinstance(op.result, (p.PrepareReply, p.RestoreReply)):

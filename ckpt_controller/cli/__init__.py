@@ -58,6 +58,7 @@ class _Parser(argparse.ArgumentParser):
     json_errors = False
 
     def error(self, message: str):
+        message = _plain_words(message)
         if _Parser.json_errors:
             import json
 
@@ -95,7 +96,56 @@ def build_parser() -> argparse.ArgumentParser:
     fleet_cmd.add_parser(sub)
     completion.add_parser(sub)
     parser.set_defaults(root_parser=parser)  # what ``completion`` walks
+    _conventions(parser)
     return parser
+
+
+def _conventions(root: argparse.ArgumentParser) -> None:
+    """What every command gets from the root, as kubectl's users expect: the global options
+    (``--controller``, ``--etcd``...) after the command too (``ckptctl status --controller
+    X``; left out of each command's own help), ``-o json`` wherever ``--json`` is, a
+    command's name as a plain word in messages, and its own parser named in the namespace (an
+    unknown flag is answered with that command's usage: ``_run``)."""
+    shared = [a for a in root._actions if a.option_strings and a.default is not argparse.SUPPRESS
+              and a.dest not in ("help", "version")]
+
+    def walk(parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                named = list(action.choices.items())  # the same dict argparse looks names up in
+                action.choices.clear()
+                action.choices.update((str(k), v) for k, v in named)
+                for child in {id(c): c for c in action.choices.values()}.values():
+                    walk(child)
+        opts = parser._option_string_actions
+        if "--json" in opts and "-o" not in opts and "--output" not in opts:
+            parser.add_argument("-o", "--output", choices=["json"],
+                                help="json: as --json (kubectl's spelling)")
+        if parser is not root:
+            for g in shared:
+                if not any(o in parser._option_string_actions for o in g.option_strings):
+                    parser.add_argument(*g.option_strings, dest=g.dest, type=g.type,
+                                        metavar=g.metavar, default=argparse.SUPPRESS,
+                                        help=argparse.SUPPRESS)
+            parser.set_defaults(command_parser=parser)
+
+    walk(root)
+
+
+def _plain_words(message: str) -> str:
+    """argparse's message with plain words (an enum's repr, ``<Kind.X: 'x'>``, as ``'x'``)
+    and, for a mistyped choice, the nearest one: ``did you mean 'prepare'?``."""
+    import difflib
+    import re
+
+    message = re.sub(r"<[A-Za-z_]+\.[A-Z0-9_]+: ('[^']*'|-?\d+)>", r"\1", message)
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if m:
+        words = re.findall(r"'([^']*)'", m.group(2))
+        near = difflib.get_close_matches(m.group(1), words, n=1, cutoff=0.6)
+        if near:
+            message += f"; did you mean '{near[0]}'?"
+    return message
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,8 +161,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: Sequence[str] | None) -> int:
-    _Parser.json_errors = "--json" in (sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)  # --help, a usage error: argparse's SystemExit
+    words = list(sys.argv[1:] if argv is None else argv)
+    _Parser.json_errors = "--json" in words or any(
+        a in ("-o", "--output") and b == "json" for a, b in zip(words, words[1:])) or any(
+        w in ("-ojson", "--output=json") for w in words)
+    # --help, a usage error: argparse's SystemExit; a flag the command does not know is
+    # answered with that command's usage, not the root's
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "output", None) == "json":
+        args.json = True
     try:
         return args.run(args)
     except CkptError as err:

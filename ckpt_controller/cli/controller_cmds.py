@@ -139,14 +139,22 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "  AGE        time since its last transition (5s, 3m12s, 2h4m, 4d1h)\n"
                     "-o wide adds KIND, KEPT (requests frozen), ENDPOINT (its agent), REGISTERED\n"
                     "(memory), RELEASED (tags released), IMAGE (restored from an image, and how\n"
-                    "many times) and ERROR (why it did not answer). A line under the table\n"
-                    "explains each UNREACHABLE, MOVED or unsettled engine.",
+                    "many times), IMAGES (the disk its images take) and ERROR (why it did not\n"
+                    "answer, or is FAILED). A line under the table explains each UNREACHABLE,\n"
+                    "FAILED, MOVED or unsettled engine. -o name prints the names alone, -o json\n"
+                    "(or --json) the status reply; -w prints the table again at each change.",
         **fmt)
     sp.add_argument("engines", nargs="*", metavar="ENGINE", help="engine names (default: all)")
-    sp.add_argument("-o", "--output", choices=["wide"],
-                    help="wide: more columns (see above)")
+    sp.add_argument("-o", "--output", choices=["wide", "json", "name"],
+                    help="wide: more columns (see above); json: as --json; name: one engine "
+                         "name per line")
     sp.add_argument("--json", action="store_true",
                     help="print one JSON document (the status reply)")
+    sp.add_argument("-w", "--watch", action="store_true",
+                    help="keep watching: the table again (a JSON line with --json) each time "
+                         "an engine's row changes, until Ctrl-C")
+    sp.add_argument("--interval", type=duration, metavar="S", default=2.0,
+                    help="with --watch: ask this often (default 2 s)")
     sp.set_defaults(run=_status)
 
     sp = sub.add_parser("history", help="operations and journal records", **fmt)
@@ -374,11 +382,16 @@ def _image_line(kind: str, o: p.EngineOutcome) -> str | None:
 
 def _status(args: argparse.Namespace) -> int:
     with controller_client(args, on_wait=waiting_notice) as c:
+        if args.watch:
+            return _watch_status(args, c)
         reply = c.status(args.engines)
         # the same exit code for the table and --json: 4 when an engine did not answer
         code = 0 if all(v.reachable or v.moved_to for v in reply.engines) else 4
         if args.json:
             emit("status", reply)
+            return code
+        if args.output == "name":
+            print("\n".join(v.engine for v in reply.engines))
             return code
         last = None
         if not reply.last_ops:  # a controller older than ``EngineView.last_op``: ask each
@@ -386,6 +399,28 @@ def _status(args: argparse.Namespace) -> int:
                     if v.moved_to is None}
     print(status_table(reply, last, wide=args.output == "wide"))
     return code
+
+
+def _watch_status(args: argparse.Namespace, c) -> int:
+    """``status -w``: the table (or a JSON line), then again, under the time it changed,
+    each time something but the ages changed; Ctrl-C ends it (exit 0)."""
+    seen = None
+    try:
+        while True:
+            reply = c.status(args.engines)
+            # the table at a fixed "now": its ages stay put unless a transition moved them
+            rows = status_table(reply, wide=args.output == "wide", now=0.0)
+            if rows != seen:
+                if args.json:
+                    emit("status", reply, stream=True)
+                else:
+                    if seen is not None:
+                        print(f"\n{iso(time.time())}")
+                    print(status_table(reply, wide=args.output == "wide"), flush=True)
+                seen = rows
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
 
 
 def _last_op(c, engine: str) -> str | None:
@@ -469,7 +504,7 @@ def _history(args: argparse.Namespace) -> int:
         for rec in reply.records:
             line = describe_record(rec)
             if line:
-                print(f"  {rec.seq:>6} {line}")
+                print(f"  {rec.seq:>6} {iso(rec.wall)} {line}")
     return 0
 
 
@@ -489,7 +524,7 @@ def _watch(args: argparse.Namespace) -> int:
                 else:
                     line = describe_record(ev.record)
                     if line:
-                        print(line, flush=True)
+                        print(f"{iso(ev.record.wall)} {line}", flush=True)
             if not c.follows_heartbeats:  # else poll_events says when the controller is lost
                 c.heartbeat()  # UnreachableError when the controller is gone
     return 0

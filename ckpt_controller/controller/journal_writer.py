@@ -395,7 +395,7 @@ def _numbers(numbers: list[int]) -> str:
 
 
 def _stopped(exc: BaseException | None) -> sqlite3.OperationalError:
-    return sqlite3.OperationalError(f"the journal's writer stopped: {exc!r}")
+    return sqlite3.OperationalError(f"the journal's writer stopped: {type(exc).__name__}: {exc}")
 
 
 def _rollback(db: sqlite3.Connection) -> None:

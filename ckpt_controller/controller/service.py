@@ -44,7 +44,7 @@ from ckpt_controller.controller.session import EngineSession
 from ckpt_controller.controller.statedir import claim
 from ckpt_controller.controller.workers import Workers
 from ckpt_controller.errors import (BusyError, CkptError, OperationError, StateDirError,
-                                    UsageError)
+                                    UsageError, described)
 from ckpt_controller.vocab import OperationKind, OperationStatus, OutcomeStatus, RosterChange
 
 log = logging.getLogger("ckpt_controller.controller")
@@ -271,7 +271,7 @@ class Controller:
                                  "began: free space there (or fix the file system) and retry",
                                  state_dir=str(self.config.state_dir), problem=str(exc),
                                  op_id=cmd.op_id)
-        return OperationError(f"controller error before the operation began: {exc!r}",
+        return OperationError(f"controller error before the operation began: {described(exc)}",
                               op_id=cmd.op_id)
 
     def _refuse(self, cmd: p.OperationCommand, err: CkptError) -> None:
@@ -319,7 +319,7 @@ class Controller:
             result = p.OperationResult(
                 op_id=cmd.op_id, kind=cmd.kind, status=OperationStatus.FAILED, engines=[],
                 wall=wall, duration_s=time.monotonic() - start,
-                error=p.ErrorInfo(kind="OperationError", message=f"controller error: {exc!r}"))
+                error=p.ErrorInfo(kind="OperationError", message=f"controller error: {described(exc)}"))
         if self.guard is not None:
             self.guard.free(cmd.op_id, cmd.kind, engines, result)
         self._finish(result)

@@ -20,7 +20,8 @@ from ckpt_controller import protocol as p
 from ckpt_controller.controller.hooks import find_hooks
 from ckpt_controller.controller.outcome import StepOutcome, error_info, from_error
 from ckpt_controller.controller.session import EngineSession
-from ckpt_controller.errors import CkptError, OperationError, UnreachableError, UsageError
+from ckpt_controller.errors import (CkptError, OperationError, UnreachableError, UsageError,
+                                    described)
 from ckpt_controller.vocab import CheckpointState, HookCondition, HookPoint, OutcomeStatus
 
 log = logging.getLogger("ckpt_controller.controller")
@@ -39,7 +40,7 @@ def guarded(step: Step, open_first: bool = True) -> Callable[[EngineSession], No
             # policy: a step's failure is its engine's outcome (a bug becomes a typed
             # OperationError); the other engines go on
             err = exc if isinstance(exc, CkptError) else OperationError(
-                f"controller step failed: {exc!r}", engine=s.engine.name)
+                f"controller step failed: {described(exc)}", engine=s.engine.name)
             if not isinstance(exc, CkptError):
                 log.error("%s: step failed", s.engine.name, exc_info=exc)
             out = from_error(err)

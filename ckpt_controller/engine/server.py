@@ -46,7 +46,7 @@ from ckpt_controller.engine.kv import BlockPool
 from ckpt_controller.engine.model import load_model, materialize
 from ckpt_controller.engine.scheduler import DEFAULT_MAX_WAITING, Request, Scheduler
 from ckpt_controller.errors import (CkptError, OperationError, OverloadedError, ProtocolError,
-                                    UsageError, VerificationError)
+                                    UsageError, VerificationError, described)
 from ckpt_controller.memory import MemoryRegistry, trim_host_heap
 from ckpt_controller.zmqutil import Outbox, guarded
 
@@ -233,7 +233,7 @@ class ReferenceEngine(EngineHooks):
     def _schedule_loop(self) -> None:
         def step_failed(exc: Exception) -> None:
             # policy: a failed step ends its requests with ERROR; the engine goes on
-            log.error("engine step failed: %r", exc, exc_info=exc)
+            log.error("engine step failed: %s", described(exc), exc_info=exc)
             self.scheduler.fail_all(repr(exc))
 
         self.scheduler.run_loop(self._stop, step_failed)
@@ -333,7 +333,7 @@ class ReferenceEngine(EngineHooks):
         except Exception as exc:  # policy: a bug answers this request, typed, and we go on
             log.exception("engine %s: admitting %s failed", self.opts.name, msg.request_id)
             self._reject(client, msg.request_id, OperationError(
-                f"engine {self.opts.name} failed to admit the request: {exc!r}",
+                f"engine {self.opts.name} failed to admit the request: {described(exc)}",
                 request_id=msg.request_id))
             return
         self._signatures[msg.request_id] = sig

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from ckpt_controller.errors import CkptError, ProtocolError, VersionMismatchError
+from ckpt_controller.errors import CkptError, ProtocolError, VersionMismatchError, described
 
 from ckpt_controller.protocol.commands import (
     MAX_PAYLOAD_BYTES,
@@ -158,7 +158,7 @@ def decode_frame(decoder: msgspec.msgpack.Decoder, payload: bytes, what: str, **
         raise ProtocolError(f"{what}: nested too deeply", **details) from None
     except Exception as exc:
         # policy: anything else a decode raises is still the frame's fault: typed, not fatal
-        raise ProtocolError(f"{what}: {exc!r}", **details) from None
+        raise ProtocolError(f"{what}: {described(exc)}", **details) from None
 
 
 def to_plain(value: Any) -> Any:

@@ -27,7 +27,7 @@ import logging
 import signal
 import threading
 
-from ckpt_controller.errors import BusyError, CkptError
+from ckpt_controller.errors import BusyError, CkptError, described
 from ckpt_controller.fleet.migration import procs
 from ckpt_controller.fleet.migration.record import capture_op, local_ids, read
 from ckpt_controller.vocab import CheckpointState, MigrationOutcome, OperationKind
@@ -162,4 +162,4 @@ class Fence:
                                    op_id=local_ids(mig, engine)[OperationKind.RESTORE],
                                    engine=engine)
         except Exception as exc:  # policy: the log line says it; the fence holds anyway
-            log.error("fleet: could not journal the fence of %s: %r", engine, exc)
+            log.error("fleet: could not journal the fence of %s: %s", engine, described(exc))
