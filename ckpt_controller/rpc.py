@@ -85,6 +85,9 @@ def check_command(cmd: p.Command) -> None:
 class RpcClient:
     #: what to check when the server cannot be reached at all (subclasses say which server)
     unreachable_hint = "is the server running at this endpoint?"
+    #: who serves the endpoint, as a waiting notice names it ("the controller"); None: only
+    #: the endpoint
+    peer: str | None = None
     #: check each command's fields before sending it (``check_command``); a client whose
     #: commands are built from values checked already (the controller's links) skips it,
     #: and the server's decoder still refuses a bad one with the same typed error
@@ -239,11 +242,12 @@ class RpcClient:
             cmd = msgspec.structs.replace(cmd, call_id=next(self._calls))
             notice = None
             if self.on_wait is not None:
+                who = f"{self.peer} at {self.endpoint}" if self.peer else self.endpoint
                 if attempt > 1:
-                    self.on_wait(f"no answer from {self.endpoint} in {timeout:.1f}s; still "
+                    self.on_wait(f"no answer from {who} in {timeout:.1f}s; still "
                                  f"trying (attempt {attempt} of {attempts})")
                 elif self.notice_after_s < timeout:
-                    notice = (f"no answer from {self.endpoint} yet ({self.notice_after_s:.1f}s);"
+                    notice = (f"no answer from {who} yet ({self.notice_after_s:.1f}s);"
                               f" still trying (attempt 1 of {attempts}, at most "
                               f"{timeout * attempts:.0f}s in all)")
             try:

@@ -30,6 +30,7 @@ def _reason(reason: str) -> str:
 
 class AgentClient(RpcClient):
     unreachable_hint = "is the engine's agent running? check the endpoint (--control)"
+    peer = "the agent"
 
     def status(self, *, timeout_s: float | None = None,
                retries: int | None = None) -> p.StatusReply:

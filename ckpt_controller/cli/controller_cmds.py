@@ -343,6 +343,10 @@ def describe_result(r: p.OperationResult) -> str:
             dr = o.drain
             lines.append(f"    drain {dr.mode}: {dr.completed} completed, {dr.aborted} aborted, "
                          f"{dr.kept} kept in {dr.drain_s:.3f}s")
+            if dr.escalated_to:  # the operator asked to wait: say plainly that it did not
+                lines.append(f"    the {dr.mode} drain reached its deadline and escalated to "
+                             f"{dr.escalated_to}: {dr.aborted} aborted, {dr.kept} kept of "
+                             f"{dr.in_flight_at_start} in flight")
         if o.released:
             lines.append(f"    released {human_bytes(o.released.tensor_bytes)} "
                          f"(freed {human_bytes(o.released.freed_bytes)})")
@@ -380,8 +384,15 @@ def _image_line(kind: str, o: p.EngineOutcome) -> str | None:
 # ---------------------------------------------------------------- status, history, watch
 
 
+#: seconds ``status`` waits before it says the controller has not answered: the controller
+#: asks every engine first, each at most ``[deadlines] probe`` (2 s), so a silent engine
+#: alone must not read as a silent controller (the engine's row says it did not answer)
+STATUS_NOTICE_S = 5.0
+
+
 def _status(args: argparse.Namespace) -> int:
-    with controller_client(args, on_wait=waiting_notice) as c:
+    with controller_client(args, on_wait=waiting_notice,
+                           notice_after_s=STATUS_NOTICE_S) as c:
         if args.watch:
             return _watch_status(args, c)
         reply = c.status(args.engines)

@@ -57,7 +57,9 @@ def gather(c, engine: str) -> dict[str, Any]:
 
 
 def _describe(args: argparse.Namespace) -> int:
-    with controller_client(args, on_wait=waiting_notice) as c:
+    from ckpt_controller.cli.controller_cmds import STATUS_NOTICE_S
+
+    with controller_client(args, on_wait=waiting_notice, notice_after_s=STATUS_NOTICE_S) as c:
         found = gather(c, args.engine)
     view = found["engine"]
     code = 0 if view.reachable or view.moved_to else 4  # as ``status``

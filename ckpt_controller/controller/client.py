@@ -126,6 +126,7 @@ class ControllerClient(RpcClient):
 
     unreachable_hint = ("is `ckptctl serve` running? name its endpoint with --controller or "
                         "$CKPT_CONTROLLER")
+    peer = "the controller"
 
     def __init__(self, endpoint: str | None = None, **kw) -> None:
         kw.setdefault("name", "ckpt-controller-client")
