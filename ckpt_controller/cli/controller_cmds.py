@@ -284,11 +284,11 @@ def show_event(progress: Progress, ev: p.EventBody) -> None:
     r = ev.record
     d, who = r.data, r.engine or "-"
     if r.type == "drain_progress":
-        progress.drain(who, d["in_flight"], d["completed"], d["aborted"])
+        progress.drain(who, d["in_flight"], d["completed"], d["aborted"], d.get("deadline_s"))
     elif r.type == "drain":
         progress.drained(who, describe_record(r) or "")
     elif r.type == "hook_start":
-        progress.hook_started(who, d["point"], list(d.get("hooks", [])))
+        progress.hook_started(who, d["point"], list(d.get("hooks", [])), d.get("timeout_s"))
     elif r.type == "hook":
         progress.hook_ended(who, d)
     else:

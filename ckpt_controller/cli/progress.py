@@ -2,9 +2,10 @@
 
 Every line starts with the time since the command began (``[  1.23s]``). Two things are shown
 while they last: a drain, counting down the requests still in flight, and a running hook, with
-its time so far. On a terminal such a line is rewritten in place (a carriage return) and
-replaced by the line that ends it, and cut to the terminal's width (a line that wraps could not
-be rewritten); elsewhere (a pipe, a file) the same lines are printed one
+its time so far against its bound when known (``12 s of at most 30 s``: the wait drain's
+deadline, the hook's timeout). On a terminal such a line is rewritten in place (a carriage
+return) and replaced by the line that ends it, and fitted to the terminal's width by cutting
+the names, never the times (a line that wraps could not be rewritten); elsewhere (a pipe, a file) the same lines are printed one
 under the other, a drain's only when its count changed, and nothing is ever rewritten.
 Fed by the controller's journal records (``Journaled`` events: ``drain_progress``,
 ``hook_start``, ``hook``, ``transition``, ``phase``, ``error``) or by an agent's own events
@@ -34,8 +35,9 @@ class Progress:
         self.width = width
         self.clock = clock
         self.start = clock()
-        #: what runs now, by engine: (text before the time, when it began)
-        self._running: dict[str, tuple[str, float]] = {}
+        #: what runs now, by engine: (text before the time, when it began, its bound in
+        #: seconds or None)
+        self._running: dict[str, tuple[str, float, float | None]] = {}
         self._drained: dict[str, int] = {}  # the in-flight count last printed, by engine
         self._shown = False  # a live line is on the terminal, without its newline
 
@@ -61,11 +63,11 @@ class Progress:
         if not (self.live and self._running):
             return
         now = self.clock()
-        said = "; ".join(f"{text} {now - began:.1f}s" for text, began in self._running.values())
-        text, room = f"{self.stamp()} {said}", self._columns() - 1  # the last column: no wrap
-        if len(text) > room:
-            text = text[:max(room - 3, 0)] + "..."
-        self.stream.write(text)
+        items = [(text, _took(now - began, bound)) for text, began, bound in
+                 self._running.values()]
+        room = self._columns() - 1  # the last column: no wrap
+        line = _fit(self.stamp(), items, room)
+        self.stream.write(line[:room])
         self._shown = True
 
     def _columns(self) -> int:
@@ -91,11 +93,13 @@ class Progress:
 
     # ---------------------------------------------------------------- what happens
 
-    def drain(self, engine: str, in_flight: int, completed: int, aborted: int) -> None:
+    def drain(self, engine: str, in_flight: int, completed: int, aborted: int,
+              bound_s: float | None = None) -> None:
+        """A drain's count; ``bound_s``: its deadline (a wait drain's), shown beside its time."""
         text = (f"{engine}: draining, {in_flight} in flight left ({completed} completed, "
                 f"{aborted} aborted)")
-        began = self._running.get(engine, ("", self.clock()))[1]
-        self._running[engine] = (text, began)
+        began = self._running.get(engine, ("", self.clock(), None))[1]
+        self._running[engine] = (text, began, bound_s)
         if self.live:
             self.refresh()
         elif self._drained.get(engine) != in_flight:
@@ -107,9 +111,11 @@ class Progress:
         self._drained.pop(engine, None)
         self.line(text)
 
-    def hook_started(self, engine: str, point: str, names: list[str]) -> None:
+    def hook_started(self, engine: str, point: str, names: list[str],
+                     bound_s: float | None = None) -> None:
+        """A hook point began; ``bound_s``: each hook's timeout, shown beside its time."""
         what = f"{engine}: hook {point} {', '.join(names)}"
-        self._running[engine] = (f"{what} running", self.clock())
+        self._running[engine] = (f"{what} running", self.clock(), bound_s)
         self.line(f"{what} started")
 
     def hook_ended(self, engine: str, run: dict[str, Any]) -> None:
@@ -118,6 +124,32 @@ class Progress:
 
     def other(self, engine: str | None, text: str) -> None:
         self.line(text)
+
+
+def _took(seconds: float, bound: float | None) -> str:
+    """The time so far, against its bound when there is one: ``12 s of at most 30 s``."""
+    if bound is None:
+        return f"{seconds:.1f}s"
+    return f"{seconds:.0f} s of at most {bound:g} s"
+
+
+def _fit(stamp: str, items: list[tuple[str, str]], room: int) -> str:
+    """``stamp`` and each (name, time) in ``room`` columns: too wide, a name is cut, never
+    its time (what a person watches), and those that no longer fit are counted (``+3
+    more``)."""
+    line = stamp
+    for i, (text, took) in enumerate(items):
+        sep = "; " if i else " "
+        rest = len(items) - i - 1
+        more = f"; +{rest} more" if rest else ""
+        avail = room - len(line) - len(sep) - len(took) - 1 - len(more)
+        if avail >= len(text):
+            line += f"{sep}{text} {took}"
+            continue
+        if avail >= 8:  # enough to know what it is: cut it, keep its time, count the rest
+            return f"{line}{sep}{text[:avail - 3]}... {took}{more}"
+        return line + (f"{sep}+{rest + 1} more" if i else f" {took}")
+    return line
 
 
 def describe_hook(engine: str, run: dict[str, Any]) -> str:

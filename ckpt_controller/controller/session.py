@@ -38,6 +38,7 @@ from ckpt_controller.controller.policy import hook_failed
 from ckpt_controller.errors import CkptError, DeadlineError, OperationError
 from ckpt_controller.vocab import (
     CheckpointState,
+    DrainMode,
     HookCondition,
     HookPoint,
     OperationKind,
@@ -143,7 +144,9 @@ class EngineSession:
         if isinstance(ev, p.StateChanged):
             self._transition(ev.transition)
         elif isinstance(ev, p.DrainProgress):
-            self.record("drain_progress", msgspec.to_builtins(ev))
+            # with the wait's bound, so a person following it reads "12 s of at most 30 s"
+            bound = self.drain_timeout_s if self.params.drain == DrainMode.WAIT else None
+            self.record("drain_progress", {**msgspec.to_builtins(ev), "deadline_s": bound})
 
     def _on_agent_reply(self, reply: object) -> None:
         """The transitions an operation's reply lists: journal those no event brought (an
@@ -217,7 +220,8 @@ class EngineSession:
         runs: list[p.HookRun] = []
         # said before they run (the journal's "hook" records come when they end): what a
         # person following the operation sees running
-        self.record("hook_start", {"point": point, "hooks": [h.name for h in found]})
+        self.record("hook_start", {"point": point, "hooks": [h.name for h in found],
+                                   "timeout_s": self.config.deadlines.hook})
         try:
             # on a thread of its own under a hub: the other engines' steps go on meanwhile
             hub.blocking(lambda: run_point(self.config.hooks_dir, point, ctx,

@@ -104,7 +104,9 @@ def test_on_a_terminal_the_running_line_is_rewritten(spawn_engine, spawn_control
     assert run.returncode == 0, seen
     text = seen.decode()
     assert "\r\x1b[K" in text  # a running drain or hook, rewritten in place
-    assert re.search(r"p1: hook dump 10-dump running \d+\.\ds", text), text
+    # each against its bound: the hook's timeout ([deadlines] hook), the wait drain's deadline
+    assert re.search(r"p1: hook dump 10-dump running \d+ s of at most 60 s", text), text
+    assert re.search(r"p1: draining, .* \d+ s of at most 30 s", text), text
     assert "p1: hook dump 10-dump done in 1." in text
     assert stdout.startswith("cycle ")
 
@@ -180,8 +182,18 @@ def test_a_live_line_fits_the_terminal_and_hook_output_cannot_drive_it():
     pr.finish()
     shown = tty.getvalue().split("\r\x1b[K")
     assert len(shown) == 51 and all(len(part) <= 59 for part in shown), shown[-2:]
-    assert shown[-2].startswith("[   0.00s] engine-00: draining, 1000 in flight left")
-    assert shown[-2].endswith("...")
+    assert shown[-2].startswith("[   0.00s] engine-00: draining, ")
+    assert shown[-2].endswith("... 0.0s; +49 more"), shown[-2]
+    # narrow: the name is cut, the time and its bound stay whole
+    now[0] = 0.0
+    tty = io.StringIO()
+    pr = Progress(tty, live=True, clock=lambda: now[0], width=50)
+    pr.hook_started("engine-with-a-long-name", "dump", ["10-criu-dump"], bound_s=60)
+    now[0] = 12.2
+    pr.refresh()
+    last = tty.getvalue().split("\r\x1b[K")[-1]
+    assert len(last) <= 49 and last.endswith("... 12 s of at most 60 s"), last
+    assert last.startswith("[  12.20s] engine-with"), last
 
     plain = io.StringIO()
     pr = Progress(plain, live=False, clock=lambda: now[0])
