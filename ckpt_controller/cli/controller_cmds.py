@@ -86,6 +86,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     fmt = {"epilog": EXIT_CODES, "formatter_class": argparse.RawDescriptionHelpFormatter}
     sp = sub.add_parser("serve", help="run the controller service", **fmt)
     sp.add_argument("--config", required=True, metavar="FILE", help="TOML configuration")
+    sp.add_argument("--check", action="store_true",
+                    help="check the configuration and what it names (directories, hooks, "
+                         "endpoint, keys), say what was found, and exit without starting "
+                         "(0: good; 2: what to fix), as `nginx -t`")
     add_log_args(sp)
     sp.set_defaults(run=_serve)
 
@@ -207,6 +211,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     notifier = Notifier.from_env()  # taken out of the environment: hooks do not inherit it
     config = load_config(args.config)
+    if args.check:
+        from ckpt_controller.controller.statedir import check
+
+        seen = check(config)
+        print(f"{args.config}: ok: {len(config.engines)} engine(s)"
+              + (f", fleet node {config.fleet.node}" if config.fleet else "")
+              + "".join(f"\n  {line}" for line in seen))
+        return 0
     setup_from_args(args)
     try:
         serve(config, ready=lambda info: print(json.dumps(info), flush=True),

@@ -82,6 +82,55 @@ def claim(config: ControllerConfig) -> Claim:
     return Claim(fd, socket_path, endpoint_fd)
 
 
+def check(config: ControllerConfig) -> list[str]:
+    """What ``claim`` would refuse, found without changing anything (``ckptctl serve
+    --check``): the state and image directories (there and private, or creatable), the hooks
+    directory and every hook in it, the endpoint's folder, CURVE key files. Returns what it
+    looked at, a line each; raises the ``ConfigError`` ``claim`` would."""
+    from ckpt_controller.controller.hooks import POINTS, find_hooks
+
+    seen = []
+    for key, path in (("controller.state_dir", config.state_dir),
+                      ("controller.image_dir", config.image_dir)):
+        if path.exists():
+            if not path.is_dir():
+                raise key_error(config, key, f"{path} exists and is not a directory",
+                                path=str(path))
+            try:
+                private_dir(path, key.rpartition(".")[2].replace("_dir", " directory"))
+            except ConfigError as err:  # policy: refused as claim refuses it, naming the key
+                raise key_error(config, key, f"{err.details.get('path', path)}: "
+                                f"{err.message}", path=str(path)) from None
+            seen.append(f"{key} {path}: a private directory")
+        else:
+            parent = next(p for p in path.parents if p.exists())
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise key_error(config, key, f"cannot create {path}: {parent} is not writable",
+                                path=str(path))
+            seen.append(f"{key} {path}: to be created")
+    if config.hooks_dir is not None:
+        if not config.hooks_dir.is_dir():
+            what = "is not a directory" if config.hooks_dir.exists() else "does not exist"
+            raise key_error(config, "controller.hooks_dir", f"{config.hooks_dir} {what}",
+                            path=str(config.hooks_dir))
+        hooks = {point: find_hooks(config.hooks_dir, point) for point in POINTS}
+        seen.append(f"controller.hooks_dir {config.hooks_dir}: " + (", ".join(
+            f"{point} {len(found)}" for point, found in hooks.items() if found) or "no hooks"))
+    socket_path = _endpoint_file(config)
+    if socket_path is not None:
+        if not socket_path.parent.is_dir():
+            raise key_error(config, "controller.endpoint", f"{socket_path.parent} does not "
+                            "exist: create it, or name another folder", path=str(socket_path))
+        in_use = socket_path.is_socket() and listening(socket_path)
+        seen.append(f"controller.endpoint {config.endpoint}: "
+                    + ("another process serves it now" if in_use else "free"))
+    for key, path in (("controller.curve_secret_key", config.curve_secret_key),
+                      ("controller.curve_clients", config.curve_clients)):
+        if path is not None and not path.exists():
+            raise key_error(config, key, f"{path} does not exist", path=str(path))
+    return seen
+
+
 def listening(path: Path) -> bool:
     """Whether a process accepts connections on the unix socket ``path``."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

@@ -233,6 +233,18 @@ def test_capture_against_an_unprepared_dump(tmp_path):
                                                              <= 1.25)
 
 
+def test_start_up_of_help_and_status(tmp_path):
+    res = bench(tmp_path, "startup", "--repeat", "2")
+    rows = {r["command"]: r for r in res["commands"]}
+    assert {"ckptctl --help", "ckptctl status", "python (bare interpreter)"} <= set(rows)
+    for row in rows.values():
+        assert len(row["runs_s"]) == 2 and all(positive(t) for t in row["runs_s"])
+    # status answered (a failing command would have stopped the run): it starts the CLI and
+    # asks a controller, so it takes longer than the bare interpreter
+    assert rows["ckptctl status"]["median_s"] > rows["python (bare interpreter)"]["median_s"]
+    assert isinstance(res["status_within_goal"], bool) and res["goal_help_s"] == 0.3
+
+
 def test_safetensors_writer_against_a_plain_write(tmp_path):
     res = bench(tmp_path, "safetensors_write", "--mib", "4", "--tensors", "2", "--repeat", "2",
                 "--dir", str(tmp_path))

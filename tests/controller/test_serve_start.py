@@ -103,3 +103,36 @@ def test_values_the_running_system_refuses_are_refused_at_start(ipc_dir):
                 proc.kill()
                 proc.communicate()
         taken.close()
+
+
+def test_check_validates_a_config_without_starting(ipc_dir):
+    """``serve --check`` (as ``nginx -t``): 0 and what it found for a good config, creating
+    nothing; 2 naming what to fix for one the start would refuse; a running controller's
+    endpoint is said to be served."""
+    hooks = ipc_dir / "hooks"
+    (hooks / "dump").mkdir(parents=True, mode=0o700)
+    hooks.chmod(0o700)
+    hook = hooks / "dump" / "10-criu-dump"
+    hook.write_text("#!/bin/sh\nexit 0\n")
+    hook.chmod(0o755)
+    good = _config(ipc_dir, "chk", f'hooks_dir = "{hooks}"\n')
+    out = ckptctl("serve", "--config", str(good), "--check")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith(f"{good}: ok: 0 engine(s)"), out.stdout
+    assert "dump 1" in out.stdout and ": free" in out.stdout and "to be created" in out.stdout
+    assert not (ipc_dir / "chk-state").exists()  # nothing made
+    hook.chmod(0o644)
+    out = ckptctl("serve", "--config", str(good), "--check")
+    assert out.returncode == 2 and "not an executable file" in out.stderr, out.stderr
+    missing = _config(ipc_dir, "miss", f'hooks_dir = "{ipc_dir / "nowhere"}"\n')
+    out = ckptctl("serve", "--config", str(missing), "--check")
+    assert out.returncode == 2 and "controller.hooks_dir" in out.stderr, out.stderr
+    bad = _config(ipc_dir, "bad", "bogus = 1\n")
+    out = ckptctl("serve", "--config", str(bad), "--check")
+    assert out.returncode == 2 and "bogus" in out.stderr, out.stderr
+    running = _serve(_config(ipc_dir, "run"), ipc_dir / "run.log")
+    try:
+        out = ckptctl("serve", "--config", str(ipc_dir / "run.toml"), "--check")
+        assert out.returncode == 0 and "another process serves it now" in out.stdout, out.stdout
+    finally:
+        running.stop()
