@@ -200,7 +200,8 @@ class Drill:
             if watcher is not None:
                 watcher.done.set()
                 watcher.join()
-        record: dict = {"cycle": n, "fault": str(fault) if fault else None, "op_id": op_id,
+        record: dict = {"cycle": n, "fault": str(fault) if fault else None,
+                        "fault_engine": target.name if fault else None, "op_id": op_id,
                         "status": result.status, "duration_s": result.duration_s,
                         "wall": result.wall, "problems": [], "after": []}
         problems = record["problems"]

@@ -99,9 +99,11 @@ def layout(cycles: list[dict]) -> Layout:
                      key=lambda r: (r[0], r[1]["cycle"]))
     rows, bad, bars = [], [], []
     for i, (engine, c, e) in enumerate(records):
-        label = f"{engine}  #{c['cycle']}  {c['status']}"
-        rows.append(label + (f"  {c['fault']}" if c.get("fault") else ""))
-        if not c.get("ok", True):
+        # each row its own engine's outcome, and the fault on the engine it struck only
+        label = f"{engine}  #{c['cycle']}  {e.get('status') or c['status']}"
+        struck = c.get("fault") and c.get("fault_engine", engine) == engine
+        rows.append(label + (f"  {c['fault']}" if struck else ""))
+        if _row_bad(engine, c, e, struck):
             bad.append(i)
         bars += _phase_bars(i, c["wall"], e)
         bars += [Bar(i, a["kind"] if a["kind"] in AFTERMATH else "other",
@@ -110,6 +112,20 @@ def layout(cycles: list[dict]) -> Layout:
     ends = [max((b.end_s for b in bars if b.row == i), default=0.0) for i in range(len(rows))]
     end = max(ends + [1e-3])
     return Layout(rows, bad, bars, end, _cut(ends, end))
+
+
+def _row_bad(engine: str, cycle: dict, e: dict, struck: bool) -> bool:
+    """Whether a row's label is red (its cycle had problems, and they are its engine's): its
+    engine did not succeed, a problem names it, or a fault struck it; a problem that names
+    no engine reds every row of its cycle."""
+    if cycle.get("ok", True):
+        return False
+    problems = cycle.get("problems", [])
+    named = [p for p in problems if any(p.startswith(f"{x['engine']}:") or
+                                        p.startswith(f"{x['engine']} ") for x in cycle["engines"])]
+    return (e.get("status") not in (None, "succeeded") or bool(struck)
+            or any(p.startswith((f"{engine}:", f"{engine} ")) for p in named)
+            or len(named) < len(problems))
 
 
 def _phase_bars(row: int, wall: float, engine: dict) -> list[Bar]:

@@ -174,6 +174,12 @@ def test_recovery_from_failed_restores_only_the_failed_engine(tmp_path):
     (cycle,) = rep["cycles"]
     by = {e["engine"]: e for e in cycle["engines"]}
     assert (by["c1"]["state"], by["c2"]["state"]) == ("failed", "running")
+    # the picture labels each row with its own engine's outcome, the fault on c1's alone
+    lay = tl.layout(rep["cycles"])
+    assert cycle["fault_engine"] == "c1"
+    assert lay.rows == [f"c1  #1  {by['c1']['status']}  corrupt-weight@rewake",
+                        f"c2  #1  {by['c2']['status']}"], lay.rows
+    assert by["c2"]["status"] == "succeeded" and by["c1"]["status"] != "succeeded"
     journal = Journal(tmp_path / "rep" / "work" / "state" / "journal.sqlite3")
     try:
         (recovery,) = [o for o in journal.operations(limit=100) if o.op_id.endswith("-recover")]
@@ -238,6 +244,21 @@ def test_the_timeline_draws_each_phase_kind_with_a_legend_that_matches(tmp_path)
     unsplit = _tl_cycle(4)
     unsplit["engines"][0]["drain"] = None  # a prepare that failed before its drain report
     assert [b.kind for b in tl.layout([unsplit]).bars][:2] == ["hooks", "prepare"]
+
+
+def test_each_row_is_labelled_with_its_own_engine_and_red_only_for_its_problems():
+    c = _tl_cycle(1, "a", fault="kill-engine@drain", ok=False)
+    c["fault_engine"] = "a"
+    c["engines"].append(dict(_tl_cycle(1, "b")["engines"][0]))
+    c["engines"][0]["status"], c["engines"][1]["status"] = "failed", "succeeded"
+    c["problems"] = ["a is failed at the end of the cycle"]
+    lay = tl.layout([c])
+    assert lay.rows == ["a  #1  failed  kill-engine@drain", "b  #1  succeeded"]
+    assert lay.bad_rows == [0]
+    c["problems"] = ["cycle failed: no error given"]  # names no engine: the whole cycle
+    assert tl.layout([c]).bad_rows == [0, 1]
+    c["ok"], c["problems"] = True, []
+    assert tl.layout([c]).bad_rows == []
 
 
 def test_a_long_stall_breaks_the_axis_instead_of_squashing_the_other_bars(tmp_path):
