@@ -10,11 +10,12 @@ TORCH  := torch==2.13.0
 install: $(STAMP)
 
 # torch first, pinned to the CPU wheel on disk: the project's own range would
-# otherwise let pip pick a multi-GB CUDA build.
+# otherwise let pip pick a multi-GB CUDA build. The engine extra (torch, the reference engine,
+# drills) and the tests' own packages on top of the controller's.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[engine,test]'
 	touch $(STAMP)
 
 # the default suite on TEST_WORKERS pytest-xdist workers (most of its time is tests waiting on
