@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt_controller.vocab import HookPoint, OperationKind, PrepareStep, RestoreStep
+from ckpt_controller.vocab import HookPoint, OperationKind, OutcomeStatus, PrepareStep, RestoreStep
 
 #: kind of bar -> (legend label, colour), in legend order
 KINDS: dict[str, tuple[str, str]] = {
@@ -123,7 +123,7 @@ def _row_bad(engine: str, cycle: dict, e: dict, struck: bool) -> bool:
     problems = cycle.get("problems", [])
     named = [p for p in problems if any(p.startswith(f"{x['engine']}:") or
                                         p.startswith(f"{x['engine']} ") for x in cycle["engines"])]
-    return (e.get("status") not in (None, "succeeded") or bool(struck)
+    return (e.get("status") not in (None, OutcomeStatus.SUCCEEDED) or bool(struck)
             or any(p.startswith((f"{engine}:", f"{engine} ")) for p in named)
             or len(named) < len(problems))
 
