@@ -8,8 +8,8 @@ load on a shared machine hits all of them alike; the table gives the median, p90
 wall time of each, the median less the bare interpreter's, and the median CPU time (user +
 system) the process used: start-up is one thread, so on an idle machine the wall time is about
 the CPU time, and on a busy one the CPU time is the steadier figure. The goal for ``ckptctl
---help`` and ``ckptctl status`` is at most 0.3 s on the development machine; what each command may import is pinned
-by ``tests/shape/test_light_imports.py``, not here.
+--help`` and ``ckptctl status`` is at most 0.3 s on the development machine; what each
+command may import is pinned by ``tests/shape/test_light_imports.py``, not here.
 """
 
 from __future__ import annotations

@@ -436,7 +436,8 @@ class Operations:
             raise
         except Exception as exc:  # policy: any engine bug becomes a typed EngineError
             log.exception("%s: engine hook %s raised", self.name, step)
-            raise EngineError(f"engine {step} failed: {described(exc)}", engine=self.name, step=step) from exc
+            raise EngineError(f"engine {step} failed: {described(exc)}", engine=self.name,
+                              step=step) from exc
 
     def _check(self, deadline: Deadline, op_id: str, step: str) -> None:
         if deadline.passed():

@@ -4,16 +4,15 @@ Every line starts with the time since the command began (``[  1.23s]``). Two thi
 while they last: a drain, counting down the requests still in flight, and a running hook, with
 its time so far against its bound when known (``12 s of at most 30 s``: the wait drain's
 deadline, the hook's timeout). On a terminal such a line is rewritten in place (a carriage
-return) and replaced by the line that ends it, and fitted to the terminal's width by cutting
-the names, never the times (a line that wraps could not be rewritten); elsewhere (a pipe, a file) the same lines are printed one
-under the other, a drain's only when its count changed, and nothing is ever rewritten.
-Fed by the controller's journal records (``Journaled`` events: ``drain_progress``,
-``hook_start``, ``hook``, ``transition``, ``phase``, ``error``) or by an agent's own events
-(``StateChanged``, ``DrainProgress``); heartbeats only refresh the line shown. A hook's stderr is shown with its control characters
-escaped (``\r``, ``\x1b``): what a hook prints cannot rewrite or recolour the terminal.
-Neighbours: ``cli.controller_cmds`` and ``cli.agent_cmds`` (which feed it and print the
-result after ``finish``).
-"""
+return) and replaced by the line that ends it, and fitted to the terminal's width by cutting the
+names, never the times (a line that wraps could not be rewritten); elsewhere (a pipe, a file)
+the same lines are printed one under the other, a drain's only when its count changed, and
+nothing is ever rewritten. Fed by the controller's journal records (``Journaled`` events:
+``drain_progress``, ``hook_start``, ``hook``, ``transition``, ``phase``, ``error``) or by an
+agent's own events (``StateChanged``, ``DrainProgress``); heartbeats only refresh the line
+shown. A hook's stderr is shown with its control characters escaped (``\r``, ``\x1b``): what a
+hook prints cannot rewrite or recolour the terminal. Neighbours: ``cli.controller_cmds`` and
+``cli.agent_cmds`` (which feed it and print the result after ``finish``)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Running a step on many engines: all at once, or rolling, and what the whole came to.
 
-``fan_out`` runs a step for every engine's session concurrently, each in a greenlet of a
-``hub`` on the operation's thread (a group prepare takes about as long as its slowest
-engine); ``rolling`` cycles engines keeping at most ``max_unavailable`` of them out of service
-(``rolling_limit``: a quarter of them unless the operation names its own) and stops at the first that does not succeed (the rest are ``skipped``); ``summarize`` turns
-the engines' outcomes into the operation's status.
-Neighbours: ``steps`` (what runs on each engine), ``session``; ``service`` calls these.
-"""
+``fan_out`` runs a step for every engine's session concurrently, each in a greenlet of a ``hub``
+on the operation's thread (a group prepare takes about as long as its slowest engine);
+``rolling`` cycles engines keeping at most ``max_unavailable`` of them out of service
+(``rolling_limit``: a quarter of them unless the operation names its own) and stops at the first
+that does not succeed (the rest are ``skipped``); ``summarize`` turns the engines' outcomes into
+the operation's status. Neighbours: ``steps`` (what runs on each engine), ``session``;
+``service`` calls these."""
 
 from __future__ import annotations
 

@@ -1,20 +1,19 @@
 """Prometheus metrics of the controller: one registry (``prometheus_client``) and its endpoint.
 
 Counters: operations by kind and outcome, lifecycle transitions, drained requests by outcome,
-freed bytes, hook failures, drain escalations and reconciles; each series but the
-transitions' is there at 0 from the start or from when its engine is known (a dashboard's
-``increase()`` cannot count a series' first sample). A histogram of phase durations by
-phase and engine. Gauges per engine, kept current by ``monitor`` from the engines' heartbeats
-(nobody has to ask for ``status``): its state (``ckpt_engine_state``, every state present, 1 for
-the current one), whether it is up, since when it is in its state, its last successful cycle
-and the size of its last capture's image and of all its images, and its capture deadline (``[deadlines] capture``, for
-the alert on an engine left PREPARED); and ``ckpt_engines``, engines per state.
-Neighbours: ``service`` and ``session`` report operations, ``journaled`` reads the journal's
-records as they are written, ``monitor`` reports what heartbeats say; ``MetricsServer`` serves
-``GET``/``HEAD`` on ``/metrics`` and ``/healthz`` on ``controller.metrics_host:metrics_port``
-(config), its health asked of ``server.ControllerServer``. deploy/prometheus/ holds alert rules
-and deploy/grafana/ a dashboard written against these names (tests/controller/test_prometheus.py).
-"""
+freed bytes, hook failures, drain escalations and reconciles; each series but the transitions'
+is there at 0 from the start or from when its engine is known (a dashboard's ``increase()``
+cannot count a series' first sample). A histogram of phase durations by phase and engine. Gauges
+per engine, kept current by ``monitor`` from the engines' heartbeats (nobody has to ask for
+``status``): its state (``ckpt_engine_state``, every state present, 1 for the current one),
+whether it is up, since when it is in its state, its last successful cycle and the size of its
+last capture's image and of all its images, and its capture deadline (``[deadlines] capture``,
+for the alert on an engine left PREPARED); and ``ckpt_engines``, engines per state. Neighbours:
+``service`` and ``session`` report operations, ``journaled`` reads the journal's records as they
+are written, ``monitor`` reports what heartbeats say; ``MetricsServer`` serves ``GET``/``HEAD``
+on ``/metrics`` and ``/healthz`` on ``controller.metrics_host:metrics_port`` (config), its
+health asked of ``server.ControllerServer``. deploy/prometheus/ holds alert rules and
+deploy/grafana/ a dashboard written against these names (tests/controller/test_prometheus.py)."""
 
 from __future__ import annotations
 

@@ -319,7 +319,8 @@ class Controller:
             result = p.OperationResult(
                 op_id=cmd.op_id, kind=cmd.kind, status=OperationStatus.FAILED, engines=[],
                 wall=wall, duration_s=time.monotonic() - start,
-                error=p.ErrorInfo(kind="OperationError", message=f"controller error: {described(exc)}"))
+                error=p.ErrorInfo(kind="OperationError",
+                                  message=f"controller error: {described(exc)}"))
         if self.guard is not None:
             self.guard.free(cmd.op_id, cmd.kind, engines, result)
         self._finish(result)
