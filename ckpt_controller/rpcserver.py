@@ -358,7 +358,8 @@ class RpcServer:
             if self._zap is not None and self._zap.socket in events:
                 self._zap.handle()
             if self._monitor is not None and self._monitor in events:
-                log_handshake_failures(recv_monitor_event(self._monitor), self.name)
+                log_handshake_failures(recv_monitor_event(self._monitor), self.name,
+                                       self._zap.log)
             if self._outbox.inbox in events or self._outbox.lazy_pending():
                 self._outbox.forward()
             if self._router in events:

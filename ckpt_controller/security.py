@@ -1,5 +1,16 @@
 """CURVE security for TCP control endpoints: key files, server and client socket setup, and
-the ZAP handler that admits only authorized client keys and logs every refusal.
+the ZAP handler that admits only authorized client keys and logs refusals at a bounded rate.
+
+The authorized keys (``AllowList``) are read from their folder when the server starts, then
+again when the folder changed or, at most once a ``RESCAN_S``, a key file in it did: a
+handshake costs a set lookup, whatever the number of keys or of handshakes (a flood of 3,000
+with 1,001 keys read every file for each and kept admitted clients out for 88 s). The folder
+must be ours (or root's) and writable by nobody else, as must each key file: one that is not
+is refused at start and, found later, admits nobody until it is put right. A file there that
+is not a regular, well-formed key file (a FIFO, an empty ``.key``, a key writable by others)
+is skipped, said once in the log, and never blocks: the others still admit their clients.
+Refusals are logged one by one up to ``REFUSALS_LOGGED`` a ``REFUSAL_WINDOW_S``, then
+counted in one line per window.
 
 Key files are ZeroMQ certificates (ZPL text, as pyzmq's ``zmq.auth`` reads them): ``NAME.key``
 holds the public key, ``NAME.key_secret`` the public and the secret key and is created with
@@ -35,6 +46,7 @@ import datetime
 import logging
 import os
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +60,14 @@ from ckpt_controller.files import UnfitFileError, read_small
 MAX_KEY_FILE_BYTES = 64 << 10
 
 log = logging.getLogger("ckpt_controller.security")
+#: the authorized keys' files are looked at again at most this often (the folder's own
+#: change, a key added or removed, is seen at once)
+RESCAN_S = 1.0
+#: refused handshakes logged one by one in each window; the rest are counted in one line
+REFUSALS_LOGGED = 5
+REFUSAL_WINDOW_S = 10.0
+#: authentication requests answered in one round of the server's control thread
+ZAP_BUDGET = 64
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _BANNER = "#   ckpt-controller CURVE {what} key, made by `ckptctl keys` on {when}\n"
@@ -126,13 +146,108 @@ class CurveServer:
         sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 0)
 
-    def authorized(self) -> set[bytes]:
-        """The public keys in ``clients`` (``*.key`` files), read again on every call so a key
-        added or removed takes effect without a restart."""
-        if not self.clients.is_dir():
-            raise ConfigError(f"the authorized keys directory {self.clients} does not exist",
-                              file=str(self.clients), key="curve clients", problem="missing")
-        return {load(p, secret=False)[0] for p in sorted(self.clients.glob("*.key"))}
+
+class AllowList:
+    """The public keys of the ``*.key`` files in ``folder`` (module doc): ``keys()`` raises
+    the ``ConfigError`` of a folder that is missing or that others could change."""
+
+    def __init__(self, folder: Path, clock=time.monotonic) -> None:
+        self.folder = folder
+        self.clock = clock
+        self._keys: frozenset[bytes] | None = None
+        self._looked = 0.0
+        self._folder_sig: tuple | None = None
+        #: file name -> (its stat signature, its key or None when skipped)
+        self._files: dict[str, tuple[tuple, bytes | None]] = {}
+
+    def keys(self) -> frozenset[bytes]:
+        now = self.clock()
+        try:
+            st = self.folder.stat()
+        except OSError:
+            st = None
+        sig = None if st is None else (st.st_ino, st.st_mtime_ns, st.st_mode, st.st_uid)
+        if self._keys is not None and sig == self._folder_sig and now - self._looked < RESCAN_S:
+            return self._keys
+        self._keys, self._folder_sig = None, sig
+        if st is None or not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"the authorized keys directory {self.folder} does not exist",
+                              file=str(self.folder), key="curve clients", problem="missing")
+        private_dir(self.folder, "authorized keys folder")
+        self._keys, self._looked = self._scan(), now
+        return self._keys
+
+    def _scan(self) -> frozenset[bytes]:
+        found, seen = set(), {}
+        for entry in sorted(os.scandir(self.folder), key=lambda e: e.name):
+            if not entry.name.endswith(".key"):
+                continue
+            try:
+                st = os.stat(entry.path)  # through a link: what it names
+            except OSError as err:
+                seen[entry.name] = self._skip(entry.name, ("gone",), err.strerror or str(err))
+                continue
+            sig = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode, st.st_uid)
+            known = self._files.get(entry.name)
+            if known is not None and known[0] == sig:
+                seen[entry.name] = known
+            else:
+                seen[entry.name] = self._read(entry.name, Path(entry.path), st, sig)
+            if seen[entry.name][1] is not None:
+                found.add(seen[entry.name][1])
+        self._files = seen
+        return frozenset(found)
+
+    def _read(self, name: str, path: Path, st: os.stat_result, sig: tuple
+              ) -> tuple[tuple, bytes | None]:
+        if not stat.S_ISREG(st.st_mode):
+            return self._skip(name, sig, f"not a regular file but a {_file_kind(st.st_mode)}")
+        try:
+            check_owner_and_mode(path, f"key file {name}", st)
+            return sig, load(path, secret=False, what="authorized key")[0]
+        except ConfigError as err:  # policy: one bad file admits nobody less than before
+            return self._skip(name, sig, err.message)
+
+    def _skip(self, name: str, sig: tuple, why: str) -> tuple[tuple, None]:
+        """A file that admits nobody: said once (until it changes), then left aside."""
+        if self._files.get(name, (None,))[0] != sig:
+            log.warning("authorized keys: skipped %s in %s: %s", name, self.folder, why)
+        return sig, None
+
+
+def _file_kind(mode: int) -> str:
+    for test, word in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISDIR, "directory"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return word
+    return "special file"
+
+
+class RefusalLog:
+    """Refusals logged at a bounded rate: ``REFUSALS_LOGGED`` lines a window, then one line
+    counting the rest when the window ends (said with the next refusal or ``flush``)."""
+
+    def __init__(self, server: str, clock=time.monotonic) -> None:
+        self.server, self.clock = server, clock
+        self._window, self._logged, self._held = clock(), 0, 0
+
+    def refused(self, line: str, *args) -> None:
+        self.flush()
+        if self._logged < REFUSALS_LOGGED:
+            self._logged += 1
+            log.warning(line, *args)
+        else:
+            self._held += 1
+
+    def flush(self) -> None:
+        now = self.clock()
+        if now - self._window < REFUSAL_WINDOW_S:
+            return
+        if self._held:
+            log.warning("%s: refused %d more connection(s) in the last %.0f s (not logged one "
+                        "by one)", self.server, self._held, now - self._window)
+        self._window, self._logged, self._held = now, 0, 0
 
 
 @dataclass(frozen=True)
@@ -157,21 +272,30 @@ class ZapHandler:
 
     def __init__(self, ctx: zmq.Context, curve: CurveServer, server: str) -> None:
         self.curve, self.server = curve, server
+        self.allowed = AllowList(curve.clients)
+        self.allowed.keys()  # a missing or unsafe folder is refused at start (ConfigError)
+        self.log = RefusalLog(server)
         self.socket = ctx.socket(zmq.REP)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(ZAP_ENDPOINT)
         self.refused = 0
 
     def handle(self) -> None:
-        frames = self.socket.recv_multipart()
-        try:
-            ok = self._decide(frames)
-        except Exception:  # policy: a request we cannot judge is refused, and we go on
-            log.exception("%s: bad authentication request", self.server)
-            ok = False
-        version, request_id = (frames + [b"1.0", b""])[:2]
-        self.socket.send_multipart([version, request_id, b"200" if ok else b"400",
-                                    b"OK" if ok else b"refused", b"", b""])
+        """Answer the authentication requests waiting, up to ``ZAP_BUDGET`` (the rest in the
+        next round: a flood of handshakes never holds the server's own round up long)."""
+        for _ in range(ZAP_BUDGET):
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:  # policy: none left: back to the server's poll
+                return
+            try:
+                ok = self._decide(frames)
+            except Exception:  # policy: a request we cannot judge is refused, and we go on
+                log.exception("%s: bad authentication request", self.server)
+                ok = False
+            version, request_id = (frames + [b"1.0", b""])[:2]
+            self.socket.send_multipart([version, request_id, b"200" if ok else b"400",
+                                        b"OK" if ok else b"refused", b"", b""])
 
     def _decide(self, frames: list[bytes]) -> bool:
         _version, _request_id, _domain, address, _identity, mechanism = frames[:6]
@@ -180,35 +304,37 @@ class ZapHandler:
         if mechanism == b"CURVE" and credentials:
             key = z85.encode(credentials[0])
             try:
-                ok = key in self.curve.authorized()
+                ok = key in self.allowed.keys()
                 why = "key not authorized"
             except ConfigError as err:  # policy: no readable allow-list admits nobody
                 why = err.message
             if not ok:
                 self.refused += 1
-                log.warning("%s: refused a CURVE client from %s: %s (public key %s)",
-                            self.server, address.decode(errors="replace"), why, key.decode())
+                self.log.refused("%s: refused a CURVE client from %s: %s (public key %s)",
+                                 self.server, address.decode(errors="replace"), why,
+                                 key.decode())
         else:
             self.refused += 1
-            log.warning("%s: refused a client from %s: %s", self.server,
-                        address.decode(errors="replace"), why)
+            self.log.refused("%s: refused a client from %s: %s", self.server,
+                             address.decode(errors="replace"), why)
         return ok
 
     def close(self) -> None:
         self.socket.close(linger=0)
 
 
-def log_handshake_failures(event: dict, server: str) -> None:
-    """Log a handshake that failed before ZAP was asked (e.g. a client without CURVE)."""
+def log_handshake_failures(event: dict, server: str, refusals: RefusalLog) -> None:
+    """Log a handshake that failed before ZAP was asked (e.g. a client without CURVE), at
+    ``refusals``' rate."""
     names = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
              zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error (a client without CURVE, "
                                                   "or the wrong server key)",
              zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication refused"}
     if event["event"] in names and event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        log.warning("%s: refused a connection from %s: %s", server,
-                    event.get("endpoint", b"?").decode(errors="replace")
-                    if isinstance(event.get("endpoint"), bytes) else event.get("endpoint"),
-                    names[event["event"]])
+        refusals.refused("%s: refused a connection from %s: %s", server,
+                         event.get("endpoint", b"?").decode(errors="replace")
+                         if isinstance(event.get("endpoint"), bytes) else event.get("endpoint"),
+                         names[event["event"]])
 
 
 # ---------------------------------------------------------------------------- trusted paths

@@ -35,7 +35,7 @@ EXIT_CODES = """exit codes:
   1  operation failed or was rolled back (or the engine refused a request)
   2  usage or configuration error
   3  a deadline passed
-  4  the agent or controller is unreachable"""
+  4  the agent or controller is unreachable (or shed the request under load: retry)"""
 
 
 #: the rolling limit's default as argparse's help shows it (help is %-formatted: 25% is 25%%)

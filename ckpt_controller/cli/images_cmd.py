@@ -59,7 +59,8 @@ def _images(args: argparse.Namespace) -> int:
     if args.json:
         emit("images", reply)
         return 0
-    print(images_table(reply.images))
+    print(images_table(reply.images) if reply.images else
+          "no capture images" + (f" of {', '.join(args.engines)}" if args.engines else ""))
     if args.prune:
         verb = "would remove" if reply.dry_run else "removed"
         freed = human_bytes(sum(i.bytes for i in reply.removed))

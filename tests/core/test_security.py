@@ -182,3 +182,111 @@ def test_a_reading_subscriber_over_curve_outlives_zmq_heartbeats(keys, monkeypat
             assert len(agent._subscribers) == 1
             assert beats >= 15
             assert c.status().state == "running"
+
+
+def _keyed_agent(pairs, clients, **kw):
+    return Agent("secure", control="tcp://127.0.0.1:0", heartbeat_interval_s=0.1,
+                 curve=CurveServer(pairs["agent"][1], clients), **kw)
+
+
+def test_a_handshake_flood_never_keeps_an_admitted_client_out(keys, caplog):
+    """3,000 handshakes with random keys at an agent admitting 1,001 keys: the operator is
+    answered within a second all along and after, each handshake a set lookup (every key
+    file was read for each: 88 s of nothing), and the refusals logged at a bounded rate."""
+    import time
+
+    import zmq
+
+    pairs, clients = keys
+    for i in range(1000):
+        public, _ = zmq.curve_keypair()
+        (clients / f"k{i:04d}.key").write_text(
+            f"metadata\ncurve\n    public-key = \"{public.decode()}\"\n")
+    caplog.set_level(logging.WARNING, logger="ckpt_controller.security")
+    with _keyed_agent(pairs, clients) as agent:
+        server = load(pairs["agent"][0], secret=False)[0]
+        done = []
+
+        def flood() -> None:
+            ctx = zmq.Context()
+            try:
+                for _ in range(30):
+                    socks = []
+                    for _ in range(100):
+                        s = ctx.socket(zmq.DEALER)
+                        s.setsockopt(zmq.LINGER, 0)
+                        public, secret = zmq.curve_keypair()
+                        s.curve_serverkey, s.curve_publickey, s.curve_secretkey = \
+                            server, public, secret
+                        s.connect(agent.endpoint)
+                        socks.append(s)
+                    time.sleep(0.05)
+                    for s in socks:
+                        s.close()
+            finally:
+                ctx.term()
+                done.append(True)
+
+        with ThreadPoolExecutor(1) as pool:
+            flooding = pool.submit(flood)
+            waits = []
+            with AgentClient(agent.endpoint, timeout_s=5.0, retries=0,
+                             curve=CurveClient(pairs["operator"][1], pairs["agent"][0])) as c:
+                while not done or len(waits) < 5:
+                    t0 = time.monotonic()
+                    assert c.status().state == "running"
+                    waits.append(time.monotonic() - t0)
+                    time.sleep(0.05)
+                    if len(waits) > 2000:
+                        break
+            flooding.result()
+        # a new connection after the flood is admitted at once too
+        with AgentClient(agent.endpoint, timeout_s=5.0, retries=0,
+                         curve=CurveClient(pairs["operator"][1], pairs["agent"][0])) as c:
+            t0 = time.monotonic()
+            assert c.status().state == "running"
+            waits.append(time.monotonic() - t0)
+    assert max(waits) < 1.0, sorted(waits)[-5:]  # the issue's own bound, not scaled
+    lines = [r.message for r in caplog.records if "refused" in r.message]
+    assert 0 < len(lines) <= 5 * 10, len(lines)  # at most 5 a 10 s window, then a count
+
+
+def test_the_allow_list_folder_and_its_files_are_checked(keys, caplog, tmp_path):
+    """A folder others may write is refused at start, and found later admits nobody until
+    put right; a key file others may write, a FIFO and an empty .key are each skipped and
+    said once, never blocking, while the good keys still admit their clients."""
+    pairs, clients = keys
+    caplog.set_level(logging.WARNING, logger="ckpt_controller.security")
+    clients.chmod(0o777)
+    with pytest.raises(ConfigError, match="writable by group or others"):
+        _keyed_agent(pairs, clients).start()
+    clients.chmod(0o755)
+    os.mkfifo(clients / "x.key")
+    (clients / "zz.key").write_text("")
+    loose = clients / "loose.key"
+    loose.write_text(pairs["stranger"][0].read_text())
+    loose.chmod(0o666)
+    with _keyed_agent(pairs, clients) as agent:
+
+        def status(who: str):
+            with AgentClient(agent.endpoint, timeout_s=1.0, retries=0,
+                             curve=CurveClient(pairs[who][1], pairs["agent"][0])) as c:
+                return c.status()
+
+        assert status("operator").state == "running"  # the FIFO and the empty file aside
+        with pytest.raises(UnreachableError):
+            status("stranger")  # its key file is writable by others: skipped
+        said = [r.message for r in caplog.records if "skipped" in r.message]
+        assert any("x.key" in m and "FIFO" in m for m in said), said
+        assert any("zz.key" in m and "no CURVE public key" in m for m in said), said
+        assert any("loose.key" in m and "writable by group or others" in m for m in said)
+        assert status("operator").state == "running"
+        assert len([r for r in caplog.records if "skipped" in r.message]) == len(said)
+        clients.chmod(0o777)  # made unsafe while serving: nobody is admitted
+        with pytest.raises(UnreachableError):
+            status("operator")
+        assert any("writable by group or others" in r.message and "refused" in r.message
+                   for r in caplog.records)
+        clients.chmod(0o755)
+        (clients / "x.key").unlink()
+        assert status("operator").state == "running"
