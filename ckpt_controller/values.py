@@ -32,6 +32,9 @@ MAX_DURATION_S = 86_400.0
 #: an operation id names an image folder: letters, digits, '.', '_', '-'; a letter or digit first
 #: (patterns end in \Z: msgspec matches with re.search, and "$" would accept a final newline)
 MAX_OP_ID_LENGTH = 128
+#: names an operation id may not take: its image folder would alias ``<image_dir>/<engine>/
+#: latest``, the link criu-restore restores from by default
+RESERVED_OP_IDS = frozenset({"latest"})
 OP_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z"
 #: the ids a controller sends an agent for one step: ``<op id>/<engine>/<step>``
 MAX_STEP_OP_ID_LENGTH = 256
@@ -182,6 +185,8 @@ def _op_id(pattern: str, limit: int, slash: bool) -> Callable[[Any], str]:
             raise ValueError(f"{len(value)} characters long; give {want}")
         if not allowed.fullmatch(value):
             raise ValueError(f"has characters that are not allowed; give {want}")
+        if value in RESERVED_OP_IDS:
+            raise ValueError("is reserved (the name of the image link); give another")
         return value
     return parse
 

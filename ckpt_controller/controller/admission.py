@@ -20,6 +20,7 @@ from ckpt_controller.controller.config import MAX_SECONDS, ControllerConfig
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.errors import (BusyError, CkptError, OverloadedError, UnreachableError,
                                     UsageError)
+from ckpt_controller.values import RESERVED_OP_IDS
 from ckpt_controller.vocab import ReleaseLevel
 
 #: called once with the operation's result, or with the error that refused it
@@ -126,6 +127,9 @@ def check(cmd: p.OperationCommand) -> None:
         raise UsageError("level must be 0, 1 or 2", level=cmd.level)
     if cmd.level is not None and cmd.tags:
         raise UsageError("give a level or tags, not both", level=cmd.level, tags=cmd.tags)
+    if cmd.op_id in RESERVED_OP_IDS:  # a hand-built frame: the client refuses it already
+        raise UsageError(f"operation id {cmd.op_id} is reserved (the name of the image "
+                         "link); give another", op_id=cmd.op_id)
     if cmd.max_unavailable is not None and cmd.max_unavailable < 1:
         raise UsageError("max_unavailable must be at least 1", max_unavailable=cmd.max_unavailable)
     if cmd.max_unavailable is not None and cmd.max_unavailable_percent is not None:

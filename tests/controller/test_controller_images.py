@@ -108,3 +108,23 @@ def test_a_restore_names_its_image_and_refuses_an_older_generations(spawn_contro
     assert ctl.ckptctl("prepare", "im1").returncode == 0
     human = ctl.ckptctl("restore", "im1", "--image", "c1")
     assert human.returncode == 0 and "restored image c1" in human.stdout, human.stdout
+
+
+def test_latest_is_no_operation_id(spawn_controller, agent):
+    """An operation named ``latest`` would dump into the folder of the image link
+    (``<image_dir>/<engine>/latest``), leave ``latest -> latest`` and fail its own restore:
+    the name is refused, by the CLI, the client and the controller (a hand-built frame)."""
+    from ckpt_controller import protocol as p
+
+    ctl = spawn_controller(engines_toml(agent))
+    write_hook(ctl, "dump", "10-image", 'echo image > "$CKPT_IMAGE_DIR/pages-1.img"')
+    out = ctl.ckptctl("cycle", "im1", "--op-id", "latest")
+    assert out.returncode == 2 and "reserved" in out.stderr, out.stderr
+    with ControllerClient(ctl.endpoint) as c:
+        with pytest.raises(UsageError, match="reserved"):
+            c.cycle("im1", op_id="latest")
+        cmd = p.OperationCommand(call_id=0, op_id="latest", kind="cycle", engines=["im1"])
+        with pytest.raises(UsageError, match="reserved"):
+            c.call(p.RequestType.OPERATION, cmd, timeout_s=30)
+    assert not (ctl.dir / "state" / "images" / "im1").exists()
+    assert _state(agent) == ("running", 0)
