@@ -59,19 +59,27 @@ def host_pid() -> int:
     return pid if pid is not None else os.getpid()
 
 
-def current_fingerprint() -> Fingerprint:
+def current_fingerprint() -> Fingerprint | None:
+    """This process's fingerprint; ``None`` when it cannot be read now (no descriptor left,
+    no memory: ``EMFILE`` under thousands of connections): unknown, never a new one. Without
+    procfs at all, the PID alone."""
     try:
         boot_id = read_small("/proc/sys/kernel/random/boot_id").decode().strip()
         start_ticks = parse_start_ticks(read_small("/proc/self/stat"))
-    except (OSError, IndexError, ValueError):  # policy: no procfs -> PID only
+    except FileNotFoundError:  # policy: no procfs -> PID only
         boot_id, start_ticks = "", 0
+    except (OSError, IndexError, ValueError):  # policy: not readable now: unknown, not new
+        return None
     return Fingerprint(boot_id, os.getpid(), start_ticks)
 
 
 class IncarnationTracker:
-    """Counts how often the process was found to be a restored copy of itself."""
+    """Counts how often the process was found to be a restored copy of itself. A fingerprint
+    that could not be read (``None``) says nothing: a failed read is never a restore (under
+    fd pressure the agent once counted 18 restores that never happened)."""
 
-    def __init__(self, fingerprint: Callable[[], Fingerprint] = current_fingerprint) -> None:
+    def __init__(self, fingerprint: Callable[[], Fingerprint | None] = current_fingerprint
+                 ) -> None:
         self._fingerprint = fingerprint
         self._seen = fingerprint()
         self.incarnation = 0
@@ -79,7 +87,10 @@ class IncarnationTracker:
     def check(self) -> bool:
         """True once per new incarnation (the first check after a restore)."""
         now = self._fingerprint()
-        if now == self._seen:
+        if now is None or now == self._seen:
+            return False
+        if self._seen is None:  # the first one known: the start's, not a restore
+            self._seen = now
             return False
         self._seen = now
         self.incarnation += 1

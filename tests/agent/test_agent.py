@@ -302,6 +302,47 @@ def test_restore_detection_from_fingerprint(ipc_dir):
         c.close()
 
 
+def test_a_fingerprint_that_cannot_be_read_is_no_restore(ipc_dir):
+    """Out of descriptors (thousands of connections held), /proc/self/stat cannot be opened:
+    that is "unknown", never a new incarnation (the agent counted 8 and 18 restores that never
+    happened); the real fingerprint read in a process out of descriptors says so too."""
+    import errno
+    import resource
+
+    from ckpt_controller.agent import incarnation
+
+    good = Fingerprint("boot", 10, 100)
+    prints = iter([good, None, good, None, None, good] + [good] * 100)
+    tracker = IncarnationTracker(lambda: next(prints))
+    for _ in range(6):
+        assert tracker.check() is False
+    assert tracker.incarnation == 0
+    starts_unknown = IncarnationTracker(iter([None, good, good]).__next__)
+    assert starts_unknown.check() is False and starts_unknown.incarnation == 0
+    # the real reader, with no descriptor left: None, not a fingerprint of zeros
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    try:
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError as err:
+            assert err.errno == errno.EMFILE
+        assert incarnation.current_fingerprint() is None
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert incarnation.current_fingerprint() is not None
+    with Agent("fd", control=f"ipc://{ipc_dir}/fd.ctl", heartbeat_interval_s=0.02,
+               incarnation=IncarnationTracker(iter([good] + [None, good] * 500).__next__)) as a:
+        with AgentClient(a.endpoint) as c:
+            time.sleep(0.3)  # ticks that read nothing, and the same fingerprint between
+            st = c.status()
+    assert not st.restored_from_image and st.incarnation == 0
+
+
 def test_status_reports_the_endpoints_and_the_host_pid_again_after_a_restore(
         ipc_dir, monkeypatch):
     """``status`` names the agent's control endpoint and the engine's others; ``pid`` is read
