@@ -6,8 +6,9 @@ Tables: ``operations`` (one row per operation id: kind, engines, parameters, sta
 runs, notes; each with wall and monotonic time) and ``roster`` (append-only: each engine the
 controller adopted or gave away, by which operation, from or to which node, and an adopted
 engine's whole configuration; an engine's newest row says where it is, ``controller.roster``
-reads them). ``operation_engines`` (an operation's engines, a row each, filled by a trigger
-with the operation's row) and partial indexes on ``records`` (captures, the images among
+reads them). ``engine_operations`` (an operation's engines, a row each, filled by a trigger
+with the operation's row, in the order operations began: the wall clock never orders them,
+it can step back) and partial indexes on ``records`` (captures, the images among
 them, lost contact) let every read the controller makes of one engine (``status``'s LAST-OP,
 ``history``, a restore's image, a start's carried-over metrics) go by index: as fast in a
 journal of years as in a new one. A journal written before them is brought up to
@@ -103,16 +104,17 @@ CREATE TABLE IF NOT EXISTS sync_mark (
     wall       REAL NOT NULL            -- rewritten by a barrier so its commit has a page to fsync
 );
 -- each operation's engines, a row each, filled by the trigger with the operation's row (in
--- its statement): an engine's operations, newest first, by index however long the journal
-CREATE TABLE IF NOT EXISTS operation_engines (
+-- its statement): an engine's operations, newest first, by index however long the journal,
+-- in the order they began (the operation's rowid), whatever the wall clock did meanwhile
+CREATE TABLE IF NOT EXISTS engine_operations (
     engine     TEXT NOT NULL,
-    wall       REAL NOT NULL,           -- the operation's
+    op_seq     INTEGER NOT NULL,        -- the operation's rowid: the order operations began in
     op_id      TEXT NOT NULL,
-    PRIMARY KEY (engine, wall, op_id)
+    PRIMARY KEY (engine, op_seq)
 ) WITHOUT ROWID;
-CREATE TRIGGER IF NOT EXISTS operation_engines_fill AFTER INSERT ON operations BEGIN
-    INSERT OR IGNORE INTO operation_engines (engine, wall, op_id)
-    SELECT value, NEW.wall, NEW.op_id FROM json_each(NEW.engines);
+CREATE TRIGGER IF NOT EXISTS engine_operations_fill AFTER INSERT ON operations BEGIN
+    INSERT OR IGNORE INTO engine_operations (engine, op_seq, op_id)
+    SELECT value, NEW.rowid, NEW.op_id FROM json_each(NEW.engines);
 END;
 -- the records a restore chooses its image by, and those that leave an engine unsettled
 CREATE INDEX IF NOT EXISTS records_captures ON records(engine, seq) WHERE type = 'capture';
@@ -121,11 +123,12 @@ CREATE INDEX IF NOT EXISTS records_images ON records(engine, seq)
 CREATE INDEX IF NOT EXISTS records_contact ON records(engine, seq)
     WHERE type IN ('contact_lost', 'reconciled');
 """
-#: ``PRAGMA user_version`` of a journal with the tables above filled (0: written before
-#: ``operation_engines``, which opening fills once from ``operations``)
-SCHEMA_VERSION = 1
-BACKFILL_ENGINES = ("INSERT OR IGNORE INTO operation_engines (engine, wall, op_id) "
-                    "SELECT j.value, o.wall, o.op_id "
+#: ``PRAGMA user_version`` of a journal with the tables above filled (0: written before an
+#: engine's operations had a table; 1: with ``operation_engines``, ordered by wall time, which
+#: a clock stepped back turned around; opening fills ``engine_operations`` once)
+SCHEMA_VERSION = 2
+BACKFILL_ENGINES = ("INSERT OR IGNORE INTO engine_operations (engine, op_seq, op_id) "
+                    "SELECT j.value, o.rowid, o.op_id "
                     "FROM operations AS o, json_each(o.engines) AS j")
 
 INSERT_RECORD = ("INSERT INTO records (seq, op_id, engine, type, wall, monotonic, data) "
@@ -265,19 +268,20 @@ class Journal:
     def unfinished(self) -> list[tuple[str, str, list[str], dict[str, Any]]]:
         """``(op_id, kind, engines, params)`` of every operation still marked running."""
         rows = self._read("SELECT op_id, kind, engines, params FROM operations "
-                          "WHERE status = ? ORDER BY wall", (OperationStatus.RUNNING,))
+                          "WHERE status = ? ORDER BY rowid", (OperationStatus.RUNNING,))
         return [(r[0], r[1], json.loads(r[2]), json.loads(r[3])) for r in rows]
 
     def operations(self, engine: str | None = None, op_id: str | None = None,
                    limit: int = 50) -> list[OperationSummary]:
         """The newest ``limit`` operations, newest first; only those on ``engine`` and/or with
         ``op_id`` when given (filtered before the limit, however old the match). An engine's
-        are read through ``operation_engines``: as fast in a journal of a million operations
+        are read through ``engine_operations``: as fast in a journal of a million operations
         as in a new one."""
         if engine:
-            source, order, where, args = _ENGINE_OPERATIONS, "e.wall", ["e.engine = ?"], [engine]
+            source, order, where, args = (_ENGINE_OPERATIONS, "e.op_seq", ["e.engine = ?"],
+                                          [engine])
         else:
-            source, order, where, args = "operations AS o", "o.wall", [], []
+            source, order, where, args = "operations AS o", "o.rowid", [], []
         if op_id:
             where.append("o.op_id = ?")
             args.append(op_id)
@@ -291,15 +295,15 @@ class Journal:
 
     def last_operations(self, engines: list[str]) -> dict[str, LastOperation]:
         """The newest operation on each of ``engines`` (one without any is left out), in one
-        query: one look into ``operation_engines``'s index per engine, however long the
+        query: one look into ``engine_operations``'s index per engine, however long the
         journal and whether or not an engine ever had one."""
         found: dict[str, LastOperation] = {}
         if not engines:
             return found
         rows = self._read(
             "SELECT n.value, o.op_id, o.kind, o.status, o.wall, o.ended_wall "
-            "FROM json_each(?) AS n JOIN operation_engines AS e ON e.engine = n.value "
-            "AND e.wall = (SELECT MAX(wall) FROM operation_engines WHERE engine = n.value) "
+            "FROM json_each(?) AS n JOIN engine_operations AS e ON e.engine = n.value "
+            "AND e.op_seq = (SELECT MAX(op_seq) FROM engine_operations WHERE engine = n.value) "
             "JOIN operations AS o ON o.op_id = e.op_id",
             (json.dumps(list(dict.fromkeys(engines))),))
         for name, op, kind, status, wall, ended in rows:
@@ -435,8 +439,8 @@ class Journal:
             self._writer.submit(
                 "DELETE FROM records WHERE op_id IN (SELECT value FROM json_each(?))", (chunk,))
             self._writer.submit(
-                "DELETE FROM operation_engines WHERE (engine, wall, op_id) IN (SELECT j.value, "
-                "o.wall, o.op_id FROM operations AS o, json_each(o.engines) AS j WHERE o.op_id "
+                "DELETE FROM engine_operations WHERE (engine, op_seq) IN (SELECT j.value, "
+                "o.rowid FROM operations AS o, json_each(o.engines) AS j WHERE o.op_id "
                 "IN (SELECT value FROM json_each(?)))", (chunk,))
             self._writer.wait(self._writer.submit(
                 "DELETE FROM operations WHERE op_id IN (SELECT value FROM json_each(?))",
@@ -458,7 +462,7 @@ class Journal:
 
     def check(self) -> list[str]:
         """Problems found (empty when consistent): SQLite's own integrity check, records of
-        unknown operations, operations whose engines ``operation_engines`` lacks, operations
+        unknown operations, operations whose engines ``engine_operations`` lacks, operations
         ended without a result."""
         self._writer.wait_written()
         problems = []
@@ -471,10 +475,10 @@ class Journal:
             problems.append(f"{orphans} records of unknown operations")
         unindexed = self._read(
             "SELECT COUNT(*) FROM operations AS o, json_each(o.engines) AS j WHERE NOT EXISTS "
-            "(SELECT 1 FROM operation_engines AS e WHERE e.engine = j.value "
-            "AND e.wall = o.wall AND e.op_id = o.op_id)")[0][0]
+            "(SELECT 1 FROM engine_operations AS e WHERE e.engine = j.value "
+            "AND e.op_seq = o.rowid AND e.op_id = o.op_id)")[0][0]
         if unindexed:
-            problems.append(f"{unindexed} engines of operations missing from operation_engines")
+            problems.append(f"{unindexed} engines of operations missing from engine_operations")
         no_result = self._read("SELECT op_id FROM operations WHERE status != ? "
                                "AND result IS NULL", (OperationStatus.RUNNING,))
         if no_result:
@@ -485,8 +489,8 @@ class Journal:
 #: the operations ``compact`` never forgets: each engine's newest, those of its newest
 #: capture, newest image and newest contact record (every read by index)
 _STILL_READ = """
-SELECT op_id FROM operation_engines AS e
-    WHERE wall = (SELECT MAX(wall) FROM operation_engines WHERE engine = e.engine)
+SELECT op_id FROM engine_operations AS e
+    WHERE op_seq = (SELECT MAX(op_seq) FROM engine_operations WHERE engine = e.engine)
 UNION SELECT op_id FROM records WHERE seq IN (
     SELECT MAX(seq) FROM records WHERE type = 'capture' GROUP BY engine
     UNION SELECT MAX(seq) FROM records WHERE type = 'capture'
@@ -497,13 +501,14 @@ UNION SELECT op_id FROM records WHERE seq IN (
 #: how many operations one delete of ``compact`` names (its transaction's size)
 COMPACT_CHUNK = 500
 
-#: an engine's operations: ``operation_engines`` (``e``, by its index) joined to ``operations``
-_ENGINE_OPERATIONS = "operation_engines AS e JOIN operations AS o ON o.op_id = e.op_id"
+#: an engine's operations: ``engine_operations`` (``e``, by its index) joined to ``operations``
+_ENGINE_OPERATIONS = "engine_operations AS e JOIN operations AS o ON o.op_id = e.op_id"
 
 
 def _open_schema(db: sqlite3.Connection, path: Path) -> None:
     """Make the tables (those missing), and bring a journal written before
-    ``operation_engines`` up to ``SCHEMA_VERSION``: its operations' engines are filled in
+    ``engine_operations`` up to ``SCHEMA_VERSION`` (version 1's ``operation_engines``, ordered
+    by wall time, dropped): its operations' engines are filled in
     once, in one transaction with the version (a controller killed meanwhile leaves the
     journal as it was, and the next start does it again)."""
     db.executescript(SCHEMA)
@@ -513,6 +518,8 @@ def _open_schema(db: sqlite3.Connection, path: Path) -> None:
     start = time.monotonic()
     db.execute("BEGIN IMMEDIATE")
     try:
+        db.execute("DROP TRIGGER IF EXISTS operation_engines_fill")  # version 1's, by wall
+        db.execute("DROP TABLE IF EXISTS operation_engines")
         filled = db.execute(BACKFILL_ENGINES).rowcount
         db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         db.execute("COMMIT")

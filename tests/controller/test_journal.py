@@ -109,9 +109,9 @@ def test_an_engines_operations_and_records_are_read_by_index_not_by_scan(tmp_pat
         j.record("capture", {"dumped": True, "generation": 1}, op_id="op4", engine="e1")
         j.record("contact_lost", {}, op_id="op5", engine="e2")
         for call, index in [
-                (lambda: j.operations(engine="e1", limit=5), "operation_engines"),
-                (lambda: j.operations(engine="e1", op_id="op4"), "operation_engines"),
-                (lambda: j.last_operations(["e0", "e1", "never"]), "operation_engines"),
+                (lambda: j.operations(engine="e1", limit=5), "engine_operations"),
+                (lambda: j.operations(engine="e1", op_id="op4"), "engine_operations"),
+                (lambda: j.last_operations(["e0", "e1", "never"]), "engine_operations"),
                 (lambda: j.records(engine="e1", op_ids=["op1", "op4"]), "records_op"),
                 (lambda: j.captures("e1"), "records_captures"),
                 (lambda: j.captures("e1", limit=1), "records_captures"),
@@ -134,8 +134,8 @@ def test_an_engines_operations_and_records_are_read_by_index_not_by_scan(tmp_pat
         j.close()
 
 
-def test_a_journal_from_before_operation_engines_is_indexed_once_when_opened(tmp_path):
-    """A journal written before ``operation_engines`` (``user_version`` 0, no table, no
+def test_a_journal_from_before_engine_operations_is_indexed_once_when_opened(tmp_path):
+    """A journal written before ``engine_operations`` (``user_version`` 0, no table, no
     trigger) answers by engine as before once opened: its operations are filled in, once."""
     path = tmp_path / "journal.sqlite3"
     j = Journal(path)
@@ -144,8 +144,8 @@ def test_a_journal_from_before_operation_engines_is_indexed_once_when_opened(tmp
     finally:
         j.close()
     with sqlite3.connect(path) as db:  # as an older controller left it
-        db.execute("DROP TRIGGER operation_engines_fill")
-        db.execute("DROP TABLE operation_engines")
+        db.execute("DROP TRIGGER engine_operations_fill")
+        db.execute("DROP TABLE engine_operations")
         db.execute("PRAGMA user_version = 0")
     with sqlite3.connect(path) as db:  # and an operation an older controller journaled
         db.execute("INSERT INTO operations (op_id, kind, engines, params, status, wall, "
@@ -159,17 +159,65 @@ def test_a_journal_from_before_operation_engines_is_indexed_once_when_opened(tmp
             "a": "second", "b": "second"}
         assert j.check() == []
         with sqlite3.connect(path) as db:
-            assert db.execute("PRAGMA user_version").fetchone() == (1,)
-            rows = db.execute("SELECT COUNT(*) FROM operation_engines").fetchone()
+            assert db.execute("PRAGMA user_version").fetchone() == (2,)
+            rows = db.execute("SELECT COUNT(*) FROM engine_operations").fetchone()
         assert rows == (3,)
     finally:
         j.close()
     with sqlite3.connect(path) as db:  # a row lost from the index is a problem check names
-        db.execute("DELETE FROM operation_engines WHERE op_id = 'first'")
+        db.execute("DELETE FROM engine_operations WHERE op_id = 'first'")
     j = Journal(path)  # at the version already: not filled again
     try:
         assert j.operations(engine="a", limit=5)[0].op_id == "second"
-        assert j.check() == ["1 engines of operations missing from operation_engines"]
+        assert j.check() == ["1 engines of operations missing from engine_operations"]
+    finally:
+        j.close()
+
+
+def test_the_newest_operation_is_the_last_begun_whatever_the_wall_clock_did(tmp_path,
+                                                                          monkeypatch):
+    """The wall clock stepped back 10 minutes between two operations: ``history``'s newest
+    and LAST-OP are still the one begun last (they went by wall time and showed the older),
+    also after the journal is opened again, and in a journal of version 1 (ordered by wall
+    time) once it is brought up to version 2."""
+    import time as real_time
+
+    path = tmp_path / "journal.sqlite3"
+    walls = iter([1_000_000.0, 1_000_000.0 - 600.0, 1_000_000.0 - 3600.0])
+    monkeypatch.setattr("ckpt_controller.controller.journal.time.time", lambda: next(walls))
+    j = Journal(path)
+    try:
+        for op in ("before", "after-step-back", "after-another"):
+            j.begin(op, "cycle", ["a"], {})
+        assert [o.op_id for o in j.operations(limit=3)] == [
+            "after-another", "after-step-back", "before"]
+        assert [o.op_id for o in j.operations(engine="a", limit=1)] == ["after-another"]
+        assert j.last_operations(["a"])["a"].op_id == "after-another"
+        assert [u[0] for u in j.unfinished()] == ["before", "after-step-back", "after-another"]
+    finally:
+        j.close()
+    monkeypatch.setattr("ckpt_controller.controller.journal.time.time", real_time.time)
+    j = Journal(path)
+    try:
+        assert j.last_operations(["a"])["a"].op_id == "after-another"
+        assert j.check() == [] or all("without a result" not in p for p in j.check())
+    finally:
+        j.close()
+    with sqlite3.connect(path) as db:  # as version 1 left it: an index ordered by wall time
+        db.execute("DROP TRIGGER engine_operations_fill")
+        db.execute("DROP TABLE engine_operations")
+        db.execute("CREATE TABLE operation_engines (engine TEXT NOT NULL, wall REAL NOT NULL, "
+                   "op_id TEXT NOT NULL, PRIMARY KEY (engine, wall, op_id)) WITHOUT ROWID")
+        db.execute("INSERT INTO operation_engines SELECT j.value, o.wall, o.op_id FROM "
+                   "operations AS o, json_each(o.engines) AS j")
+        db.execute("PRAGMA user_version = 1")
+    j = Journal(path)
+    try:
+        assert j.operations(engine="a", limit=1)[0].op_id == "after-another"
+        with sqlite3.connect(path) as db:
+            assert db.execute("PRAGMA user_version").fetchone() == (2,)
+            assert not db.execute("SELECT 1 FROM sqlite_master WHERE name = "
+                                  "'operation_engines'").fetchall()
     finally:
         j.close()
 
@@ -185,16 +233,16 @@ def test_an_indexing_that_fails_leaves_the_journal_as_it_was_for_the_next_start(
     finally:
         j.close()
     with sqlite3.connect(path) as db:  # as an older controller left it, and a disk that
-        db.execute("DELETE FROM operation_engines")  # fails once a row was written
+        db.execute("DELETE FROM engine_operations")  # fails once a row was written
         db.execute("PRAGMA user_version = 0")
-        db.execute("CREATE TRIGGER full BEFORE INSERT ON operation_engines WHEN (SELECT "
-                   "COUNT(*) FROM operation_engines) >= 1 BEGIN "
+        db.execute("CREATE TRIGGER full BEFORE INSERT ON engine_operations WHEN (SELECT "
+                   "COUNT(*) FROM engine_operations) >= 1 BEGIN "
                    "SELECT RAISE(ABORT, 'database or disk is full'); END")
     with pytest.raises(ConfigError, match="disk is full"):
         Journal(path)
     with sqlite3.connect(path) as db:  # nothing of it stayed
         assert db.execute("PRAGMA user_version").fetchone() == (0,)
-        assert db.execute("SELECT COUNT(*) FROM operation_engines").fetchone() == (0,)
+        assert db.execute("SELECT COUNT(*) FROM engine_operations").fetchone() == (0,)
         db.execute("DROP TRIGGER full")
     j = Journal(path)  # the next start does it all
     try:
@@ -211,7 +259,7 @@ def test_begin_indexes_each_engine_once_and_a_refused_begin_none(tmp_path):
         with pytest.raises(sqlite3.IntegrityError):
             j.begin("op", "prepare", ["c"], {})
         with sqlite3.connect(j.path) as db:
-            rows = db.execute("SELECT engine, op_id FROM operation_engines ORDER BY engine")
+            rows = db.execute("SELECT engine, op_id FROM engine_operations ORDER BY engine")
             assert rows.fetchall() == [("a", "op"), ("b", "op")]
         assert j.operations(engine="c", limit=5) == []
     finally:
