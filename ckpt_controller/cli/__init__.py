@@ -26,6 +26,7 @@ from ckpt_controller.cli import (
     engine_cmds,
     fleet_cmd,
     images_cmd,
+    journal_cmd,
     keys_cmd,
     lifecycle_cmd,
 )
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     controller_cmds.add_parsers(sub)
     images_cmd.add_parser(sub)
+    journal_cmd.add_parser(sub)
     describe_cmd.add_parser(sub)
     agent_cmds.add_parser(sub)
     engine_cmds.add_parsers(sub)

@@ -169,19 +169,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--json", action="store_true", help="print one JSON document")
     sp.set_defaults(run=_history)
 
-    sp = sub.add_parser(
-        "journal", help="the controller's journal: compact it now",
-        description="The controller's journal ([journal] in its config). `compact` forgets "
-                    "now what keep_days and keep_operations keep no longer (the controller "
-                    "also does so when it starts and every hour): ended operations older "
-                    "than keep_days or beyond the newest keep_operations, with their "
-                    "records; never an engine's newest operation, its newest capture and "
-                    "image, or a running one.", **fmt)
-    jsub = sp.add_subparsers(dest="journal_command", metavar="COMMAND", required=True)
-    jp = jsub.add_parser("compact", help="forget what [journal] keeps no longer, now", **fmt)
-    jp.add_argument("--json", action="store_true", help="print one JSON document")
-    jp.set_defaults(run=_journal_compact)
-
     sp = sub.add_parser("watch", help="print journal records live", **fmt)
     sp.add_argument("--duration", type=duration, metavar="S",
                     help="stop after S seconds (default: until interrupted, or the controller "
@@ -499,18 +486,6 @@ def failed_reason(status: p.StatusReply | None, now: float, op: str | None = Non
     if t is None:  # found FAILED at its start (e.g. a sidecar beside a paused vLLM)
         return f"FAILED{by} (no transition recorded)"
     return f"FAILED {age(now - t.wall)} ago ({iso(t.wall)}){by}: {t.reason or t.trigger}"
-
-
-def _journal_compact(args: argparse.Namespace) -> int:
-    with controller_client(args, on_wait=waiting_notice) as c:
-        reply = c.compact_journal()
-    if args.json:
-        emit("journal-compact", reply)
-        return 0
-    print(f"journal: forgot {reply.operations} operations and {reply.records} records in "
-          f"{reply.duration_s:.2f}s (keep_days {reply.keep_days:g}, keep_operations "
-          f"{reply.keep_operations})")
-    return 0
 
 
 def _history(args: argparse.Namespace) -> int:

@@ -54,6 +54,7 @@ from typing import Any
 
 import msgspec
 
+from ckpt_controller.controller.journal_repair import damaged
 from ckpt_controller.controller.journal_writer import GroupWriter
 from ckpt_controller.errors import ConfigError
 from ckpt_controller.protocol import (
@@ -153,6 +154,10 @@ class Journal:
             db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
                                  timeout=30)
             db.execute("PRAGMA journal_mode=WAL")
+            found = db.execute("PRAGMA quick_check").fetchall()
+            if [r[0] for r in found] != ["ok"]:  # a damaged page: refused before any use
+                db.close()
+                raise damaged(self.path, "; ".join(str(r[0]) for r in found[:3]))
             _open_schema(db, self.path)
             # AUTOINCREMENT's own counter too: a seq is never reused, even one deleted
             first = 1 + max(n or 0 for (n,) in db.execute(
@@ -161,6 +166,8 @@ class Journal:
         except sqlite3.DatabaseError as exc:  # policy: an unusable journal stops the controller
             if db is not None:
                 db.close()
+            if type(exc) is sqlite3.DatabaseError:  # not a database, malformed: damage
+                raise damaged(self.path, str(exc)) from None
             raise ConfigError(f"cannot open the journal: {exc}", file=str(self.path),
                               key="controller.state_dir", problem=str(exc)) from None
         #: from here on only the writer's thread uses ``db``
@@ -197,8 +204,13 @@ class Journal:
         return self._writer.stats()
 
     def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._reader() as conn:
-            return conn.execute(sql, args).fetchall()
+        try:
+            with self._reader() as conn:
+                return conn.execute(sql, args).fetchall()
+        except sqlite3.DatabaseError as exc:
+            if type(exc) is sqlite3.DatabaseError:  # a page spoiled while serving: said so
+                raise damaged(self.path, str(exc)) from None
+            raise
 
     @contextlib.contextmanager
     def _reader(self) -> Iterator[sqlite3.Connection]:
@@ -367,7 +379,7 @@ class Journal:
                         break
                     rows.append(row)
         return [JournalRecord(seq=r[0], op_id=r[1], engine=r[2], type=r[3], wall=r[4],
-                              monotonic=r[5], data=json.loads(r[6])) for r in reversed(rows)]
+                              monotonic=r[5], data=_data(r[6])) for r in reversed(rows)]
 
     def captures(self, engine: str, limit: int | None = None,
                  dumped: bool = False) -> list[tuple[str, dict[str, Any]]]:
@@ -380,7 +392,7 @@ class Journal:
         rows = self._read("SELECT op_id, data FROM records WHERE engine = ? AND type = "
                           f"'capture' {only}ORDER BY seq DESC LIMIT ?",
                           (engine, -1 if limit is None else max(limit, 1)))
-        return [(op, json.loads(data)) for op, data in rows]
+        return [(op, _data(data)) for op, data in rows]
 
     # ---------------------------------------------------------------- adopted, given away
 
@@ -503,6 +515,19 @@ COMPACT_CHUNK = 500
 
 #: an engine's operations: ``engine_operations`` (``e``, by its index) joined to ``operations``
 _ENGINE_OPERATIONS = "engine_operations AS e JOIN operations AS o ON o.op_id = e.op_id"
+
+
+def _data(raw: object) -> dict[str, Any]:
+    """A record's data as written (a JSON object); what a damaged or hand-edited row holds
+    instead (a number, a blob, broken text) is said, never a crash of the read."""
+    if isinstance(raw, (str, bytes)):
+        try:
+            data = json.loads(raw)
+        except ValueError:  # policy: unreadable text: the row is kept, its data said so
+            data = None
+        if isinstance(data, dict):
+            return data
+    return {"unreadable": f"not a JSON object: {type(raw).__name__}"}
 
 
 def _open_schema(db: sqlite3.Connection, path: Path) -> None:

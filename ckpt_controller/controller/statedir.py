@@ -160,6 +160,13 @@ def _make_dir(config: ControllerConfig, key: str, path: Path) -> None:
                         **err.details) from None
 
 
+def hold_lock(config: ControllerConfig) -> int:
+    """The state directory's lock, held (its descriptor: close it to let go), for work done
+    with the controller stopped (``ckptctl journal salvage``); ``ConfigError`` naming the
+    controller's PID while one runs."""
+    return _lock(config)
+
+
 def _lock(config: ControllerConfig) -> int:
     path = config.state_dir / LOCK_NAME
     try:
