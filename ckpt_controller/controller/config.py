@@ -335,6 +335,8 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
         at = re.search(r"at line (\d+), column (\d+)", str(err))
         where = {"line": int(at.group(1)), "column": int(at.group(2))} if at else {}
         raise error(file, None, f"invalid TOML: {err}", **where) from None
+    except RecursionError:  # policy: arrays or tables nested thousands deep: no config is
+        raise error(file, None, "invalid TOML: nested too deep to read") from None
     base = Path.cwd() if file.startswith("<") else Path(file).absolute().parent
     table = convert(data, file)
     config = ControllerConfig(

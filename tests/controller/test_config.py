@@ -172,7 +172,13 @@ BAD = [
     ("[controller]\nmetrics_port = 70000\n", "controller.metrics_port", "0..65535"),
     ("[controller]\nmetrics_port = true\n", "controller.metrics_port", "True"),
     ("[controller]\nmissed_beats = 0\n", "controller.missed_beats", ">= 1"),
-    ("[controller]\nheartbeat_interval_s = false\n", "controller.heartbeat_interval_s", "> 0"),
+    ("[controller]\nheartbeat_interval_s = false\n", "controller.heartbeat_interval_s",
+     "at least 0.01"),
+    # an interval so small the controller would spin (5e-324 took 17% of a core)
+    ("[controller]\nreconcile_interval_s = 5e-324\n", "controller.reconcile_interval_s",
+     "at least 0.01"),
+    ("[controller]\nheartbeat_interval_s = 0.001\n", "controller.heartbeat_interval_s",
+     "at least 0.01"),
     ("[controller]\nstate_dir = \"\"\n", "controller.state_dir", "non-empty string"),
     ("[controller]\nhooks_dir = 3\n", "controller.hooks_dir", "non-empty string"),
     ("[controller]\nmetrics_host = [\"a\"]\n", "controller.metrics_host", "non-empty string"),
@@ -302,6 +308,9 @@ def test_invalid_toml_says_where(tmp_path):
     assert "invalid TOML" in d["problem"] and (d["line"], d["column"]) == (3, 16)
     with pytest.raises(ConfigError, match="line 2"):
         parse_config("[a]\n[a]\n")  # a table defined twice
+    # nested thousands deep: a typed error, not Python's RecursionError (exit 1)
+    with pytest.raises(ConfigError, match="nested too deep"):
+        parse_config("a = " + "[" * 2000 + "]" * 2000 + "\n")
 
 
 def test_unreadable_files(tmp_path):
@@ -475,7 +484,7 @@ NESTED = [
     ("[[engine]]\n", "engine[0].name", "is required"),
     # NaN and infinity are never a duration, wherever the key is
     ("[controller]\nheartbeat_interval_s = nan\n", "controller.heartbeat_interval_s",
-     "must be a finite number of seconds, at most 86400 (a day) and > 0, got nan"),
+     "must be a finite number of seconds, at least 0.01 and at most 86400 (a day), got nan"),
     ("[controller]\nreconcile_interval_s = -inf\n", "controller.reconcile_interval_s",
      "got -inf"),
     ("[deadlines]\nhook_grace = +inf\n", "deadlines.hook_grace", "got inf"),
