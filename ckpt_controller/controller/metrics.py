@@ -18,6 +18,7 @@ deploy/grafana/ a dashboard written against these names (tests/controller/test_p
 from __future__ import annotations
 
 import http.server
+import io
 import logging
 import math
 import socket
@@ -50,6 +51,9 @@ ALLOWED_METHODS = "GET, HEAD"
 MAX_CONNECTIONS = 16
 #: seconds a metrics connection may stay silent (or not read its answer) before it is closed
 IDLE_TIMEOUT_S = 5.0
+#: seconds a request's line and headers may take to arrive, all of them: a client trickling
+#: a byte every few seconds is closed then (a few such held every slot: /healthz went down)
+REQUEST_DEADLINE_S = 5.0
 DRAIN_OUTCOMES = ("completed", "aborted", "kept")
 #: the state of an engine whose heartbeats stopped, or that was never reached
 UNKNOWN = "unknown"
@@ -395,6 +399,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     #: a connection silent (or not reading) this long is closed, and its thread ends
     timeout = IDLE_TIMEOUT_S
 
+    def setup(self) -> None:
+        super().setup()
+        self._deadline = _Deadline(self.connection)
+        self.rfile = io.BufferedReader(self._deadline)
+
+    def handle_one_request(self) -> None:
+        self._deadline.until = time.monotonic() + REQUEST_DEADLINE_S  # each request anew
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()  # the headers are in: the answer gets the idle bound
+        self._deadline.until = math.inf
+        self.connection.settimeout(self.timeout)
+        return ok
+
     def do_GET(self) -> None:  # noqa: N802 - the name http.server looks up
         self._reply(*self._answer())
 
@@ -437,6 +456,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base's name
         log.debug("%s %s", self.address_string(), format % args)
+
+
+class _Deadline(io.RawIOBase):
+    """A connection's input with one deadline (``until``) for a request's line and headers
+    together: each receive may wait only what is left of it, then ``TimeoutError`` (which
+    http.server answers by closing the connection)."""
+
+    def __init__(self, conn) -> None:
+        self._conn, self.until = conn, math.inf
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.until - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request's line and headers took too long")
+        self._conn.settimeout(min(left, IDLE_TIMEOUT_S))
+        return self._conn.recv_into(buffer)
 
 
 def _check_count(what: str, n: object) -> None:

@@ -611,3 +611,52 @@ def test_monitor_stops_promptly_while_following_and_while_retrying(spawn_referen
         took = time.monotonic() - start
     assert took < scaled(4.0, below=3 * 2.0)  # one request timeout (2 s), not the 6 s join
     assert not [t for t in threading.enumerate() if t.name.startswith("monitor-")]
+
+
+def test_clients_trickling_their_headers_do_not_keep_healthz_down():
+    """Every slot taken by a client sending its request a byte every second (each byte
+    reset the idle timeout: /healthz stayed down as long as they trickled): each is closed
+    once its headers have taken ``REQUEST_DEADLINE_S``, and /healthz answers again while they
+    go on trying."""
+    import socket
+
+    from ckpt_controller.controller.metrics import MAX_CONNECTIONS, REQUEST_DEADLINE_S
+
+    with MetricsServer(Metrics(), "127.0.0.1", 0) as server:
+        stop = threading.Event()
+        closed = []
+
+        def trickle(_: int) -> None:
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+                try:
+                    for ch in b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+                        if stop.is_set():
+                            break
+                        s.sendall(bytes([ch]))
+                        time.sleep(1.0)
+                    s.settimeout(5)
+                    if s.recv(1) == b"":  # the server hung up on it
+                        closed.append(True)
+                except OSError:  # policy: the server closed it: what is tested
+                    closed.append(True)
+
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(MAX_CONNECTIONS) as pool:
+            for i in range(MAX_CONNECTIONS):
+                pool.submit(trickle, i)
+            time.sleep(0.5)
+            answered = None
+            while time.monotonic() - started < scaled(REQUEST_DEADLINE_S + 10):
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz",
+                                                timeout=5) as reply:
+                        if reply.status == 200:
+                            answered = time.monotonic() - started
+                            break
+                except (OSError, http.client.HTTPException):  # policy: slots still held
+                    pass
+                time.sleep(0.2)
+            stop.set()
+        assert answered is not None, "healthz never answered while clients trickled"
+        assert answered < scaled(REQUEST_DEADLINE_S + 3, below=60), answered
+        assert len(closed) == MAX_CONNECTIONS  # each trickler was cut off
