@@ -81,11 +81,9 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _salvage(args: argparse.Namespace) -> int:
-    import os
-
     from ckpt_controller.controller.config import load_config
     from ckpt_controller.controller.journal_repair import salvage
-    from ckpt_controller.controller.statedir import hold_lock
+    from ckpt_controller.controller.statedir import hold_lock, release_lock
 
     config = load_config(args.config)
     path = config.state_dir / "journal.sqlite3"
@@ -96,7 +94,7 @@ def _salvage(args: argparse.Namespace) -> int:
     try:
         done = salvage(path)
     finally:
-        os.close(fd)
+        release_lock(fd)
     print(f"{path}: salvaged; the damaged journal is kept as {done['damaged_kept_as']}")
     for table, count in done["tables"].items():
         print(f"  {table}: {count['kept']} rows kept, {count['lost']} lost")

@@ -2,8 +2,10 @@
 
 ``claim(config)`` runs before the journal opens and before the endpoint is bound. It makes the
 state and image directories, checks the hooks directory and the folder an ``ipc://`` endpoint
-lives in, and takes an exclusive ``flock`` on ``<state_dir>/controller.lock`` with this
-process's PID written in it. The lock is held for the life of the process; the kernel lets go
+lives in, and takes an exclusive ``flock`` on the state directory itself (its inode: deleting a
+file cannot let a second controller in) and on ``<state_dir>/controller.lock``, with this
+process's PID written in it for the message a second one gets. The locks are held for the life
+of the process; the kernel lets go
 of it when the process dies, kill -9 included. A second controller on the same state directory
 is refused, naming the holder's PID, so two never write one journal. An ``ipc://`` endpoint is
 held the same way from the claim on (``<socket>.lock`` beside the socket file), not only once
@@ -51,7 +53,7 @@ class Claim:
             _lock_path(self.socket_path).unlink(missing_ok=True)  # still held: no one waits
             os.close(self._endpoint_fd)
             self._endpoint_fd = None
-        os.close(self._fd)  # closing the only descriptor releases the flock
+        release_lock(self._fd)  # closing the only descriptors releases the flocks
         self._fd = None
 
 
@@ -69,7 +71,7 @@ def claim(config: ControllerConfig) -> Claim:
         socket_path = _endpoint_file(config)
         endpoint_fd = _lock_endpoint(config, socket_path) if socket_path is not None else None
     except BaseException:  # policy: a refused start holds nothing
-        os.close(fd)
+        release_lock(fd)
         raise
     try:
         if socket_path is not None:
@@ -77,7 +79,7 @@ def claim(config: ControllerConfig) -> Claim:
     except BaseException:  # policy: a refused start holds nothing
         _lock_path(socket_path).unlink(missing_ok=True)
         os.close(endpoint_fd)
-        os.close(fd)
+        release_lock(fd)
         raise
     return Claim(fd, socket_path, endpoint_fd)
 
@@ -161,26 +163,66 @@ def _make_dir(config: ControllerConfig, key: str, path: Path) -> None:
 
 
 def hold_lock(config: ControllerConfig) -> int:
-    """The state directory's lock, held (its descriptor: close it to let go), for work done
-    with the controller stopped (``ckptctl journal salvage``); ``ConfigError`` naming the
-    controller's PID while one runs."""
+    """The state directory's lock, held (``release_lock`` lets go), for work done with the
+    controller stopped (``ckptctl journal salvage``); ``ConfigError`` naming the controller's
+    PID while one runs."""
     return _lock(config)
 
 
+def release_lock(fd: int) -> None:
+    """Let go of the lock ``_lock`` took: ``controller.lock`` and the directory's own."""
+    held = _DIR_LOCKS.pop(fd, None)
+    os.close(fd)
+    if held is not None:
+        os.close(held)
+
+
+#: ``controller.lock``'s descriptor -> the state directory's, both locked while held
+_DIR_LOCKS: dict[int, int] = {}
+
+
 def _lock(config: ControllerConfig) -> int:
+    """Lock the state directory itself (its inode: deleting ``controller.lock`` lets no
+    second controller in; deleted, a second one once ran on the same journal), then
+    ``controller.lock``, which holds our PID for the message a second one gets."""
     path = config.state_dir / LOCK_NAME
+    try:
+        dfd = os.open(config.state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:  # policy: a state directory we cannot open is unusable
+        raise key_error(config, "controller.state_dir", f"cannot open {config.state_dir}: "
+                        f"{err.strerror or err}", path=str(config.state_dir)) from None
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(dfd)
+        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # policy: no locks there
+            raise key_error(config, "controller.state_dir", f"cannot lock "
+                            f"{config.state_dir}: {err.strerror or err}",
+                            path=str(config.state_dir)) from None
+        try:
+            holder = path.read_text().strip() or "unknown"
+        except OSError:  # policy: its PID file deleted: the lock still says it runs
+            holder = "unknown"
+        raise _in_use(config, path, holder) from None
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as err:  # policy: a state directory we cannot write in is unusable
+        os.close(dfd)
         raise key_error(config, "controller.state_dir", f"cannot write in {config.state_dir}: "
                         f"{err.strerror or err}", path=str(path)) from None
     holder = _flock(config, "controller.state_dir", fd, path)
     if holder is not None:
-        raise key_error(config, "controller.state_dir",
-                        f"{config.state_dir} is in use by another controller (pid {holder}); "
-                        "one controller per state directory", path=str(path),
-                        holder_pid=int(holder) if holder.isdigit() else None)
+        os.close(dfd)
+        raise _in_use(config, path, holder)
+    _DIR_LOCKS[fd] = dfd
     return fd
+
+
+def _in_use(config: ControllerConfig, path: Path, holder: str) -> ConfigError:
+    return key_error(config, "controller.state_dir",
+                     f"{config.state_dir} is in use by another controller (pid {holder}); "
+                     "one controller per state directory", path=str(path),
+                     holder_pid=int(holder) if holder.isdigit() else None)
 
 
 def _flock(config: ControllerConfig, key: str, fd: int, path: Path) -> str | None:

@@ -47,6 +47,14 @@ def test_one_controller_per_state_dir_and_its_socket_file(ipc_dir):
         third = ckptctl("serve", "--config", str(other))
         assert third.returncode == 2 and "controller.endpoint" in third.stderr, third.stderr
         assert ckptctl("history", "--json", endpoint=f"ipc://{sock}").returncode == 0
+        # its PID file deleted: the state directory's own lock still refuses a second one,
+        # on another endpoint (both once ran, cycling one engine into one journal)
+        (ipc_dir / "c-state" / "controller.lock").unlink()
+        twin = _config(ipc_dir, "twin", endpoint=f"ipc://{ipc_dir}/twin.sock",
+                       state=ipc_dir / "c-state")
+        fourth = ckptctl("serve", "--config", str(twin), timeout=30)  # one that runs: fails
+        assert fourth.returncode == 2, fourth.stdout + fourth.stderr
+        assert "in use by another controller" in fourth.stderr, fourth.stderr
         first.stop()
         assert not sock.exists()  # removed on exit
         # killed with -9, a controller leaves its socket file: the next one reclaims it
