@@ -324,6 +324,17 @@ def test_unreadable_files(tmp_path):
     binary.write_bytes(b'[controller]\nmetrics_host = "\xff"\n')
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(binary)
+    # a device or a FIFO as the config or a key file: refused at once, nothing read (the
+    # config's /dev/zero once grew to 2.5 GB, a FIFO waited for a writer for ever)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    from ckpt_controller.security import load
+
+    for path in ("/dev/zero", fifo):
+        with pytest.raises(ConfigError, match="not a regular file"):
+            load_config(path)
+        with pytest.raises(ConfigError, match="not a regular file"):
+            load(path, secret=False)
     if os.getuid() != 0:  # root reads anything
         locked = write(tmp_path, "", "locked.toml")
         locked.chmod(0)
