@@ -37,7 +37,7 @@ from ckpt_controller.controller.fanout import fan_out, rolling, rolling_limit, s
 from ckpt_controller.controller.images import ImageStore
 from ckpt_controller.controller.journal import Journal
 from ckpt_controller.controller.links import AgentLink, AgentLinks
-from ckpt_controller.controller.outcome import error_info
+from ckpt_controller.controller.outcome import Throttled, error_info, not_durable
 from ckpt_controller.controller.reconcile import Reconciler
 from ckpt_controller.controller.retention import JournalRetention
 from ckpt_controller.controller.session import EngineSession
@@ -115,6 +115,8 @@ class Controller:
         self.stopping = threading.Event()
         #: ``[journal]``'s bounds, applied while the controller serves
         self.retention = JournalRetention(config, self.journal)
+        #: results the journal could not take, said at a bounded rate
+        self._unwritten = Throttled(log)
         #: the capture images on disk and ``[images]``'s retention of them
         self.images = ImageStore(config.image_dir, config.images.keep, self.journal,
                                  running=self._running_on,
@@ -332,20 +334,23 @@ class Controller:
             self.reconciler.note_contact(result.op_id, outcome)
         # last: the result is on disk with every record before it (an engine the operation
         # lost contact with among them) before any caller hears of it
+        answer: p.OperationResult | CkptError = result
         try:
             self.journal.finish(result)
-        except sqlite3.Error as err:  # policy: the callers still get the result, the log
-            # says why the journal lacks it; a restarted controller then recovers the
+        except sqlite3.Error as err:  # policy: no caller hears "succeeded" of a result
+            # that is not durable (a full disk once turned such ones "interrupted" after a
+            # restart): each gets the typed error; a restarted controller recovers the
             # operation as one left running (its engines are settled again)
-            log.error("journal: the result of operation %s was not written: %s",
-                      result.op_id, err)
+            answer = not_durable(result, self.config.state_dir, err)
+            self._unwritten.error("journal: the result of operation %s was not written: %s",
+                                  result.op_id, err)
         if self.metrics:
             self.metrics.operation_finished(result.kind, result.status, result.engines)
         # what it dumped is the newest image of each engine: the older ones [images] keeps
         # no longer go (on a thread of their own)
         self.images.after_capture(o.engine for o in result.engines if o.dumped)
         for done in self.admission.release(result.op_id):
-            done(result)
+            done(answer)
 
     # ---------------------------------------------------------------- running them
 

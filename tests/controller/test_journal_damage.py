@@ -105,3 +105,40 @@ def test_a_record_whose_data_is_not_an_object_is_read_not_crashed_on(tmp_path):
         assert "unreadable" in recs["op1"] and "unreadable" in recs["op2"]
     finally:
         j.close()
+
+
+def test_a_result_the_journal_cannot_take_is_never_answered_as_succeeded(spawn_controller,
+                                                                         ipc_dir):
+    """The disk fills between an operation's start and its end (SQLite says "database or disk
+    is full" for its result): the caller gets ``StateDirError`` (exit 1) saying the outcome
+    and that it is not durable, never "succeeded" (a client once saw three such operations
+    succeed, and after a restart they read "interrupted"); the log says so once, not once per
+    operation; a restarted controller finds the operation interrupted, as the error said."""
+    import json
+
+    from ckpt_controller.agent import Agent
+    from support.config import engines_toml
+
+    agent = Agent("df", control=f"ipc://{ipc_dir}/df.ctl", heartbeat_interval_s=0.2).start()
+    try:
+        ctl = spawn_controller(engines_toml(agent))
+        with sqlite3.connect(ctl.state_dir / "journal.sqlite3") as db:  # the disk, full
+            db.execute("CREATE TRIGGER full BEFORE UPDATE OF result ON operations "
+                       "WHEN NEW.result IS NOT NULL BEGIN "
+                       "SELECT RAISE(ABORT, 'database or disk is full'); END")
+        for i in range(3):
+            out = ctl.ckptctl("cycle", "df", "--op-id", f"full-{i}", "--json")
+            assert out.returncode == 1, out.stdout + out.stderr
+            err = json.loads(out.stdout)["error"]
+            assert err["kind"] == "StateDirError", err
+            assert "ended succeeded" in err["message"] and "not durable" in err["message"]
+        log = (ctl.dir / "controller.log").read_text()
+        assert log.count("was not written") == 1, log  # bounded: one line, then counted
+        with sqlite3.connect(ctl.state_dir / "journal.sqlite3") as db:  # room again
+            db.execute("DROP TRIGGER full")
+        ctl.stop()
+        ctl.start()
+        hist = json.loads(ctl.ckptctl("history", "--op-id", "full-0", "--json").stdout)
+        assert hist["operations"][0]["status"] == "interrupted", hist["operations"]
+    finally:
+        agent.close()
