@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import threading
 
 from ckpt_controller import criu_images
 from ckpt_controller.controller.config import ControllerConfig
@@ -81,10 +82,19 @@ def serve(config: ControllerConfig, ready=None, notifier=None) -> None:
     node = NodeService(config)
     server = node.server
     stop = StopSignals()  # from here a SIGTERM waits for the cleanup below
+    # a SIGTERM during the recovery below ends it at once (what it has not settled stays
+    # running in the journal, for the next start): it once waited out a stalled agent's 60 s
+    def stop_recovery() -> None:
+        stop.stop.wait()
+        server.controller.stopping.set()
+
+    threading.Thread(target=stop_recovery, name="stop-recovery", daemon=True).start()
     try:
         server.bind()
         node.attach_fleet()
         recovered = server.controller.recover()
+        if stop.stop.is_set():
+            return
         node.start()
         for result in recovered:
             log.warning("recovered interrupted operation %s (%s): %s", result.op_id, result.kind,

@@ -10,6 +10,7 @@ settling), ``hooks`` (orphaned hooks), ``journal`` (what was left running), ``fa
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -35,12 +36,16 @@ _RECOVERED = {CheckpointState.RUNNING: OutcomeStatus.RECOVERED,
 
 
 def recover(config: ControllerConfig, journal: Journal, reconciler: Reconciler,
-            session: SessionFactory, finish: Callable[[p.OperationResult], None]
-            ) -> list[p.OperationResult]:
+            session: SessionFactory, finish: Callable[[p.OperationResult], None],
+            stop: threading.Event | None = None) -> list[p.OperationResult]:
     """Finish every operation a previous controller left running; ``finish`` journals and
-    answers each one's result."""
+    answers each one's result. ``stop`` set (a SIGTERM) ends it at once: an operation not
+    settled yet stays running in the journal, for the next start."""
     results = []
+    stop = stop or threading.Event()
     for op_id, kind, engines, _params in journal.unfinished():
+        if stop.is_set():
+            break
         wall, start = time.time(), time.monotonic()
         cmd = p.OperationCommand(call_id=0, op_id=op_id, kind=kind, engines=engines)
         known = [e for e in engines if config.knows(e)]
@@ -53,10 +58,12 @@ def recover(config: ControllerConfig, journal: Journal, reconciler: Reconciler,
         resume = {e for e in known if reconciler.resumes(e, op_id)}
         try:
             fan_out(sessions, lambda s: recover_engine(s, config.deadlines.operation,
-                                                       s.engine.name in resume))
+                                                       s.engine.name in resume, stop))
         finally:
             for s in sessions:
                 s.close()
+        if stop.is_set():
+            break  # cut short: not finished, the next start recovers it whole
         result = p.OperationResult(op_id=op_id, kind=kind, status=OperationStatus.INTERRUPTED,
                                    engines=[s.outcome for s in sessions], wall=wall,
                                    duration_s=time.monotonic() - start)
@@ -65,14 +72,18 @@ def recover(config: ControllerConfig, journal: Journal, reconciler: Reconciler,
     return results
 
 
-def recover_engine(s: EngineSession, wait_s: float, resume_failed: bool) -> StepOutcome:
+def recover_engine(s: EngineSession, wait_s: float, resume_failed: bool,
+                   stop: threading.Event | None = None) -> StepOutcome:
     """Wait for the agent to settle, then bring a PREPARED engine back to RUNNING (and a
-    FAILED one too with ``resume_failed``: the operation never began to capture it)."""
+    FAILED one too with ``resume_failed``: the operation never began to capture it).
+    ``stop`` set: it stops waiting and leaves the engine as it is."""
     deadline = time.monotonic() + wait_s
     status = s.client.status()
     # an agent still running a step finishes it; one left PREPARING or RESTORING between two
     # steps (no current operation) is handled below at once
     while status.current_op and time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            return StepOutcome(OutcomeStatus.FAILED, status.state)
         hub.sleep(0.1)
         status = s.client.status()
     before = status.state

@@ -582,4 +582,4 @@ class Controller:
     def recover(self) -> list[p.OperationResult]:
         """Finish every operation a previous controller left running (``recovery``)."""
         return recovery.recover(self.config, self.journal, self.reconciler, self._session,
-                                self._finish)
+                                self._finish, stop=self.stopping)

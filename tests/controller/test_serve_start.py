@@ -144,3 +144,48 @@ def test_check_validates_a_config_without_starting(ipc_dir):
         assert out.returncode == 0 and "another process serves it now" in out.stdout, out.stdout
     finally:
         running.stop()
+
+
+def test_sigterm_during_crash_recovery_ends_it_at_once(spawn_engine, spawn_controller):
+    """A controller killed while its agent drains a long request, started again: its recovery
+    waits for that agent's step to end (up to the operation deadline). A SIGTERM then ends
+    it at once (it once waited the whole step out, over a minute); the operation stays
+    running in the journal, for the next start to recover."""
+    import signal
+    import sqlite3
+    import threading
+    import time
+
+    from support.config import engines_toml
+    from support.processes import wait_state
+
+    eng = spawn_engine("rc")
+    ctl = spawn_controller(engines_toml(eng) + "\n[deadlines]\ndrain = 120\noperation = 300\n")
+    eng.submit("long", steps=12000)  # 120 s of steps: the wait drain holds PREPARING
+    t = threading.Thread(target=lambda: ctl.ckptctl("prepare", "rc", "--drain", "wait",
+                                                    "--op-id", "cut"))
+    t.start()
+    wait_state(eng.control, "preparing")
+    ctl.kill9()
+    t.join(scaled(60))
+    log = (ctl.dir / "again.log").open("w")
+    again = subprocess.Popen([*CKPTCTL, "serve", "--config", str(ctl.config)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        time.sleep(scaled(3.0))  # recovering: the agent's step still running, nothing ready
+        assert again.poll() is None
+        start = time.monotonic()
+        again.send_signal(signal.SIGTERM)
+        again.wait(timeout=scaled(60))
+        took = time.monotonic() - start
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait()
+        log.close()
+    assert took < scaled(10, below=60), took  # not the drain's 120 s
+    assert again.stdout.read() == ""  # it never said it was ready
+    again.stdout.close()
+    with sqlite3.connect(ctl.state_dir / "journal.sqlite3") as db:
+        (status,) = db.execute("SELECT status FROM operations WHERE op_id = 'cut'").fetchone()
+    assert status == "running"  # the next start recovers it
