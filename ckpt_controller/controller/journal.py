@@ -54,7 +54,6 @@ from typing import Any
 
 import msgspec
 
-from ckpt_controller.controller.journal_repair import damaged
 from ckpt_controller.controller.journal_writer import GroupWriter
 from ckpt_controller.errors import ConfigError
 from ckpt_controller.protocol import (
@@ -515,6 +514,15 @@ COMPACT_CHUNK = 500
 
 #: an engine's operations: ``engine_operations`` (``e``, by its index) joined to ``operations``
 _ENGINE_OPERATIONS = "engine_operations AS e JOIN operations AS o ON o.op_id = e.op_id"
+
+
+def damaged(path: Path, why: str) -> ConfigError:
+    """The error a damaged journal is: what was found, and how to repair it."""
+    return ConfigError(
+        f"the journal {path} is damaged ({why}); stop the controller, then `ckptctl journal "
+        f"check --config FILE` lists the damage and `ckptctl journal salvage --config FILE` "
+        "keeps every row that can still be read (the damaged file is kept beside it)",
+        file=str(path), key="controller.state_dir", problem=why)
 
 
 def _data(raw: object) -> dict[str, Any]:

@@ -10,7 +10,7 @@ directory's lock) copies every row that can still be read, each table row by row
 page costs the rows on it, not the rest), into a new journal, keeps the damaged one beside it
 as ``journal.sqlite3.damaged-<time>`` and puts the new one in its place.
 
-Neighbours: ``journal`` (opens and reads it), ``statedir`` (the lock), ``cli.controller_cmds``
+Neighbours: ``journal`` (opens and reads it, and says what damage is: ``damaged``), ``statedir`` (the lock), ``cli.controller_cmds``
 (the commands), docs/journal.md.
 """
 
@@ -21,7 +21,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from ckpt_controller.errors import ConfigError
+from ckpt_controller.controller.journal import Journal
 
 #: the tables salvaged, each with the columns copied (in the order they are made)
 TABLES = {
@@ -31,15 +31,6 @@ TABLES = {
     "records": ("seq", "op_id", "engine", "type", "wall", "monotonic", "data"),
     "roster": ("seq", "engine", "change", "op_id", "peer", "wall", "config"),
 }
-
-
-def damaged(path: Path, why: str) -> ConfigError:
-    """The error a damaged journal is: what was found, and how to repair it."""
-    return ConfigError(
-        f"the journal {path} is damaged ({why}); stop the controller, then `ckptctl journal "
-        f"check --config FILE` lists the damage and `ckptctl journal salvage --config FILE` "
-        "keeps every row that can still be read (the damaged file is kept beside it)",
-        file=str(path), key="controller.state_dir", problem=why)
 
 
 def problems(path: Path) -> list[str]:
@@ -62,8 +53,6 @@ def problems(path: Path) -> list[str]:
 def salvage(path: Path) -> dict[str, object]:
     """Copy what can be read of the journal at ``path`` into a new one put in its place
     (module doc); what was kept and lost, per table, and where the damaged file went."""
-    from ckpt_controller.controller.journal import Journal
-
     fresh = path.with_name(path.name + ".salvaged")
     for leftover in (fresh, *(fresh.with_name(fresh.name + s) for s in ("-wal", "-shm"))):
         leftover.unlink(missing_ok=True)
