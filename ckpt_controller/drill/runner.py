@@ -183,7 +183,10 @@ class Drill:
         target = self.engines[0]
         cleanup = self._arm(fault, target)
         rss_before = {e.name: e.rss() for e in self.engines}
-        params: dict = {"drain": opts.drain, "level": opts.level}
+        # every engine of a cycle at once (``100%``), as a drill always cycled them: a fault
+        # on one is seen beside the others' cycles, not instead of them (a rolling cycle
+        # would skip the rest at the first failure)
+        params: dict = {"drain": opts.drain, "level": opts.level, "max_unavailable_percent": 100}
         if fault is not None and fault.kind == "residual":
             params["residual_budget_bytes"] = (rss_before[target.name] or 0) + BUDGET_MARGIN_BYTES
         loads = {e.name: _Load(e.api, opts.rate, opts.load_s, opts.seed * 1000 + n)
