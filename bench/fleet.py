@@ -139,7 +139,7 @@ def direct_cycle(endpoints: list[str], per_node: int) -> float:
             with ControllerClient(endpoints[i], timeout_s=CYCLE_TIMEOUT_S) as client:
                 client.subscribe()  # heartbeats bound the wait, as the CLI does
                 start.wait()
-                results[i] = client.cycle(None, max_unavailable=per_node,
+                results[i] = client.cycle(all_engines=True, max_unavailable=per_node,
                                           timeout_s=CYCLE_TIMEOUT_S)
         except Exception as err:  # policy: recorded; the round fails below
             start.abort()  # the others are not held at the start for ever
