@@ -59,7 +59,7 @@ class _Parser(argparse.ArgumentParser):
     json_errors = False
 
     def error(self, message: str):
-        message = _plain_words(message)
+        message = _with_nearest(message)
         if _Parser.json_errors:
             import json
 
@@ -134,13 +134,12 @@ def _conventions(root: argparse.ArgumentParser) -> None:
     walk(root)
 
 
-def _plain_words(message: str) -> str:
-    """argparse's message with plain words (an enum's repr, ``<Kind.X: 'x'>``, as ``'x'``)
-    and, for a mistyped choice, the nearest one: ``did you mean 'prepare'?``."""
+def _with_nearest(message: str) -> str:
+    """argparse's message and, for a mistyped choice, the nearest one: ``did you mean
+    'prepare'?`` (the choices are plain words: ``_conventions`` names commands so)."""
     import difflib
     import re
 
-    message = re.sub(r"<[A-Za-z_]+\.[A-Z0-9_]+: ('[^']*'|-?\d+)>", r"\1", message)
     m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
     if m:
         words = re.findall(r"'([^']*)'", m.group(2))

@@ -6,8 +6,7 @@ last error, the hooks of its newest operation, and its capture images: three req
 controller (``status``, ``history``, ``images``), nothing new on the wire. ``--json`` prints
 one ``describe`` document (docs/json.md).
 
-Neighbours: ``controller_cmds`` (the status table's words: ``failed_reason``), ``images_cmd``
-(the images' table), ``common``, ``output``.
+Neighbours: ``images_cmd`` (the images' table), ``common``, ``output``.
 """
 
 from __future__ import annotations
@@ -72,8 +71,8 @@ def _describe(args: argparse.Namespace) -> int:
 
 def describe_text(found: dict[str, Any], now: float | None = None) -> str:
     """The human page: one ``Field: value`` per line, sections indented under their title."""
-    from ckpt_controller.cli.controller_cmds import failed_reason
     from ckpt_controller.cli.images_cmd import images_table
+    from ckpt_controller.vocab import CheckpointState
 
     now = time.time() if now is None else now
     v: p.EngineView = found["engine"]
@@ -88,7 +87,7 @@ def describe_text(found: dict[str, Any], now: float | None = None) -> str:
         t = s.last_transition
         since = "" if t is None else f" since {iso(t.wall)} ({age(now - t.wall)} ago)"
         lines.append(f"State:         {s.state}{since}")
-        if failed_reason(s, now) is not None:
+        if s.state == CheckpointState.FAILED:
             lines.append(f"Reason:        {t.reason if t is not None and t.reason else '-'}"
                          + (f" (operation {v.last_op.op_id})" if v.last_op else ""))
             lines.append(f"Recover:       ckptctl restore {v.engine}")

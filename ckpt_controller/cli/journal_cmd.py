@@ -90,11 +90,11 @@ def _salvage(args: argparse.Namespace) -> int:
     if not path.exists():
         print(f"{path}: no journal to salvage")
         return 0
-    fd = hold_lock(config)  # a running controller refuses it: it must be stopped
+    held = hold_lock(config)  # a running controller refuses it: it must be stopped
     try:
         done = salvage(path)
     finally:
-        release_lock(fd)
+        release_lock(held)
     print(f"{path}: salvaged; the damaged journal is kept as {done['damaged_kept_as']}")
     for table, count in done["tables"].items():
         print(f"  {table}: {count['kept']} rows kept, {count['lost']} lost")

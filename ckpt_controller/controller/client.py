@@ -280,13 +280,12 @@ class ControllerClient(RpcClient):
     def _operation(self, kind: OperationKind, engines: Engines, all_engines: bool,
                    op_id: str | None, timeout_s: float | None, deadline: float | None,
                    **fields) -> p.OperationResult:
-        """Every value checked (names, op id, deadline), then sent. After ``subscribe()`` the
-        controller's heartbeats bound the wait (a controller that dies is noticed within
-        seconds); else ``timeout_s`` does (default ``DEFAULT_OPERATION_TIMEOUT_S``)."""
-        names = _chosen(engines, all_engines)
-        op_id = new_op_id() if op_id is None else check(OP_ID, op_id, "op_id")
+        """Every value checked (the deadline here, names and op id by ``operation``), then
+        sent. After ``subscribe()`` the controller's heartbeats bound the wait (a controller
+        that dies is noticed within seconds); else ``timeout_s`` does (default
+        ``DEFAULT_OPERATION_TIMEOUT_S``)."""
         fields["deadline_s"] = check_optional(DURATION, deadline, "deadline")
         if timeout_s is not None:
             timeout_s = check(DURATION, timeout_s, "timeout_s")
-        return self.operation(kind, names or None, all_engines=not names, op_id=op_id,
+        return self.operation(kind, engines, all_engines=all_engines, op_id=op_id,
                               timeout_s=timeout_s, **fields)

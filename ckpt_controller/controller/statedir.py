@@ -34,17 +34,19 @@ LOCK_NAME = "controller.lock"
 
 
 class Claim:
-    """A held state directory: the open, locked ``controller.lock`` and the endpoint's file."""
+    """A held state directory (the locked ``controller.lock`` and directory) and the
+    endpoint's file."""
 
-    def __init__(self, fd: int, socket_path: Path | None, endpoint_fd: int | None = None) -> None:
-        self._fd: int | None = fd
+    def __init__(self, held: tuple[int, int], socket_path: Path | None,
+                 endpoint_fd: int | None = None) -> None:
+        self._held: tuple[int, int] | None = held
         self.socket_path = socket_path
         self._endpoint_fd = endpoint_fd
 
     def release(self) -> None:
         """Remove the endpoint's socket file unless another process listens on it, and its
         lock file, then let go of the locks. Idempotent."""
-        if self._fd is None:
+        if self._held is None:
             return
         if self.socket_path is not None and self.socket_path.is_socket() \
                 and not listening(self.socket_path):
@@ -53,14 +55,14 @@ class Claim:
             _lock_path(self.socket_path).unlink(missing_ok=True)  # still held: no one waits
             os.close(self._endpoint_fd)
             self._endpoint_fd = None
-        release_lock(self._fd)  # closing the only descriptors releases the flocks
-        self._fd = None
+        release_lock(self._held)  # closing the only descriptors releases the flocks
+        self._held = None
 
 
 def claim(config: ControllerConfig) -> Claim:
     """Check what only the running system can tell and take the state directory's lock."""
     _make_dir(config, "controller.state_dir", config.state_dir)
-    fd = _lock(config)
+    held = _lock(config)
     try:
         _make_dir(config, "controller.image_dir", config.image_dir)
         if config.hooks_dir is not None and not config.hooks_dir.is_dir():
@@ -71,7 +73,7 @@ def claim(config: ControllerConfig) -> Claim:
         socket_path = _endpoint_file(config)
         endpoint_fd = _lock_endpoint(config, socket_path) if socket_path is not None else None
     except BaseException:  # policy: a refused start holds nothing
-        release_lock(fd)
+        release_lock(held)
         raise
     try:
         if socket_path is not None:
@@ -79,9 +81,9 @@ def claim(config: ControllerConfig) -> Claim:
     except BaseException:  # policy: a refused start holds nothing
         _lock_path(socket_path).unlink(missing_ok=True)
         os.close(endpoint_fd)
-        release_lock(fd)
+        release_lock(held)
         raise
-    return Claim(fd, socket_path, endpoint_fd)
+    return Claim(held, socket_path, endpoint_fd)
 
 
 def check(config: ControllerConfig) -> list[str]:
@@ -162,26 +164,20 @@ def _make_dir(config: ControllerConfig, key: str, path: Path) -> None:
                         **err.details) from None
 
 
-def hold_lock(config: ControllerConfig) -> int:
+def hold_lock(config: ControllerConfig) -> tuple[int, int]:
     """The state directory's lock, held (``release_lock`` lets go), for work done with the
     controller stopped (``ckptctl journal salvage``); ``ConfigError`` naming the controller's
     PID while one runs."""
     return _lock(config)
 
 
-def release_lock(fd: int) -> None:
-    """Let go of the lock ``_lock`` took: ``controller.lock`` and the directory's own."""
-    held = _DIR_LOCKS.pop(fd, None)
-    os.close(fd)
-    if held is not None:
-        os.close(held)
+def release_lock(held: tuple[int, int]) -> None:
+    """Let go of what ``_lock`` took: ``controller.lock`` and the directory's own lock."""
+    for fd in held:
+        os.close(fd)
 
 
-#: ``controller.lock``'s descriptor -> the state directory's, both locked while held
-_DIR_LOCKS: dict[int, int] = {}
-
-
-def _lock(config: ControllerConfig) -> int:
+def _lock(config: ControllerConfig) -> tuple[int, int]:
     """Lock the state directory itself (its inode: deleting ``controller.lock`` lets no
     second controller in; deleted, a second one once ran on the same journal), then
     ``controller.lock``, which holds our PID for the message a second one gets."""
@@ -214,8 +210,7 @@ def _lock(config: ControllerConfig) -> int:
     if holder is not None:
         os.close(dfd)
         raise _in_use(config, path, holder)
-    _DIR_LOCKS[fd] = dfd
-    return fd
+    return fd, dfd
 
 
 def _in_use(config: ControllerConfig, path: Path, holder: str) -> ConfigError:

@@ -166,3 +166,25 @@ def test_the_example_script_runs_against_a_real_controller(spawn_reference, spaw
                           "--drain", "sideways"], capture_output=True, text=True, env=env,
                          timeout=scaled(120), cwd=ROOT)
     assert bad.returncode == 2 and "UsageError: drain = 'sideways'" in bad.stderr, bad.stderr
+
+
+def test_a_hand_built_frame_with_a_bad_limit_is_refused(spawn_reference, spawn_controller):
+    """The wire's own checks: both limits at once, or a percentage outside 1..100, refused
+    before anything runs (a client of another language sends what it likes)."""
+    from ckpt_controller import protocol as p
+    from ckpt_controller.errors import ProtocolError
+
+    eng = spawn_reference("lim")
+    ctl = spawn_controller(engines_toml(eng))
+    with ControllerClient(ctl.endpoint) as client:
+        both = p.OperationCommand(call_id=0, op_id="both", kind="cycle", engines=["lim"],
+                                  max_unavailable=1, max_unavailable_percent=50)
+        with pytest.raises(UsageError, match="not both"):
+            client.call(p.RequestType.OPERATION, both, timeout_s=30)
+        client.checks_commands = False  # as a client that does not check its own frames
+        for percent in (0, 101):
+            cmd = p.OperationCommand(call_id=0, op_id=f"pct{percent}", kind="cycle",
+                                     engines=["lim"], max_unavailable_percent=percent)
+            with pytest.raises(ProtocolError):
+                client.call(p.RequestType.OPERATION, cmd, timeout_s=30)
+        assert client.history(limit=5).operations == []  # nothing began
