@@ -258,7 +258,35 @@ def image(migration: dict) -> dict:
             "frozen_s": dump.get("frozen_us", 0) / 1e6,
             "pages_write_s": dump.get("memwrite_us", 0) / 1e6,
             "pages_written_bytes": dump.get("pages_written", 0) * PAGE_SIZE,
-            "restore_s": restore.get("restore_us", 0) / 1e6}
+            "restore_s": restore.get("restore_us", 0) / 1e6,
+            "criu_restore_process_s": _float(folder.parent / "last-restore-s"),
+            "image_check_s": image_check_s(folder, received["transport"])}
+
+
+def _float(path: Path) -> float:
+    try:
+        return float(path.read_text())
+    except (OSError, ValueError):  # policy: not written (an older hook): counted as 0
+        return 0.0
+
+
+def image_check_s(folder: Path, transport: str) -> float:
+    """What the hooks' damaged-image checks cost on this image, timed again here on the
+    target's folder (warm, as the hooks find it): the manifest's CRC of every file it lists,
+    which criu-dump computes and criu-restore checks (each once), and through the page server
+    the pages' check (``criu_images check``, a Python process) as well."""
+    names = [line.split(" ", 2)[2] for line in
+             (folder / "criu-manifest").read_text().splitlines() if line.count(" ") >= 2]
+    t0 = time.monotonic()
+    subprocess.run(["cksum", *names], cwd=folder, stdout=subprocess.DEVNULL, check=True)
+    took = 2 * (time.monotonic() - t0)  # written by the dump, checked by the restore
+    if transport == "page-server":
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-S", "-m", "ckpt_controller.criu_images", "check",
+                        str(folder)], cwd=ROOT, stdout=subprocess.DEVNULL, check=True,
+                       env={"PYTHONPATH": str(ROOT)})
+        took += time.monotonic() - t0
+    return took
 
 
 def criu_log_s(log: Path) -> float:
@@ -282,13 +310,19 @@ def downtime_parts(run: dict) -> dict[str, float]:
     verified bit-exact) and resume; the client's first new token after the engine's RUNNING
     (its move, the kept requests' context computed again: level 2 left the KV cache out); and
     the rest (the hand-offs between the nodes, the last token before the prepare)."""
-    ph = run["phases_s"]
+    ph, hooks = run["phases_s"], run["hooks_s"]
     restore = ph["restore"]
+    dump_hook, restore_hook = hooks["capture"]["dump"], hooks["restore"]["pre-restore"]
+    criu_restore = run["criu_restore_process_s"] or run["restore_s"]
     parts = {"prepare": ph["prepare"].get("prepare", 0.0),
              "criu dump": run["criu_dump_s"],
-             "dump hook's own": ph["capture"].get("capture", 0.0) - run["criu_dump_s"],
              "criu restore": run["restore_s"],
-             "restore hook's own": restore.get("pre-restore", 0.0) - run["restore_s"],
+             "criu restore's start": criu_restore - run["restore_s"],
+             "image checks": run["image_check_s"],
+             "hooks' own": dump_hook - run["criu_dump_s"] + restore_hook - criu_restore
+             - run["image_check_s"],
+             "hook runner": ph["capture"].get("capture", 0.0) - dump_hook
+             + restore.get("pre-restore", 0.0) - restore_hook,
              "re-wake": restore.get("rewake", 0.0) + restore.get("post-restore", 0.0)
              + restore.get("resume", 0.0),
              "first token after ready": run["first_token_after_ready_s"]}
@@ -315,21 +349,29 @@ def timeline(op: dict, migration: dict, command_s: float) -> dict:
             "command_s": command_s - recorded}
 
 
-def phases(nodes: Nodes, op_id: str = "mv", engine: str = "m0") -> dict[str, dict[str, float]]:
+def phases(nodes: Nodes, op_id: str = "mv", engine: str = "m0"
+           ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     """The node-local operations of the move, phase by phase (seconds, from each node's
     journal: ``ckptctl history --op-id``): the source's prepare and capture, the target's
-    restore (its pre-restore phase is the criu-restore hook)."""
+    restore (its pre-restore phase is the criu-restore hook); and in each, its hooks' runs
+    by point (each hook process's own time, as the hook runner measured it)."""
     from ckpt_controller.fleet.migration.record import local_ids
 
     ids = local_ids(op_id, engine)
     out: dict[str, dict[str, float]] = {}
+    hooks: dict[str, dict[str, float]] = {}
     for node, kind in (("n1", "prepare"), ("n1", "capture"), ("n2", "restore")):
         r = nodes.controllers[node].ckptctl("history", "--op-id", ids[kind], "--json",
                                             timeout=60)
         doc = json.loads(r.stdout)
         out[kind] = {rec["data"]["name"]: rec["data"]["duration_s"]
                      for rec in doc["records"] if rec["record_type"] == "phase"}
-    return out
+        hooks[kind] = {}
+        for rec in doc["records"]:
+            if rec["record_type"] == "hook":
+                point = rec["data"]["point"]
+                hooks[kind][point] = hooks[kind].get(point, 0.0) + rec["data"]["duration_s"]
+    return out, hooks
 
 
 def engine_args(args) -> list[str]:
@@ -345,7 +387,7 @@ def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bo
         cold = cold_start(nodes)
         moved = migrate(nodes, args.kept, args.max_tokens, args.follow_after, args.level)
         img = image(moved["migration"])
-        parts = phases(nodes)
+        parts, hooks = phases(nodes)
         times = timeline(moved["op"], moved["migration"], moved["migrate_s"])
         img["criu_dump_s"] = criu_log_s(next(d.rglob("dump.log")))
         if img["transport"] != transport:
@@ -360,7 +402,7 @@ def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bo
            "client_wait_s": moved["client_wait_s"],
            "client_moved_s": moved["client_moved_s"],
            "first_token_after_ready_s": moved["first_token_after_ready_s"],
-           "phases_s": parts,
+           "phases_s": parts, "hooks_s": hooks,
            "kept_across": moved["kept_across"], "requests": moved["requests"], **img,
            **times}
     run["downtime_over_cold"] = run["downtime_s"] / run["cold_s"]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_controller.errors import ConfigError, HookError, HookTimeoutError
-from ckpt_controller.procutil import OutputReader, ProcessTree, hook_preexec
+from ckpt_controller.procutil import OutputReader, ProcessTree, ended_within, hook_preexec
 from ckpt_controller.protocol import HookRun
 from ckpt_controller.security import check_owner_and_mode, trusted_path
 from ckpt_controller.vocab import HookPoint
@@ -193,11 +193,8 @@ def _wait(proc: subprocess.Popen, tree: ProcessTree, seconds: float, pidfile: Pa
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        try:
-            proc.wait(timeout=min(LOOK_EVERY_S, left))
+        if ended_within(proc, min(LOOK_EVERY_S, left)):
             return True
-        except subprocess.TimeoutExpired:  # policy: not yet; look again
-            continue
 
 
 def stop_orphan_hooks(engine_image_dir: Path, op_id: str, grace_s: float = 5.0) -> int:

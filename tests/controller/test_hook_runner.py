@@ -395,3 +395,37 @@ def test_a_hook_whose_controller_is_killed_gets_sigterm(tmp_path):
         if controller.poll() is None:
             controller.kill()
             controller.wait()
+
+
+def test_a_hooks_end_is_seen_when_it_happens_not_at_the_next_poll(tmp_path, monkeypatch):
+    """The runner waits for a hook through a pidfd, woken by the exit itself: never through
+    ``Popen.wait(timeout)``, whose sleeps grow to 50 ms and made each hook's end (a dump's, a
+    restore's: the engine's downtime) seen up to 50 ms late."""
+    import subprocess
+
+    from ckpt_controller import procutil
+
+    polled = []
+    real_wait = subprocess.Popen.wait
+
+    def wait(self, timeout=None):
+        if timeout is not None:
+            polled.append(timeout)
+        return real_wait(self, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", wait)
+    hooks = tmp_path / "hooks"
+    write_hook(hooks, "dump", "10-slow", "sleep 0.6; exit 3")  # past one LOOK_EVERY_S round
+    runs = []
+    with pytest.raises(HookError):
+        run_point(hooks, "dump", ctx(tmp_path), 10, runs)
+    assert runs[0].exit_code == 3 and polled == []
+    # on its own: a process still running is not waited for past the timeout and is left
+    # running; an ended one is reaped, its status read
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert procutil.ended_within(proc, 0.05) is False and proc.returncode is None
+    finally:
+        proc.kill()
+    assert procutil.ended_within(proc, scaled(10)) is True and proc.returncode == -9
+    assert polled == []
