@@ -28,9 +28,15 @@ the target, which both nodes check first). In each:
   time the engine was frozen and the time the pages took to write (through the page server,
   or into the shared folder); ``stats-restore`` the restore's.
 - what the downtime is made of: the source's prepare; CRIU's dump (its ``-v3`` log's last
-  timestamp) and the capture hook's own work around it; CRIU's restore (``stats-restore``) and
-  the criu-restore hook's own; the re-wake; the first new token after RUNNING; the rest
-  (hand-offs between the nodes).
+  timestamp); CRIU's restore (``stats-restore``) and its process's start and end beyond that
+  (the process's time, which criu-restore writes as ``last-restore-s``); the image checks
+  (the manifest's CRC, computed by criu-dump and checked by criu-restore, and through the page
+  server the pages' check, timed again on the target's folder); the two hooks' own work (each
+  hook's run, from the journal, less CRIU's and the checks'); the hook runner's (the capture
+  and pre-restore phases less the hooks' runs); the re-wake; the first new token after
+  RUNNING; the rest (hand-offs between the nodes, the last token before the prepare).
+- the whole migration two ways: the command's wall time, and the migration's record from
+  its creation to its end (the command's process start and submit left out).
 - the steps: each ``done`` entry of the migration record (receive, send, adopt, finish),
   its end minus its start; "between steps" is the migration's wall time less their sum (the
   coordinator's rounds, the inbox watches).
@@ -346,7 +352,7 @@ def timeline(op: dict, migration: dict, command_s: float) -> dict:
             "gaps_s": {f"{a['step']}->{b['step']}": at(b, "started") - at(a, "ended")
                        for a, b in zip(done, done[1:])},
             "after_last_s": at(op, "ended") - at(done[-1], "ended"),
-            "command_s": command_s - recorded}
+            "recorded_s": recorded, "command_s": command_s - recorded}
 
 
 def phases(nodes: Nodes, op_id: str = "mv", engine: str = "m0"
@@ -407,6 +413,9 @@ def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bo
            **times}
     run["downtime_over_cold"] = run["downtime_s"] / run["cold_s"]
     run["migrate_over_downtime"] = run["migrate_s"] / run["downtime_s"]
+    # the migration itself, from its record's creation to its end: the command's process
+    # start and submit left out
+    run["recorded_over_downtime"] = run["recorded_s"] / run["downtime_s"]
     run["moved_over_image"] = run["moved_bytes"] / run["image_bytes"]
     run["downtime_parts_s"] = downtime_parts(run)
     return run
@@ -460,10 +469,12 @@ def print_tables(res: dict) -> None:
     table(f"downtime of a kept request against a cold start on the target (median of {n}; "
           f"{' '.join(res['model_args'])}, level {res['level']})",
           ["transport", "downtime s", "cold start s", "downtime / cold", "cold: ready s",
-           "migration s", "migration / downtime", "client moved, after ready s",
+           "migration s", "migration / downtime", "recorded / downtime",
+           "client moved, after ready s",
            "client heard, after ready s", "first token after ready s"],
           [[t, m["downtime_s"], m["cold_s"], m["downtime_over_cold"], m["cold_ready_s"],
-            m["migrate_s"], m["migrate_over_downtime"], m["client_moved_s"],
+            m["migrate_s"], m["migrate_over_downtime"], m["recorded_over_downtime"],
+            m["client_moved_s"],
             m["client_wait_s"], m["first_token_after_ready_s"]]
            for t, m in ((t, tr[t]["median"]) for t in tr)])
     table("the image and moving it (median)",
