@@ -112,6 +112,17 @@ def test_a_client_loads_no_asyncio(code):
     assert heavy(modules, ("asyncio", "zmq.asyncio", "zmq.utils.monitor")) == []
 
 
+def test_submitting_a_fleet_operation_leaves_the_nodes_side_behind():
+    """``ckptctl fleet migrate`` records an operation and follows it: the node's side of a
+    migration (its steps, the controller's configuration and roster) stays unloaded; it was
+    a sixth of the command's start, which a client waits through before the move begins."""
+    modules = loaded_by("from ckpt_controller.fleet.drivers import SUBMIT")
+    assert "ckpt_controller.fleet.migration.record" in modules
+    assert heavy(modules, ("ckpt_controller.fleet.migration.steps",
+                           "ckpt_controller.controller.config",
+                           "ckpt_controller.controller.roster")) == []
+
+
 def test_the_engine_side_still_arrives_by_its_old_names():
     modules = loaded_by("from ckpt_controller.agent import Agent, AgentClient, AdmissionGate, "
                         "EngineHooks, MemoryManager, NoMemory\n"
