@@ -376,4 +376,7 @@ def test_a_vllm_move_against_a_vllm_cold_start_loses_nothing(tmp_path):
     assert moved["downtime_over_cold"] == pytest.approx(moved["downtime_s"] / moved["cold_s"])
     assert set(moved["steps_s"]) == {"receive", "send", "adopt", "finish"}
     assert positive(moved["frozen_s"]) and positive(moved["restore_s"])
+    # each CRIU hook's run beyond CRIU's own process: the image checks and the hooks' work
+    assert positive(moved["dump_hook_beyond_criu_s"])
+    assert positive(moved["restore_hook_beyond_criu_s"])
     assert moved["image_bytes"] >= sum(size for size, _ in moved["largest_files"]) > 0
