@@ -309,10 +309,11 @@ def criu_log_s(log: Path) -> float:
 
 
 def downtime_parts(run: dict) -> dict[str, float]:
-    """What the downtime is made of, seconds: the source's prepare; its capture hook, split
-    into CRIU's dump (its log) and the hook's own work around it (the tree walk, the image's
-    manifest); the target's criu-restore hook, split into CRIU's restore (its stats) and the
-    hook's own (the image's check, the PIDs, the process); the re-wake (weights read back and
+    """What the downtime is made of, seconds: the source's prepare; CRIU's dump (its log) and
+    restore (its stats), and the restore process's start and end beyond its stats; the image
+    checks (the manifest's CRC both sides, the page server's pages check); the two hooks' own
+    work around those (the tree walk, the PIDs, their processes); the hook runner's (the
+    capture and pre-restore phases less the hooks' runs); the re-wake (weights read back and
     verified bit-exact) and resume; the client's first new token after the engine's RUNNING
     (its move, the kept requests' context computed again: level 2 left the KV cache out); and
     the rest (the hand-offs between the nodes, the last token before the prepare)."""
