@@ -270,3 +270,46 @@ def test_criu_s_own_first_error_is_the_first_line_of_a_failed_hook(recorded_dump
     first = out.stderr.splitlines()[0]
     assert first == (f"criu-restore: criu restore of the image in {image} failed (1): Error "
                      "(criu/cr-restore.c:1234): Can't fork for 42: File exists"), out.stderr
+
+
+def test_the_tree_is_read_once_whatever_its_processes_are_named(tmp_path):
+    """criu-dump reads the engine's tree in one pass: its processes (a child included), the
+    /dev/shm files they hold, and whether the engine leads its session, counted after the
+    name's parenthesis. An engine named ``x) S 1 2 3`` (a name may hold spaces and a
+    parenthesis) leads its session: a field count from the line's start read its session as
+    ``3)`` and dumped it as a shell job, which a restore must then match."""
+    standin = tmp_path / "criu-standin"
+    standin.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$STANDIN_ARGS"\n'
+                       ': > "$CKPT_IMAGE_DIR/inventory.img"\n')
+    standin.chmod(0o755)
+    weird = tmp_path / "x) S 1 2 3"
+    weird.symlink_to("/bin/sh")  # the process's name is the name it was started by
+    shm = Path(f"/dev/shm/ckpt-test-tree-{os.getpid()}")
+    engine = subprocess.Popen([str(weird), "-c", f'exec 3>"{shm}"; sleep 30 & wait'],
+                              start_new_session=True)
+    try:
+        wait_until(lambda: len(psutil.Process(engine.pid).children()) == 1 and shm.exists(),
+                   what="the engine and its child running")
+        child = psutil.Process(engine.pid).children()[0].pid
+        image = tmp_path / "img"
+        image.mkdir()
+        args_file = tmp_path / "args"
+        out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], env=dict(
+            os.environ, CKPT_ENGINE_PID=f" {engine.pid} ", CKPT_IMAGE_DIR=str(image),
+            CKPT_CRIU=str(standin), STANDIN_ARGS=str(args_file)),
+            capture_output=True, text=True, timeout=scaled(60))
+        assert out.returncode == 0, out.stderr
+        args = args_file.read_text().split("\n")
+        assert args[:3] == ["dump", "-t", str(engine.pid)] and "--shell-job" not in args
+        assert "--shell-job" not in (image / "criu-restore-options").read_text()
+        assert (image / "criu-pids").read_text().split() == [str(engine.pid), str(child)]
+        assert (image / "criu-shm-files").read_text().splitlines() == [str(shm)]
+    finally:
+        os.killpg(engine.pid, signal.SIGKILL)
+        engine.wait()
+        shm.unlink(missing_ok=True)
+    # not a PID at all: said, before criu runs
+    out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], env=dict(
+        os.environ, CKPT_ENGINE_PID="12x", CKPT_IMAGE_DIR=str(tmp_path), CKPT_CRIU="/bin/true"),
+        capture_output=True, text=True, timeout=scaled(60))
+    assert out.returncode == 2 and "CKPT_ENGINE_PID='12x' is not a PID" in out.stderr
