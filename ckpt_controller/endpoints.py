@@ -176,6 +176,34 @@ def secure_ipc(endpoint: str) -> None:
             os.chmod(path, 0o600)
 
 
+def listening(path: Path) -> bool:
+    """Whether a process accepts connections on the unix socket ``path``."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):  # policy: nobody there: stale
+            return False
+        except OSError:  # policy: cannot tell (no permission, timeout): assume it is in use
+            return True
+        return True
+
+
+def remove_stale_ipc(endpoint: str | None) -> None:
+    """After a server closed its socket on ``endpoint``: remove the ipc socket file zmq
+    leaves behind, unless another process listens there now (a copy of the server that CRIU
+    restored beside it binds the same path). tcp:// endpoints and abstract names (``@``)
+    have no file; anything at the path that is not a socket is left alone."""
+    if not endpoint or not endpoint.startswith("ipc://"):
+        return
+    path = Path(endpoint[len("ipc://"):])
+    if str(path).startswith("@") or not path.is_socket() or listening(path):
+        return
+    path.unlink(missing_ok=True)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that was free a moment ago (another process may take it first:
     a bind that fails says so)."""

@@ -46,7 +46,7 @@ from collections.abc import Callable
 import zmq
 
 from ckpt_controller import protocol as p
-from ckpt_controller.endpoints import cannot_bind, secure_ipc
+from ckpt_controller.endpoints import cannot_bind, remove_stale_ipc, secure_ipc
 from ckpt_controller.clock import Clock
 from ckpt_controller.errors import (CkptError, EngineError, OperationError, OverloadedError,
                                     ProtocolError, described)
@@ -190,7 +190,9 @@ class RpcServer:
         if self._outbox is not None:
             self._outbox.close()
         self._router = self._outbox = None
-        self._finalizer()
+        if self._finalizer.alive:  # the first close: the context ends, then the file goes
+            self._finalizer()
+            remove_stale_ipc(self.endpoint)  # zmq leaves an ipc socket's file behind
 
     def __enter__(self):
         return self.start()

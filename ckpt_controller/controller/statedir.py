@@ -23,10 +23,10 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import socket
 from pathlib import Path
 
 from ckpt_controller.controller.config import ControllerConfig, key_error
+from ckpt_controller.endpoints import listening
 from ckpt_controller.errors import ConfigError
 from ckpt_controller.security import private_dir
 
@@ -133,19 +133,6 @@ def check(config: ControllerConfig) -> list[str]:
         if path is not None and not path.exists():
             raise key_error(config, key, f"{path} does not exist", path=str(path))
     return seen
-
-
-def listening(path: Path) -> bool:
-    """Whether a process accepts connections on the unix socket ``path``."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):  # policy: nobody there: stale
-            return False
-        except OSError:  # policy: cannot tell (no permission, timeout): assume it is in use
-            return True
-        return True
 
 
 def _make_dir(config: ControllerConfig, key: str, path: Path) -> None:

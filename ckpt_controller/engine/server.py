@@ -40,7 +40,7 @@ import torch
 import zmq
 
 from ckpt_controller.agent import Agent, EngineHooks
-from ckpt_controller.endpoints import cannot_bind, check_endpoint
+from ckpt_controller.endpoints import cannot_bind, check_endpoint, remove_stale_ipc
 from ckpt_controller.engine import api
 from ckpt_controller.engine.kv import BlockPool
 from ckpt_controller.engine.model import load_model, materialize
@@ -227,6 +227,7 @@ class ReferenceEngine(EngineHooks):
         if self._api_sock is not None:
             self._api_sock.close(linger=0)
         self._ctx.term()
+        remove_stale_ipc(self.api_endpoint)  # zmq leaves an ipc socket's file behind
 
     # ---------------------------------------------------------------- threads
 

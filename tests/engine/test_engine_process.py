@@ -405,3 +405,49 @@ def test_an_api_endpoint_it_cannot_bind_ends_serve_with_the_typed_error(ipc_dir,
         for run in runs.values():
             run.kill()
             run.communicate()
+
+
+def test_a_stopped_engine_leaves_no_socket_files(tmp_path):
+    """SIGTERM ends the engine and takes its ipc socket files with it (zmq leaves them):
+    the request API's and the agent's control endpoint's, the default one in the runtime
+    dir included."""
+    import os
+    import signal
+
+    from ckpt_controller.procutil import ReadyProcess
+
+    api, runtime = tmp_path / "api.sock", tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime))
+    engine = ReadyProcess([*CKPTCTL, "engine", "serve", "--name", "sockets", "--api",
+                           f"ipc://{api}", "--model", "tiny", "--model-dir",
+                           str(tmp_path / "models")], tmp_path / "engine.log", "engine",
+                          env=env, timeout_s=scaled(120))
+    control = runtime / "ckpt-controller" / "sockets.sock"
+    try:
+        assert api.is_socket() and control.is_socket()
+        engine.proc.send_signal(signal.SIGTERM)
+        assert engine.proc.wait(timeout=scaled(60)) == 0
+    finally:
+        engine.stop()
+    assert not api.exists() and not control.exists()
+
+
+def test_a_socket_file_is_removed_only_when_nobody_listens_there(tmp_path):
+    import socket
+
+    from ckpt_controller.endpoints import remove_stale_ipc
+
+    stale, live, plain = tmp_path / "stale.sock", tmp_path / "live.sock", tmp_path / "plain"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(stale))  # bound, never listening, closed: what a stopped server leaves
+    plain.write_text("not a socket")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(live))
+        listener.listen()  # a copy restored beside the stopped server, on the same path
+        for path in (stale, live, plain):
+            remove_stale_ipc(f"ipc://{path}")
+        remove_stale_ipc("tcp://127.0.0.1:1")
+        remove_stale_ipc("ipc://@abstract")
+        remove_stale_ipc(None)
+        assert not stale.exists() and live.is_socket() and plain.read_text() == "not a socket"
