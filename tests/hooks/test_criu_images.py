@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,7 @@ from ckpt_controller.criu_images import (
     unpack_small)
 from ckpt_controller.errors import ImageError
 from support import ROOT
-from support.timing import scaled
+from support.timing import scaled, wait_until
 
 
 def _varint(n: int) -> bytes:
@@ -265,6 +266,9 @@ def test_page_servers_an_earlier_controller_left_are_ended_at_start(tmp_path):
                                "page-server", "-D", str(left.resolve())])
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
+        # until it has exec'd, the child's /proc cmdline is still this test's process
+        wait_until(lambda: b"page-server" in Path(f"/proc/{server.pid}/cmdline").read_bytes(),
+                   what="the stand-in page server started")
         (left / PageServer.PIDFILE).write_text(f"{server.pid}\n")
         (reused / PageServer.PIDFILE).write_text(f"{other.pid}\n")
         assert reap_page_servers(tmp_path) == [server.pid]
