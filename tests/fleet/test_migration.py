@@ -295,13 +295,19 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
                 what="every kept request under way")
             assert not any(client.requests[i].ended for i in kept)
             pair.go("n1", "pre-prepare")
+            # load sent all through the move, one request each 0.05 s at most: a poll returns
+            # at the first reply, and unpaced the 40 once all went (and were refused) while
+            # the engine was away
             load: list[str] = []
-            deadline = deadline_in(240)
+            deadline, next_at = deadline_in(240), time.monotonic()
             while (mig.poll() is None or not all(client.requests[i].ended for i in kept)) \
                     and time.monotonic() < deadline:
-                if len(load) < 40:
+                if len(load) < 40 and time.monotonic() >= next_at:
                     load.append(client.submit([9, 9, len(load) % 50 + 1], 20))
+                    next_at = time.monotonic() + 0.05
                 client.poll(0.05)
+            # and after it: served on n2, through the same following client
+            load += [client.submit([9, 9, 60 + n], 20) for n in range(3)]
             out, err = mig.communicate(timeout=scaled(10))
             assert mig.returncode == 0, out + err
             doc = json.loads(out)
