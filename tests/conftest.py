@@ -9,9 +9,11 @@ folder's tests use lives in that folder's ``conftest.py``. Neighbours: ``support
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
+import sys
 
 import pytest
 import zmq
@@ -37,18 +39,34 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 #: there, so a test that would skip for want of one fails instead. Only a GPU may be missing.
 REQUIRE_PARTS = os.environ.get("CKPT_REQUIRE_PARTS") == "1"
 _MAY_SKIP = ("cuda", "gpu")
+#: set on a test whose call failed: its teardown collects the garbage it left
+_FAILED = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    if call.when == "call" and report.failed:
+        item.stash[_FAILED] = True
     if REQUIRE_PARTS and report.skipped and not hasattr(report, "wasxfail"):
         reason = str(report.longrepr[-1] if isinstance(report.longrepr, tuple)
                      else report.longrepr)
         if not any(word in reason.lower() for word in _MAY_SKIP):
             report.outcome = "failed"
             report.longrepr = f"CKPT_REQUIRE_PARTS=1, but this test would skip: {reason}"
+
+
+def pytest_runtest_teardown(item):
+    """A failed test's assertion skips its own clean-up (a client's ``close``); the sockets it
+    left would warn in whichever later test the garbage collector ran, failing that one too.
+    Collected here, they warn in the failed test's own teardown. pytest keeps the failure in
+    ``sys.last_*`` (for a debugger) until the next test, and its frames hold those sockets."""
+    if item.stash.get(_FAILED, False):
+        for name in ("last_exc", "last_type", "last_value", "last_traceback"):
+            if hasattr(sys, name):
+                delattr(sys, name)
+        gc.collect()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -349,20 +349,22 @@ def test_status_reports_the_endpoints_and_the_host_pid_again_after_a_restore(
     again when the process finds itself restored from an image (a restore gives another PID)."""
     import ckpt_controller.agent.server as agent_server
 
-    prints = iter([Fingerprint("boot", 10, 100)] * 3 + [Fingerprint("boot", 10, 999)] * 100)
-    tracker = IncarnationTracker(lambda: next(prints))
+    restored = threading.Event()  # the image is "restored" only once host_pid is patched
+    tracker = IncarnationTracker(
+        lambda: Fingerprint("boot", 10, 999 if restored.is_set() else 100))
     with Agent("eps", control=f"ipc://{ipc_dir}/eps.ctl", heartbeat_interval_s=0.02,
-               incarnation=tracker, endpoints={"api": "tcp://0.0.0.0:5999"}) as a:
-        c = AgentClient(a.endpoint)
+               incarnation=tracker, endpoints={"api": "tcp://0.0.0.0:5999"}) as a, \
+            AgentClient(a.endpoint) as c:
         st = c.status()
         assert st.endpoints == {"api": "tcp://0.0.0.0:5999", "control": a.endpoint}
         assert st.pid == os.getpid()  # no PID namespace of its own here: the same
+        assert not st.restored_from_image
         monkeypatch.setattr(agent_server, "host_pid", lambda: 4242)  # what a restore gives
+        restored.set()
         deadline = deadline_in(5)
         while not c.status().restored_from_image and time.monotonic() < deadline:
             time.sleep(0.02)
         assert c.status().pid == 4242 and c.handshake().pid == 4242
-        c.close()
 
 
 def test_the_status_of_an_old_agent_without_endpoints_still_decodes():
