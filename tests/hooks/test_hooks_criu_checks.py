@@ -83,7 +83,10 @@ def recorded_dump(tmp_path):
     that leads its own session (``setsid``) or one that does not."""
     standin = tmp_path / "criu-standin"
     standin.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$STANDIN_ARGS"\n'
-                       ': > "$CKPT_IMAGE_DIR/inventory.img"\n')  # what marks an image
+                       ': > "$CKPT_IMAGE_DIR/inventory.img"\n'  # what marks an image
+                       # STANDIN_PAGES=N: pages-1.img .. pages-N.img, each i * 70,000 bytes
+                       'for i in $(seq 1 "${STANDIN_PAGES:-0}"); do head -c $((i * 70000))'
+                       ' /dev/urandom > "$CKPT_IMAGE_DIR/pages-$i.img"; done\n')
     standin.chmod(0o755)
     procs = []
 
@@ -186,6 +189,42 @@ def test_restore_checks_the_image_against_the_manifest_of_its_dump(recorded_dump
     out = _restore(image)
     assert out.returncode == 2 and "./pages-9.img: not in the image's manifest" in out.stderr
     (image / "pages-9.img").unlink()
+    assert _restore(image).returncode == 0
+
+
+def test_each_pages_file_is_checked_though_they_are_summed_side_by_side(recorded_dump):
+    """The pages files are summed a cksum each, several at once: the manifest still lists
+    every file once, by name, with cksum's own line, and a restore names whichever is off."""
+    rc, _, err, image = recorded_dump(STANDIN_PAGES="5")
+    assert rc == 0, err
+    lines = (image / "criu-manifest").read_text().splitlines()
+    names = [line.split(" ", 2)[2] for line in lines]
+    assert names == sorted(names) and len(names) == len(set(names))
+    pages = [f"./pages-{i}.img" for i in range(1, 6)]
+    assert set(pages) <= set(names) and "./inventory.img" in names
+    alone = subprocess.run(["cksum", *names], cwd=image, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    assert sorted(lines) == sorted(alone)
+    assert _restore(image).returncode == 0
+    third = image / "pages-3.img"
+    data = bytearray(third.read_bytes())
+    data[len(data) // 2] ^= 1
+    third.write_bytes(bytes(data))
+    out = _restore(image)
+    assert out.returncode == 2 and "./pages-3.img: its checksum differs from the dump's" \
+        in out.stderr, out.stderr
+    data[len(data) // 2] ^= 1
+    third.write_bytes(bytes(data))
+    fifth = image / "pages-5.img"
+    whole = fifth.read_bytes()
+    fifth.write_bytes(whole[:1000])
+    out = _restore(image)
+    assert out.returncode == 2 and f"./pages-5.img: 1000 bytes, {len(whole)} at the dump" \
+        in out.stderr, out.stderr
+    fifth.unlink()
+    out = _restore(image)
+    assert out.returncode == 2 and "./pages-5.img: missing" in out.stderr, out.stderr
+    fifth.write_bytes(whole)
     assert _restore(image).returncode == 0
 
 
