@@ -352,3 +352,12 @@ def test_the_tree_is_read_once_whatever_its_processes_are_named(tmp_path):
         os.environ, CKPT_ENGINE_PID="12x", CKPT_IMAGE_DIR=str(tmp_path), CKPT_CRIU="/bin/true"),
         capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 2 and "CKPT_ENGINE_PID='12x' is not a PID" in out.stderr
+    # a PID of no process (the engine ended): said, before criu runs
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    out = subprocess.run([str(ROOT / "hooks" / "criu-dump")], env=dict(
+        os.environ, CKPT_ENGINE_PID=str(gone.pid), CKPT_IMAGE_DIR=str(tmp_path),
+        CKPT_CRIU=str(tmp_path / "no-criu-should-run")), capture_output=True, text=True,
+        timeout=scaled(60))
+    assert out.returncode == 2 and f"no process {gone.pid} (CKPT_ENGINE_PID) here" \
+        in out.stderr, out.stderr
