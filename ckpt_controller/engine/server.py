@@ -40,7 +40,8 @@ import torch
 import zmq
 
 from ckpt_controller.agent import Agent, EngineHooks
-from ckpt_controller.endpoints import cannot_bind, check_endpoint, remove_stale_ipc
+from ckpt_controller.endpoints import (cannot_bind, check_endpoint, remove_stale_ipc,
+                                      secure_ipc)
 from ckpt_controller.engine import api
 from ckpt_controller.engine.kv import BlockPool
 from ckpt_controller.engine.model import load_model, materialize
@@ -188,6 +189,7 @@ class ReferenceEngine(EngineHooks):
                 self._api_sock.bind(self.opts.api)
             except zmq.ZMQError as exc:  # policy: said as the control endpoint's bind says it
                 raise cannot_bind(self.opts.api, exc) from exc
+            secure_ipc(self.opts.api)  # its owner's only, as the control endpoint's
             # as bound (a port 0 resolved), wildcard hosts kept: the agent reports it in status
             self.api_endpoint = self._api_sock.getsockopt(zmq.LAST_ENDPOINT).decode()
             self.agent.endpoints["api"] = self.api_endpoint

@@ -408,11 +408,12 @@ def test_an_api_endpoint_it_cannot_bind_ends_serve_with_the_typed_error(ipc_dir,
 
 
 def test_a_stopped_engine_leaves_no_socket_files(tmp_path):
-    """SIGTERM ends the engine and takes its ipc socket files with it (zmq leaves them):
-    the request API's and the agent's control endpoint's, the default one in the runtime
-    dir included."""
+    """Both ipc socket files are the owner's only (0600) while the engine runs, and SIGTERM
+    ends the engine and takes them with it (zmq leaves them): the request API's and the
+    agent's control endpoint's, the default one in the runtime dir included."""
     import os
     import signal
+    import stat
 
     from ckpt_controller.procutil import ReadyProcess
 
@@ -426,6 +427,7 @@ def test_a_stopped_engine_leaves_no_socket_files(tmp_path):
     control = runtime / "ckpt-controller" / "sockets.sock"
     try:
         assert api.is_socket() and control.is_socket()
+        assert [stat.S_IMODE(p.stat().st_mode) for p in (api, control)] == [0o600, 0o600]
         engine.proc.send_signal(signal.SIGTERM)
         assert engine.proc.wait(timeout=scaled(60)) == 0
     finally:
