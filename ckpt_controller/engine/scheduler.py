@@ -8,8 +8,11 @@ does. ``keep`` takes requests out of scheduling with their tokens (host memory) 
 puts them back the same way, so they finish with the tokens they would have had anyway.
 One thread (the server's scheduler thread) owns all of this state. Other threads (the API
 thread admitting requests, the agent's hooks) ``submit`` a function and it runs on the owner
-thread between two steps, so a hook waits at most one step and never starves behind the
-loop.
+thread between two steps, and also between two prefills of one step: a step that admits
+several requests (a burst, or the kept requests after a resume) prefills them one by one, and
+a hook or a client that came back waits for one prefill, not for all of them. So a hook never
+starves behind the loop, and after a resume a client's resend is answered with the first
+kept request's new token as soon as it is computed.
 
 Every queue is bounded and says what happens when it is full. The engine holds at most
 ``max_batch + max_waiting`` requests (running, waiting, and on their way into ``waiting``):
@@ -164,23 +167,28 @@ class Scheduler:
             with self.lock:
                 if not self._commands and not self.has_work():
                     self.lock.wait(0.1)
-                commands, self._commands = self._commands, deque()
-            for fn, fut in commands:
-                if fut is None:  # from the request API: it answers its client itself
-                    try:
-                        fn()
-                    except Exception:  # policy: a bug in one request's command is logged
-                        log.exception("engine %s: a request command failed", self.name)
-                elif fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except Exception as exc:  # policy: the submitter gets the exception
-                        fut.set_exception(exc)
+            self.run_commands()
             if self.has_work():
                 try:
                     self.step()
                 except Exception as exc:  # policy: the caller decides (ends requests with ERROR)
                     on_error(exc)
+
+    def run_commands(self) -> None:
+        """Run every submitted command, in order (scheduler thread only)."""
+        with self.lock:
+            commands, self._commands = self._commands, deque()
+        for fn, fut in commands:
+            if fut is None:  # from the request API: it answers its client itself
+                try:
+                    fn()
+                except Exception:  # policy: a bug in one request's command is logged
+                    log.exception("engine %s: a request command failed", self.name)
+            elif fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except Exception as exc:  # policy: the submitter gets the exception
+                    fut.set_exception(exc)
 
     # ---------------------------------------------------------------- scheduler thread only
 
@@ -246,6 +254,12 @@ class Scheduler:
             token = self.model.prefill(req.tokens, self.pool.kv, req.blocks)
             req.computed = len(req.tokens)
             self._append(req, token)
+            if self.waiting and self._commands:
+                # between two prefills: hooks and resends wait for one, not for all; a
+                # command may pause (a drain), abort or keep (each leaves the state whole)
+                self.run_commands()
+                if self.paused:
+                    return
         batch = [r for r in self.running if r.computed == len(r.tokens) - 1]
         for req in list(batch):
             if req not in self.running:  # preempted to make room for an earlier one

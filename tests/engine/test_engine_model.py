@@ -197,6 +197,68 @@ def test_kept_requests_resume_oldest_first_ahead_of_newer_ones(tiny):
         assert _tokens(rec, rid) == tiny.reference_tokens(prompt, 12), rid
 
 
+class CommandInPrefill:
+    """Wraps the real model; during its first prefill another thread's command arrives."""
+
+    def __init__(self, model: TinyLM, sched_ref: list, command) -> None:
+        self.model, self.cfg, self.sched_ref, self.command = model, model.cfg, sched_ref, command
+        self.prefilled: list[int] = []
+
+    def prefill(self, tokens, *a):
+        if not self.prefilled:
+            self.sched_ref[0].submit(self.command)
+        self.prefilled.append(tokens[0])
+        return self.model.prefill(tokens, *a)
+
+    def decode(self, *a):
+        return self.model.decode(*a)
+
+
+def test_a_command_waits_for_one_prefill_not_for_a_whole_burst(tiny):
+    """A step that admits several requests runs what was submitted meanwhile between two
+    prefills: a resend or a hook waits for one, not for all (after a resume, the kept
+    requests' context is computed again, request by request)."""
+    rec = Recorder()
+    ran_after: list[int] = []
+    sched_ref: list = []
+    model = CommandInPrefill(tiny, sched_ref, lambda: ran_after.append(len(model.prefilled)))
+    sched = Scheduler(model, BlockPool(tiny.cfg, 256), max_batch=8, emit=rec.emit,
+                      on_finish=rec.finish)
+    sched_ref.append(sched)
+    for i in range(4):
+        sched.add(Request(f"r{i}", [i + 1, 5, 9], 12, None, float(i), b""))
+    sched.step()
+    assert ran_after == [1]  # after the first prefill, before the three others
+    assert len(sched.running) == 4 and all(len(r.output) == 2 for r in sched.running)
+    while sched.running:
+        sched.step()
+    for i in range(4):
+        assert _tokens(rec, f"r{i}") == tiny.reference_tokens([i + 1, 5, 9], 12)
+
+
+def test_a_pause_between_two_prefills_ends_the_step_and_loses_nothing(tiny):
+    rec = Recorder()
+    sched_ref: list = []
+    model = CommandInPrefill(tiny, sched_ref, lambda: setattr(sched_ref[0], "paused", True))
+    sched = Scheduler(model, BlockPool(tiny.cfg, 256), max_batch=8, emit=rec.emit,
+                      on_finish=rec.finish)
+    sched_ref.append(sched)
+    for i in range(3):
+        sched.add(Request(f"r{i}", [i + 2, 4], 10, None, float(i), b""))
+    sched.step()
+    # paused after the first prefill: no other prefill, no decode
+    assert model.prefilled == [2]
+    assert [len(r.output) for r in sched.running] == [1] and len(sched.waiting) == 2
+    assert not sched.has_work()
+    sched.keep(["r0", "r1", "r2"])
+    sched.resume()
+    while sched.running or sched.waiting:
+        sched.step()
+    for i in range(3):
+        assert rec.finished[f"r{i}"] == "length"
+        assert _tokens(rec, f"r{i}") == tiny.reference_tokens([i + 2, 4], 10)
+
+
 class BrokenOnce:
     """Wraps the real model; its next decode raises (a failed kernel, say)."""
 
