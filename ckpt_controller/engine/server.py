@@ -12,10 +12,11 @@ message over ``api.MAX_MESSAGE_BYTES`` (the control sockets' 16 MiB) before it i
 API or the scheduler thread dies of a bug, the process exits with status 70
 (``zmqutil.guarded``): an engine whose agent heartbeats RUNNING must be able to serve. The
 engine's ``EngineHooks`` map the agent's drain and pause/resume calls onto the scheduler, and
-``verify`` re-runs a golden prompt before the engine serves again, twice: through the
-cache-free path (``TinyLM.forced_tokens``: the weights) and through blocks of the re-woken
-KV pool (``TinyLM.paged_forced``: the path requests take), each on the prompt and its greedy
-continuation taken at start, so one pass checks every token (teacher forcing). After a flood
+``verify`` re-runs a golden prompt before the engine serves again, through blocks of the
+re-woken KV pool (``TinyLM.paged_forced``: the path requests take) and, only when that
+differs, through the cache-free path (``TinyLM.forced_tokens``: the weights) to say which
+computes otherwise; each on the prompt and its greedy continuation taken at start, so one
+pass checks every token (teacher forcing). After a flood
 was shed, the heap gives back what it left free (``memory.trim_host_heap``, glibc's
 ``malloc_trim``). A request sent again with an id the engine holds (a client that reconnected,
 e.g. after the engine moved to another node) keeps its one run and is answered with its whole
@@ -408,19 +409,22 @@ class ReferenceEngine(EngineHooks):
             self.pool.free(blocks)
 
     def verify(self) -> None:
-        """The golden prompt, checked against what it gave at start, cache-free (the weights)
-        and through the KV pool (the path requests take). Each path is one pass or two over the
-        prompt and its greedy continuation (teacher forcing), not one per token: a restore
-        waits for this before it serves."""
+        """The golden prompt, checked against what it gave at start through the KV pool (the
+        path requests take); only when that differs (or no block is free for it), the
+        cache-free path too, which tells whether the weights or the KV path compute
+        otherwise. Each path is one pass or two over the prompt and its greedy continuation
+        (teacher forcing), not one per token: a restore waits for this before it serves."""
+        paged = self._on_scheduler(self._paged_golden)
+        if paged == self.golden_paged:
+            return
+        if paged is None:  # every block held (cannot happen after a drain): say so, go on
+            log.warning("%s: no free KV blocks for the paged golden check", self.opts.name)
         got = self._forced_golden()
         if got != self.golden_forced:
             raise VerificationError("golden prompt gives other tokens after re-wake",
                                     engine=self.opts.name, path="cache-free",
                                     expected=self.golden_forced, got=got)
-        paged = self._on_scheduler(self._paged_golden)
-        if paged is None:  # every block held (cannot happen after a drain): say so, go on
-            log.warning("%s: no free KV blocks for the paged golden check", self.opts.name)
-        elif paged != self.golden_paged:
+        if paged is not None:
             raise VerificationError("golden prompt through the KV cache gives other tokens "
                                     "after re-wake", engine=self.opts.name, path="kv_cache",
                                     expected=self.golden_paged, got=paged)

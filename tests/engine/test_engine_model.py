@@ -343,8 +343,13 @@ def test_a_kv_path_that_computes_otherwise_fails_the_restore(tmp_path, ipc_dir, 
     eng.start()
     try:
         with AgentClient(eng.agent.endpoint) as ctl:
+            forced = eng.model.forced_tokens
+            calls = []
+            monkeypatch.setattr(eng.model, "forced_tokens",
+                                lambda *a: calls.append(a) or forced(*a))
             ctl.prepare(level=1)  # the KV pool is discarded and comes back zero-filled
             ctl.restore()  # the paged golden path recomputes its blocks: it matches
+            assert calls == []  # so the cache-free pass, there to tell which path, never ran
             ctl.prepare(level=1)
             decode = eng.model.decode
             monkeypatch.setattr(eng.model, "decode",
@@ -353,6 +358,7 @@ def test_a_kv_path_that_computes_otherwise_fails_the_restore(tmp_path, ipc_dir, 
                 ctl.restore()
             assert info.value.details["path"] == "kv_cache"
             assert info.value.details["expected"] == eng.golden_paged
+            assert len(calls) == 1  # the cache-free path agreed: the KV path is named
             assert ctl.status().state == "failed"
     finally:
         eng.stop()
