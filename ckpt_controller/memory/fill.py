@@ -13,7 +13,8 @@ model of many middle-sized tensors fills on every core too.
 
 Neighbours: ``safetensors_io`` fills re-woken weights from their file through ``in_parts`` and
 ``in_chunks``;
-``registry`` zero-fills a re-woken KV cache with ``zero_fresh``. Nothing here knows tags.
+``registry`` zero-fills a re-woken KV cache with ``zero_fresh``; ``layout`` checksums a
+release's tensors on every core with ``run_parts``. Nothing here knows tags.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def in_parts(address: int, nbytes: int, fill: Callable[[int, int], None]) -> Non
             populate_pages(address + c0, c1 - c0)
             fill(c0, c1)
 
-    _run([functools.partial(part, lo) for lo in range(0, nbytes, step)])
+    run_parts([functools.partial(part, lo) for lo in range(0, nbytes, step)])
 
 
 def in_chunks(ranges: Sequence[tuple[int, int]], fill: Callable[[int, int, int], None]) -> None:
@@ -113,10 +114,10 @@ def in_chunks(ranges: Sequence[tuple[int, int]], fill: Callable[[int, int, int],
             populate_pages(ranges[i][0] + lo, hi - lo)
             fill(i, lo, hi)
 
-    _run([functools.partial(run, items) for items in runs if items])
+    run_parts([functools.partial(run, items) for items in runs if items])
 
 
-def _run(parts: list[Callable[[], None]]) -> None:
+def run_parts(parts: list[Callable[[], None]]) -> None:
     """Each part on a thread of its own, the first on the calling thread; the first exception
     is raised once every part has stopped. Threads of their own, not a pool's: a pool hands a
     part to a thread that finished an earlier one, and two parts then run one after the

@@ -551,6 +551,39 @@ def test_checksum_does_not_depend_on_offset_or_chunking(monkeypatch):
     assert tensor_checksum(window) == base
 
 
+def test_a_release_checksums_its_tensors_side_by_side_each_once(monkeypatch):
+    """The release's checksums are shared out over threads (largest first, to the least
+    loaded): each distinct window once, on more than one thread, every name its own
+    digest; a failing one fails the whole call."""
+    from ckpt_controller.memory import fill, layout
+
+    monkeypatch.setattr(fill, "THREADS", 3)
+    model = Tied()
+    extra = {f"w{i}": torch.randn(1 + 97 * i, 33) for i in range(7)}
+    reg = MemoryRegistry()
+    reg.register("weights", model)
+    reg.register("weights", extra)
+    seen: list[tuple[int, int, int]] = []
+    real = layout.tensor_checksum
+
+    def counted(t):
+        seen.append((threading.get_ident(), t.data_ptr(), t.numel()))
+        time.sleep(0.01)  # each a while: the other threads take their share meanwhile
+        return real(t)
+
+    monkeypatch.setattr(layout, "tensor_checksum", counted)
+    got = layout.window_checksums(reg._tags["weights"])
+    want = {**checksums(model), **{k: real(t) for k, t in extra.items()}}
+    assert got == want
+    # embed/head tied (one window), qkv and q (two windows of one storage), 7 of extra
+    assert len(seen) == len({window[1:] for window in seen}) == 10
+    assert len({thread for thread, *_ in seen}) == 3
+    monkeypatch.setattr(layout, "tensor_checksum",
+                        lambda t: (_ for _ in ()).throw(UsageError("no bytes")))
+    with pytest.raises(UsageError):
+        layout.window_checksums(reg._tags["weights"])
+
+
 def _reference_sums(data: bytes, row_words: int) -> tuple[int, int, bytes]:
     n = len(data) // 8
     words = struct.unpack(f"<{n}q", data[: 8 * n])
