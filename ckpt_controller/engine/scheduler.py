@@ -102,6 +102,11 @@ class Scheduler:
         self.steps = 0
         #: every request the scheduler holds (running, waiting or kept), by id
         self.by_id: dict[str, Request] = {}
+        #: held while a request's output grows and is emitted, and while it joins or leaves
+        #: ``by_id``: another thread holding it sees a request's output, its client and
+        #: whether it is held all at one moment (the server answers a client that came back
+        #: under it, in the middle of a step)
+        self.output_lock = threading.RLock()
         self._commands: deque[tuple[Callable[[], object], Future | None]] = deque()
         #: ``submit_add`` / ``submit_abort`` commands not yet run (guarded by ``lock``)
         self._arriving = 0
@@ -194,10 +199,11 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self._event(req, "queued")
-        self.emit(req.client, RequestOutput(request_id=req.request_id, events=req.events))
-        req.events = []
-        self.waiting.append(req)
-        self.by_id[req.request_id] = req
+        with self.output_lock:
+            self.emit(req.client, RequestOutput(request_id=req.request_id, events=req.events))
+            req.events = []
+            self.waiting.append(req)
+            self.by_id[req.request_id] = req
 
     def has_work(self) -> bool:
         return not self.paused and bool(self.waiting or self.running)
@@ -302,35 +308,39 @@ class Scheduler:
         req.computed = 0
 
     def _append(self, req: Request, token: int) -> None:
-        req.output.append(token)
-        reason = None
-        if req.stop_token_id is not None and token == req.stop_token_id:
-            reason = FinishReason.STOP
-        elif len(req.output) >= req.max_tokens or len(req.tokens) >= self.model.cfg.max_seq_len:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            self._finish(req, reason, new=[token])
-        else:
-            self.emit(req.client, RequestOutput(request_id=req.request_id, new_token_ids=[token],
-                                                events=req.events, step=self.steps))
-            req.events = []
+        with self.output_lock:  # the token and its output together (see ``output_lock``)
+            req.output.append(token)
+            reason = None
+            if req.stop_token_id is not None and token == req.stop_token_id:
+                reason = FinishReason.STOP
+            elif (len(req.output) >= req.max_tokens
+                  or len(req.tokens) >= self.model.cfg.max_seq_len):
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self._finish(req, reason, new=[token])
+            else:
+                self.emit(req.client, RequestOutput(
+                    request_id=req.request_id, new_token_ids=[token], events=req.events,
+                    step=self.steps))
+                req.events = []
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None,
                 new: list[int] | None = None) -> None:
-        if req in self.kept:
-            self.kept.remove(req)
-        else:
-            self._unschedule(req)
-        self.pool.free(req.blocks)
-        self.by_id.pop(req.request_id, None)
-        # the agent's books first: once the client sees the end, status no longer counts it
-        self.on_finish(req.request_id, reason)
-        self.emit(req.client, RequestOutput(
-            request_id=req.request_id, new_token_ids=new or [], finished=True,
-            finish_reason=reason, events=req.events, error=error, token_ids=list(req.output),
-            step=self.steps,
-        ))
-        req.events = []
+        with self.output_lock:
+            if req in self.kept:
+                self.kept.remove(req)
+            else:
+                self._unschedule(req)
+            self.pool.free(req.blocks)
+            self.by_id.pop(req.request_id, None)
+            # the agent's books first: once the client sees the end, status no longer counts it
+            self.on_finish(req.request_id, reason)
+            self.emit(req.client, RequestOutput(
+                request_id=req.request_id, new_token_ids=new or [], finished=True,
+                finish_reason=reason, events=req.events, error=error,
+                token_ids=list(req.output), step=self.steps,
+            ))
+            req.events = []
 
     @staticmethod
     def _event(req: Request, kind: str) -> None:

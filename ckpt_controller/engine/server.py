@@ -20,7 +20,9 @@ pass checks every token (teacher forcing). After a flood
 was shed, the heap gives back what it left free (``memory.trim_host_heap``, glibc's
 ``malloc_trim``). A request sent again with an id the engine holds (a client that reconnected,
 e.g. after the engine moved to another node) keeps its one run and is answered with its whole
-output so far; one that ended recently (``RecentEnds``) with its end again.
+output so far, by the API thread at once (``_reattach``, under the scheduler's
+``output_lock``), even in the middle of a step; one that ended recently (``RecentEnds``) with
+its end again.
 Neighbours: ``scheduler``, ``model``, ``kv``, ``api``; ``agent`` (embedded), ``memory`` (the
 ``MemoryRegistry`` holding ``weights`` and ``kv_cache``), ``zmqutil`` (``Outbox``, ``guarded``).
 """
@@ -297,6 +299,8 @@ class ReferenceEngine(EngineHooks):
             if end is not None:  # a resend of a request that ended: its end again, no run
                 self._outbox.send([client, *end])
                 return
+            if msg.request_id in self.scheduler.by_id and self._reattach(client, msg):
+                return
             self.scheduler.submit_add(msg.request_id, lambda: self._admit(client, msg))
         except OverloadedError as err:  # policy: shed at once, typed; nothing of it ran
             # a resend of a request we already have (a membership test of the scheduler's
@@ -307,6 +311,34 @@ class ReferenceEngine(EngineHooks):
             self._reject(client, msg.request_id, err)
         except CkptError as err:  # policy: an invalid request gets a typed answer
             self._reject(client, msg.request_id, err)
+
+    def _reattach(self, client: bytes, msg: api.EngineRequest) -> bool:
+        """A resend of a request the engine holds (its client came back), answered here on
+        the API thread at once, even in the middle of a step (a prefill after a restore, say):
+        its outputs go to the sender from now on, first the whole output so far. Under the
+        scheduler's ``output_lock``, so none of its outputs is emitted meanwhile; the outputs
+        emitted before leave first, so the client gets them, then the whole output, then the
+        next tokens, in order. False when it is no longer held (``_admit`` answers then)."""
+        lock = self.scheduler.output_lock
+        while not lock.acquire(timeout=0.01):
+            self._outbox.forward()  # the scheduler may be waiting for room to emit
+        try:
+            req = self.scheduler.find(msg.request_id)
+            if req is None:
+                return False
+            if self._signatures.get(req.request_id) != _signature_of(msg):
+                self._reject(client, msg.request_id, UsageError(
+                    "the request id is in use by another request", request_id=msg.request_id))
+                return True
+            while self._outbox.forward():
+                pass
+            req.client = client
+            self._emit(client, api.RequestOutput(request_id=req.request_id,
+                                                 token_ids=list(req.output),
+                                                 step=self.scheduler.steps))
+            return True
+        finally:
+            lock.release()
 
     def _admit(self, client: bytes, msg: api.EngineRequest) -> None:
         """On the scheduler thread: admitted and queued as one step, so a drain sees both."""
@@ -319,11 +351,12 @@ class ReferenceEngine(EngineHooks):
                 return
             # a client's resend of a request we already have (it reconnected): it keeps its
             # one run; its outputs go to the sender from now on, first the whole output so far
-            # (``token_ids``), in order with the deltas (both leave from this thread)
-            req.client = client
-            self._emit(client, api.RequestOutput(request_id=req.request_id,
-                                                 token_ids=list(req.output),
-                                                 step=self.scheduler.steps))
+            # (``token_ids``), in order with the deltas (as ``_reattach`` answers most)
+            with self.scheduler.output_lock:
+                req.client = client
+                self._emit(client, api.RequestOutput(request_id=req.request_id,
+                                                     token_ids=list(req.output),
+                                                     step=self.scheduler.steps))
             return
         end = self.ends.get(msg.request_id, sig)
         if end is not None:  # it ended since the API thread looked

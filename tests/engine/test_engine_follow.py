@@ -31,7 +31,7 @@ from support.cli import ckptctl
 from support.config import node_toml
 from support.net import TcpCut
 from support.processes import ControllerProcess
-from support.timing import deadline_in, wait_until
+from support.timing import deadline_in, scaled, wait_until
 
 
 @pytest.fixture
@@ -176,6 +176,56 @@ def test_a_resend_gets_the_whole_output_or_the_end_and_never_a_second_run(engine
         assert ctl.status().in_flight == 0
     finally:
         ctl.close()
+
+
+def test_a_client_that_came_back_is_answered_in_the_middle_of_a_step(tmp_path, ipc_dir,
+                                                                     zctx):
+    """The API thread answers a resend of a held request itself, at once, while the
+    scheduler is busy (a long prefill after a restore, say: here a command holding it), with
+    the whole output so far; the tokens after it follow in order, none twice, none missed."""
+    import threading
+
+    from ckpt_controller.engine.server import EngineOptions, ReferenceEngine
+
+    eng = ReferenceEngine(EngineOptions(name="back", api=f"ipc://{ipc_dir}/back.api",
+                                        control=f"ipc://{ipc_dir}/back.ctl",
+                                        model_dir=tmp_path)).start()
+    busy, release = threading.Event(), threading.Event()
+    socks: list[zmq.Socket] = []
+    try:
+        want = eng.model.reference_tokens([5, 6, 7], 60)
+        ident = b"client-back-mid-step"
+        first = _dealer(zctx, eng.api_endpoint, ident)
+        socks.append(first)
+        outs: dict[str, list] = {}
+        _add(first, "r", [5, 6, 7], 60)
+        _read(first, outs, _tokens("r", 5))
+        eng.scheduler.submit(lambda: (busy.set(), release.wait(scaled(60))))
+        assert busy.wait(scaled(10))
+        first.close()
+        again = _dealer(zctx, eng.api_endpoint, ident)
+        socks.append(again)
+        after: dict[str, list] = {}
+        _add(again, "r", [5, 6, 7], 60)
+        _read(again, after, lambda o: any(m.token_ids is not None for m in o.get("r", [])),
+              timeout_s=10)
+        assert not release.is_set()  # answered while the scheduler was still held
+        whole = next(m for m in after["r"] if m.token_ids is not None)
+        assert 5 <= len(whole.token_ids) < 60 and not whole.finished
+        assert whole.token_ids == want[:len(whole.token_ids)]
+        release.set()
+        _read(again, after, _ended("r"))
+        assert after["r"][-1].token_ids == want == _streamed_after(after["r"])
+        # another request under the held id is still refused, at once
+        _add(again, "s", [1, 2], 1000)
+        _read(again, after, _tokens("s", 1))
+        _add(again, "s", [1, 3], 1000)
+        _read(again, after, lambda o: any(isinstance(m, api.RequestRejected) for m in o["s"]))
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        release.set()
+        eng.stop()
 
 
 def test_recent_ends_are_bounded_in_count_and_age():
