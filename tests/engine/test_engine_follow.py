@@ -182,14 +182,16 @@ def test_a_client_that_came_back_is_answered_in_the_middle_of_a_step(tmp_path, i
                                                                      zctx):
     """The API thread answers a resend of a held request itself, at once, while the
     scheduler is busy (a long prefill after a restore, say: here a command holding it), with
-    the whole output so far; the tokens after it follow in order, none twice, none missed."""
+    the whole output so far, even while the engine is full; the tokens after it follow in
+    order, none twice, none missed."""
     import threading
 
     from ckpt_controller.engine.server import EngineOptions, ReferenceEngine
 
     eng = ReferenceEngine(EngineOptions(name="back", api=f"ipc://{ipc_dir}/back.api",
                                         control=f"ipc://{ipc_dir}/back.ctl",
-                                        model_dir=tmp_path)).start()
+                                        model_dir=tmp_path, max_batch=1,
+                                        max_waiting=1)).start()
     busy, release = threading.Event(), threading.Event()
     socks: list[zmq.Socket] = []
     try:
@@ -202,6 +204,12 @@ def test_a_client_that_came_back_is_answered_in_the_middle_of_a_step(tmp_path, i
         _read(first, outs, _tokens("r", 5))
         eng.scheduler.submit(lambda: (busy.set(), release.wait(scaled(60))))
         assert busy.wait(scaled(10))
+        _add(first, "w", [3, 3], 1)  # on its way in: the engine holds 2 of its 2 now
+        _add(first, "full", [3, 4], 1)
+        _read(first, outs, lambda o: any(isinstance(m, api.RequestRejected)
+                                         for m in o.get("full", [])))
+        assert next(m for m in outs["full"] if isinstance(m, api.RequestRejected)).kind \
+            == "OverloadedError"
         first.close()
         again = _dealer(zctx, eng.api_endpoint, ident)
         socks.append(again)
