@@ -8,6 +8,7 @@ import pytest
 
 from ckpt_controller.fleet import ops
 from ckpt_controller.fleet.records import FleetOp
+from support.processes import sigstop
 from support.timing import deadline_in, scaled
 
 
@@ -37,7 +38,7 @@ def test_following_outlasts_an_etcd_that_stops_answering_for_a_while(etcd, capsy
         t = threading.Thread(target=lambda: box.append(
             fleet_follow.follow(c, keys, "op-9", progress=True, every_s=0.05)), daemon=True)
         proc = etcd.procs[0]
-        proc.send_signal(signal.SIGSTOP)
+        sigstop(proc.pid)
         try:
             t.start()
             deadline = deadline_in(30)
@@ -60,7 +61,7 @@ def test_following_outlasts_an_etcd_that_stops_answering_for_a_while(etcd, capsy
         assert "etcd answers again" in capsys.readouterr().err
 
         # past its patience the command gives up, with etcd's error
-        proc.send_signal(signal.SIGSTOP)
+        sigstop(proc.pid)
         try:
             patient = fleet_follow.Patient("op-9", patience_s=1.0)
             t0 = time.monotonic()

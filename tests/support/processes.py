@@ -9,6 +9,7 @@ start these and stop them after each test), ``tests/engines/step_engine.py``.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -262,3 +263,22 @@ def kill_naming(marker: str, pids=None) -> None:
                 proc.kill()
         except psutil.Error:  # policy: already gone (or never ours): nothing to end
             continue
+
+
+def sigstop(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until each of its threads is stopped: the signal is delivered
+    asynchronously, and on a loaded host a request that arrives meanwhile may still be
+    answered (a test that then expects silence would see an answer)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = deadline_in(timeout_s)
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):  # policy: a thread that ended has no state to wait on
+                continue
+        if all(state in "tT" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.005)
