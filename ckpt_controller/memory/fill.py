@@ -121,7 +121,9 @@ def run_parts(parts: list[Callable[[], None]]) -> None:
     """Each part on a thread of its own, the first on the calling thread; the first exception
     is raised once every part has stopped. Threads of their own, not a pool's: a pool hands a
     part to a thread that finished an earlier one, and two parts then run one after the
-    other."""
+    other. No parts: nothing runs (a release of a tag with no CPU tensor)."""
+    if not parts:
+        return
     errors: list[BaseException] = []
 
     def guard(part: Callable[[], None]) -> None:
