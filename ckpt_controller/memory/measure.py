@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass, field
 
 import psutil
@@ -24,8 +25,21 @@ from ckpt_controller.errors import UsageError
 
 
 def rss_bytes() -> int:
-    """The resident set size of this process, in bytes."""
-    return _process().memory_info().rss
+    """The resident set size of this process, in bytes: ``/proc/self/statm``, psutil where
+    there is none. Never psutil's ``Process()`` of ``os.getpid()`` on Linux: in a PID
+    namespace of its own under the host's /proc (``unshare --pid --fork``, as an engine that
+    migrates runs) that PID names another process, and every release would measure the
+    host's init instead (a ``--budget`` checked against it too)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _page_size()
+    except (OSError, ValueError, IndexError):  # policy: no procfs (not Linux): psutil's view
+        return _process().memory_info().rss
+
+
+@functools.cache
+def _page_size() -> int:
+    return os.sysconf("SC_PAGE_SIZE")
 
 
 @functools.cache
