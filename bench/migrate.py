@@ -35,6 +35,10 @@ the target, which both nodes check first). In each:
   hook's run, from the journal, less CRIU's and the checks'); the hook runner's (the capture
   and pre-restore phases less the hooks' runs); the re-wake; the first new token after
   RUNNING; the rest (hand-offs between the nodes, the last token before the prepare).
+- the re-wake (level 2): the target's, from its journal, against the same engine re-woken
+  again on n2 right after (``ckptctl prepare --level 2`` and ``rollback`` there): the same
+  code and bytes, into memory the process had just given back; the two differ by what the
+  kernel takes to give fresh pages (docs/fleet.md, "What a move costs").
 - the whole migration two ways: the command's wall time, and the migration's record from
   its creation to its end (the command's process start and submit left out).
 - the steps: each ``done`` entry of the migration record (receive, send, adopt, finish),
@@ -391,6 +395,30 @@ def phases(nodes: Nodes, op_id: str = "mv", engine: str = "m0"
     return out, hooks
 
 
+def rewake_compared(nodes: Nodes, op_id: str = "mv", engine: str = "m0") -> dict:
+    """The target's re-wake of the move (its memory record: the weights read back from their
+    file, the KV cache zero-filled, both checked) against the same engine re-woken again on
+    the same node right after (a level-2 ``prepare`` and a ``rollback`` through n2's
+    controller): the same code and bytes, the second time into memory the process had just
+    given back. Seconds each; empty where the move re-woke nothing (level 0)."""
+    from ckpt_controller.fleet.migration.record import local_ids
+
+    n2 = nodes.controllers["n2"]
+    doc = json.loads(n2.ckptctl("history", "--op-id", local_ids(op_id, engine)["restore"],
+                                "--json", timeout=60).stdout)
+    moved = [rec["data"] for rec in doc["records"] if rec["record_type"] == "memory"]
+    if not moved:
+        return {}
+    for verb, extra in (("prepare", ["--level", "2", "--drain", "keep"]), ("rollback", [])):
+        r = n2.ckptctl(verb, engine, *extra, "--json", timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"the second re-wake's {verb} on n2 failed: {r.stdout}{r.stderr}")
+    again = json.loads(r.stdout)["engines"][0]["rewoken"]
+    return {"rewake_moved_s": moved[-1]["duration_s"], "rewake_again_s": again["duration_s"],
+            "rewake_bytes": again["tensor_bytes"],
+            "rewake_moved_over_again": moved[-1]["duration_s"] / again["duration_s"]}
+
+
 def engine_args(args) -> list[str]:
     return ["--model", args.model, "--kv-blocks", str(args.kv_blocks)]
 
@@ -406,6 +434,7 @@ def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bo
         img = image(moved["migration"])
         parts, hooks = phases(nodes)
         times = timeline(moved["op"], moved["migration"], moved["migrate_s"])
+        rewake = rewake_compared(nodes)
         img["criu_dump_s"] = criu_log_s(next(d.rglob("dump.log")))
         if img["transport"] != transport:
             raise RuntimeError(f"the target received the image by {img['transport']}, not "
@@ -421,7 +450,7 @@ def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bo
            "first_token_after_ready_s": moved["first_token_after_ready_s"],
            "phases_s": parts, "hooks_s": hooks,
            "kept_across": moved["kept_across"], "requests": moved["requests"], **img,
-           **times}
+           **times, **rewake}
     run["downtime_over_cold"] = run["downtime_s"] / run["cold_s"]
     run["migrate_over_downtime"] = run["migrate_s"] / run["downtime_s"]
     # the migration itself, from its record's creation to its end: the command's process
@@ -505,6 +534,12 @@ def print_tables(res: dict) -> None:
           "need not be the downtime's)", ["transport", *names, "downtime"],
           [[t, *(m["downtime_parts_s"][n] for n in names), m["downtime_s"]]
            for t, m in ((t, tr[t]["median"]) for t in tr)])
+    if "rewake_moved_s" in next(iter(tr.values()))["median"]:
+        table("the re-wake of the move against the same re-wake again on n2 right after, "
+              "into memory the engine had just given back (median; seconds)",
+              ["transport", "MiB", "after the move", "again", "after the move / again"],
+              [[t, m["rewake_bytes"] / mib, m["rewake_moved_s"], m["rewake_again_s"],
+                m["rewake_moved_over_again"]] for t, m in ((t, tr[t]["median"]) for t in tr)])
     table("the migration's steps and waits, seconds (median; waits: the coordinator's "
           "before the first step, between steps, after the last; the command's own)",
           ["transport", *STEPS, "before", "between", "after", "command", "whole"],
