@@ -19,7 +19,7 @@ sees every node and every engine RUNNING, one direct and one fleet cycle are run
 
 etcd requests are read from the member's own Prometheus metrics (``/metrics``):
 ``grpc_server_handled_total``, by method, summed over result codes. Each call of the JSON
-gateway (what ``etcd3gw`` speaks) moves it by exactly one (checked: Range, Put, Txn,
+gateway (what ``fleet/etcd.py`` speaks) moves it by exactly one (checked: Range, Put, Txn,
 LeaseGrant, LeaseKeepAlive, LeaseRevoke; a watch counts when its stream ends) and reading
 ``/metrics`` moves nothing. The counters are read just before and just after each cycle and
 after the quiet interval; the nodes publish and renew their leases all the time, so "net"

@@ -1,20 +1,30 @@
-"""etcd v3 through its JSON gateway (``etcd3gw``'s HTTP session), with what the fleet needs:
-several members tried in turn, TLS with client certificates, and one typed error for every
-way etcd can be unavailable.
+"""etcd v3 through its JSON gateway, over the standard library's HTTP client, with what the
+fleet needs: several members tried in turn, TLS with client certificates, and one typed error
+for every way etcd can be unavailable.
 
 ``Etcd`` speaks the v3 API's JSON (keys and values base64) for the calls the fleet makes:
-get, range by prefix, put, delete, transactions, and leases (grant, keep-alive, revoke). A
-call that cannot reach a member (refused, timed out, a 5xx such as "no leader") goes on to
-the next member; when none answers it raises ``UnreachableError`` (exit 4, retryable) naming
-the URLs. An answer etcd gives (a failed compare, an unknown lease) is not an error here: the
-caller reads it; an error etcd answers with is an ``EtcdRefusedError``. Neighbours: ``node``,
-``coordinator`` and ``registry`` (its users), ``keys`` and ``records`` (what is stored).
+get, range by prefix, put, delete, transactions, leases (grant, keep-alive, revoke) and
+watches (a chunked answer that stays open). Each member (``_Member``) keeps its HTTP
+connections open for the next call, one per caller at a time (the node's threads call at
+once). A call that cannot reach a member (refused, timed out, a TLS handshake refused, a 5xx
+such as "no leader") goes on to the next member; when none answers it raises
+``UnreachableError`` (exit 4, retryable) naming the URLs and each one's reason. An answer etcd
+gives (a failed compare, an unknown lease) is not an error here: the caller reads it; an error
+etcd answers with is an ``EtcdRefusedError``; an answer that is not etcd's (another server on
+that port) counts as that member being away. No HTTP proxy from the environment is used: a
+node talks to its cluster directly. Neighbours: ``node``, ``coordinator`` and ``registry``
+(its users), ``keys`` and ``records`` (what is stored).
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
+import json
 import logging
+import select
+import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +38,15 @@ log = logging.getLogger("ckpt_controller.fleet")
 
 #: how long one request to one member may take (connect and answer)
 REQUEST_TIMEOUT_S = 2.0
+#: the v3 API's path on every member (etcd 3.4 and later)
+API_PATH = "/v3/"
+#: idle connections a member keeps for the next calls
+IDLE_CONNECTIONS = 4
+#: the largest answer read (the whole registry of thousands of engines is a few MiB); more is
+#: a member that is not etcd
+MAX_ANSWER_BYTES = 256 << 20
+#: a watch's stream is read a line (one message) at a time, at most this much at once
+MAX_LINE_BYTES = 1 << 20
 
 
 def _b64(data: str | bytes) -> str:
@@ -89,49 +108,168 @@ def get_op(key: str) -> dict:
     return {"request_range": {"key": _b64(key)}}
 
 
+class _Down(Exception):
+    """This member did not answer as etcd: refused, timed out, TLS refused, a 5xx, or
+    something else on that port. ``args[0]``: the reason in a few words."""
+
+
+class _Refused(Exception):
+    """This member answered with an error (HTTP 4xx): ``status`` and the answer's text."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(status, text)
+        self.status, self.text = status, text
+
+
+class _Member:
+    """One member's HTTP(S) connections to the v3 API: each call takes an idle one (or opens
+    one) and gives it back once the answer is read, so calls from several threads each have
+    their own and a quiet client reuses its connection."""
+
+    def __init__(self, url: str, tls: ssl.SSLContext | None, timeout_s: float) -> None:
+        parts = urlsplit(url)
+        self.url, self.host, self.port = url, parts.hostname or "", parts.port or 0
+        self.tls, self.timeout_s = tls, timeout_s
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def connection(self, timeout_s: float | None = None) -> http.client.HTTPConnection:
+        """A new connection (not connected yet: the first request connects it)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if self.tls is not None:
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
+                                               context=self.tls)
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def _take(self) -> http.client.HTTPConnection:
+        with self._lock:
+            while self._idle:
+                conn = self._idle.pop()
+                if conn.sock is not None and not _readable(conn.sock):
+                    return conn
+                conn.close()  # the member closed it while it was idle (or said something)
+        return self.connection()
+
+    def _give(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if len(self._idle) < IDLE_CONNECTIONS:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def post(self, path: str, body: dict) -> dict:
+        """POST ``body`` as JSON to the v3 API's ``path``: the JSON answer; ``_Down`` or
+        ``_Refused`` otherwise."""
+        conn = self._take()
+        try:
+            conn.request("POST", API_PATH + path.lstrip("/"), body=json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            text = resp.read(MAX_ANSWER_BYTES + 1)
+        except (OSError, http.client.HTTPException) as err:
+            conn.close()
+            raise _Down(_why_down(err)) from None
+        if len(text) > MAX_ANSWER_BYTES:
+            conn.close()
+            raise _Down(f"not an etcd member (an answer over {MAX_ANSWER_BYTES >> 20} MiB)")
+        if resp.will_close:
+            conn.close()
+        else:
+            self._give(conn)
+        return _answer(resp.status, text)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether an idle connection's socket has something to read: its end (the member closed
+    it) or bytes nobody asked for; either way it is not used again."""
+    poll = select.poll()  # not select(): a node may hold descriptors past 1024
+    try:
+        poll.register(sock, select.POLLIN)
+        return bool(poll.poll(0))
+    except (OSError, ValueError):  # policy: closed under us: not usable
+        return True
+
+
+def _answer(status: int, raw: bytes) -> dict:
+    """An HTTP answer of the gateway as its JSON document; ``_Down`` for a 5xx (no leader, a
+    member stopping) or an answer that is not etcd's, ``_Refused`` for another error."""
+    text = raw.decode("utf-8", "replace")
+    if status >= 500:
+        raise _Down(f"HTTP {status}: {_said(text) or 'no reason given'}")
+    if status != 200:
+        if not _from_etcd(text):
+            raise _Down(f"not an etcd member (answered HTTP {status} {text[:80]!r})")
+        raise _Refused(status, text)
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):  # policy: not JSON (or nested past any record's
+        doc = None  # depth, a parser bomb): not etcd's answer
+    if not isinstance(doc, dict):
+        raise _Down(f"not an etcd member (answered {text[:80]!r})")
+    return doc
+
+
+def _tls_context(ca_cert: Path | None, cert: Path | None,
+                 key: Path | None) -> ssl.SSLContext:
+    """A client's TLS: the server checked against ``ca_cert`` (the host's trusted CAs without
+    one), and this client's certificate and key when given."""
+    try:
+        ctx = ssl.create_default_context(cafile=str(ca_cert) if ca_cert else None)
+        if cert is not None:
+            ctx.load_cert_chain(str(cert), str(key) if key else None)
+    except (OSError, ssl.SSLError) as err:
+        raise UsageError(f"cannot use the etcd TLS files: {err}", ca=str(ca_cert or ""),
+                         cert=str(cert or ""), key=str(key or "")) from None
+    return ctx
+
+
 class Etcd:
-    """A client of one etcd cluster, given the client URLs of its members: an
-    ``etcd3gw.Etcd3Client`` per member, the one that last answered tried first."""
+    """A client of one etcd cluster, given the client URLs of its members (a ``_Member``
+    each); the one that last answered is tried first."""
 
     def __init__(self, urls: Sequence[str], *, ca_cert: Path | None = None,
                  cert: Path | None = None, key: Path | None = None,
                  timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        import etcd3gw  # loaded with the fleet layer only
-
         if not urls:
             raise UsageError("no etcd URL given")
         self.urls = tuple(u.rstrip("/") for u in urls)
-        self._members = []
+        tls = None
+        self._members: list[_Member] = []
         for url in self.urls:
             parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
+            try:
+                port = parts.port
+            except ValueError:
+                port = None
+            if parts.scheme not in ("http", "https") or not parts.hostname or not port:
                 raise UsageError(f"not an etcd client URL: {url!r} (http:// or https://, a "
                                  "host and a port)", url=url)
-            self._members.append(etcd3gw.Etcd3Client(
-                host=parts.hostname, port=parts.port, protocol=parts.scheme,
-                ca_cert=str(ca_cert) if ca_cert else None,
-                cert_cert=str(cert) if cert else None, cert_key=str(key) if key else None,
-                timeout=timeout_s, api_path="/v3/"))  # etcd 3.4 and later serve /v3/
-            # etcd is reached directly: an HTTP proxy from the environment would sit between a
-            # node and its cluster (and answer for members that are not there)
-            self._members[-1].session.trust_env = False
+            if parts.scheme == "https" and tls is None:
+                tls = _tls_context(ca_cert, cert, key)
+            self._members.append(_Member(url, tls if parts.scheme == "https" else None,
+                                         timeout_s))
         self.timeout_s = timeout_s
         self._current = 0
         self._lock = threading.Lock()
-        self._streams: set = set()  # watch streams open now (closed by ``close``)
+        self._streams: set[http.client.HTTPConnection] = set()  # watches open now
 
     def close(self) -> None:
         with self._lock:
             streams = list(self._streams)
-        for resp in streams:  # ends the watches' blocking reads
+        for conn in streams:  # ends the watches' blocking reads
             try:
-                sock = resp.raw.connection.sock
-                if sock is not None:
-                    sock.shutdown(2)
-            except Exception:  # policy: already closed, or no socket to reach: nothing to end
+                if conn.sock is not None:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # policy: already closed: nothing to end
                 pass
         for member in self._members:
-            member.session.close()
+            member.close()
 
     def __enter__(self) -> "Etcd":
         return self
@@ -141,39 +279,28 @@ class Etcd:
 
     # ---------------------------------------------------------------- transport
 
-    def _each(self, what: str, fn: Callable[[Any], Any]) -> Any:
-        """``fn(member client)`` on the first member that answers; raises
-        ``UnreachableError`` when none does, ``EtcdRefusedError`` for an answer that is an error."""
-        from etcd3gw import exceptions as ex
-
+    def call(self, path: str, body: dict) -> dict:
+        """POST ``body`` to the v3 API's ``path`` (``kv/txn``, ...) on the first member that
+        answers: its JSON answer. ``UnreachableError`` when none does, ``EtcdRefusedError``
+        for an answer that is an error."""
         with self._lock:
             first = self._current
         errors = []
         for i in range(len(self._members)):
             index = (first + i) % len(self._members)
             try:
-                out = fn(self._members[index])
-            except (ex.ConnectionFailedError, ex.ConnectionTimeoutError,
-                    ex.InternalServerError) as err:  # policy: this member is down: the next
-                errors.append(f"{self.urls[index]}: {_why_down(err)}")
+                out = self._members[index].post(path, body)
+            except _Down as err:  # policy: this member is away: the next one
+                errors.append(f"{self.urls[index]}: {err.args[0]}")
                 continue
-            except ex.Etcd3Exception as err:
-                if not _from_etcd(err):  # policy: something else answered: not a member
-                    errors.append(f"{self.urls[index]}: not an etcd member (answered "
-                                  f"{(err.args or ('?',))[0]!r})")
-                    continue
-                # policy: etcd answered, with an error
-                raise EtcdRefusedError(f"etcd refused {what}: {_said(err)}", etcd=self.urls[index],
-                                  said=_said(err)) from None
+            except _Refused as err:  # policy: etcd answered, with an error
+                raise EtcdRefusedError(f"etcd refused {path}: {_said(err.text)}",
+                                       etcd=self.urls[index], said=_said(err.text)) from None
             with self._lock:
                 self._current = index
             return out
         raise UnreachableError("etcd is unavailable: no member answered", etcd=list(self.urls),
                                errors=errors, retry_after_s=1.0)
-
-    def call(self, path: str, body: dict) -> dict:
-        """POST ``body`` to the v3 API's ``path`` (``kv/txn``, ...): its JSON answer."""
-        return self._each(path, lambda m: m.post(m.get_url(path), json=body))
 
     # ---------------------------------------------------------------- key-value
 
@@ -199,7 +326,8 @@ class Etcd:
         self.call("kv/put", put_op(key, value, lease)["request_put"])
 
     def delete(self, key: str) -> bool:
-        return self._each("delete", lambda m: m.delete(key))
+        """Delete ``key``: whether it was there (the gateway leaves out a count of 0)."""
+        return int(self.call("kv/deleterange", {"key": _b64(key)}).get("deleted", 0)) > 0
 
     def txn(self, compare: list[dict], success: list[dict],
             failure: Sequence[dict] = ()) -> tuple[bool, list[dict]]:
@@ -220,96 +348,88 @@ class Etcd:
         change, through a watch stream on the first member that takes one; a stream that
         ends or fails is made again (on the next member), and ``on_event`` is called then
         too, since changes may have been missed meanwhile. Blocks: run it on a thread."""
-        import requests
-
-        body = {"create_request": {"key": _b64(key), "range_end": _b64(range_end)}}
+        body = json.dumps({"create_request": {"key": _b64(key),
+                                              "range_end": _b64(range_end)}}).encode()
         index = 0
         while not stop.is_set():
             member = self._members[index % len(self._members)]
             index += 1
-            session = requests.Session()  # a stream of its own beside the calls' connections
-            session.trust_env = False
-            session.verify, session.cert = member.session.verify, member.session.cert
+            conn = member.connection()  # a stream of its own beside the calls' connections
+            with self._lock:
+                self._streams.add(conn)
             try:
-                resp = session.post(member.get_url("/watch"), json=body, stream=True,
-                                    timeout=(self.timeout_s, None))
-                with self._lock:
-                    self._streams.add(resp)
-                try:
-                    if resp.status_code != 200:
-                        raise OSError(f"watch refused: HTTP {resp.status_code}")
-                    on_event()  # (re)made: what changed while there was none is looked at
-                    for line in resp.iter_lines():
-                        if stop.is_set():
-                            return
-                        if line and b'"events"' in line:
-                            on_event()
-                finally:
-                    with self._lock:
-                        self._streams.discard(resp)
-                    resp.close()
+                conn.request("POST", API_PATH + "watch", body=body,
+                             headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    raise OSError(f"watch refused: HTTP {resp.status}")
+                conn.sock.settimeout(None)  # a quiet stream is a healthy one
+                on_event()  # (re)made: what changed while there was none is looked at
+                while not stop.is_set():
+                    line = resp.readline(MAX_LINE_BYTES)
+                    if not line:
+                        break  # the member ended the stream
+                    if b'"events"' in line:
+                        on_event()
             except Exception as err:  # policy: a stream lost or refused: made again shortly
                 if stop.is_set():
                     return
                 log.debug("fleet: watch of %s ended: %s", key, err)
             finally:
-                session.close()
+                with self._lock:
+                    self._streams.discard(conn)
+                conn.close()
             stop.wait(retry_s)
 
     # ---------------------------------------------------------------- leases
 
     def grant(self, ttl_s: int) -> int:
-        return self._each("lease grant", lambda m: m.lease(int(ttl_s)).id)
+        return int(self.call("lease/grant", {"TTL": int(ttl_s), "ID": 0})["ID"])
 
     def keepalive(self, lease: int) -> int:
         """Renew ``lease``: its TTL now, or -1 when it has expired (or never was)."""
-        from etcd3gw.lease import Lease
-
-        return self._each("lease keep-alive", lambda m: Lease(lease, m).refresh())
+        reply = self.call("lease/keepalive", {"ID": lease})
+        return int((reply.get("result") or {}).get("TTL", -1))
 
     def revoke(self, lease: int) -> None:
         """End ``lease`` and delete every key under it (an expired one: nothing to do)."""
-        from etcd3gw.lease import Lease
-
         try:
-            self._each("lease revoke", lambda m: Lease(lease, m).revoke())
+            self.call("kv/lease/revoke", {"ID": lease})
         except EtcdRefusedError as err:  # policy: a lease already gone is what revoke wanted
             if "lease not found" not in err.message:
                 raise
 
 
-def _from_etcd(err: Exception) -> bool:
+def _from_etcd(text: str) -> bool:
     """Whether an error answer is etcd's own (its gateway's JSON error, with a code)."""
-    import json
-
     try:
-        return "code" in json.loads(getattr(err, "detail_text", None) or "")
-    except (ValueError, TypeError):
+        doc = json.loads(text or "")
+    except (ValueError, RecursionError):  # policy: not JSON, or a parser bomb: not etcd's
         return False
+    return isinstance(doc, dict) and "code" in doc
 
 
-def _why_down(err: Exception) -> str:
-    """A member's failure in a few words: the OS's reason when there is one."""
-    import re
-
-    text = " ".join(str(a) for a in err.args) or _said(err)
-    tls = re.search(r"SSLError\(\w+\((?:\d+, )?['\"]([^'\"]+)", text)
-    if tls:  # the server refused our certificate (or sent none we trust)
-        return f"TLS handshake failed: {tls.group(1)}"
-    found = re.search(r"\[Errno \d+\] ([^'\")\]]+)", text)
-    if found:
-        return found.group(1).strip()
-    if "timed out" in text.lower() or "Timeout" in type(err).__name__:
+def _why_down(err: BaseException) -> str:
+    """A member's failure in a few words: the TLS or OS reason when there is one."""
+    if isinstance(err, ssl.SSLError):
+        said = getattr(err, "verify_message", None)
+        return (f"TLS handshake failed: {err.reason or err.strerror or err}"
+                + (f" ({said})" if said else ""))
+    if isinstance(err, TimeoutError):
         return "timed out"
-    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
+    if isinstance(err, http.client.RemoteDisconnected):
+        return "closed the connection without an answer"
+    if isinstance(err, http.client.HTTPException):
+        return f"not an etcd member (no HTTP answer: {type(err).__name__})"
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
 
-def _said(err: Exception) -> str:
+def _said(text: str) -> str:
     """What etcd's answer said: its JSON ``message``, else the text as it came."""
-    import json
-
-    text = getattr(err, "detail_text", None) or ""
     try:
-        return str(json.loads(text).get("message") or text)[:300]
-    except (ValueError, AttributeError):
+        doc = json.loads(text)
+    except (ValueError, RecursionError):  # policy: not JSON: said as it came
         return text[:300]
+    return str(doc.get("message") or text)[:300] if isinstance(doc, dict) else text[:300]
