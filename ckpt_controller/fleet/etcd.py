@@ -132,6 +132,7 @@ class _Member:
         self.tls, self.timeout_s = tls, timeout_s
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     def connection(self, timeout_s: float | None = None) -> http.client.HTTPConnection:
         """A new connection (not connected yet: the first request connects it)."""
@@ -152,7 +153,7 @@ class _Member:
 
     def _give(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
-            if len(self._idle) < IDLE_CONNECTIONS:
+            if not self._closed and len(self._idle) < IDLE_CONNECTIONS:
                 self._idle.append(conn)
                 return
         conn.close()
@@ -179,8 +180,9 @@ class _Member:
         return _answer(resp.status, text)
 
     def close(self) -> None:
+        """Close the idle connections; one in use now is closed when its call ends."""
         with self._lock:
-            idle, self._idle = self._idle, []
+            idle, self._idle, self._closed = self._idle, [], True
         for conn in idle:
             conn.close()
 

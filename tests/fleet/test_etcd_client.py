@@ -9,13 +9,14 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from ckpt_controller.errors import EtcdRefusedError, UnreachableError, UsageError
 from ckpt_controller.fleet import etcd
 from ckpt_controller.fleet.etcd import Etcd, _b64
+from support.net import LocalHttp
 from support.timing import scaled, wait_until
 
 
@@ -50,14 +51,11 @@ class Member:
             def log_message(self, *args) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.http = LocalHttp(Handler)
+        self.url = self.http.url
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 @pytest.fixture
@@ -95,6 +93,8 @@ def test_calls_reach_the_member_that_answers_and_reuse_its_connection(members):
         assert c.get("a").value == b"1"
     assert good.paths == ["/v3/kv/range", "/v3/kv/put", "/v3/kv/range"]
     assert good.connections == 1  # the one that answered is tried first, its connection kept
+    c.put("a", "3")  # after close (another thread's call ending late): answered, not kept
+    assert c._members[1]._idle == [] and good.connections == 2
 
 
 def test_no_member_answers_each_reason_is_said(members):
@@ -216,11 +216,9 @@ def test_the_watch_calls_back_per_change_and_ends_at_close():
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Stream)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = LocalHttp(Stream)
     events, stop = [], threading.Event()
-    c = Etcd([f"http://127.0.0.1:{server.server_address[1]}"])
+    c = Etcd([server.url])
     t = threading.Thread(target=c.watch, args=("a", "b", lambda: events.append(1), stop))
     try:
         t.start()
@@ -234,8 +232,7 @@ def test_the_watch_calls_back_per_change_and_ends_at_close():
     finally:
         stop.set()
         c.close()
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 def test_urls_and_tls_files_are_checked_up_front(tmp_path):

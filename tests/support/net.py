@@ -1,5 +1,5 @@
 """Sockets seen from outside a process: which ipc connections a server holds; a TCP link a
-test cuts and mends (``TcpCut``).
+test cuts and mends (``TcpCut``); a stand-in HTTP server on loopback (``LocalHttp``).
 
 A free TCP port comes from the product's own ``ckpt_controller.endpoints.free_port`` (one
 helper for the tests and the code). Neighbours: ``timing`` (the waits), ``processes``.
@@ -8,6 +8,8 @@ helper for the tests and the code). Neighbours: ``timing`` (the waits), ``proces
 from __future__ import annotations
 
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ckpt_controller.endpoints import free_port
 from support.timing import wait_until
@@ -123,3 +125,17 @@ class TcpCut:
                         del self._pairs[sock], self._pairs[other]
                         sock.close()
                         other.close()
+
+
+class LocalHttp:
+    """``handler`` (a ``BaseHTTPRequestHandler`` class) served on 127.0.0.1 from a thread of
+    its own, a thread per connection, until ``close``; ``url`` is ``http://127.0.0.1:PORT``."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

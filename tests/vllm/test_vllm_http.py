@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -16,6 +16,7 @@ from ckpt_controller.adapters.vllm.http import parse_metrics
 from ckpt_controller.adapters.vllm.sidecar import DEAD_AFTER_S
 from ckpt_controller.errors import EngineError, UsageError
 from support.cli import ckptctl
+from support.net import LocalHttp
 from support.timing import deadline_in, scaled, wait_until
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -79,13 +80,11 @@ class Stand:
                 else:
                     self._send(404, b'{"detail": "Not Found"}')
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.http = LocalHttp(Handler)
+        self.url = self.http.url
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 @pytest.fixture
