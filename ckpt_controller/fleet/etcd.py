@@ -1,19 +1,20 @@
 """etcd v3 through its JSON gateway, over the standard library's HTTP client, with what the
-fleet needs: several members tried in turn, TLS with client certificates, and one typed error
-for every way etcd can be unavailable.
+fleet needs: several members tried in turn, TLS with client certificates, and one typed
+error for every way etcd can be unavailable.
 
 ``Etcd`` speaks the v3 API's JSON (keys and values base64) for the calls the fleet makes:
 get, range by prefix, put, delete, transactions, leases (grant, keep-alive, revoke) and
 watches (a chunked answer that stays open). Each member (``_Member``) keeps its HTTP
 connections open for the next call, one per caller at a time (the node's threads call at
-once). A call that cannot reach a member (refused, timed out, a TLS handshake refused, a 5xx
-such as "no leader") goes on to the next member; when none answers it raises
-``UnreachableError`` (exit 4, retryable) naming the URLs and each one's reason. An answer etcd
-gives (a failed compare, an unknown lease) is not an error here: the caller reads it; an error
-etcd answers with is an ``EtcdRefusedError``; an answer that is not etcd's (another server on
-that port) counts as that member being away. No HTTP proxy from the environment is used: a
-node talks to its cluster directly. Neighbours: ``node``, ``coordinator`` and ``registry``
-(its users), ``keys`` and ``records`` (what is stored).
+once). A call that cannot reach a member (refused, timed out, a TLS handshake refused, HTTP
+500, 503, 408 or 504: "no leader", stopping, timed out there) goes on to the next member;
+when none answers it raises ``UnreachableError`` (exit 4, retryable) naming the URLs and
+each one's reason. An answer etcd gives (a failed compare, an unknown lease) is not an error
+here: the caller reads it; an error etcd answers with is an ``EtcdRefusedError``; an answer
+that is not etcd's (another server on that port) counts as that member being away. No HTTP
+proxy from the environment is used: a node talks to its cluster directly. Neighbours:
+``node``, ``coordinator`` and ``registry`` (its users), ``keys`` and ``records`` (what is
+stored).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ IDLE_CONNECTIONS = 4
 MAX_ANSWER_BYTES = 256 << 20
 #: a watch's stream is read a line (one message) at a time, at most this much at once
 MAX_LINE_BYTES = 1 << 20
+#: HTTP statuses of a member that cannot answer now, tried on the next one: an internal
+#: error (no leader), unavailable (stopping), a request or gateway timeout
+MEMBER_AWAY = frozenset({500, 503, 408, 504})
 
 
 def _b64(data: str | bytes) -> str:
@@ -109,8 +113,8 @@ def get_op(key: str) -> dict:
 
 
 class _Down(Exception):
-    """This member did not answer as etcd: refused, timed out, TLS refused, a 5xx, or
-    something else on that port. ``args[0]``: the reason in a few words."""
+    """This member did not answer as etcd: refused, timed out, TLS refused, ``MEMBER_AWAY``,
+    or something else on that port. ``args[0]``: the reason in a few words."""
 
 
 class _Refused(Exception):
@@ -199,10 +203,12 @@ def _readable(sock: socket.socket) -> bool:
 
 
 def _answer(status: int, raw: bytes) -> dict:
-    """An HTTP answer of the gateway as its JSON document; ``_Down`` for a 5xx (no leader, a
-    member stopping) or an answer that is not etcd's, ``_Refused`` for another error."""
+    """An HTTP answer of the gateway as its JSON document; ``_Down`` for a member that cannot
+    answer now (``MEMBER_AWAY``: no leader, stopping, timed out) or an answer that is not
+    etcd's, ``_Refused`` for another error etcd answers with (a 501 for a call it does not
+    serve, a 4xx)."""
     text = raw.decode("utf-8", "replace")
-    if status >= 500:
+    if status in MEMBER_AWAY:
         raise _Down(f"HTTP {status}: {_said(text) or 'no reason given'}")
     if status != 200:
         if not _from_etcd(text):
@@ -265,9 +271,10 @@ class Etcd:
         with self._lock:
             streams = list(self._streams)
         for conn in streams:  # ends the watches' blocking reads
+            sock = conn.sock  # once: the watch's own thread may close it meanwhile
             try:
-                if conn.sock is not None:
-                    conn.sock.shutdown(socket.SHUT_RDWR)
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
             except OSError:  # policy: already closed: nothing to end
                 pass
         for member in self._members:

@@ -114,6 +114,45 @@ def test_no_member_answers_each_reason_is_said(members):
     assert got.value.details["retry_after_s"] == 1.0
 
 
+def test_a_timeout_is_tried_elsewhere_and_a_call_etcd_does_not_serve_is_refused(members):
+    """etcd's gateway answers 408/504 for a request that timed out (the next member may
+    answer) and 501 for a call it does not serve (every member would say the same)."""
+    timed_out = members(lambda path, body: (
+        408, {"error": "context canceled", "code": 1, "message": "context canceled"}))
+    other = members(lambda path, body: (200, kv("a", "1") if path == "/v3/kv/range" else (
+        501, {"error": "unknown", "code": 12, "message": "method not implemented"})))
+    with Etcd([timed_out.url, other.url]) as c:
+        assert c.get("a").value == b"1"
+    unsupported = members(lambda path, body: (
+        501, {"error": "unknown", "code": 12, "message": "method not implemented"}))
+    with Etcd([unsupported.url, other.url]) as c, \
+            pytest.raises(EtcdRefusedError, match="method not implemented"):
+        c.get("a")
+    assert other.paths == ["/v3/kv/range"]
+
+
+def test_close_ends_a_watch_whose_thread_closes_it_meanwhile():
+    """``close`` reads a watch's socket once: the watch's own thread may close its
+    connection (``sock`` then None) between a look and a use."""
+    class Closing:
+        def __init__(self) -> None:
+            self.looks, self.held = 0, socket.socket()
+
+        @property
+        def sock(self):
+            self.looks += 1
+            return self.held if self.looks == 1 else None
+
+    c = Etcd(["http://127.0.0.1:1"])
+    stream = Closing()
+    c._streams.add(stream)
+    try:
+        c.close()
+    finally:
+        stream.held.close()
+    assert stream.looks == 1
+
+
 def test_an_error_etcd_answers_with_is_refused_not_retried_elsewhere(members):
     refusing = members(lambda path, body: (
         400, {"error": "etcdserver: requested lease not found", "code": 5,
