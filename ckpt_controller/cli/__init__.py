@@ -6,33 +6,27 @@ Exit codes (also in ``ckptctl --help``): 0 success; 1 operation failed or rolled
 the work itself is done by the agent, engine and controller packages, imported by the ``run``
 that needs them: building the parser (``ckptctl --help``, a usage error) loads no transport,
 no protocol, no engine and no torch (``tests/shape/test_light_imports.py``).
+
+A command line that names its command (``ckptctl fleet migrate ...``) loads and builds only
+that command's module (``COMMANDS``): every ``ckptctl`` start pays for one module, not for
+all of them (about 0.06 s less here). Everything else (``--help`` at the top, ``completion``,
+a word that is no command) builds the whole tree, and so does any command line the one-module
+parser cannot parse: each parse ends as the whole tree would end it (``_run``).
 Neighbours: ``cli.common`` and the ``*_cmds`` modules, ``endpoints`` (the default endpoint).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
 
-from ckpt_controller.cli import (
-    agent_cmds,
-    completion,
-    controller_cmds,
-    demo,
-    describe_cmd,
-    drill_cmd,
-    engine_cmds,
-    fleet_cmd,
-    images_cmd,
-    journal_cmd,
-    keys_cmd,
-    lifecycle_cmd,
-)
 from ckpt_controller.cli.common import (
     EXIT_CODES,
     add_curve_client_args,
+    add_etcd_args,
     human_bytes,
     parse_bytes,
 )
@@ -44,6 +38,23 @@ __all__ = ["build_parser", "human_bytes", "main", "parse_bytes"]
 
 #: the exit code when stdout's reader went away (128 + SIGPIPE, as a shell reports it)
 EXIT_PIPE = 141
+
+#: the modules that add the commands (``add_parser`` or ``add_parsers``), in the order
+#: ``ckptctl --help`` lists them
+MODULES = ("controller_cmds", "images_cmd", "journal_cmd", "describe_cmd", "agent_cmds",
+           "engine_cmds", "demo", "drill_cmd", "keys_cmd", "lifecycle_cmd", "fleet_cmd",
+           "completion")
+#: each command and the module that adds it: a command line naming one builds only that
+#: module's parsers (``completion`` is not here: it walks the whole tree);
+#: ``tests/cli/test_cli.py`` holds this to what the modules add
+COMMANDS = {
+    **dict.fromkeys(("serve", "prepare", "capture", "restore", "cycle", "rollback", "status",
+                     "history", "watch"), "controller_cmds"),
+    "images": "images_cmd", "journal": "journal_cmd", "describe": "describe_cmd",
+    "agent": "agent_cmds", **dict.fromkeys(("engine", "generate", "load"), "engine_cmds"),
+    "demo": "demo", "drill": "drill_cmd", "keys": "keys_cmd", "lifecycle": "lifecycle_cmd",
+    "fleet": "fleet_cmd",
+}
 
 
 def default_controller() -> str:
@@ -57,8 +68,13 @@ class _Parser(argparse.ArgumentParser):
 
     #: set by ``main`` for the command line it parses
     json_errors = False
+    #: set by ``_run`` while it tries a tree of one command's module: an error there is
+    #: not said, the whole tree parses the line again (``_Whole``)
+    partial = False
 
     def error(self, message: str):
+        if _Parser.partial:
+            raise _Whole(message)
         message = _with_nearest(message)
         if _Parser.json_errors:
             import json
@@ -71,7 +87,26 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Whole(Exception):
+    """The tree of one command's module could not parse a command line: the whole tree
+    parses it, and says what is wrong with it if anything is."""
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """``ckptctl``'s parser: every command, or with ``only`` (a module of ``MODULES``) that
+    module's commands alone, with the same root options."""
+    parser = _root()
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in (only,) if only else MODULES:
+        module = importlib.import_module(f"ckpt_controller.cli.{name}")
+        (getattr(module, "add_parsers", None) or module.add_parser)(sub)
+    parser.set_defaults(root_parser=parser)  # what ``completion`` walks
+    _conventions(parser)
+    return parser
+
+
+def _root() -> argparse.ArgumentParser:
+    """The root parser and its options (those every command takes too), no commands."""
     parser = _Parser(
         prog="ckptctl",
         description="Drive LLM inference engines through checkpoint/restore: "
@@ -83,23 +118,24 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the controller's endpoint (default: $CKPT_CONTROLLER, else "
                              "ipc://<runtime dir>/controller.sock)")
     add_curve_client_args(parser, "controller")
-    fleet_cmd.add_global_args(parser)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    controller_cmds.add_parsers(sub)
-    images_cmd.add_parser(sub)
-    journal_cmd.add_parser(sub)
-    describe_cmd.add_parser(sub)
-    agent_cmds.add_parser(sub)
-    engine_cmds.add_parsers(sub)
-    demo.add_parser(sub)
-    drill_cmd.add_parser(sub)
-    keys_cmd.add_parser(sub)
-    lifecycle_cmd.add_parser(sub)
-    fleet_cmd.add_parser(sub)
-    completion.add_parser(sub)
-    parser.set_defaults(root_parser=parser)  # what ``completion`` walks
-    _conventions(parser)
+    add_etcd_args(parser)
     return parser
+
+
+def named_module(argv: Sequence[str]) -> str | None:
+    """The module of the command ``argv`` names (``COMMANDS``): its first word that is
+    neither an option of the root nor the value of one; None when that word is no command
+    (or the root's ``--help`` comes before it), which builds the whole tree."""
+    takes = {o for a in _root()._actions if a.nargs != 0 for o in a.option_strings}
+    words = iter(argv)
+    for word in words:
+        if word in ("-h", "--help") or word == "--":
+            return None
+        if word in takes:
+            next(words, None)
+        elif not word.startswith("-"):
+            return COMMANDS.get(word)
+    return None
 
 
 def _conventions(root: argparse.ArgumentParser) -> None:
@@ -149,6 +185,13 @@ def _with_nearest(message: str) -> str:
     return message
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = _run(argv)
@@ -168,9 +211,18 @@ def _run(argv: Sequence[str] | None) -> int:
         w in ("-ojson", "--output=json") for w in words)
     # --help, a usage error: argparse's SystemExit; a flag the command does not know is
     # answered with that command's usage, not the root's
-    args, extra = build_parser().parse_known_args(argv)
-    if extra:
-        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args = None
+    only = named_module(words)
+    if only is not None:
+        try:
+            _Parser.partial = True
+            args = _parse(build_parser(only), argv)
+        except _Whole:  # policy: the whole tree parses it again and says why not
+            args = None
+        finally:
+            _Parser.partial = False
+    if args is None:
+        args = _parse(build_parser(), argv)
     if getattr(args, "output", None) == "json":
         args.json = True
     try:

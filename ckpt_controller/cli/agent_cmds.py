@@ -25,6 +25,7 @@ from ckpt_controller.cli.common import (
     goes_on_if_interrupted,
     human_bytes,
     prepare_flags,
+    prepare_opts,
     status_row,
     step_op_id,
     table,
@@ -60,8 +61,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     common(sp)
     sp.add_argument("--op-id", type=step_op_id,
                     help="operation id; repeating it returns the first result")
-    from ckpt_controller.cli.controller_cmds import prepare_opts
-
     prepare_opts(sp, drain_timeout=duration_or_zero)
     sp.add_argument("--deadline", type=duration, metavar="S",
                     help="overall deadline in seconds (at most a day)")

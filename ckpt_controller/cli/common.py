@@ -187,6 +187,43 @@ PREPARE_HELP = {
 }
 
 
+def prepare_opts(sp: argparse.ArgumentParser, *, drain_timeout=None) -> None:
+    """The prepare parameters (``prepare``, ``cycle``, their ``fleet`` twins, ``agent
+    prepare``); each defaults to ``None``, resolved by ``prepare_flags``."""
+    from ckpt_controller.vocab import DrainMode, Escalation, ReleaseLevel
+
+    sp.add_argument("--drain", **word_arg(DrainMode), help=PREPARE_HELP["drain"])
+    sp.add_argument("--drain-timeout", type=drain_timeout or duration, metavar="S",
+                    help=PREPARE_HELP["drain_timeout"])
+    sp.add_argument("--on-deadline", **word_arg(Escalation), help=PREPARE_HELP["on_deadline"])
+    what = sp.add_mutually_exclusive_group()
+    what.add_argument("--level", **word_arg(ReleaseLevel), help=PREPARE_HELP["level"])
+    what.add_argument("--tags", metavar="TAG,...", help=PREPARE_HELP["tags"])
+    sp.add_argument("--budget", type=parse_bytes, metavar="SIZE",
+                    help="largest residual memory allowed after release; more fails the "
+                         "prepare, which is rolled back (default: the controller's "
+                         "[defaults], else none)")
+
+
+def operation_params(args: argparse.Namespace) -> dict:
+    """An operation's parameters from its flags (``OperationCommand`` fields)."""
+    from ckpt_controller.vocab import OperationKind
+
+    params: dict = {"deadline_s": args.deadline}
+    if args.op in (OperationKind.PREPARE, OperationKind.CYCLE):
+        flags = prepare_flags(args, controller=True)
+        params.update(drain=flags.drain, drain_timeout_s=flags.drain_timeout_s,
+                      on_deadline=flags.on_deadline, level=flags.level, tags=flags.tags,
+                      residual_budget_bytes=args.budget)
+    if args.op == OperationKind.PREPARE and hasattr(args, "no_all_or_nothing"):
+        params["all_or_nothing"] = not args.no_all_or_nothing
+    if args.op == OperationKind.ROLLBACK:
+        params["reason"] = args.reason
+    if args.op == OperationKind.RESTORE:
+        params["image"] = args.image
+    return params
+
+
 # ---------------------------------------------------------------- human output
 
 
@@ -338,6 +375,24 @@ def add_curve_client_args(sp: argparse.ArgumentParser, server: str) -> None:
     sp.add_argument("--curve-server-key", type=Path, metavar="FILE",
                     default=os.environ.get("CKPT_CURVE_SERVER_KEY") or None,
                     help=f"the {server}'s public key file (default $CKPT_CURVE_SERVER_KEY)")
+
+
+def add_etcd_args(parser: argparse.ArgumentParser) -> None:
+    """The root's etcd options, for ``fleet`` (``cli.fleet_cmd``)."""
+    env = os.environ.get
+    parser.add_argument("--etcd", metavar="URL[,URL...]", default=env("CKPT_ETCD"),
+                        help="etcd's client URLs, for `fleet` (default: $CKPT_ETCD)")
+    parser.add_argument("--etcd-ca", metavar="FILE", default=env("CKPT_ETCD_CA"),
+                        help="CA certificate etcd's certificate is checked against "
+                             "(default: $CKPT_ETCD_CA)")
+    parser.add_argument("--etcd-cert", metavar="FILE", default=env("CKPT_ETCD_CERT"),
+                        help="TLS client certificate for etcd (default: $CKPT_ETCD_CERT)")
+    parser.add_argument("--etcd-key", metavar="FILE", default=env("CKPT_ETCD_KEY"),
+                        help="its key (default: $CKPT_ETCD_KEY)")
+    parser.add_argument("--etcd-prefix", metavar="PREFIX",
+                        default=env("CKPT_ETCD_PREFIX") or "/ckpt",
+                        help="where the fleet's keys are (default: $CKPT_ETCD_PREFIX, else "
+                             "/ckpt)")
 
 
 def controller_client(args: argparse.Namespace, **kw):

@@ -18,7 +18,6 @@ from ckpt_controller import values
 from ckpt_controller.cli.common import (
     EXIT_CODES,
     LIMIT_HELP,
-    PREPARE_HELP,
     STATUS_COLUMNS,
     WIDE_COLUMNS,
     age,
@@ -28,58 +27,23 @@ from ckpt_controller.cli.common import (
     goes_on_if_interrupted,
     human_bytes,
     op_id,
-    parse_bytes,
-    prepare_flags,
+    operation_params,
+    prepare_opts,
     status_row,
     table,
     waiting_notice,
-    word_arg,
 )
 from ckpt_controller.cli.logsetup import add_log_args, setup_from_args
 from ckpt_controller.cli.progress import Progress, describe_hook
 from ckpt_controller.cli.output import emit, iso
 from ckpt_controller.errors import CkptError, UsageError
-from ckpt_controller.vocab import (CheckpointState, DrainMode, Escalation, OperationKind,
-                                   ReleaseLevel)
+from ckpt_controller.vocab import CheckpointState, OperationKind
 
 if TYPE_CHECKING:
     from ckpt_controller import protocol as p
 
 #: one subcommand per operation kind, in this order
 OPS = tuple(OperationKind)
-
-
-def prepare_opts(sp: argparse.ArgumentParser, *, drain_timeout=None) -> None:
-    """The prepare parameters (``prepare``, ``cycle``, their ``fleet`` twins, ``agent
-    prepare``); each defaults to ``None``, resolved by ``common.prepare_flags``."""
-    sp.add_argument("--drain", **word_arg(DrainMode), help=PREPARE_HELP["drain"])
-    sp.add_argument("--drain-timeout", type=drain_timeout or duration, metavar="S",
-                    help=PREPARE_HELP["drain_timeout"])
-    sp.add_argument("--on-deadline", **word_arg(Escalation), help=PREPARE_HELP["on_deadline"])
-    what = sp.add_mutually_exclusive_group()
-    what.add_argument("--level", **word_arg(ReleaseLevel), help=PREPARE_HELP["level"])
-    what.add_argument("--tags", metavar="TAG,...", help=PREPARE_HELP["tags"])
-    sp.add_argument("--budget", type=parse_bytes, metavar="SIZE",
-                    help="largest residual memory allowed after release; more fails the "
-                         "prepare, which is rolled back (default: the controller's "
-                         "[defaults], else none)")
-
-
-def operation_params(args: argparse.Namespace) -> dict:
-    """An operation's parameters from its flags (``OperationCommand`` fields)."""
-    params: dict = {"deadline_s": args.deadline}
-    if args.op in (OperationKind.PREPARE, OperationKind.CYCLE):
-        flags = prepare_flags(args, controller=True)
-        params.update(drain=flags.drain, drain_timeout_s=flags.drain_timeout_s,
-                      on_deadline=flags.on_deadline, level=flags.level, tags=flags.tags,
-                      residual_budget_bytes=args.budget)
-    if args.op == OperationKind.PREPARE and hasattr(args, "no_all_or_nothing"):
-        params["all_or_nothing"] = not args.no_all_or_nothing
-    if args.op == OperationKind.ROLLBACK:
-        params["reason"] = args.reason
-    if args.op == OperationKind.RESTORE:
-        params["image"] = args.image
-    return params
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

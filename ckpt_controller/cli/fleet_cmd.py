@@ -17,13 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 from ckpt_controller import values
-from ckpt_controller.cli.common import EXIT_CODES, LIMIT_HELP, age, arg_type, table
+from ckpt_controller.cli.common import (
+    EXIT_CODES,
+    LIMIT_HELP,
+    age,
+    arg_type,
+    operation_params,
+    prepare_opts,
+    table,
+)
 from ckpt_controller.cli.fleet_follow import (
     engine_now,
     follow,
@@ -49,23 +56,6 @@ time since the engine entered its state.
 
 """ + EXIT_CODES + """
   (fleet status: 4 also when etcd is unavailable, or an engine is unreachable or its node down)"""
-
-
-def add_global_args(parser: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    parser.add_argument("--etcd", metavar="URL[,URL...]", default=env("CKPT_ETCD"),
-                        help="etcd's client URLs, for `fleet` (default: $CKPT_ETCD)")
-    parser.add_argument("--etcd-ca", metavar="FILE", default=env("CKPT_ETCD_CA"),
-                        help="CA certificate etcd's certificate is checked against "
-                             "(default: $CKPT_ETCD_CA)")
-    parser.add_argument("--etcd-cert", metavar="FILE", default=env("CKPT_ETCD_CERT"),
-                        help="TLS client certificate for etcd (default: $CKPT_ETCD_CERT)")
-    parser.add_argument("--etcd-key", metavar="FILE", default=env("CKPT_ETCD_KEY"),
-                        help="its key (default: $CKPT_ETCD_KEY)")
-    parser.add_argument("--etcd-prefix", metavar="PREFIX",
-                        default=env("CKPT_ETCD_PREFIX") or "/ckpt",
-                        help="where the fleet's keys are (default: $CKPT_ETCD_PREFIX, else "
-                             "/ckpt)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -158,8 +148,6 @@ def _max_unavailable_opts(sp: argparse.ArgumentParser) -> None:
 
 
 def _prepare_opts(sp: argparse.ArgumentParser) -> None:
-    from ckpt_controller.cli.controller_cmds import prepare_opts
-
     prepare_opts(sp)
 
 
@@ -372,7 +360,6 @@ def _select(args: argparse.Namespace, client, keys) -> list[str]:
 def _operation(args: argparse.Namespace) -> int:
     import uuid
 
-    from ckpt_controller.cli.controller_cmds import operation_params
     from ckpt_controller.fleet.drivers import SUBMIT
     from ckpt_controller.fleet.keys import Keys
     from ckpt_controller.fleet.kinds import spec
