@@ -210,7 +210,7 @@ def migrate(nodes: Nodes, kept: int, max_tokens: int, follow_after_s: float,
         stream = Stream(client, kept, max_tokens)
         wait_until(lambda: client.poll(0.02) is not None and stream.under_way(),
                    timeout_s=60, what="every kept request under way")
-        t0, mig_s = time.monotonic(), None
+        t0, t0_wall, mig_s, end_wall = time.monotonic(), time.time(), None, None
         mig = subprocess.Popen([sys.executable, "-m", "ckpt_controller", "--etcd", nodes.url,
                                 "fleet", "migrate", "m0", "--to", "n2", "--drain", "keep",
                                 "--level", str(level), "--op-id", "mv", "--json"],
@@ -219,7 +219,7 @@ def migrate(nodes: Nodes, kept: int, max_tokens: int, follow_after_s: float,
         try:
             while stream.first_target is None or mig_s is None:
                 if mig_s is None and mig.poll() is not None:
-                    mig_s = time.monotonic() - t0
+                    mig_s, end_wall = time.monotonic() - t0, time.time()
                 if mig_s is not None and (mig.returncode != 0 or stream.ended()):
                     break
                 if time.monotonic() - t0 > MOVE_TIMEOUT_S:
@@ -243,6 +243,7 @@ def migrate(nodes: Nodes, kept: int, max_tokens: int, follow_after_s: float,
         raise RuntimeError(f"the migration did not move the engine: {doc['migration']}")
     ready = ready_at(nodes)
     return {"downtime_s": stream.first_target - stream.last_source, "migrate_s": mig_s,
+            "command_started_wall": t0_wall, "command_ended_wall": end_wall,
             "client_wait_s": stream.heard_target_wall - ready,
             "client_moved_s": stream.moved_wall - ready,
             "first_token_after_ready_s": stream.first_target_wall - ready,
@@ -351,10 +352,14 @@ def downtime_parts(run: dict) -> dict[str, float]:
     return parts
 
 
-def timeline(op: dict, migration: dict, command_s: float) -> dict:
+def timeline(op: dict, migration: dict, command_s: float, started: float,
+             ended: float) -> dict:
     """Each step's time (its end less its start, on its node), and the rest of the
     command's time: the coordinator's waits before the first step, between steps and after
-    the last (watches, rounds), and the command's own (its start, its polling)."""
+    the last (watches, rounds), and the command's own (its start, its polling): before the
+    record (``started``, when it was run: its process's start, imports and submit) and after
+    the record's end (``ended``, when it was seen to exit: seeing the end, the output, the
+    process's exit)."""
     def at(doc: dict, name: str) -> float:  # docs/json.md: each time as seconds too
         return doc[f"{name}_at_unix"]
 
@@ -367,7 +372,9 @@ def timeline(op: dict, migration: dict, command_s: float) -> dict:
             "gaps_s": {f"{a['step']}->{b['step']}": at(b, "started") - at(a, "ended")
                        for a, b in zip(done, done[1:])},
             "after_last_s": at(op, "ended") - at(done[-1], "ended"),
-            "recorded_s": recorded, "command_s": command_s - recorded}
+            "recorded_s": recorded, "command_s": command_s - recorded,
+            "command_before_s": at(op, "created") - started,
+            "command_after_s": ended - at(op, "ended")}
 
 
 def phases(nodes: Nodes, op_id: str = "mv", engine: str = "m0"
@@ -433,7 +440,8 @@ def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bo
         moved = migrate(nodes, args.kept, args.max_tokens, args.follow_after, args.level)
         img = image(moved["migration"])
         parts, hooks = phases(nodes)
-        times = timeline(moved["op"], moved["migration"], moved["migrate_s"])
+        times = timeline(moved["op"], moved["migration"], moved["migrate_s"],
+                         moved["command_started_wall"], moved["command_ended_wall"])
         rewake = rewake_compared(nodes)
         img["criu_dump_s"] = criu_log_s(next(d.rglob("dump.log")))
         if img["transport"] != transport:
@@ -541,10 +549,13 @@ def print_tables(res: dict) -> None:
               [[t, m["rewake_bytes"] / mib, m["rewake_moved_s"], m["rewake_again_s"],
                 m["rewake_moved_over_again"]] for t, m in ((t, tr[t]["median"]) for t in tr)])
     table("the migration's steps and waits, seconds (median; waits: the coordinator's "
-          "before the first step, between steps, after the last; the command's own)",
-          ["transport", *STEPS, "before", "between", "after", "command", "whole"],
+          "before the first step, between steps, after the last; the command's own, and "
+          "of it what came before the record and after its end)",
+          ["transport", *STEPS, "before", "between", "after", "command", "its start",
+           "its end", "whole"],
           [[t, *(m["steps_s"][s] for s in STEPS), m["before_first_s"], m["between_steps_s"],
-            m["after_last_s"], m["command_s"], m["migrate_s"]]
+            m["after_last_s"], m["command_s"], m["command_before_s"], m["command_after_s"],
+            m["migrate_s"]]
            for t, m in ((t, tr[t]["median"]) for t in tr)])
 
 
