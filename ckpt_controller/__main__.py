@@ -2,6 +2,6 @@
 
 import sys
 
-from ckpt_controller.cli import main
+from ckpt_controller.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

@@ -354,3 +354,28 @@ def test_agent_prepare_drill_and_cycle_prepare_alike(tmp_path):
     tags = prepare_flags(parse(["agent", "prepare", "--control", "ipc:///x", "--tags",
                                 "kv_cache"]), False)
     assert (tags.level, tags.tags) == (None, ["kv_cache"])
+
+
+def test_the_ckptctl_process_spares_its_exit_the_last_collection():
+    """The console script and ``python -m ckpt_controller`` run ``cli.entry``: ``main``, then
+    ``gc.freeze`` (the interpreter's exit does not walk every object once more); ``main``
+    alone, as a test or another program calls it, leaves the collector as it was."""
+    import tomllib
+
+    from support import ROOT
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["ckptctl"] == "ckpt_controller.cli:entry"
+    assert "sys.exit(entry())" in (ROOT / "ckpt_controller" / "__main__.py").read_text()
+    code = ("import contextlib, gc, io, sys\nfrom ckpt_controller import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    assert cli.main(['completion', 'bash']) == 0\n"
+            "assert gc.get_freeze_count() == 0, gc.get_freeze_count()\n"
+            "sys.argv = ['ckptctl', 'completion', 'bash']\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    assert cli.entry() == 0\n"
+            "assert 'complete -F _ckptctl ckptctl' in out.getvalue()\n"
+            "assert gc.get_freeze_count() > 1000, gc.get_freeze_count()\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=scaled(120))
+    assert run.returncode == 0, run.stderr
