@@ -240,8 +240,10 @@ def test_start_up_of_help_and_status(tmp_path):
     for row in rows.values():
         assert len(row["runs_s"]) == 2 and all(positive(t) for t in row["runs_s"])
     # status answered (a failing command would have stopped the run): it starts the CLI and
-    # asks a controller, so it takes longer than the bare interpreter
-    assert rows["ckptctl status"]["median_s"] > rows["python (bare interpreter)"]["median_s"]
+    # asks a controller, so it takes more CPU than the bare interpreter (the steadier figure:
+    # two runs' wall times on a loaded machine can come out either way)
+    assert rows["ckptctl status"]["cpu_median_s"] > rows["python (bare interpreter)"][
+        "cpu_median_s"]
     assert isinstance(res["status_within_goal"], bool) and res["goal_help_s"] == 0.3
 
 

@@ -203,8 +203,9 @@ def test_a_peer_that_accepted_but_never_answers_gets_the_retries_and_the_real_ti
     err = info.value
     assert took >= 1.2 and err.details["attempts"] == 3  # every attempt ran its timeout
     reported = float(re.search(r" in ([0-9.]+)s", err.message).group(1))
-    assert abs(reported - took) < 0.3, (err.message, took)
-    assert abs(err.details["waited_s"] - took) < 0.3
+    # the client's own measure lies inside this test's (less the message's rounding to 0.1 s)
+    assert -0.06 <= took - reported < scaled(0.3), (err.message, took)
+    assert -0.01 <= took - err.details["waited_s"] < scaled(0.3), (err.details, took)
 
 
 def test_a_request_with_no_connection_to_queue_on_is_not_waited_on_forever(ipc_dir):

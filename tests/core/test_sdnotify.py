@@ -200,7 +200,9 @@ def test_an_idle_loop_rounds_as_often_as_its_watchdog_needs(notify, ipc_dir):
                 rounds_within=server.rounds_within)
         assert notify.wait_for("READY", 5)["READY"] == "1"
         wait_until(lambda: notify.pings(0.3), 5, "pings from a live loop")
-        assert notify.pings(1.6) >= 5  # one each 0.2 s: never a period without a round
+        # one each 0.2 s: never a period without a round (the window stretched with the
+        # host's load, the count not: a loop that idled seconds would still give fewer)
+        assert notify.pings(scaled(1.6, below=4.5)) >= 5
     finally:
         n.close()
         server.close()
@@ -231,7 +233,7 @@ def _stop_cont_and_term(proc: subprocess.Popen, notify: NotifySocket) -> None:
     """Pings while it runs, none while it is stopped, pings after SIGCONT, STOPPING=1 and
     exit 0 at SIGTERM."""
     wait_until(lambda: notify.pings(0.6) >= 1, 10, "watchdog pings")
-    assert notify.pings(1.6) >= 2  # every 0.5 s
+    assert notify.pings(scaled(1.6, below=4.5)) >= 2  # every 0.5 s
     os.kill(proc.pid, signal.SIGSTOP)
     try:
         notify.read(0.2)  # a ping sent just before

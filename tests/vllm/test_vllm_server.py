@@ -85,7 +85,6 @@ def test_a_request_queued_behind_a_pending_wait_and_the_escalation(vllm_url, esc
     finish reason as aborted. An escalation to ``keep`` holds it until ``/resume``, then it
     completes (docs/vllm.md: what to choose)."""
     import threading
-    import time
 
     from support.timing import wait_until
 
@@ -100,7 +99,9 @@ def test_a_request_queued_behind_a_pending_wait_and_the_escalation(vllm_url, esc
                what="paused, the wait pending")
     queued = threading.Thread(target=_stream, args=(vllm_url, "queued", 20, out))
     queued.start()
-    time.sleep(1.0)  # sent and queued behind the pause
+    # sent and queued behind the pause (a fixed second once, which a busy server's API can
+    # outlast: the request then came after the escalation and ran to its length)
+    wait_until(lambda: _in_flight(vllm_url) >= 2, timeout_s=60, what="the second request queued")
     call(vllm_url, f"/pause?mode={escalation}", "POST")
     waiting.join(timeout=120)
     call(vllm_url, "/resume", "POST")
