@@ -69,6 +69,7 @@ class FleetNode:
         self.lease: int | None = None
         #: the identity that owns the node's name in etcd (``node-ids/<node>``)
         self.node_id = identity.node_identity(config.state_dir)
+        weights.remember_in(config.state_dir)  # the weight files' digests, across restarts
         self._lease_expired = False
         self._said_taken = False
         self._said_replaced = False  # that this node's record was replaced under it

@@ -318,6 +318,10 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
             # was the same as n1's, before n1 prepared it
             assert [line[66:] for line in doc["migration"]["done"][0]["detail"]["weights"]] \
                 == [rec["reload_files"]["weights"]]
+            # and both keep its digest in their state dirs, for after a restart
+            for node in ("n1", "n2"):
+                table = json.loads((pair.d / node / "state" / "weight-digests.json").read_text())
+                assert list(table["files"]) == [rec["reload_files"]["weights"]], node
             # the kept requests ended on n2 with exactly the tokens of an engine never moved
             assert [client.requests[i].token_ids for i in kept] == want
             # kept, not run again: each was queued once, on n1, and finished on n2

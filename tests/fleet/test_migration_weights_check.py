@@ -4,7 +4,9 @@ refusals the migration's receive and send give (no etcd, no nodes)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import time
 
 import pytest
 
@@ -102,3 +104,87 @@ def test_the_source_refuses_weights_that_differ_or_were_not_read_there(tmp_path)
                                                 (float("nan"), False), ([2], False)])
 def test_only_level_2_reloads_from_the_file(level, reloads):
     assert weights.reloads(level) is reloads
+
+
+@pytest.fixture
+def fresh_node(monkeypatch):
+    """The module as a node process starts it: nothing known, nothing kept yet."""
+    monkeypatch.setattr(weights, "_known", {})
+    monkeypatch.setattr(weights, "_store", None)
+
+    def restart():
+        monkeypatch.setattr(weights, "_known", {})
+        monkeypatch.setattr(weights, "_store", None)
+    return restart
+
+
+def test_a_node_keeps_the_digests_in_its_state_dir_across_a_restart(tmp_path, fresh_node,
+                                                                     monkeypatch):
+    state = tmp_path / "state"
+    state.mkdir()
+    path = _file(tmp_path, "kept.safetensors", b"k" * 3000)
+    weights.remember_in(state)
+    want = _chunked(b"k" * 3000, weights.CHUNK_BYTES)
+    assert weights.digest(path) == want
+    doc = json.loads((state / weights.DIGESTS_FILE).read_text())
+    assert doc["version"] == 1 and doc["files"][path]["sha256"] == want
+    assert oct((state / weights.DIGESTS_FILE).stat().st_mode & 0o777) == "0o600"
+    fresh_node()  # the node restarts
+    weights.remember_in(state)
+    reads = []
+    real = weights.chunked_sha256
+    monkeypatch.setattr(weights, "chunked_sha256",
+                        lambda fd, size: reads.append(1) or real(fd, size))
+    assert weights.digest(path) == want and reads == []  # not read again
+    weights.warm([path])
+    assert not weights._warming  # known: nothing to do ahead either
+    changed = os.stat(path).st_ctime_ns
+    with open(path, "r+b") as f:  # the same size and times, other bytes: its change time moved
+        mtime = os.stat(path).st_mtime_ns
+        f.write(b"j")
+    os.utime(path, ns=(mtime, mtime))
+    while os.stat(path).st_ctime_ns == changed:  # within one tick of the kernel's clock
+        time.sleep(0.001)
+        os.utime(path, ns=(mtime, mtime))
+    assert weights.digest(path) == _chunked(b"j" + b"k" * 2999, weights.CHUNK_BYTES)
+    assert reads == [1]
+    os.replace(_file(tmp_path, "other", b"k" * 3000), path)  # another file by the same name
+    assert weights.digest(path) == want and reads == [1, 1]
+
+
+@pytest.mark.parametrize("text", ["", "not json", "[1, 2]", '{"version": 2, "files": {}}',
+                                  "[" * 100_000, b"\xff\xfe".decode("latin-1"),
+                                  '{"version": 1, "files": []}'])
+def test_a_damaged_table_of_digests_is_said_and_made_anew(tmp_path, fresh_node, caplog, text):
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / weights.DIGESTS_FILE).write_text(text, encoding="latin-1")
+    path = _file(tmp_path, "w.safetensors", b"d" * 100)
+    with caplog.at_level("WARNING", logger="ckpt_controller.fleet"):
+        weights.remember_in(state)  # a node with a damaged cache starts
+    assert "is not a table of weight digests" in caplog.text
+    assert weights.digest(path) == _chunked(b"d" * 100, weights.CHUNK_BYTES)
+    doc = json.loads((state / weights.DIGESTS_FILE).read_text())
+    assert list(doc["files"]) == [path]
+
+
+def test_entries_of_the_wrong_shape_are_left_out_and_an_unwritable_table_is_said(
+        tmp_path, fresh_node, caplog):
+    state = tmp_path / "state"
+    state.mkdir()
+    path = _file(tmp_path, "w.safetensors", b"e" * 100)
+    good = {"stat": list(weights._key(os.stat(path))), "sha256": "0" * 64}
+    (state / weights.DIGESTS_FILE).write_text(json.dumps({"version": 1, "files": {
+        path: good, "/a": {"stat": [1, 2, 3], "sha256": "0" * 64},
+        "/b": {"stat": [1, 2, 3, 4, "5"], "sha256": "0" * 64},
+        "/c": {"stat": [1, 2, 3, 4, 5], "sha256": "X" * 64}, "/d": [1], "/e": None}}))
+    weights.remember_in(state)
+    assert set(weights._known) == {path}
+    assert weights.digest(path) == "0" * 64  # what the table says of the same file
+    (state / weights.DIGESTS_FILE).unlink()
+    (state / weights.DIGESTS_FILE).mkdir()  # cannot be replaced: said, the digest still made
+    other = _file(tmp_path, "x.safetensors", b"x" * 10)
+    with caplog.at_level("WARNING", logger="ckpt_controller.fleet"):
+        assert weights.digest(other) == _chunked(b"x" * 10, weights.CHUNK_BYTES)
+    assert "could not keep the weight digests" in caplog.text
+    assert not [p for p in state.iterdir() if p.name.startswith(".")]  # no temporary left

@@ -7,24 +7,29 @@ migration's). The target must read there byte for byte what the source's engine 
 re-wake fails its bit-exact check after the engine was already stopped. So, before anything
 happens to the engine: the target's ``receive`` reads each file and gives its digest
 (``read_all``, ``chunked_sha256``: a file it cannot read fails the receive, and the
-migration stays), and the
-source's ``send`` compares them with its own (``compare``: a difference fails the send before
-the prepare, and the migration stays). Digests are kept per file while its size, inode and
-modification time stay (``digest``), so a second migration does not read it again, and a node
-digests the files of its engines in the background as it first publishes them (``warm``),
-so a source's send finds its own ready.
-Neighbours: ``steps`` (receive, send), ``node`` (``warm``), ``records``
+migration stays), and the source's ``send`` compares them with its own (``compare``: a
+difference fails the send before the prepare, and the migration stays). Digests are kept per
+file while its device, inode, size, modification and change times stay (``digest``), so a
+second migration does not read it again, and a node digests the files of its engines in the
+background as it first publishes them (``warm``), so a source's send finds its own ready. A
+node keeps them in its state dir too (``remember_in``, ``weight-digests.json``): after a
+restart it reads none of those files again (for a model of hundreds of GiB, minutes of disk
+and CPU at every start).
+Neighbours: ``steps`` (receive, send), ``node`` (``warm``, ``remember_in``), ``records``
 (``Migration.reload_files``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import re
 import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from ckpt_controller.errors import OperationError
 from ckpt_controller.vocab import ReleaseLevel
@@ -37,11 +42,19 @@ SAY_ABOVE_BYTES = 1 << 30
 CHUNK_BYTES = 64 << 20
 READ_BYTES = 1 << 20
 
+#: the file in a node's state dir that keeps the digests across restarts (``remember_in``)
+DIGESTS_FILE = "weight-digests.json"
+#: at most this many bytes of it are read, and at most this many files kept in it
+DIGESTS_MAX_BYTES = 8 << 20
+DIGESTS_MAX_FILES = 10_000
+
 _lock = threading.Lock()
-#: path -> ((device, inode, size, mtime_ns), sha256 hex)
-_known: dict[str, tuple[tuple[int, int, int, int], str]] = {}
+#: path -> ((device, inode, size, mtime_ns, ctime_ns), sha256 hex)
+_known: dict[str, tuple[tuple[int, ...], str]] = {}
 #: paths ``warm`` is digesting now
 _warming: set[str] = set()
+#: where ``_known`` is kept (``remember_in``); None: in memory only
+_store: Path | None = None
 
 
 def digest(path: str) -> str:
@@ -53,7 +66,7 @@ def digest(path: str) -> str:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise OperationError(f"{path} is not a regular file", path=path)
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        key = _key(st)
         with _lock:
             known = _known.get(path)
         if known is not None and known[0] == key:
@@ -63,7 +76,75 @@ def digest(path: str) -> str:
         value = chunked_sha256(f.fileno(), st.st_size)
     with _lock:
         _known[path] = (key, value)
+        if _store is not None:
+            _save(_store)
     return value
+
+
+def _key(st: os.stat_result) -> tuple[int, ...]:
+    """What says a file is the one digested: a write changes its times, a new file its
+    inode; the change time cannot be set back by hand."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def remember_in(state_dir: Path) -> None:
+    """Keep the digests in ``<state_dir>/weight-digests.json`` as well, and take the ones
+    it holds (each used only while its file is still the same: ``_key``). A file that is not
+    such a table is said in the log and written afresh: a cache, never a reason for a node
+    not to start."""
+    global _store
+    path = Path(state_dir) / DIGESTS_FILE
+    found = _load(path)
+    with _lock:
+        _store = path
+        for name, entry in found.items():
+            _known.setdefault(name, entry)
+
+
+def _load(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    from ckpt_controller import files
+
+    try:
+        doc = json.loads(files.read_small(path, DIGESTS_MAX_BYTES))
+        entries = doc.get("files") if isinstance(doc, dict) and doc.get("version") == 1 \
+            else None
+        if not isinstance(entries, dict):
+            raise ValueError("no version 1 table of files")
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError, files.UnfitFileError) as err:
+        # policy: a damaged cache: the files are read again as needed, the table made anew
+        log.warning("fleet: %s is not a table of weight digests (%s); the weight files are "
+                    "read again as needed, and it is written afresh", path, err)
+        return {}
+    out = {}
+    for name, entry in list(entries.items())[:DIGESTS_MAX_FILES]:
+        key = entry.get("stat") if isinstance(entry, dict) else None
+        value = entry.get("sha256") if isinstance(entry, dict) else None
+        if (isinstance(key, list) and len(key) == 5 and all(type(k) is int for k in key)
+                and isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)):
+            out[name] = (tuple(key), value)
+    return out
+
+
+def _save(path: Path) -> None:
+    """``_known`` written whole to a temporary name, then renamed over ``path`` (a reader
+    sees the old table or the new). Called under ``_lock``; a failure is said, not raised:
+    the digest was made, only not kept."""
+    kept = dict(list(_known.items())[-DIGESTS_MAX_FILES:])
+    doc = {"version": 1, "files": {name: {"stat": list(key), "sha256": value}
+                                   for name, (key, value) in kept.items()}}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.unlink(missing_ok=True)  # one a killed process of this pid left
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except OSError as err:  # policy: kept in memory; the next digest tries again
+        log.warning("fleet: could not keep the weight digests in %s: %s", path, err)
+        tmp.unlink(missing_ok=True)
 
 
 def chunked_sha256(fd: int, size: int) -> str:
