@@ -9,7 +9,7 @@ no protocol, no engine and no torch (``tests/shape/test_light_imports.py``).
 
 A command line that names its command (``ckptctl fleet migrate ...``) loads and builds only
 that command's module (``COMMANDS``): every ``ckptctl`` start pays for one module, not for
-all of them (about 0.06 s less here). Everything else (``--help`` at the top, ``completion``,
+all of them (0.04 s less here). Everything else (``--help`` at the top, ``completion``,
 a word that is no command) builds the whole tree, and so does any command line the one-module
 parser cannot parse: each parse ends as the whole tree would end it (``_run``). The process
 (``entry``) hands its objects to no last collection at exit (``gc.freeze``).
@@ -47,7 +47,7 @@ MODULES = ("controller_cmds", "images_cmd", "journal_cmd", "describe_cmd", "agen
            "completion")
 #: each command and the module that adds it: a command line naming one builds only that
 #: module's parsers (``completion`` is not here: it walks the whole tree);
-#: ``tests/cli/test_cli.py`` holds this to what the modules add
+#: ``tests/cli/test_one_command_parser.py`` holds this to what the modules add
 COMMANDS = {
     **dict.fromkeys(("serve", "prepare", "capture", "restore", "cycle", "rollback", "status",
                      "history", "watch"), "controller_cmds"),
