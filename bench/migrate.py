@@ -90,8 +90,20 @@ class Nodes(tm.Pair):
     level the source prepares it at."""
 
     def __init__(self, d: Path, model_dir: Path, transport: str, engine_args: list[str],
-                 level: int) -> None:
-        super().__init__(d, model_dir, transport, level=level, engine_args=tuple(engine_args))
+                 level: int, digest_ahead: bool = False) -> None:
+        super().__init__(d, model_dir, transport, level=level, engine_args=tuple(engine_args),
+                         digest_ahead=digest_ahead)
+
+
+def digested_ahead(nodes: Nodes) -> None:
+    """``--digest-ahead``: wait until n2 (``[migration] digest_ahead``) keeps the digest of
+    the weight file m0 re-wakes from, so that the move's receive finds it made."""
+    from support.timing import wait_until
+
+    path = nodes.engine_record()["reload_files"]["weights"]
+    table = nodes.d / "n2" / "state" / "weight-digests.json"
+    wait_until(lambda: table.exists() and path in json.loads(table.read_text())["files"],
+               timeout_s=60, what="n2 digesting m0's weight file ahead")
 
 
 def cold_start(nodes: Nodes) -> dict:
@@ -196,15 +208,17 @@ def ready_at(nodes: Nodes) -> float:
 
 
 def migrate(nodes: Nodes, kept: int, max_tokens: int, follow_after_s: float,
-            level: int) -> dict:
+            level: int, digest_ahead: bool = False) -> dict:
     """The engine moved n1 to n2 under a following client: downtime, the migration's wall
-    time and record."""
+    time and record. ``digest_ahead``: first waits for n2's digest of its weight file."""
     from ckpt_controller.engine.client import EngineClient
     from ckpt_controller.fleet.registry import Resolver
 
     nodes.start_engine()
     wait_until(lambda: nodes.running_on("n1"), timeout_s=60, every_s=0.2,
                what="m0 RUNNING on n1 in the registry")
+    if digest_ahead:
+        digested_ahead(nodes)
     with EngineClient.for_engine("m0", Resolver(nodes.url),
                                 follow_after_s=follow_after_s) as client:
         stream = Stream(client, kept, max_tokens)
@@ -432,12 +446,13 @@ def engine_args(args) -> list[str]:
 
 def one_repeat(base: Path, model_dir: Path, transport: str, args, count_cold: bool) -> dict:
     d = Path(tempfile.mkdtemp(prefix=f"{transport[:2]}-", dir=base))
-    nodes = Nodes(d, model_dir, transport, engine_args(args), args.level)
+    nodes = Nodes(d, model_dir, transport, engine_args(args), args.level, args.digest_ahead)
     try:
         if not count_cold:  # the run's first: it writes the weight file
             cold_start(nodes)
         cold = cold_start(nodes)
-        moved = migrate(nodes, args.kept, args.max_tokens, args.follow_after, args.level)
+        moved = migrate(nodes, args.kept, args.max_tokens, args.follow_after, args.level,
+                        args.digest_ahead)
         img = image(moved["migration"])
         parts, hooks = phases(nodes)
         times = timeline(moved["op"], moved["migration"], moved["migrate_s"],
@@ -507,7 +522,7 @@ def measure(args) -> dict:
                       f"{r['image_bytes'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
     return {"model_args": engine_args(args), "level": args.level, "kept": args.kept,
             "follow_after_s": args.follow_after, "repeat": args.repeat,
-            "transports": summarize(runs)}
+            "digest_ahead": args.digest_ahead, "transports": summarize(runs)}
 
 
 def print_tables(res: dict) -> None:
@@ -515,7 +530,8 @@ def print_tables(res: dict) -> None:
     mib = 2**20
     n = res["repeat"]
     table(f"downtime of a kept request against a cold start on the target (median of {n}; "
-          f"{' '.join(res['model_args'])}, level {res['level']})",
+          f"{' '.join(res['model_args'])}, level {res['level']}"
+          f"{', digest_ahead' if res.get('digest_ahead') else ''})",
           ["transport", "downtime s", "cold start s", "downtime / cold", "cold: ready s",
            "migration s", "migration / downtime", "recorded / downtime",
            "client moved, after ready s",
@@ -580,6 +596,9 @@ def main() -> int:
     p.add_argument("--follow-after", type=float, default=1.0,
                    help="the client's follow_after_s: silence before it looks the engine up "
                         "again without its registry watch (default 1, the client's)")
+    p.add_argument("--digest-ahead", action="store_true",
+                   help="the nodes' [migration] digest_ahead: n2 digests the weight file "
+                        "before the move is asked for (waited for), so the receive reads none")
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="run in DIR and leave it (the nodes' logs and images, etcd's); a "
                         "short path")

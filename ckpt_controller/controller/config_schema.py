@@ -154,6 +154,7 @@ class MigrationTable(_Table):
         description='"page-server" or "shared"')] | UnsetType = UNSET
     shared_dir: Text | UnsetType = UNSET
     page_server_port: Port | UnsetType = UNSET
+    digest_ahead: Flag | UnsetType = UNSET
 
 
 class JournalTable(_Table):

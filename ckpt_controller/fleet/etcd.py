@@ -331,6 +331,14 @@ class Etcd:
         return self.kvs(self.call("kv/range", {"key": _b64(prefix),
                                                 "range_end": _b64(prefix_end(prefix))}))
 
+    def changed_since(self, prefix: str, revision: int) -> tuple[list[KeyValue], int]:
+        """The keys starting with ``prefix`` written after ``revision`` (all with 0), and
+        the revision etcd answered at: to be given back the next time, so that a reader that
+        looks again and again gets only what changed."""
+        reply = self.call("kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
+                                       "min_mod_revision": str(revision + 1)})
+        return self.kvs(reply), int(reply.get("header", {}).get("revision", revision))
+
     def put(self, key: str, value: str | bytes, lease: int = 0) -> None:
         self.call("kv/put", put_op(key, value, lease)["request_put"])
 

@@ -86,6 +86,10 @@ class FleetNode:
         self._endpoints: dict[str, tuple[dict, dict]] = {}
         self._pid_ns: dict[int | None, bool | None] = {}  # engine PID -> own PID namespace
         self._gc_at = 0.0  # when the coordinator next forgets old operations (fleet.gc)
+        #: ``[migration] digest_ahead``: the fleet's weight files, digested ahead here
+        self._ahead = weights.Ahead(self.etcd, self.keys, self.fleet.node) \
+            if config.migration.digest_ahead else None
+        self._ahead_at = 0.0  # when it next looks at them
         self._stop = threading.Event()
         self._nudge = threading.Event()
         self._publishing = threading.Lock()
@@ -267,6 +271,9 @@ class FleetNode:
             self.migration.fence.in_touch()  # copies stopped while etcd was away
         if self.migration is not None and self.rounds % 8 == 0:
             self.migration.settle()  # migrations that ended while this node was away
+        if self._ahead is not None and time.monotonic() >= self._ahead_at:
+            self._ahead_at = time.monotonic() + weights.AHEAD_EVERY_S
+            self._ahead.look()
         self.fleet_work()
 
     def fleet_work(self) -> None:

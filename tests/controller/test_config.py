@@ -118,6 +118,8 @@ def test_defaults(tmp_path):
     assert cfg.defaults == PrepareDefaults("wait", "abort", 2, None, None)
     assert cfg.engines == ()
     assert not cfg.state_dir.exists()  # the server creates it, not the parser
+    assert cfg.migration.digest_ahead is False  # only its own engines' files, unless asked
+    assert parse_config("[migration]\ndigest_ahead = true\n").migration.digest_ahead is True
 
 
 def test_state_dir_without_xdg(tmp_path, monkeypatch):
@@ -274,6 +276,7 @@ BAD = [
     ("[migration]\npage_server_port = 65536\n", "migration.page_server_port", "0..65535"),
     ("[migration]\npage_server = 7000\n", "migration.page_server",
      "did you mean 'page_server_port'"),
+    ("[migration]\ndigest_ahead = \"yes\"\n", "migration.digest_ahead", "true or false"),
 ]
 
 

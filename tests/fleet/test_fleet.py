@@ -926,3 +926,21 @@ def test_a_paused_node_keeps_its_name_and_engines_from_a_second_controller(etcd,
     for bad in ("", "a/b", "x" * 65):  # no node could have such a name: a usage error
         out = fleet(etcd, "forget-node", bad)
         assert out.returncode == 2 and "must be 1-64 letters" in out.stderr, out.stderr
+
+
+def test_changed_since_gives_only_what_was_written_after_the_revision(etcd):
+    """``Etcd.changed_since`` (``[migration] digest_ahead`` reads the engines' records with
+    it): etcd's ``min_mod_revision`` through its JSON gateway."""
+    with etcd.client() as c:
+        c.put("/t/engines/a", "1")
+        c.put("/t/engines/b", "1")
+        c.put("/t/other", "1")
+        kvs, rev = c.changed_since("/t/engines/", 0)
+        assert [kv.key for kv in kvs] == ["/t/engines/a", "/t/engines/b"]
+        assert c.changed_since("/t/engines/", rev) == ([], rev)
+        c.put("/t/engines/a", "2")
+        c.put("/t/engines/c", "1")
+        kvs, after = c.changed_since("/t/engines/", rev)
+        assert [(kv.key, kv.value) for kv in kvs] == [("/t/engines/a", b"2"),
+                                                       ("/t/engines/c", b"1")]
+        assert after == rev + 2

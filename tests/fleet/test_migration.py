@@ -42,10 +42,12 @@ class Pair:
 
     def __init__(self, d: Path, model_dir: Path, transport: str,
                  coordinator: bool = False, level: int = 2,
-                 engine_args: tuple[str, ...] = (), ttl: int = TTL_S) -> None:
+                 engine_args: tuple[str, ...] = (), ttl: int = TTL_S,
+                 digest_ahead: bool = False) -> None:
         """``level``: the nodes' default release level; ``engine_args``: more options for
-        every engine started (``--model small``, say); ``ttl``: the nodes' lease TTL."""
-        self.ttl = ttl
+        every engine started (``--model small``, say); ``ttl``: the nodes' lease TTL;
+        ``digest_ahead``: the nodes' ``[migration] digest_ahead``."""
+        self.ttl, self.digest_ahead = ttl, digest_ahead
         tag = run_tag()
         self.d, self.model_dir = d, model_dir
         self.held: list[int] = []  # the pause hooks' FIFOs, open for writing (go)
@@ -82,7 +84,8 @@ class Pair:
     def toml(self, node: str, transport: str) -> str:
         out = (f'[defaults]\ndrain = "keep"\nlevel = {self.level}\n\n'
                + node_toml(self.etcd, node, ttl=self.ttl, address=self.addr[node])
-               + f'\n[migration]\nimage_transport = "{transport}"\nshared_dir = "{self.shared}"\n')
+               + f'\n[migration]\nimage_transport = "{transport}"\nshared_dir = "{self.shared}"\n'
+               + ("digest_ahead = true\n" if self.digest_ahead else ""))
         if node == "n1":
             out += self.engine_table()
         return out
@@ -262,13 +265,23 @@ def test_an_engine_moves_to_another_node_under_load_and_loses_nothing(tmp_path,
     from ckpt_controller.engine.client import EngineClient
     from ckpt_controller.fleet.registry import Resolver
 
-    pair = Pair(tmp_path, model_dir_private, transport)
+    # one of the two with [migration] digest_ahead: n2 digests n1's engine's weight file
+    # before any move is asked for; without it, only in the migration's receive
+    ahead = transport == "shared"
+    pair = Pair(tmp_path, model_dir_private, transport, digest_ahead=ahead)
     try:
         pair.start_engine()
         wait_until(lambda: pair.running_on("n1"), timeout_s=30, every_s=0.2,
                    what="m0 RUNNING on n1 in the registry")
         rec = pair.engine_record()
         assert rec["endpoints"]["api"] == f"tcp://{pair.addr['n1']}:{API_PORT}"
+        n2_digests = pair.d / "n2" / "state" / "weight-digests.json"
+        if ahead:
+            wait_until(lambda: n2_digests.exists() and rec["reload_files"]["weights"] in
+                       json.loads(n2_digests.read_text())["files"], timeout_s=60,
+                       what="n2 digesting n1's engine's weight file ahead")
+        else:
+            assert not n2_digests.exists()
         before = pair.engine_pids()
         # the kept requests are sent once the migration's prepare is about to drain (a hook
         # at pre-prepare waits for them): sent before the migration, on a loaded machine

@@ -67,6 +67,100 @@ def test_a_node_digests_its_engines_files_ahead_and_a_send_reads_none(tmp_path,
     assert not weights._warming
 
 
+class _Registry:
+    """What ``Ahead`` asks of etcd: the engines' records written after a revision."""
+
+    def __init__(self) -> None:
+        self.kvs: list = []
+        self.asked: list[int] = []
+
+    def add(self, *records) -> None:
+        from ckpt_controller.fleet import records as r
+        from ckpt_controller.fleet.etcd import KeyValue
+
+        for rec in records:
+            rev = len(self.kvs) + 1
+            self.kvs.append(KeyValue(key=f"/ckpt/engines/{rev}", value=(
+                rec if isinstance(rec, bytes) else r.encode(rec)), create_revision=rev,
+                mod_revision=rev, lease=0))
+
+    def changed_since(self, prefix, revision):
+        assert prefix == "/ckpt/engines/"
+        self.asked.append(revision)
+        return [kv for kv in self.kvs if kv.mod_revision > revision], len(self.kvs)
+
+
+def _engine(name: str, node: str, **files) -> object:
+    from ckpt_controller.fleet.records import EngineRecord
+
+    return EngineRecord(engine=name, node=node, state=None, generation=None, holder=None,
+                        last_op=None, labels={}, endpoints={}, reload_files=files,
+                        reachable=True, pid=None, since=None, own_pid_namespace=None,
+                        updated=0.0)
+
+
+def test_digest_ahead_reads_the_fleets_files_held_here_again_only_when_they_change(
+        tmp_path, fresh_node, monkeypatch, caplog):
+    from ckpt_controller.fleet.keys import Keys
+    from support.timing import wait_until
+
+    theirs = _file(tmp_path, "theirs.safetensors", b"t" * 3000)
+    shared = _file(tmp_path, "shared.safetensors", b"s" * 2000)
+    mine = _file(tmp_path, "mine.safetensors", b"m" * 1000)
+    later = _file(tmp_path, "later.safetensors", b"l" * 500)
+    (tmp_path / "a-dir").mkdir()
+    (tmp_path / "kcore-link").symlink_to("/proc/kcore")  # the machine's memory, 128 TiB
+    monkeypatch.chdir(tmp_path)
+    registry = _Registry()
+    registry.add(
+        _engine("a", "n1", weights=theirs), _engine("b", "n3", weights=shared, lora=shared),
+        _engine("c", "n2", weights=mine),  # this node's own: digested as it publishes them
+        _engine("d", "n1", weights=str(tmp_path / "not-here.safetensors"),
+                folder=str(tmp_path / "a-dir"), nul="x\x00y", kcore="/proc/kcore",
+                relative="theirs.safetensors", link=str(tmp_path / "kcore-link")),
+        b"{not a record",  # damaged: ``fleet status`` says it; left out here
+    )
+    ahead = weights.Ahead(registry, Keys("/ckpt"), "n2")
+    reads = []
+    real = weights.chunked_sha256
+    monkeypatch.setattr(weights, "chunked_sha256",
+                        lambda fd, size: reads.append(size) or real(fd, size))
+
+    def looked(n: int) -> None:
+        ahead.look()
+        wait_until(lambda: len(reads) == n and not weights._warming,
+                   what="the fleet's files digested in the background")
+
+    # the two regular files here; not tried: the missing one, the folder, the NUL, the
+    # kernel's files (named, or through a link), a relative path
+    looked(2)
+    assert sorted(reads) == [2000, 3000] and sorted(weights._known) == sorted([theirs, shared])
+    assert ahead.files == {theirs, shared, str(tmp_path / "not-here.safetensors"),
+                           str(tmp_path / "a-dir"), "x\x00y", "/proc/kcore",
+                           "theirs.safetensors", str(tmp_path / "kcore-link")}
+    ahead.look()  # nothing written, no file changed: nothing read
+    assert not weights._warming and len(reads) == 2 and registry.asked == [0, 5]
+    assert sorted(weights._known) == sorted([theirs, shared])
+    registry.add(_engine("e", "n3", weights=later))
+    looked(3)  # only the record written since
+    assert reads[-1] == 500 and registry.asked[-1] == 5
+    with open(theirs, "ab") as f:  # a new version of the model at the same path
+        f.write(b"+")
+    weights.warm([theirs])  # as for its own engines: known, not looked at again
+    assert not weights._warming and len(reads) == 3
+    looked(4)  # its stat looked at again: read again
+    assert reads[-1] == 3001 and weights.digest(theirs) == _chunked(b"t" * 3000 + b"+",
+                                                                    weights.CHUNK_BYTES)
+    monkeypatch.setattr(weights, "AHEAD_MAX_FILES", 10)
+    registry.add(_engine("f", "n1", x=str(tmp_path / "x"), y=str(tmp_path / "y")),
+                 _engine("g", "n1", z=str(tmp_path / "z")))
+    ahead.look()
+    assert len(ahead.files) == 10 and str(tmp_path / "x") in ahead.files
+    assert [r.message for r in caplog.records if "digest_ahead" in r.message] == [
+        "fleet: the fleet's engines re-wake from more than 10 files; digest_ahead digests "
+        "only the first 10 seen"]
+
+
 def test_what_the_target_cannot_read_is_named_and_a_fifo_never_blocks(tmp_path):
     missing = str(tmp_path / "gone.safetensors")
     with pytest.raises(OperationError) as err:

@@ -11,12 +11,14 @@ migration stays), and the source's ``send`` compares them with its own (``compar
 difference fails the send before the prepare, and the migration stays). Digests are kept per
 file while its device, inode, size, modification and change times stay (``digest``), so a
 second migration does not read it again, and a node digests the files of its engines in the
-background as it first publishes them (``warm``), so a source's send finds its own ready. A
+background as it first publishes them (``warm``), so a source's send finds its own ready;
+with ``[migration] digest_ahead``, also the files of the fleet's other engines that it holds
+at the same path (``Ahead``), so a target's receive finds its own ready too. A
 node keeps them in its state dir too (``remember_in``, ``weight-digests.json``): after a
 restart it reads none of those files again (for a model of hundreds of GiB, minutes of disk
 and CPU at every start).
-Neighbours: ``steps`` (receive, send), ``node`` (``warm``, ``remember_in``), ``records``
-(``Migration.reload_files``).
+Neighbours: ``steps`` (receive, send), ``node`` (``warm``, ``Ahead``, ``remember_in``),
+``records`` (``Migration.reload_files``, ``EngineRecord.reload_files``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ DIGESTS_FILE = "weight-digests.json"
 #: at most this many bytes of it are read, and at most this many files kept in it
 DIGESTS_MAX_BYTES = 8 << 20
 DIGESTS_MAX_FILES = 10_000
+#: ``[migration] digest_ahead`` (``Ahead``): how often a node looks for the fleet's weight
+#: files, and how many it digests ahead at most (a tenth of what the table keeps)
+AHEAD_EVERY_S = 2.0
+AHEAD_MAX_FILES = 1_000
 
 _lock = threading.Lock()
 #: path -> ((device, inode, size, mtime_ns, ctime_ns), sha256 hex)
@@ -168,12 +174,14 @@ def chunked_sha256(fd: int, size: int) -> str:
     return hashlib.sha256(b"".join(digests) + size.to_bytes(8, "little")).hexdigest()
 
 
-def warm(paths) -> None:
+def warm(paths, recheck: bool = False) -> None:
     """Digest ``paths`` on a thread of its own at a low priority, those not known yet: a node
     does so for the files its engines re-wake from as it first publishes them, so that a
     migration's send finds the source's digests ready (0.2 s of its own here, with the
-    engine generating on both cores, for the small reference model's 264 MiB)."""
-    todo = [p for p in paths if p not in _known and p not in _warming]
+    engine generating on both cores, for the small reference model's 264 MiB).
+    ``recheck`` (``Ahead``): also those whose kept digest is of an older version of
+    the file; a path that is not a regular file here is left alone."""
+    todo = [p for p in paths if p not in _warming and _stale(p, recheck)]
     if not todo:
         return
     _warming.update(todo)
@@ -192,6 +200,62 @@ def warm(paths) -> None:
                 _warming.discard(path)
 
     threading.Thread(target=run, name="weights-digest", daemon=True).start()
+
+
+def _stale(path: str, recheck: bool) -> bool:
+    """Whether ``warm`` digests ``path``: none kept (``recheck``: or one of another version
+    of the file, and the file is here: an absolute path to a regular file, none of the
+    kernel's, whatever another node's record names)."""
+    known = _known.get(path)
+    if not recheck:
+        return known is None
+    try:
+        if not os.path.isabs(path) or os.path.realpath(path).startswith(_KERNELS):
+            return False
+        st = os.stat(path)
+    except (OSError, ValueError):  # policy: not here (or no path): nothing to digest ahead
+        return False
+    return stat.S_ISREG(st.st_mode) and (known is None or known[0] != _key(st))
+
+
+#: where no model file lives (``/proc/kcore`` is a regular file of the machine's memory)
+_KERNELS = ("/proc/", "/sys/", "/dev/")
+
+
+class Ahead:
+    """``[migration] digest_ahead``: the files the fleet's engines on other nodes re-wake
+    from (their records' ``reload_files``), digested by ``warm`` where this node holds them
+    at the same path, so that a level-2 move here reads none of them in its receive. Each
+    ``look`` reads only the records written since the last (``Etcd.changed_since``) and
+    looks at each file's ``stat`` again (a new version of a model at the same path is read
+    again). At most ``AHEAD_MAX_FILES`` files (said once); a record it cannot read is left
+    out (``fleet status`` lists it)."""
+
+    def __init__(self, etcd, keys, node: str) -> None:
+        self.etcd, self.keys, self.node = etcd, keys, node
+        self.revision = 0
+        self.files: set[str] = set()
+        self._said_capped = False
+
+    def look(self) -> None:
+        from ckpt_controller.errors import DamagedRecordError
+        from ckpt_controller.fleet import records
+
+        kvs, self.revision = self.etcd.changed_since(self.keys.engines, self.revision)
+        for kv in kvs:
+            try:
+                rec = records.decode(records.EngineRecord, kv.value, kv.key)
+            except DamagedRecordError:  # policy: not this node's to say; ``fleet status`` is
+                continue
+            new = set(rec.reload_files.values()) - self.files if rec.node != self.node else ()
+            room = AHEAD_MAX_FILES - len(self.files)
+            if len(new) > room and not self._said_capped:
+                log.warning("fleet: the fleet's engines re-wake from more than %d files; "
+                            "digest_ahead digests only the first %d seen", AHEAD_MAX_FILES,
+                            AHEAD_MAX_FILES)
+                self._said_capped = True
+            self.files.update(sorted(new)[:max(0, room)])
+        warm(sorted(self.files), recheck=True)
 
 
 def read_all(files: dict[str, str], node: str, engine: str) -> dict[str, str]:
