@@ -89,7 +89,6 @@ class FleetNode:
         #: ``[migration] digest_ahead``: the fleet's weight files, digested ahead here
         self._ahead = weights.Ahead(self.etcd, self.keys, self.fleet.node) \
             if config.migration.digest_ahead else None
-        self._ahead_at = 0.0  # when it next looks at them
         self._stop = threading.Event()
         self._nudge = threading.Event()
         self._publishing = threading.Lock()
@@ -121,6 +120,9 @@ class FleetNode:
         self._thread = threading.Thread(target=self._run, name="fleet-node", daemon=True)
         self._thread.start()
         threading.Thread(target=self._keep_lease, name="fleet-lease", daemon=True).start()
+        if self._ahead is not None:  # its own thread: the rounds never wait for its reads
+            threading.Thread(target=self._ahead.run, args=(self._stop,),
+                             name="fleet-digest-ahead", daemon=True).start()
         return self
 
     def _keep_lease(self) -> None:
@@ -271,9 +273,6 @@ class FleetNode:
             self.migration.fence.in_touch()  # copies stopped while etcd was away
         if self.migration is not None and self.rounds % 8 == 0:
             self.migration.settle()  # migrations that ended while this node was away
-        if self._ahead is not None and time.monotonic() >= self._ahead_at:
-            self._ahead_at = time.monotonic() + weights.AHEAD_EVERY_S
-            self._ahead.look()
         self.fleet_work()
 
     def fleet_work(self) -> None:

@@ -223,8 +223,11 @@ def test_a_node_keeps_the_digests_in_its_state_dir_across_a_restart(tmp_path, fr
     doc = json.loads((state / weights.DIGESTS_FILE).read_text())
     assert doc["version"] == 1 and doc["files"][path]["sha256"] == want
     assert oct((state / weights.DIGESTS_FILE).stat().st_mode & 0o777) == "0o600"
-    fresh_node()  # the node restarts
+    fresh_node()  # the node restarts, after one of its processes was killed while saving
+    left = state / f".{weights.DIGESTS_FILE}.{os.getpid() + 1}"
+    left.write_text('{"version": 1, "files": {')
     weights.remember_in(state)
+    assert not left.exists()  # removed at the start
     reads = []
     real = weights.chunked_sha256
     monkeypatch.setattr(weights, "chunked_sha256",
@@ -282,3 +285,37 @@ def test_entries_of_the_wrong_shape_are_left_out_and_an_unwritable_table_is_said
         assert weights.digest(other) == _chunked(b"x" * 10, weights.CHUNK_BYTES)
     assert "could not keep the weight digests" in caplog.text
     assert not [p for p in state.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_digest_ahead_looks_again_after_etcd_was_away_and_ends_with_the_node(
+        tmp_path, fresh_node, monkeypatch):
+    import threading
+
+    from ckpt_controller.errors import UnreachableError
+    from ckpt_controller.fleet.keys import Keys
+    from support.timing import wait_until
+
+    path = _file(tmp_path, "there.safetensors", b"a" * 700)
+    registry = _Registry()
+    registry.add(_engine("a", "n1", weights=path))
+    real, calls = registry.changed_since, []
+
+    def flaky(prefix, revision):
+        calls.append(revision)
+        if len(calls) <= 2:  # etcd away for the first two looks
+            raise UnreachableError("no etcd member answered")
+        return real(prefix, revision)
+
+    registry.changed_since = flaky
+    monkeypatch.setattr(weights, "AHEAD_EVERY_S", 0.01)
+    stop = threading.Event()
+    looks = threading.Thread(target=weights.Ahead(registry, Keys("/ckpt"), "n2").run,
+                             args=(stop,))
+    looks.start()
+    try:
+        wait_until(lambda: path in weights._known, what="the file digested once etcd answers")
+    finally:
+        stop.set()
+        looks.join(timeout=10)
+    assert not looks.is_alive()
+    assert calls[:3] == [0, 0, 0]  # nothing missed while etcd was away

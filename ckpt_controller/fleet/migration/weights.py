@@ -97,9 +97,13 @@ def remember_in(state_dir: Path) -> None:
     """Keep the digests in ``<state_dir>/weight-digests.json`` as well, and take the ones
     it holds (each used only while its file is still the same: ``_key``). A file that is not
     such a table is said in the log and written afresh: a cache, never a reason for a node
-    not to start."""
+    not to start. Temporaries that an earlier process killed while saving left (``_save``:
+    ``.weight-digests.json.<pid>``) are removed: the state dir is this node's alone."""
     global _store
     path = Path(state_dir) / DIGESTS_FILE
+    for left in Path(state_dir).glob(f".{DIGESTS_FILE}.*"):
+        if left.name != f".{DIGESTS_FILE}.{os.getpid()}":
+            left.unlink(missing_ok=True)
     found = _load(path)
     with _lock:
         _store = path
@@ -181,10 +185,11 @@ def warm(paths, recheck: bool = False) -> None:
     engine generating on both cores, for the small reference model's 264 MiB).
     ``recheck`` (``Ahead``): also those whose kept digest is of an older version of
     the file; a path that is not a regular file here is left alone."""
-    todo = [p for p in paths if p not in _warming and _stale(p, recheck)]
+    with _lock:  # the node's thread and ``Ahead``'s: each path digested by one of them
+        todo = [p for p in paths if p not in _warming and _stale(p, recheck)]
+        _warming.update(todo)
     if not todo:
         return
-    _warming.update(todo)
 
     def run() -> None:
         try:
@@ -229,13 +234,27 @@ class Ahead:
     ``look`` reads only the records written since the last (``Etcd.changed_since``) and
     looks at each file's ``stat`` again (a new version of a model at the same path is read
     again). At most ``AHEAD_MAX_FILES`` files (said once); a record it cannot read is left
-    out (``fleet status`` lists it)."""
+    out (``fleet status`` lists it). The node runs it on a thread of its own (``run``)."""
 
     def __init__(self, etcd, keys, node: str) -> None:
         self.etcd, self.keys, self.node = etcd, keys, node
         self.revision = 0
         self.files: set[str] = set()
         self._said_capped = False
+
+    def run(self, stop: threading.Event) -> None:
+        """``look`` every ``AHEAD_EVERY_S`` until ``stop``, on the caller's thread (the
+        node's thread of its own)."""
+        from ckpt_controller.errors import CkptError
+
+        while not stop.is_set():
+            try:
+                self.look()
+            except CkptError as err:  # policy: etcd away: the fleet's thread says so
+                log.debug("fleet: no look at the fleet's weight files: %s", err)
+            except Exception:  # policy: a bug here must not end the looks for good
+                log.exception("fleet: looking at the fleet's weight files failed")
+            stop.wait(AHEAD_EVERY_S)
 
     def look(self) -> None:
         from ckpt_controller.errors import DamagedRecordError
