@@ -98,8 +98,6 @@ class Nodes(tm.Pair):
 def digested_ahead(nodes: Nodes) -> None:
     """``--digest-ahead``: wait until n2 (``[migration] digest_ahead``) keeps the digest of
     the weight file m0 re-wakes from, so that the move's receive finds it made."""
-    from support.timing import wait_until
-
     path = nodes.engine_record()["reload_files"]["weights"]
     table = nodes.d / "n2" / "state" / "weight-digests.json"
     wait_until(lambda: table.exists() and path in json.loads(table.read_text())["files"],

@@ -166,7 +166,7 @@ class MigrationConfig:
     #: the target's page server listens here (0: a free port, chosen per migration)
     page_server_port: int = 0
     #: digest, in the background, the weight files of every engine in the fleet that this
-    #: node holds at the same path, not only its own engines' (``weights.ahead``): a
+    #: node holds at the same path, not only its own engines' (``weights.Ahead``): a
     #: level-2 move here then reads none of them in its receive; each file once per change
     digest_ahead: bool = False
 

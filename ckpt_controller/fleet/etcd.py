@@ -48,6 +48,12 @@ IDLE_CONNECTIONS = 4
 MAX_ANSWER_BYTES = 256 << 20
 #: a watch's stream is read a line (one message) at a time, at most this much at once
 MAX_LINE_BYTES = 1 << 20
+#: a watch's stream is silent while nothing changes; TCP's keepalive tells that from a member
+#: cut off without a word (a partition drops its packets, no reset comes), which held the
+#: watch for ever, every change then waiting for the rounds of whoever watched: after this
+#: many seconds of silence a probe, then one every interval, and after that many unanswered
+#: the stream fails (25 s) and is made again on the next member
+WATCH_KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
 #: HTTP statuses of a member that cannot answer now, tried on the next one: an internal
 #: error (no leader), unavailable (stopping), a request or gateway timeout
 MEMBER_AWAY = frozenset({500, 503, 408, 504})
@@ -363,8 +369,9 @@ class Etcd:
               stop: threading.Event, retry_s: float = 0.5) -> None:
         """Until ``stop`` is set: call ``on_event()`` whenever keys in ``[key, range_end)``
         change, through a watch stream on the first member that takes one; a stream that
-        ends or fails is made again (on the next member), and ``on_event`` is called then
-        too, since changes may have been missed meanwhile. Blocks: run it on a thread."""
+        ends or fails (a member gone without a word too: ``WATCH_KEEPALIVE``) is made again
+        (on the next member), and ``on_event`` is called then too, since changes may have
+        been missed meanwhile. Blocks: run it on a thread."""
         body = json.dumps({"create_request": {"key": _b64(key),
                                               "range_end": _b64(range_end)}}).encode()
         index = 0
@@ -380,7 +387,8 @@ class Etcd:
                 resp = conn.getresponse()
                 if resp.status != 200:
                     raise OSError(f"watch refused: HTTP {resp.status}")
-                conn.sock.settimeout(None)  # a quiet stream is a healthy one
+                conn.sock.settimeout(None)  # a quiet stream is a healthy one, while its
+                keep_alive(conn.sock)  # member answers TCP's keepalive probes
                 on_event()  # (re)made: what changed while there was none is looked at
                 while not stop.is_set():
                     line = resp.readline(MAX_LINE_BYTES)
@@ -415,6 +423,15 @@ class Etcd:
         except EtcdRefusedError as err:  # policy: a lease already gone is what revoke wanted
             if "lease not found" not in err.message:
                 raise
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive on ``sock`` as ``WATCH_KEEPALIVE`` says (those options this system
+    has)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in WATCH_KEEPALIVE.items():
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _from_etcd(text: str) -> bool:

@@ -274,6 +274,53 @@ def test_the_watch_calls_back_per_change_and_ends_at_close():
         server.close()
 
 
+def test_a_quiet_watch_stays_and_its_member_is_probed_by_tcp_keepalive():
+    """A member cut off without a word (a partition: no reset, no data) once held a watch for
+    ever. The stream's socket sends TCP keepalive probes (``WATCH_KEEPALIVE``: it fails 25 s
+    after the member stops answering them, seen here with a veth link taken down); a quiet
+    stream whose member answers them stays as it is."""
+    posts = []
+
+    class Silent(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            posts.append(time.monotonic())
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            line = b'{"result":{"header":{},"created":true}}\n'
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            self.wfile.flush()
+            time.sleep(60)  # then nothing, and the connection stays
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = LocalHttp(Silent)
+    events, stop = [], threading.Event()
+    c = Etcd([server.url])
+    t = threading.Thread(target=c.watch, args=("a", "b", lambda: events.append(1), stop))
+    try:
+        t.start()
+        wait_until(lambda: events and c._streams, what="the stream made")
+        (conn,) = c._streams
+        sock = conn.sock
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert {name: sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, name))
+                for name in etcd.WATCH_KEEPALIVE} == {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5,
+                                                      "TCP_KEEPCNT": 3}
+        time.sleep(0.5)
+        assert len(posts) == 1 and events == [1]  # quiet, and left alone
+    finally:
+        stop.set()
+        c.close()
+        t.join(timeout=scaled(5))
+        server.close()
+    assert not t.is_alive()
+
+
 def test_urls_and_tls_files_are_checked_up_front(tmp_path):
     for bad in ("etcd:2379", "ftp://h:1", "http://h", "http://h:notaport"):
         with pytest.raises(UsageError, match="not an etcd client URL"):

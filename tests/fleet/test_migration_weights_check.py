@@ -73,21 +73,22 @@ class _Registry:
     def __init__(self) -> None:
         self.kvs: list = []
         self.asked: list[int] = []
+        self.revision = 0  # etcd's: one more at each write
 
     def add(self, *records) -> None:
         from ckpt_controller.fleet import records as r
         from ckpt_controller.fleet.etcd import KeyValue
 
         for rec in records:
-            rev = len(self.kvs) + 1
-            self.kvs.append(KeyValue(key=f"/ckpt/engines/{rev}", value=(
-                rec if isinstance(rec, bytes) else r.encode(rec)), create_revision=rev,
-                mod_revision=rev, lease=0))
+            self.revision += 1
+            self.kvs.append(KeyValue(key=f"/ckpt/engines/{self.revision}", value=(
+                rec if isinstance(rec, bytes) else r.encode(rec)),
+                create_revision=self.revision, mod_revision=self.revision, lease=0))
 
     def changed_since(self, prefix, revision):
         assert prefix == "/ckpt/engines/"
         self.asked.append(revision)
-        return [kv for kv in self.kvs if kv.mod_revision > revision], len(self.kvs)
+        return [kv for kv in self.kvs if kv.mod_revision > revision], self.revision
 
 
 def _engine(name: str, node: str, **files) -> object:
@@ -120,6 +121,7 @@ def test_digest_ahead_reads_the_fleets_files_held_here_again_only_when_they_chan
                 relative="theirs.safetensors", link=str(tmp_path / "kcore-link")),
         b"{not a record",  # damaged: ``fleet status`` says it; left out here
     )
+    monkeypatch.setattr(weights, "AHEAD_SETTLED_S", 0.0)  # just written: settled already
     ahead = weights.Ahead(registry, Keys("/ckpt"), "n2")
     reads = []
     real = weights.chunked_sha256
@@ -135,9 +137,9 @@ def test_digest_ahead_reads_the_fleets_files_held_here_again_only_when_they_chan
     # kernel's files (named, or through a link), a relative path
     looked(2)
     assert sorted(reads) == [2000, 3000] and sorted(weights._known) == sorted([theirs, shared])
-    assert ahead.files == {theirs, shared, str(tmp_path / "not-here.safetensors"),
-                           str(tmp_path / "a-dir"), "x\x00y", "/proc/kcore",
-                           "theirs.safetensors", str(tmp_path / "kcore-link")}
+    assert ahead.files == sorted({theirs, shared, str(tmp_path / "not-here.safetensors"),
+                                  str(tmp_path / "a-dir"), "x\x00y", "/proc/kcore",
+                                  "theirs.safetensors", str(tmp_path / "kcore-link")})
     ahead.look()  # nothing written, no file changed: nothing read
     assert not weights._warming and len(reads) == 2 and registry.asked == [0, 5]
     assert sorted(weights._known) == sorted([theirs, shared])
@@ -151,14 +153,57 @@ def test_digest_ahead_reads_the_fleets_files_held_here_again_only_when_they_chan
     looked(4)  # its stat looked at again: read again
     assert reads[-1] == 3001 and weights.digest(theirs) == _chunked(b"t" * 3000 + b"+",
                                                                     weights.CHUNK_BYTES)
-    monkeypatch.setattr(weights, "AHEAD_MAX_FILES", 10)
-    registry.add(_engine("f", "n1", x=str(tmp_path / "x"), y=str(tmp_path / "y")),
-                 _engine("g", "n1", z=str(tmp_path / "z")))
+    # a file being copied in (modified just now) waits until it settled
+    monkeypatch.setattr(weights, "AHEAD_SETTLED_S", 3600.0)
+    with open(theirs, "ab") as f:
+        f.write(b"-")
     ahead.look()
-    assert len(ahead.files) == 10 and str(tmp_path / "x") in ahead.files
+    assert not weights._warming and len(reads) == 4
+    monkeypatch.setattr(weights, "AHEAD_SETTLED_S", 0.0)
+    # a record deleted: its files let go at the next full read (a deletion is no write)
+    registry.kvs = [kv for kv in registry.kvs if b"later.safetensors" not in kv.value]
+    registry.revision += 1
+    ahead.look()
+    assert later in ahead.files  # not seen yet
+    monkeypatch.setattr(ahead, "_full_at", 0.0)
+    looked(5)  # the full read, and ``theirs`` (now settled) read again
+    assert later not in ahead.files and registry.asked[-1] == 0
+    # etcd made anew (its revision went back): everything read again
+    registry.kvs, registry.revision = registry.kvs[:1], 1
+    ahead.look()
+    assert ahead.files == [theirs] and ahead.revision == 1 and registry.asked[-2:] == [7, 0]
+    # more files than the cap: the first by name, said once
+    monkeypatch.setattr(weights, "AHEAD_MAX_FILES", 2)
+    registry.add(_engine("f", "n1", x=str(tmp_path / "x"), y=str(tmp_path / "y")))
+    for _ in range(2):
+        ahead.look()
+    assert ahead.files == sorted([theirs, str(tmp_path / "x"), str(tmp_path / "y")])[:2]
     assert [r.message for r in caplog.records if "digest_ahead" in r.message] == [
-        "fleet: the fleet's engines re-wake from more than 10 files; digest_ahead digests "
-        "only the first 10 seen"]
+        "fleet: the fleet's engines re-wake from 3 files; digest_ahead digests the first 2 "
+        "by name"]
+
+
+def test_digest_ahead_tries_a_file_it_could_not_read_again_only_later(tmp_path, fresh_node,
+                                                                      monkeypatch):
+    from support.timing import wait_until
+
+    monkeypatch.setattr(weights, "AHEAD_SETTLED_S", 0.0)
+    path = _file(tmp_path, "locked.safetensors", b"q" * 100)
+    tries = []
+
+    def unreadable(fd, size):
+        tries.append(1)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(weights, "chunked_sha256", unreadable)
+    weights.warm([path], recheck=True)
+    wait_until(lambda: tries and not weights._warming, what="the failed digest")
+    for _ in range(3):
+        weights.warm([path], recheck=True)
+    assert not weights._warming and tries == [1]  # not every look: in AHEAD_RETRY_S
+    monkeypatch.setattr(weights, "AHEAD_RETRY_S", 0.0)
+    weights.warm([path], recheck=True)
+    wait_until(lambda: len(tries) == 2 and not weights._warming, what="tried again")
 
 
 def test_what_the_target_cannot_read_is_named_and_a_fifo_never_blocks(tmp_path):
@@ -205,6 +250,7 @@ def fresh_node(monkeypatch):
     """The module as a node process starts it: nothing known, nothing kept yet."""
     monkeypatch.setattr(weights, "_known", {})
     monkeypatch.setattr(weights, "_store", None)
+    monkeypatch.setattr(weights, "_failed", {})
 
     def restart():
         monkeypatch.setattr(weights, "_known", {})
@@ -226,8 +272,10 @@ def test_a_node_keeps_the_digests_in_its_state_dir_across_a_restart(tmp_path, fr
     fresh_node()  # the node restarts, after one of its processes was killed while saving
     left = state / f".{weights.DIGESTS_FILE}.{os.getpid() + 1}"
     left.write_text('{"version": 1, "files": {')
+    other = state / f".{weights.DIGESTS_FILE}.bak"  # not one of a save: left alone
+    other.write_text("{}")
     weights.remember_in(state)
-    assert not left.exists()  # removed at the start
+    assert not left.exists() and other.exists()  # removed at the start
     reads = []
     real = weights.chunked_sha256
     monkeypatch.setattr(weights, "chunked_sha256",
@@ -308,6 +356,7 @@ def test_digest_ahead_looks_again_after_etcd_was_away_and_ends_with_the_node(
 
     registry.changed_since = flaky
     monkeypatch.setattr(weights, "AHEAD_EVERY_S", 0.01)
+    monkeypatch.setattr(weights, "AHEAD_SETTLED_S", 0.0)
     stop = threading.Event()
     looks = threading.Thread(target=weights.Ahead(registry, Keys("/ckpt"), "n2").run,
                              args=(stop,))

@@ -30,6 +30,7 @@ import os
 import re
 import stat
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,12 +54,20 @@ DIGESTS_MAX_FILES = 10_000
 #: files, and how many it digests ahead at most (a tenth of what the table keeps)
 AHEAD_EVERY_S = 2.0
 AHEAD_MAX_FILES = 1_000
+#: ``Ahead`` reads every record again this often (a deleted one is seen only so); a file
+#: modified less than ``AHEAD_SETTLED_S`` ago (being copied in) waits; one it could not read
+#: is tried again ``AHEAD_RETRY_S`` later
+AHEAD_FULL_EVERY_S = 300.0
+AHEAD_SETTLED_S = 10.0
+AHEAD_RETRY_S = 60.0
 
 _lock = threading.Lock()
 #: path -> ((device, inode, size, mtime_ns, ctime_ns), sha256 hex)
 _known: dict[str, tuple[tuple[int, ...], str]] = {}
 #: paths ``warm`` is digesting now
 _warming: set[str] = set()
+#: ``Ahead``'s paths whose digest failed -> when (tried again ``AHEAD_RETRY_S`` later)
+_failed: dict[str, float] = {}
 #: where ``_known`` is kept (``remember_in``); None: in memory only
 _store: Path | None = None
 
@@ -66,7 +75,9 @@ _store: Path | None = None
 def digest(path: str) -> str:
     """``chunked_sha256`` of ``path`` (hex), read again only when the file changed.
     ``OSError`` when it cannot be read; ``OperationError`` when it is no regular file
-    (opened without blocking: a FIFO never wedges the step)."""
+    (opened without blocking: a FIFO never wedges the step). A migration's step does not
+    wait for ``warm``'s digest of the same file, made at a low priority: it reads the file
+    itself."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with open(fd, "rb") as f:
         st = os.fstat(fd)
@@ -102,8 +113,12 @@ def remember_in(state_dir: Path) -> None:
     global _store
     path = Path(state_dir) / DIGESTS_FILE
     for left in Path(state_dir).glob(f".{DIGESTS_FILE}.*"):
-        if left.name != f".{DIGESTS_FILE}.{os.getpid()}":
-            left.unlink(missing_ok=True)
+        if re.fullmatch(rf"\.{re.escape(DIGESTS_FILE)}\.\d+", left.name) \
+                and left.name != f".{DIGESTS_FILE}.{os.getpid()}":
+            try:
+                left.unlink(missing_ok=True)
+            except OSError as err:  # policy: a leftover, never a reason not to start
+                log.warning("fleet: could not remove %s: %s", left, err)
     found = _load(path)
     with _lock:
         _store = path
@@ -185,8 +200,9 @@ def warm(paths, recheck: bool = False) -> None:
     engine generating on both cores, for the small reference model's 264 MiB).
     ``recheck`` (``Ahead``): also those whose kept digest is of an older version of
     the file; a path that is not a regular file here is left alone."""
+    stale = [p for p in paths if p not in _warming and _stale(p, recheck)]  # stats: unlocked
     with _lock:  # the node's thread and ``Ahead``'s: each path digested by one of them
-        todo = [p for p in paths if p not in _warming and _stale(p, recheck)]
+        todo = [p for p in stale if p not in _warming]
         _warming.update(todo)
     if not todo:
         return
@@ -199,8 +215,10 @@ def warm(paths, recheck: bool = False) -> None:
         for path in todo:
             try:
                 digest(path)
+                _failed.pop(path, None)
             except (OSError, OperationError) as err:  # policy: the migration says it
                 log.debug("fleet: no digest of %s ahead of a migration: %s", path, err)
+                _failed[path] = time.monotonic()
             finally:
                 _warming.discard(path)
 
@@ -210,17 +228,21 @@ def warm(paths, recheck: bool = False) -> None:
 def _stale(path: str, recheck: bool) -> bool:
     """Whether ``warm`` digests ``path``: none kept (``recheck``: or one of another version
     of the file, and the file is here: an absolute path to a regular file, none of the
-    kernel's, whatever another node's record names)."""
+    kernel's, whatever another node's record names; not modified in the last
+    ``AHEAD_SETTLED_S``, nor failed in the last ``AHEAD_RETRY_S``)."""
     known = _known.get(path)
     if not recheck:
         return known is None
+    if time.monotonic() - _failed.get(path, -AHEAD_RETRY_S) < AHEAD_RETRY_S:
+        return False
     try:
         if not os.path.isabs(path) or os.path.realpath(path).startswith(_KERNELS):
             return False
         st = os.stat(path)
     except (OSError, ValueError):  # policy: not here (or no path): nothing to digest ahead
         return False
-    return stat.S_ISREG(st.st_mode) and (known is None or known[0] != _key(st))
+    return (stat.S_ISREG(st.st_mode) and (known is None or known[0] != _key(st))
+            and time.time() - st.st_mtime >= AHEAD_SETTLED_S)
 
 
 #: where no model file lives (``/proc/kcore`` is a regular file of the machine's memory)
@@ -231,15 +253,19 @@ class Ahead:
     """``[migration] digest_ahead``: the files the fleet's engines on other nodes re-wake
     from (their records' ``reload_files``), digested by ``warm`` where this node holds them
     at the same path, so that a level-2 move here reads none of them in its receive. Each
-    ``look`` reads only the records written since the last (``Etcd.changed_since``) and
-    looks at each file's ``stat`` again (a new version of a model at the same path is read
-    again). At most ``AHEAD_MAX_FILES`` files (said once); a record it cannot read is left
-    out (``fleet status`` lists it). The node runs it on a thread of its own (``run``)."""
+    ``look`` reads the records written since the last (``Etcd.changed_since``; all of them
+    every ``AHEAD_FULL_EVERY_S``, or when etcd's revision went back, so a deleted record's
+    files are let go) and looks at each file's ``stat`` again (a new version of a model at
+    the same path is read again). At most ``AHEAD_MAX_FILES`` files, the first by name
+    (more is said once); a record it cannot read is left out (``fleet status`` lists it).
+    The node runs it on a thread of its own (``run``)."""
 
     def __init__(self, etcd, keys, node: str) -> None:
         self.etcd, self.keys, self.node = etcd, keys, node
         self.revision = 0
-        self.files: set[str] = set()
+        self._full_at = 0.0  # when all records are next read again
+        self.named: dict[str, tuple[str, ...]] = {}  # record key -> the files it names
+        self.files: list[str] = []
         self._said_capped = False
 
     def run(self, stop: threading.Event) -> None:
@@ -260,21 +286,29 @@ class Ahead:
         from ckpt_controller.errors import DamagedRecordError
         from ckpt_controller.fleet import records
 
-        kvs, self.revision = self.etcd.changed_since(self.keys.engines, self.revision)
+        full = time.monotonic() >= self._full_at
+        kvs, revision = self.etcd.changed_since(self.keys.engines,
+                                                0 if full else self.revision)
+        if revision < self.revision and not full:  # etcd made anew, or restored: all again
+            full = True
+            kvs, revision = self.etcd.changed_since(self.keys.engines, 0)
+        named = {} if full else dict(self.named)
         for kv in kvs:
             try:
                 rec = records.decode(records.EngineRecord, kv.value, kv.key)
             except DamagedRecordError:  # policy: not this node's to say; ``fleet status`` is
+                named.pop(kv.key, None)
                 continue
-            new = set(rec.reload_files.values()) - self.files if rec.node != self.node else ()
-            room = AHEAD_MAX_FILES - len(self.files)
-            if len(new) > room and not self._said_capped:
-                log.warning("fleet: the fleet's engines re-wake from more than %d files; "
-                            "digest_ahead digests only the first %d seen", AHEAD_MAX_FILES,
-                            AHEAD_MAX_FILES)
-                self._said_capped = True
-            self.files.update(sorted(new)[:max(0, room)])
-        warm(sorted(self.files), recheck=True)
+            named[kv.key] = tuple(rec.reload_files.values()) if rec.node != self.node else ()
+        files = sorted({path for paths in named.values() for path in paths})
+        if len(files) > AHEAD_MAX_FILES and not self._said_capped:
+            log.warning("fleet: the fleet's engines re-wake from %d files; digest_ahead "
+                        "digests the first %d by name", len(files), AHEAD_MAX_FILES)
+            self._said_capped = True
+        self.named, self.revision, self.files = named, revision, files[:AHEAD_MAX_FILES]
+        if full:
+            self._full_at = time.monotonic() + AHEAD_FULL_EVERY_S
+        warm(self.files, recheck=True)
 
 
 def read_all(files: dict[str, str], node: str, engine: str) -> dict[str, str]:
