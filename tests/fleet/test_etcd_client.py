@@ -232,18 +232,16 @@ def test_a_hostile_answer_is_a_member_that_is_not_etcd(members, monkeypatch):
     assert "over 1 MiB" in errors[3]
 
 
-def test_the_watch_calls_back_per_change_and_ends_at_close():
-    """A stand-in gateway streams one line per message (chunked); ``on_event`` runs once as
-    the stream is made and once per line with events; ``close`` ends the blocking read."""
-    lines = [b'{"result":{"header":{},"created":true}}\n',
-             b'{"result":{"header":{},"events":[{"kv":{}}]}}\n',
-             b'{"result":{"header":{},"events":[{"kv":{}}]}}\n']
-
+def _stream(lines: list[bytes], posts: list[float] | None = None) -> type:
+    """A stand-in gateway's watch: each POST answered with ``lines`` (chunked), then the
+    stream stays open and quiet; each POST's time noted in ``posts``."""
     class Stream(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_POST(self) -> None:  # noqa: N802
             self.rfile.read(int(self.headers["Content-Length"]))
+            if posts is not None:
+                posts.append(time.monotonic())
             self.send_response(200)
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
@@ -255,7 +253,15 @@ def test_the_watch_calls_back_per_change_and_ends_at_close():
         def log_message(self, *args) -> None:
             pass
 
-    server = LocalHttp(Stream)
+    return Stream
+
+
+def test_the_watch_calls_back_per_change_and_ends_at_close():
+    """A stand-in gateway streams one line per message (chunked); ``on_event`` runs once as
+    the stream is made and once per line with events; ``close`` ends the blocking read."""
+    server = LocalHttp(_stream([b'{"result":{"header":{},"created":true}}\n',
+                                b'{"result":{"header":{},"events":[{"kv":{}}]}}\n',
+                                b'{"result":{"header":{},"events":[{"kv":{}}]}}\n']))
     events, stop = [], threading.Event()
     c = Etcd([server.url])
     t = threading.Thread(target=c.watch, args=("a", "b", lambda: events.append(1), stop))
@@ -279,26 +285,8 @@ def test_a_quiet_watch_stays_and_its_member_is_probed_by_tcp_keepalive():
     ever. The stream's socket sends TCP keepalive probes (``WATCH_KEEPALIVE``: it fails 25 s
     after the member stops answering them, seen here with a veth link taken down); a quiet
     stream whose member answers them stays as it is."""
-    posts = []
-
-    class Silent(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_POST(self) -> None:  # noqa: N802
-            self.rfile.read(int(self.headers["Content-Length"]))
-            posts.append(time.monotonic())
-            self.send_response(200)
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            line = b'{"result":{"header":{},"created":true}}\n'
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
-            self.wfile.flush()
-            time.sleep(60)  # then nothing, and the connection stays
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = LocalHttp(Silent)
+    posts: list[float] = []
+    server = LocalHttp(_stream([b'{"result":{"header":{},"created":true}}\n'], posts))
     events, stop = [], threading.Event()
     c = Etcd([server.url])
     t = threading.Thread(target=c.watch, args=("a", "b", lambda: events.append(1), stop))
