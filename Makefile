@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-slow test-fleet demo criu etcd prometheus vllm bench bench-full bench-gpu clean
+.PHONY: install test test-slow test-fleet demo criu etcd prometheus vllm vllm-checkpoint bench bench-full bench-gpu clean
 
 install: $(STAMP)
 
@@ -99,6 +99,13 @@ vllm: .cache/vllm/.installed
 
 .cache/vllm/.installed: tools/install-vllm
 	tools/install-vllm .cache/vllm
+
+# vLLM 0.34's source and what its /checkpoint router imports, in a venv of its own (~1.5 GB),
+# for the tests that serve that router over the reference engine (-m vllm; docs/vllm.md)
+vllm-checkpoint: .cache/vllm-checkpoint/.installed
+
+.cache/vllm-checkpoint/.installed: tools/install-vllm-checkpoint
+	tools/install-vllm-checkpoint .cache/vllm-checkpoint
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -11,6 +11,7 @@ back into the same class on the other side. Neighbours: ``protocol`` carries err
     |   +-- InvalidTransitionError     a trigger not allowed in the current state
     |   +-- ImageError                 a CRIU image is damaged or not what was promised
     |   +-- EtcdRefusedError           etcd answered a fleet request with an error
+    |   +-- UnsupportedError           the engine cannot do what was asked (says what it can)
     +-- ProtocolError          exit 2  a frame broke the wire contract
     |   +-- VersionMismatchError       the peer speaks another protocol version
     |   +-- DamagedRecordError         a fleet record in etcd cannot be read (names the key)
@@ -139,6 +140,13 @@ class EtcdRefusedError(UsageError):
     """Raised when etcd answered a fleet request with an error of its own (a request too
     large, a lease it does not know), not a member being down; ``details``: ``etcd`` (the
     member), ``said`` (its message)."""
+
+
+class UnsupportedError(UsageError):
+    """Raised, before anything moves, when the engine cannot do what was asked: its API has
+    no such step (vLLM's ``/checkpoint/prepare`` keeps the weights, cannot escalate a ``wait``
+    it began, and cannot leave FAILED). ``details``: ``api`` (what the engine is driven
+    through), ``can`` (what it can do) and ``change`` (what to ask for instead)."""
 
 
 class ProtocolError(CkptError):

@@ -201,6 +201,14 @@ class EngineKind(enum.StrEnum):
     VLLM = "vllm"  # a vLLM server, through its sidecar agent
 
 
+class EngineApi(enum.StrEnum):
+    """How an agent drives its engine (``status``'s ``api``)."""
+
+    EMBEDDED = "embedded"  # the agent runs inside the engine (the reference engine)
+    VLLM_CHECKPOINT = "vllm-checkpoint"  # vLLM 0.34+'s /checkpoint/prepare|restore|status
+    VLLM_DEV = "vllm-dev"  # vLLM's dev-mode API (/pause, /sleep, /wake_up, /collective_rpc)
+
+
 class RecoverUncaptured(enum.StrEnum):
     """What the controller does with an engine an interrupted operation never began to capture
     and that it finds FAILED (``recover_uncaptured`` in the config)."""

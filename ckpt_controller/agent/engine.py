@@ -39,6 +39,14 @@ class EngineHooks:
         raise EngineError("this engine cannot keep requests", step=PrepareStep.DRAIN,
                           mode=DrainMode.KEEP)
 
+    def check_prepare(self, cmd: PrepareCommand) -> None:
+        """Raise (``UnsupportedError``) when the engine cannot prepare as ``cmd`` asks; called
+        before anything moves, while the engine still serves."""
+
+    def check_restore(self) -> None:
+        """Raise (``UnsupportedError``) when the engine cannot be restored now; called before
+        a restore moves anything (not before a rollback, which ends FAILED if it fails)."""
+
     def pause_scheduling(self) -> None:
         """Return once no step runs and none will start until ``resume_scheduling``."""
 

@@ -271,6 +271,7 @@ class Operations:
                              level=cmd.level, tags=cmd.tags)
         if cmd.drain_timeout_s < 0:
             raise UsageError("drain timeout must not be negative", drain_timeout_s=cmd.drain_timeout_s)
+        self._call_engine("check", self.hooks.check_prepare, cmd)  # what it cannot do
         plan = self.memory.plan(level=cmd.level, tags=cmd.tags)  # bad level/tags: nothing moved
         with self.gate.lock:  # admission closes at the same instant the state leaves RUNNING
             self.lifecycle.fire(enters, reason=f"op {cmd.op_id}")
@@ -381,6 +382,9 @@ class Operations:
         start = self.clock.monotonic()
         deadline = Deadline.after(deadline_s, self.clock)
         if steps[0].enters is not None:  # a rollback enters the restore chain by its own move
+            if trigger is Trigger.RESTORE:
+                self.lifecycle.check(trigger)  # the state is the first thing a caller must fix
+                self._call_engine("check", self.hooks.check_restore)
             pending = _Pending(kept=self.gate.kept_count)
             self.lifecycle.fire(trigger, reason=f"op {op_id}" + (f": {reason}" if reason else ""))
         else:

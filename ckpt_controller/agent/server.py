@@ -47,7 +47,7 @@ from ckpt_controller.errors import (BusyError, CkptError, OperationError, Overlo
 from ckpt_controller.lifecycle import Lifecycle, Transition
 from ckpt_controller.rpcserver import RpcServer
 from ckpt_controller.zmqutil import guarded
-from ckpt_controller.vocab import TRANSITIONAL, RestoreStep, Trigger
+from ckpt_controller.vocab import TRANSITIONAL, CheckpointState, EngineApi, RestoreStep, Trigger
 
 log = logging.getLogger("ckpt_controller.agent")
 
@@ -115,6 +115,9 @@ class Agent(RpcServer):
         curve: CurveServer | None = None,
         generation: int = 0,
         endpoints: dict[str, str] | None = None,
+        api: EngineApi = EngineApi.EMBEDDED,
+        api_detail: str | None = None,
+        initial: CheckpointState = CheckpointState.RUNNING,
     ) -> None:
         """``drain``, ``engine_pid``, ``engine_alive`` and ``request_counts`` are for an agent
         that runs beside an engine it does not own (a sidecar): the engine drains itself, its
@@ -124,12 +127,15 @@ class Agent(RpcServer):
         ``generation`` is where the count of completed cycles starts (a sidecar restarted
         beside its engine carries on its predecessor's). ``endpoints`` are the engine's
         other endpoints (``api``, ``http``) that ``status`` reports beside ``control``; the
-        engine may add to ``agent.endpoints`` until it starts the agent."""
+        engine may add to ``agent.endpoints`` until it starts the agent. ``api`` and
+        ``api_detail`` say in ``status`` how the agent drives its engine. ``initial``: the
+        state the engine was found in (a vLLM that started prepared is PREPARED)."""
         check_name(name)
         super().__init__(check_endpoint(control) if control else default_endpoint(name),
                          name=name, heartbeat_interval_s=heartbeat_interval_s, clock=clock,
                          curve=curve)
-        self.lifecycle = Lifecycle(self.clock, generation=generation)
+        self.lifecycle = Lifecycle(self.clock, generation=generation, initial=initial)
+        self.api, self.api_detail = api, api_detail
         self.gate = AdmissionGate(self.lifecycle, engine=name, clock=self.clock,
                                   retry_after=lambda: retry_after_s)
         self.memory = memory or NoMemory()
@@ -276,6 +282,7 @@ class Agent(RpcServer):
             last_transition=p.TransitionRecord.of(history[-1]) if history else None,
             endpoints={**self.endpoints, "control": self.endpoint},
             reload_files=self.memory.reload_files(),
+            api=self.api, api_detail=self.api_detail,
         )
 
     # ------------------------------------------------------------------ operations

@@ -78,11 +78,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             sp.add_argument("--reason", default="", help="recorded with the transition")
 
     sp = asub.add_parser(
-        "vllm", help="run an agent for a vLLM server (a sidecar over its HTTP dev-mode API)",
-        description="Run an agent beside a vLLM server started with VLLM_SERVER_DEV_MODE=1.\n"
-                    "It serves the control protocol on ENDPOINT and drives vLLM through\n"
-                    "/pause, /sleep, /wake_up, /collective_rpc and /resume. It prints one\n"
-                    "JSON ready line, then runs until SIGTERM or Ctrl-C.",
+        "vllm", help="run an agent for a vLLM server (a sidecar over its HTTP API)",
+        description="Run an agent beside a vLLM server. It serves the control protocol on\n"
+                    "ENDPOINT and drives vLLM through its /checkpoint API (vLLM 0.34+ started\n"
+                    "with --enable-sleep-mode) where the server has it, else through its\n"
+                    "dev-mode API (VLLM_SERVER_DEV_MODE=1: /pause, /sleep, /wake_up, ...),\n"
+                    "also used for what /checkpoint cannot do when the server has both\n"
+                    "(docs/vllm.md). It prints one JSON ready line, then runs until SIGTERM\n"
+                    "or Ctrl-C.",
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("--url", required=True, metavar="URL",
                     help="the vLLM server, e.g. http://127.0.0.1:8000")
@@ -99,6 +102,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="prompt of the golden completion compared after restore")
     sp.add_argument("--golden-tokens", type=int, default=None, metavar="N",
                     help="tokens of the golden completion (default 12)")
+    sp.add_argument("--api", choices=("auto", "checkpoint", "dev"), default="auto",
+                    help="which vLLM API to drive: auto (default: /checkpoint where the "
+                         "server has it), checkpoint (only it), dev (the dev-mode API only)")
     sp.add_argument("--no-verify-weights", action="store_true",
                     help="skip the weight checksums (the golden completion still runs)")
     sp.add_argument("--http-timeout", type=duration, default=30.0, metavar="S",
@@ -257,7 +263,7 @@ def _watch(client, args: argparse.Namespace) -> int:
 
 
 def _vllm(args: argparse.Namespace) -> int:
-    from ckpt_controller.adapters.vllm import sidecar
+    from ckpt_controller.adapters.vllm import run, sidecar
     from ckpt_controller.endpoints import check_name
     from ckpt_controller.sdnotify import Notifier
 
@@ -268,12 +274,12 @@ def _vllm(args: argparse.Namespace) -> int:
         raise UsageError("--golden-tokens must be between 1 and 512", value=args.golden_tokens)
     if args.pid is not None and args.pid <= 0:
         raise UsageError("--pid must be a positive process id", value=args.pid)
-    sidecar.serve(args.url, name=args.name, control=args.control, pid=args.pid,
+    run.serve(args.url, name=args.name, control=args.control, pid=args.pid,
                   golden_prompt=args.golden_prompt or sidecar.GOLDEN_PROMPT,
                   golden_tokens=args.golden_tokens or sidecar.GOLDEN_TOKENS,
                   verify_weights=not args.no_verify_weights, timeout_s=args.http_timeout,
                   heartbeat_interval_s=args.heartbeat, curve=curve_server(args),
-                  engine_is_parent=args.engine_is_parent, notifier=notifier)
+                  engine_is_parent=args.engine_is_parent, notifier=notifier, api=args.api)
     return 0
 
 

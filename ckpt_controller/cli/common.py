@@ -250,7 +250,7 @@ def table(rows: Sequence[Sequence[str]]) -> str:
 
 #: ``status``'s columns (``agent status`` prints the same); ``-o wide`` adds ``WIDE_COLUMNS``
 STATUS_COLUMNS = ("NAME", "STATE", "GEN", "IN-FLIGHT", "PID", "HELD-BY", "LAST-OP", "AGE")
-WIDE_COLUMNS = ("KIND", "KEPT", "ENDPOINT", "REGISTERED", "RELEASED", "IMAGE", "IMAGES",
+WIDE_COLUMNS = ("KIND", "API", "KEPT", "ENDPOINT", "REGISTERED", "RELEASED", "IMAGE", "IMAGES",
                 "ERROR")
 
 
@@ -266,7 +266,7 @@ def status_row(name: str, status: p.StatusReply | None, *, now: float, state: st
     if status is None:
         row: tuple[str, ...] = (name, state or "UNREACHABLE", dash, dash, dash, holder or dash,
                                 last_op or dash, dash)
-        more = (kind, dash, endpoint, dash, dash, dash,
+        more = (kind, dash, dash, endpoint, dash, dash, dash,
                 dash if images is None else human_bytes(images), error or dash)
     else:
         t = status.last_transition
@@ -275,7 +275,8 @@ def status_row(name: str, status: p.StatusReply | None, *, now: float, state: st
                dash if t is None else age(now - t.wall))
         released = [tag for tag in status.released_tags]
         image = (f"restored ({status.incarnation})" if status.restored_from_image else dash)
-        more = (kind, str(status.kept), status.endpoints.get("control", endpoint),
+        more = (kind, status.api or dash, str(status.kept),
+                status.endpoints.get("control", endpoint),
                 human_bytes(sum(status.registered_bytes.values())),
                 ",".join(released) or dash, image,
                 dash if images is None else human_bytes(images), error or dash)
@@ -295,6 +296,9 @@ def describe(result) -> str:
             lines.append(f"  {tag}: {human_bytes(size)}{mark}")
         if result.restored_from_image:
             lines.append(f"  restored from a checkpoint image (incarnation {result.incarnation})")
+        if result.api is not None:
+            lines.append(f"  driven through {result.api}"
+                         + (f" ({result.api_detail})" if result.api_detail else ""))
         return "\n".join(lines)
     if isinstance(result, p.PrepareReply):
         d, m = result.drain, result.memory

@@ -98,6 +98,8 @@ def describe_text(found: dict[str, Any], now: float | None = None) -> str:
                                                f"{s.incarnation})" if s.restored_from_image
                                                else ""),
                   f"In flight:     {s.in_flight} (kept {s.kept})",
+                  f"API:           {s.api or '-'}" + (f" ({s.api_detail})" if s.api_detail
+                                                     else ""),
                   "Memory:        " + (", ".join(
                       f"{tag} {human_bytes(n)}" + (" (released)" if tag in s.released_tags
                                                    else "")

@@ -15,6 +15,7 @@ from ckpt_controller.errors import CkptError, from_wire
 from ckpt_controller.vocab import (
     CheckpointState,
     DrainMode,
+    EngineApi,
     Escalation,
     HookPoint,
     MemoryAction,
@@ -127,6 +128,10 @@ class StatusReply(msgspec.Struct, kw_only=True, tag=True):
     endpoints: dict[str, str] = {}
     #: tag -> the file a level-2 re-wake reads it back from (``MemoryManager.reload_files``)
     reload_files: dict[str, str] = {}
+    #: how the agent drives its engine (None: an agent older than this field)
+    api: EngineApi | None = None
+    #: more of it, as a person reads it (the engine's version, a second API and what for)
+    api_detail: str | None = None
 
 
 class PrepareReply(msgspec.Struct, kw_only=True, tag=True):

@@ -81,7 +81,7 @@ def test_every_engine_gets_a_readable_row():
                      "d: MOVED to node node-2 by operation mig-1 (not driven here)"]
     wide = _rows(status_table(reply, {}, wide=True, now=now))
     assert wide[0] == list(STATUS_COLUMNS + WIDE_COLUMNS)
-    assert wide[1][8:] == ["native", "1", "ipc:///x/a", "3.0 MiB", "-", "-", "3.0 GiB", "-"]
+    assert wide[1][8:] == ["native", "-", "1", "ipc:///x/a", "3.0 MiB", "-", "-", "3.0 GiB", "-"]
     assert wide[2][-2] == "-"  # its images not counted
     assert wide[3][-1] == "c did not answer" and wide[4][-1] == "on node node-2"
     assert all(len(r) == len(wide[0]) for r in wide)
@@ -101,7 +101,8 @@ def test_status_of_a_real_controller(spawn_engine, spawn_controller, ipc_dir):
     assert rows["ghost"][1:] == ["UNREACHABLE", "-", "-", "-", "-", "-", "-"]
     assert "ghost: UNREACHABLE (" in out.stdout
     wide = {r[0]: r for r in _rows(ctl.ckptctl("status", "-o", "wide", "s1").stdout)}
-    assert wide["s1"][10] == eng.control and wide["s1"][8] == "native"
+    assert wide["s1"][11] == eng.control and wide["s1"][8] == "native"
+    assert wide["s1"][9] == "embedded"  # the API it is driven through
     # --json: the same exit code as the table (4: ghost did not answer), its document printed
     out = ctl.ckptctl("status", "--json")
     assert out.returncode == 4, out.stdout + out.stderr

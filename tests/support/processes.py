@@ -115,14 +115,15 @@ class ReferenceProcess(ForkableProcess):
     """``ckptctl engine serve`` as a child process."""
 
     def __init__(self, tmp: Path, model_dir: Path, name: str, *extra: str,
-                 api: str | None = None, control: str | None = None) -> None:
+                 api: str | None = None, control: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         self.api = api or f"ipc://{tmp}/{name}.api"
         self.control = control or f"ipc://{tmp}/{name}.ctl"
         super().__init__([*CKPTCTL, "engine", "serve", "--name", name, "--api", self.api,
                           "--control", self.control, "--model-dir", str(model_dir),
                           "--heartbeat", "0.2", *extra],
-                         tmp / f"{name}.log", f"engine {name}", cwd=ROOT)
+                         tmp / f"{name}.log", f"engine {name}", cwd=ROOT, env=env)
 
 
 class ControllerProcess(ReadyProcess):

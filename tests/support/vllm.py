@@ -2,7 +2,8 @@
 tiny random Llama made offline, and the paths of the vLLM stand-ins in ``tests/vllm/``.
 
 Neighbours: ``tests/vllm/conftest.py`` (the session's ``vllm_server``),
-``tests/vllm/make_tiny_llama.py``, ``tests/vllm/standin_server.py``, docs/vllm.md.
+``tests/vllm/make_tiny_llama.py``, ``tests/vllm/standin_server.py``,
+``tests/vllm/checkpoint_server.py`` (vLLM 0.34's checkpoint router), docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from ckpt_controller.endpoints import free_port
+from ckpt_controller.procutil import ReadyProcess
 from support import ROOT
 from support.timing import deadline_in
 
@@ -33,6 +35,26 @@ AMX_PERMISSION = ROOT / ".cache" / "vllm" / "lib" / "amx-permission.so"
 #: the dev-mode vLLM HTTP stand-in (a real process and real HTTP, not vLLM)
 STANDIN_SERVER = ROOT / "tests" / "vllm" / "standin_server.py"
 MAKE_TINY_LLAMA = ROOT / "tests" / "vllm" / "make_tiny_llama.py"
+
+
+#: vLLM 0.34's source and its checkpoint router's imports (``make vllm-checkpoint``)
+CHECKPOINT_PY = ROOT / ".cache" / "vllm-checkpoint" / "bin" / "python"
+NO_CHECKPOINT = "no vLLM 0.34 venv: run `make vllm-checkpoint`"
+#: vLLM 0.34's own /checkpoint router over a reference engine (a test server, not vLLM)
+CHECKPOINT_SERVER = ROOT / "tests" / "vllm" / "checkpoint_server.py"
+
+
+class CheckpointServer(ReadyProcess):
+    """``checkpoint_server.py`` over the reference engine ``engine`` (a ``ReferenceProcess``),
+    with the server's own flags (``--checkpoint-prepare-on-startup``, ...)."""
+
+    def __init__(self, engine, folder: Path, *flags: str) -> None:
+        self.engine = engine
+        super().__init__([str(CHECKPOINT_PY), str(CHECKPOINT_SERVER), "--engine-api",
+                          engine.api, "--engine-control", engine.control, *flags],
+                         folder / f"checkpoint-server-{engine.name}.log",
+                         "vLLM checkpoint test server", cwd=ROOT)
+        self.url = self.info["url"]
 
 
 def make_tiny_llama(folder: Path) -> Path:

@@ -1,6 +1,7 @@
-"""A small client for a vLLM server's HTTP API: the dev-mode endpoints
-(``VLLM_SERVER_DEV_MODE=1``: pause, sleep, wake-up, collective RPC, weight checker), its
-Prometheus metrics and completions.
+"""A small client for a vLLM server's HTTP API: vLLM 0.34's checkpoint API
+(``/checkpoint/prepare|restore|status``, mounted with ``--enable-sleep-mode``), the dev-mode
+endpoints (``VLLM_SERVER_DEV_MODE=1``: pause, sleep, wake-up, collective RPC, weight
+checker), which of the two a server has (``apis``), its Prometheus metrics and completions.
 
 HTTP through the standard library (``urllib``): the sidecar runs in our environment, not
 vLLM's; ``/metrics`` is read with ``prometheus_client``'s own text parser (a dependency of
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_controller.errors import EngineError, UsageError
+from ckpt_controller.vocab import CheckpointState
 
 #: HTTP statuses a server sends for "not now, try again" (newer vLLM while paused)
 RETRYABLE = (429, 503)
@@ -114,19 +116,30 @@ class VllmHttp:
 
     def _raw(self, method: str, path: str, *, params=None, body=None,
              timeout_s: float | None = None) -> bytes:
+        status, raw, retry_after = self._send(method, path, params=params, body=body,
+                                              timeout_s=timeout_s)
+        if status >= 400:
+            raise EngineError(f"vLLM answered {method} {path} with HTTP {status}",
+                              url=self.url, path=path, http_status=status,
+                              body=raw[:500].decode(errors="replace"),
+                              retry_after=retry_after) from None
+        return raw
+
+    def _send(self, method: str, path: str, *, params=None, body=None,
+              timeout_s: float | None = None, limit: int | None = None
+              ) -> tuple[int, bytes, str | None]:
+        """(HTTP status, body, Retry-After) of one call; an error status is an answer here.
+        ``limit``: read at most this many bytes of an error's body."""
         target = self.url + path + ("?" + urllib.parse.urlencode(params) if params else "")
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(target, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
-                return resp.read()
+                return resp.status, resp.read(), None
         except urllib.error.HTTPError as err:
-            text = err.read()[:500].decode(errors="replace")
             retry_after = err.headers.get("Retry-After") if err.headers else None
-            raise EngineError(f"vLLM answered {method} {path} with HTTP {err.code}",
-                              url=self.url, path=path, http_status=err.code, body=text,
-                              retry_after=retry_after) from None
+            return err.code, err.read(limit or 4096), retry_after
         except (urllib.error.URLError, OSError) as err:  # refused, reset, timed out
             reason = getattr(err, "reason", err)
             raise EngineError(f"vLLM at {self.url} did not answer {method} {path}: {reason}",
@@ -155,6 +168,67 @@ class VllmHttp:
 
     def model(self) -> str:
         return self.request("GET", "/v1/models")["data"][0]["id"]
+
+    def version(self) -> str | None:
+        """vLLM's version (``GET /version``), or None when the server does not say."""
+        try:
+            out = self.request("GET", "/version", timeout_s=10.0)
+        except EngineError as err:
+            if err.details.get("unreachable"):
+                raise
+            return None  # policy: a server without /version is still a server
+        version = out.get("version") if isinstance(out, dict) else None
+        return str(version)[:64] if version is not None else None
+
+    def apis(self) -> "Apis":
+        """Which lifecycle APIs this server has: from its OpenAPI paths, or, where it serves
+        no OpenAPI document (``--disable-fastapi-docs``), by asking each API's status."""
+        status, raw, _ = self._send("GET", "/openapi.json", timeout_s=30.0)
+        paths: set[str] | None = None
+        if status == 200:
+            try:
+                doc = json.loads(raw)
+                paths = set(doc["paths"]) if isinstance(doc.get("paths"), dict) else None
+            except (ValueError, RecursionError, AttributeError, KeyError, TypeError):
+                paths = None  # policy: not an OpenAPI document: ask the endpoints instead
+        if paths is not None:
+            return Apis(checkpoint=CHECKPOINT_PATHS <= paths, dev=DEV_PATHS <= paths,
+                        version=self.version(), found_by="openapi")
+        status, raw, _ = self._send("GET", "/checkpoint/status", timeout_s=10.0)
+        checkpoint = status in (200, 500, 503) and _state_of(raw) is not None
+        dev = self._send("GET", "/is_paused", timeout_s=10.0)[0] == 200
+        return Apis(checkpoint=checkpoint, dev=dev, version=self.version(), found_by="probe")
+
+    # ------------------------------------------------------------------ /checkpoint/*
+
+    def checkpoint_status(self, timeout_s: float | None = None) -> "CheckpointAnswer":
+        """``GET /checkpoint/status``: 200 when PREPARED, 500 when FAILED, 503 otherwise."""
+        return self._checkpoint("GET", "/checkpoint/status", timeout_s=timeout_s)
+
+    def checkpoint_prepare(self, mode: str, timeout_s: float | None = None
+                           ) -> "CheckpointAnswer":
+        """``POST /checkpoint/prepare?mode=``: returns once the drain began (PREPARING, or
+        PREPARED at once when nothing was in flight); 400 with vLLM's refusal, nothing
+        changed."""
+        return self._checkpoint("POST", "/checkpoint/prepare", params=[("mode", mode)],
+                                timeout_s=timeout_s)
+
+    def checkpoint_restore(self, timeout_s: float | None = None) -> "CheckpointAnswer":
+        """``POST /checkpoint/restore``: re-wakes and resumes from PREPARED (200); a no-op
+        when RUNNING or RESTORING; 400 when PREPARING or FAILED."""
+        return self._checkpoint("POST", "/checkpoint/restore", timeout_s=timeout_s)
+
+    def _checkpoint(self, method: str, path: str, *, params=None,
+                    timeout_s: float | None = None) -> "CheckpointAnswer":
+        # a FAILED vLLM's error may be long: read past the usual error body's 4 KiB
+        status, raw, _ = self._send(method, path, params=params, timeout_s=timeout_s,
+                                    limit=65536)
+        body = _state_of(raw)
+        if body is None:
+            raise EngineError(f"vLLM answered {method} {path} with HTTP {status} and no "
+                              "checkpoint state", url=self.url, path=path, http_status=status,
+                              body=raw[:300].decode(errors="replace"))
+        return CheckpointAnswer(http_status=status, state=body[0], error=body[1])
 
     # ------------------------------------------------------------------ lifecycle calls
 
@@ -233,6 +307,44 @@ class VllmHttp:
         if not hasattr(self, "_model"):
             self._model = self.model()
         return self._model
+
+
+#: vLLM 0.34's checkpoint API, and the dev-mode endpoints the dev path needs
+CHECKPOINT_PATHS = frozenset({"/checkpoint/prepare", "/checkpoint/restore",
+                              "/checkpoint/status"})
+DEV_PATHS = frozenset({"/pause", "/resume", "/sleep", "/wake_up", "/is_paused",
+                       "/is_sleeping", "/collective_rpc"})
+
+
+@dataclass(frozen=True)
+class Apis:
+    """The lifecycle APIs a vLLM server has: ``checkpoint`` (``/checkpoint/*``), ``dev``
+    (the dev-mode endpoints); its ``version``; ``found_by`` its OpenAPI paths or probes."""
+
+    checkpoint: bool
+    dev: bool
+    version: str | None = None
+    found_by: str = "openapi"
+
+
+@dataclass(frozen=True)
+class CheckpointAnswer:
+    """An answer of ``/checkpoint/*``: the HTTP status, vLLM's state and its error."""
+
+    http_status: int
+    state: CheckpointState
+    error: str | None = None
+
+
+def _state_of(raw: bytes) -> tuple[CheckpointState, str | None] | None:
+    """``{"state": ..., "error": ...}`` as read from a ``/checkpoint/*`` body, or None."""
+    try:
+        body = json.loads(raw)
+        state = CheckpointState(body["state"])
+    except (ValueError, RecursionError, KeyError, TypeError):  # policy: not such a body
+        return None
+    error = body.get("error")
+    return state, None if error is None else str(error)[:2000]
 
 
 def _retry_after(value: str | None) -> float:

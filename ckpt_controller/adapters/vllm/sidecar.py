@@ -1,8 +1,11 @@
-"""The vLLM sidecar: an agent for a vLLM server we do not own, driven over its HTTP API.
+"""The vLLM sidecar's engine side on vLLM's dev-mode API: an agent for a vLLM server we do not
+own, driven over HTTP.
 
-``ckptctl agent vllm --url http://HOST:PORT --control ENDPOINT`` runs an ``Agent`` whose
-engine side is ``VllmEngine``. The agent keeps the lifecycle, the control protocol and the
-heartbeats exactly as for an embedded engine; ``VllmEngine`` maps each step onto vLLM:
+``ckptctl agent vllm --url http://HOST:PORT --control ENDPOINT`` (``run``) runs an ``Agent``
+whose engine side is ``VllmEngine`` (here: the dev-mode API, older servers) or
+``native.CheckpointApiEngine`` (vLLM 0.34's ``/checkpoint``, which extends it). The agent keeps
+the lifecycle, the control protocol and the heartbeats exactly as for an embedded engine;
+``VllmEngine`` maps each step onto vLLM's dev-mode API:
 
 ==========  ================================================================================
 step        vLLM calls (``http``)
@@ -39,15 +42,13 @@ Started by ``launcher`` (``--engine-is-parent``), the sidecar is part of the eng
 names the launcher's host PID (the tree a dump takes, vLLM and the sidecar in one image), read
 again after a restore moved it (``process.parent_host_pid``), and a migration moves both.
 Neighbours: ``http`` (vLLM's HTTP API), ``state`` (the state file) and ``process`` (vLLM's PID,
-its fingerprint, its process tree's memory) below; ``agent`` runs it (``Agent`` with
-``VllmEngine`` as its hooks and memory); ``cli.agent_cmds`` starts it.
+its fingerprint, its process tree's memory) below; ``native`` extends it; ``agent`` runs it
+(``Agent`` with ``VllmEngine`` as its hooks and memory); ``run`` starts it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -56,22 +57,14 @@ from dataclasses import dataclass
 import psutil
 
 from ckpt_controller.adapters.vllm.http import RequestMetrics, VllmHttp
-from ckpt_controller.adapters.vllm.process import (
-    EngineFingerprint,
-    find_server_pid,
-    parent_host_pid,
-    process_started,
-    tree_usage,
-)
-from ckpt_controller.adapters.vllm.state import Progress, StateFile, state_path
+from ckpt_controller.adapters.vllm.process import tree_usage
+from ckpt_controller.adapters.vllm.state import Progress, StateFile
 from ckpt_controller.agent.drain import DrainPolicy
 from ckpt_controller.agent.engine import EngineHooks
-from ckpt_controller.agent.incarnation import IncarnationTracker
 from ckpt_controller.clock import Deadline
 from ckpt_controller.errors import (
     EngineError,
     ResidualOverBudgetError,
-    UnreachableError,
     UsageError,
     VerificationError,
 )
@@ -83,11 +76,12 @@ from ckpt_controller.protocol import (
     PrepareCommand,
 )
 from ckpt_controller.vocab import (
+    CheckpointState,
     DrainMode,
+    EngineApi,
     FinishReason,
     MemoryAction,
     ReleaseLevel,
-    Trigger,
 )
 
 log = logging.getLogger("ckpt_controller.vllm")
@@ -106,7 +100,7 @@ REFUSED_DEAD_S = 1.0
 _TAGS = ("weights", "kv_cache")
 #: vLLM's finish reasons (its ``/metrics`` labels) that count as a completion in a drain: ours,
 #: less ``abort``, and vLLM's own ``repetition`` (a repetition detector ended the request)
-_COMPLETED = (FinishReason.STOP, FinishReason.LENGTH, "repetition", FinishReason.ERROR)
+COMPLETED = (FinishReason.STOP, FinishReason.LENGTH, "repetition", FinishReason.ERROR)
 
 
 @dataclass
@@ -117,7 +111,11 @@ class _Plan:
 
 class VllmEngine(EngineHooks):
     """The engine side of a vLLM sidecar: ``ExternalDrain``, ``MemoryManager`` and
-    ``EngineHooks`` in one, over ``VllmHttp``. One operation at a time (the agent's)."""
+    ``EngineHooks`` in one, over ``VllmHttp``, through the dev-mode API (``native`` has the
+    checkpoint API's). One operation at a time (the agent's)."""
+
+    #: the API the current operation goes through
+    via: EngineApi = EngineApi.VLLM_DEV
 
     def __init__(self, http: VllmHttp, *, pid: "int | None | Callable[[], int | None]" = None,
                  golden_prompt: str = GOLDEN_PROMPT, golden_tokens: int = GOLDEN_TOKENS,
@@ -224,7 +222,7 @@ class VllmEngine(EngineHooks):
         self._save()
         return DrainReport(
             mode=cmd.drain, escalated_to=escalated, in_flight_at_start=before.in_flight,
-            completed=after.ended_since(before, *_COMPLETED),
+            completed=after.ended_since(before, *COMPLETED),
             aborted=after.ended_since(before, FinishReason.ABORT), kept=kept,
             drain_s=time.monotonic() - start)
 
@@ -246,7 +244,7 @@ class VllmEngine(EngineHooks):
         except EngineError:  # policy: progress is best effort: the drain goes on
             return
         progress(DrainProgress(engine="", op_id=cmd.op_id, in_flight=now.in_flight,
-                               completed=now.ended_since(before, *_COMPLETED),
+                               completed=now.ended_since(before, *COMPLETED),
                                aborted=now.ended_since(before, FinishReason.ABORT), kept=0,
                                elapsed_s=time.monotonic() - start))
 
@@ -261,6 +259,10 @@ class VllmEngine(EngineHooks):
 
     def reload_files(self) -> dict[str, str]:
         return {}  # vLLM reloads from its own model folder, which it does not list
+
+    def check_prepare(self, cmd: PrepareCommand) -> None:
+        """The dev-mode API does every drain mode, escalation and level (``plan`` checks the
+        tags)."""
 
     def plan(self, level: int | None = None, tags: list[str] | None = None) -> _Plan:
         if tags:
@@ -294,11 +296,15 @@ class VllmEngine(EngineHooks):
         self.http.collective_rpc("checkpoint_prepare", timeout_s=self.step_timeout_s)
         report = self._report(MemoryAction.RELEASE, plan.level, plan.tags, before,
                               tree_usage(self.pid), start, budget=residual_budget_bytes)
-        if residual_budget_bytes is not None and report.residual_bytes > residual_budget_bytes:
+        self._check_budget(report, residual_budget_bytes)
+        return report
+
+    @staticmethod
+    def _check_budget(report: MemoryReport, budget: int | None) -> None:
+        if budget is not None and report.residual_bytes > budget:
             raise ResidualOverBudgetError(
                 "more memory remains after release than the budget allows",
-                residual_bytes=report.residual_bytes, budget_bytes=residual_budget_bytes)
-        return report
+                residual_bytes=report.residual_bytes, budget_bytes=budget)
 
     def rewake(self, tags: list[str] | None = None) -> MemoryReport:
         """Weights back (and reloaded after level 2) and checked while still paused, then
@@ -322,16 +328,17 @@ class VllmEngine(EngineHooks):
         report.verified_tensors = verified
         return report
 
-    def found_out_of_service(self) -> str | None:
-        """Why vLLM cannot count as RUNNING when the sidecar starts (paused or asleep: e.g.
-        a sidecar restarted while its engine was PREPARED), or None. Takes over what a
-        predecessor recorded it did to vLLM (``state``), so a restore undoes exactly that;
-        forgets it when vLLM serves."""
+    def found_out_of_service(self) -> tuple[CheckpointState, str] | None:
+        """Where vLLM stands when the sidecar starts, when it cannot count as RUNNING: FAILED
+        and why (paused or asleep: e.g. a sidecar restarted while its engine was PREPARED);
+        None while it serves. Takes over what a predecessor recorded it did to vLLM
+        (``state``), so a restore undoes exactly that; forgets it when vLLM serves."""
         paused = self.http.is_paused()
         if paused or self.http.is_sleeping():
             self._adopt()
-            return ("vLLM was found " + ("paused" if paused else "asleep") + " when the sidecar "
-                    "started; restore brings it back")
+            return CheckpointState.FAILED, (
+                "vLLM was found " + ("paused" if paused else "asleep") + " when the sidecar "
+                "started; restore brings it back")
         self._serving()
         return None
 
@@ -344,6 +351,12 @@ class VllmEngine(EngineHooks):
         self._released, self._level = list(done.released), done.level
         self._checkpoint_prepared, self._kept = done.checkpoint_prepared, done.kept
         self.golden, self.checksums = done.golden, done.checksums
+        try:
+            self.via = EngineApi(done.api) if done.api else EngineApi.VLLM_DEV
+        except ValueError:  # policy: a file from elsewhere: the dev path, as before the field
+            log.warning("the sidecar state names an unknown API %r: taken as vllm-dev",
+                        done.api)
+            self.via = EngineApi.VLLM_DEV
         self._weights_checked = False
         if done != Progress():
             log.warning("taking over from the previous sidecar: released %s (level %s), "
@@ -357,7 +370,7 @@ class VllmEngine(EngineHooks):
         self.state.state.progress = Progress(
             released=list(self._released), level=self._level,
             checkpoint_prepared=self._checkpoint_prepared, kept=self._kept,
-            golden=self.golden, checksums=self.checksums)
+            golden=self.golden, checksums=self.checksums, api=self.via)
         self.state.save()
 
     def _serving(self) -> None:
@@ -407,6 +420,11 @@ class VllmEngine(EngineHooks):
                 raise EngineError("vLLM still reports sleeping after a full wake-up",
                                   url=self.http.url)
         self._kept = 0
+        self._verify_golden(lambda: self.http.pause(DrainMode.ABORT, timeout_s=30))
+
+    def _verify_golden(self, out_of_service: Callable[[], object]) -> None:
+        """The golden completion, as before the prepare, or ``out_of_service()`` (vLLM stops
+        serving) and ``VerificationError``."""
         if self.golden is not None:
             got = None
             for _ in range(GOLDEN_ATTEMPTS):
@@ -415,9 +433,9 @@ class VllmEngine(EngineHooks):
                     self._serving()
                     return
             try:
-                self.http.pause(DrainMode.ABORT, timeout_s=30)
+                out_of_service()
             except EngineError as err:  # policy: logged; the mismatch is the error raised
-                log.error("could not pause vLLM after a golden mismatch: %s", err)
+                log.error("could not take vLLM out of service after a golden mismatch: %s", err)
             raise VerificationError("the golden completion differs after restore",
                                     expected=self.golden, got=got, prompt=self.golden_prompt)
         self._serving()
@@ -453,12 +471,6 @@ class VllmEngine(EngineHooks):
         return self.step_timeout_s if left is None else max(0.5, left + 5.0)
 
 
-def _keep_generation(state: StateFile, generation: int) -> None:
-    if state.state.generation != generation:
-        state.state.generation = generation
-        state.save()
-
-
 class _Call:
     """Run ``fn`` on a thread; ``done`` is set when it returned or raised."""
 
@@ -479,66 +491,3 @@ class _Call:
     def result(self) -> None:
         if self._error is not None:
             raise self._error
-
-
-def serve(url: str, *, name: str, control: str | None, pid: int | None,
-          golden_prompt: str, golden_tokens: int, verify_weights: bool, timeout_s: float,
-          heartbeat_interval_s: float = 0.5, ready: Callable[[dict], None] | None = None,
-          curve=None, engine_is_parent: bool = False, notifier=None) -> None:
-    """Run the sidecar until SIGTERM/SIGINT; prints one JSON ready line once bound (and tells
-    ``notifier``, an ``sdnotify.Notifier``, READY=1 then, and STOPPING=1 at the end).
-    ``engine_is_parent``: started by the launcher (``launcher``), whose host PID is the
-    engine's (the tree CRIU dumps), read again when a restore changed it."""
-    from ckpt_controller.agent.server import Agent
-    from ckpt_controller.procutil import StopSignals
-
-    http = VllmHttp(url, timeout_s=timeout_s)
-    if not http.healthy(timeout_s=5.0):
-        raise UnreachableError(f"no vLLM server answers at {http.url}/health", url=http.url)
-    pid_of: "int | None | Callable[[], int | None]" = pid
-    if engine_is_parent:
-        pid_of = parent_host_pid
-        pid = parent_host_pid()
-    elif pid is None and http.host in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
-        pid = pid_of = find_server_pid(http.port)
-    state = StateFile(state_path(control, name))
-    state.belongs_to(process_started(pid))  # another vLLM process: afresh
-    engine = VllmEngine(http, pid=pid_of, golden_prompt=golden_prompt,
-                        golden_tokens=golden_tokens, verify_weights=verify_weights,
-                        step_timeout_s=max(timeout_s, 60.0), state=state).start()
-    fingerprint = EngineFingerprint(pid_of)
-    agent = Agent(name, hooks=engine, memory=engine, drain=engine, control=control,
-                  engine_pid=pid, engine_alive=engine.alive,
-                  request_counts=engine.request_counts,
-                  heartbeat_interval_s=heartbeat_interval_s, curve=curve,
-                  incarnation=IncarnationTracker(fingerprint),
-                  generation=state.state.generation, endpoints={"http": http.url})
-    # restored elsewhere, the engine (the launcher) has another host PID: status says it
-    def new_pid(new: int) -> None:  # restored (by CRIU): the same engine, a new process
-        agent.engine_pid = new
-        state.state.engine_started = process_started(new)
-        state.save()
-    fingerprint.on_new_pid = new_pid
-    agent.lifecycle.subscribe(lambda t: _keep_generation(state, t.generation))
-    # never claim RUNNING for an engine that is not serving: FAILED says why, and a restore
-    # (recovery) resumes and wakes it
-    why = engine.found_out_of_service()
-    if why is not None:
-        log.warning("%s", why)
-        agent.lifecycle.fire(Trigger.FAIL, reason=why)
-    agent.start()
-    stop = StopSignals()
-    info = {"event": "ready", "name": name, "pid": os.getpid(), "engine_pid": pid,
-            "url": http.url, "control": agent.endpoint, "model": http.model_name}
-    (ready or (lambda i: print(json.dumps(i), flush=True)))(info)
-    if notifier is not None:
-        notifier.ready(f"serving {agent.endpoint} for vLLM at {http.url} "
-                       f"({agent.lifecycle.state.value})", last_round=lambda: agent.last_round,
-                       rounds_within=agent.rounds_within)
-    try:
-        stop.wait()
-    finally:
-        if notifier is not None:
-            notifier.stopping()
-        agent.close()
-        engine.close()

@@ -43,6 +43,8 @@ class Progress:
     kept: int = 0
     golden: str | None = None
     checksums: dict[str, str] | None = None
+    #: the API the prepare went through (``EngineApi``'s value; None: the dev-mode API)
+    api: str | None = None
 
 
 @dataclass
