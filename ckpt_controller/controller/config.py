@@ -217,6 +217,8 @@ class ControllerConfig:
     engines: tuple[EngineConfig, ...] = ()
     #: a capture whose engine has no dump hook to run is an error (else it is reported)
     require_dump: bool = False
+    #: CRIU action scripts the shipped hooks hand to ``criu dump|restore`` (``hooks``)
+    criu_action_scripts: tuple[Path, ...] = ()
     #: ``[fleet]``: None when the file has none (a node on its own, as before)
     fleet: FleetConfig | None = None
     #: ``[migration]`` (its defaults when the file has none)
@@ -361,8 +363,8 @@ def parse_config(text: str, file: str = "<string>") -> ControllerConfig:
 
 
 def _controller(table: FileTable, file: str, base: Path) -> dict[str, Any]:
-    """The ``[controller]`` keys the file gave as ``ControllerConfig`` fields: paths resolved,
-    the endpoint and key files checked, the defaults that depend on the environment added."""
+    """The ``[controller]`` keys given, as ``ControllerConfig`` fields: paths resolved (CRIU
+    action scripts checked later, as hooks are), endpoint and key files checked, defaults added."""
     out = given(table.controller)
     key = "controller."
     if "endpoint" in out:
@@ -378,6 +380,7 @@ def _controller(table: FileTable, file: str, base: Path) -> dict[str, Any]:
     if "curve_secret_key" in out:
         out["curve_secret_key"] = _key_file(out["curve_secret_key"], file,
                                             key + "curve_secret_key", base, secret=True)
+    out["criu_action_scripts"] = tuple(_path(p, base) for p in out.get("criu_action_scripts", ()))
     if "curve_clients" in out:
         clients = out["curve_clients"] = _path(out["curve_clients"], base)
         if not clients.is_dir():

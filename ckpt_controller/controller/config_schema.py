@@ -94,6 +94,8 @@ class ControllerTable(_Table):
     curve_clients: Text | UnsetType = UNSET
     require_dump: Flag | UnsetType = UNSET
     recover_uncaptured: RecoverUncaptured | UnsetType = UNSET
+    criu_action_scripts: Annotated[list[Text], Meta(max_length=16, description=(
+        "at most 16 paths"))] | UnsetType = UNSET
 
 
 class DeadlinesTable(_Table):

@@ -4,7 +4,9 @@ Layout: ``<hooks_dir>/<point>/<executable>``; several executables at one point r
 order, and the first failure stops the point. Each gets its context in the environment
 (``CKPT_ACTION``, ``CKPT_ENGINE``, ``CKPT_ENGINE_PID``, ``CKPT_STATE``, ``CKPT_GENERATION``,
 ``CKPT_OP_ID``, ``CKPT_IMAGE_DIR``, ``CKPT_DEADLINE`` (wall-clock seconds), plus
-``CRTOOLS_SCRIPT_ACTION`` and ``CRTOOLS_INIT_PID`` so existing CRIU action scripts work), runs
+``CRTOOLS_INIT_PID``, ``CRTOOLS_SCRIPT_ACTION`` only where the moment is CRIU's own
+(``CRTOOLS_ACTIONS``), and at the points where CRIU runs the CRIU action scripts to hand to it
+(``CKPT_CRIU_ACTION_SCRIPTS``)), runs
 without a shell in its own session, as a subreaper whose whole process tree is followed (also
 what leaves its session, as ``criu restore --restore-detached`` does), and on timeout that
 tree and its process group get SIGTERM, a grace period, then SIGKILL; what a failed hook left
@@ -39,10 +41,15 @@ log = logging.getLogger("ckpt_controller.hooks")
 
 #: the hook points, in cycle order; what a failure at each does is ``policy.HOOK_FAILURE``
 POINTS: tuple[HookPoint, ...] = tuple(HookPoint)
-#: CRIU's own action names, for scripts written for ``criu --action-script``
-CRTOOLS_ACTIONS = {HookPoint.DUMP: "pre-dump", HookPoint.POST_DUMP: "post-dump",
-                   HookPoint.PRE_RESTORE: "pre-restore", HookPoint.POST_RESTORE: "post-restore",
-                   HookPoint.POST_RESUME: "post-resume"}
+#: ``CRTOOLS_SCRIPT_ACTION`` at the points whose moment is CRIU's own: ``dump`` runs before the
+#: dump begins, with the tree running, as CRIU's pre-dump. No other point is at a moment of
+#: CRIU's (CRIU's post-dump runs with the tree still frozen, its post-restore with the tree
+#: restored but stopped): a script written for CRIU is given to CRIU itself
+#: (``criu_action_scripts``, the shipped hooks' ``--action-script``) to run at those.
+CRTOOLS_ACTIONS = {HookPoint.DUMP: "pre-dump"}
+#: the points where CRIU runs (the shipped criu-dump, criu-restore): the hooks there get the
+#: config's ``criu_action_scripts``, one path a line, in ``CKPT_CRIU_ACTION_SCRIPTS``
+CRIU_POINTS = (HookPoint.DUMP, HookPoint.PRE_RESTORE)
 TAIL_BYTES = 4096
 
 
@@ -60,6 +67,8 @@ class HookContext:
     #: the operation's own hook settings (``OperationCommand.hook_env``), over the
     #: controller's environment
     extra_env: tuple[tuple[str, str], ...] = ()
+    #: the config's ``criu_action_scripts``, checked again just before (``CRIU_POINTS``)
+    criu_action_scripts: tuple[str, ...] = ()
     #: set when the controller stops (SIGTERM): a running hook is ended at once (SIGTERM,
     #: the grace, SIGKILL, its whole tree), as at its timeout, and no further hook starts
     stop: threading.Event | None = None
@@ -88,6 +97,23 @@ def find_hooks(hooks_dir: Path | None, point: str) -> list[Path]:
     return found
 
 
+def action_scripts(config_scripts, key: str = "controller.criu_action_scripts") -> tuple[str, ...]:
+    """The config's CRIU action scripts as CRIU is to run them (their real paths), each an
+    executable file that only we or root can change (CRIU runs them as root); else
+    ``ConfigError`` naming the key (``controller.criu_action_scripts[N]``)."""
+    out = []
+    for i, path in enumerate(config_scripts):
+        try:
+            real = trusted_path(path, "CRIU action script", strict_folder=False)
+            if not real.is_file() or not os.access(real, os.X_OK):
+                raise ConfigError(f"{path} is not an executable file", path=str(path))
+        except (ConfigError, OSError) as err:  # policy: refused, naming the key, as a hook
+            raise ConfigError(f"{key}[{i}]: {getattr(err, 'message', err)}", key=f"{key}[{i}]",
+                              path=str(path)) from None
+        out.append(str(real))
+    return tuple(out)
+
+
 def hook_env(point: str, ctx: HookContext) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
@@ -99,9 +125,13 @@ def hook_env(point: str, ctx: HookContext) -> dict[str, str]:
         "CKPT_OP_ID": ctx.op_id,
         "CKPT_IMAGE_DIR": str(ctx.image_dir),
         "CKPT_DEADLINE": f"{ctx.deadline_wall:.3f}",
-        "CRTOOLS_SCRIPT_ACTION": CRTOOLS_ACTIONS.get(point, point),
         "CRTOOLS_INIT_PID": str(ctx.pid or ""),
     })
+    env.pop("CRTOOLS_SCRIPT_ACTION", None)  # a controller run from an action script
+    if point in CRTOOLS_ACTIONS:
+        env["CRTOOLS_SCRIPT_ACTION"] = CRTOOLS_ACTIONS[point]
+    if point in CRIU_POINTS and ctx.criu_action_scripts:
+        env["CKPT_CRIU_ACTION_SCRIPTS"] = "\n".join(ctx.criu_action_scripts)
     if ctx.undo_capture:
         env["CKPT_UNDO_CAPTURE"] = "1"
     env.update(ctx.extra_env)

@@ -30,7 +30,8 @@ import msgspec
 from ckpt_controller import hub
 from ckpt_controller import protocol as p
 from ckpt_controller.controller.config import ControllerConfig, PrepareDefaults
-from ckpt_controller.controller.hooks import HookContext, find_hooks, run_point
+from ckpt_controller.controller.hooks import (CRIU_POINTS, HookContext, action_scripts,
+                                               find_hooks, run_point)
 from ckpt_controller.controller.images import remove_if_empty
 from ckpt_controller.controller.links import KNOWN_FRESH_S, AgentLink, AgentLinks
 from ckpt_controller.controller.outcome import StepOutcome
@@ -212,11 +213,15 @@ class EngineSession:
         # write-ahead: a hook acts outside (a dump, a restore), so what led to it is on disk
         # first; recovery decides whether a capture may have begun from these records
         self._sync()  # (on a thread of its own under a hub: the others go on)
+        # CRIU runs them as root: who may change them is looked at again now
+        scripts = action_scripts(self.config.criu_action_scripts) if point in CRIU_POINTS \
+            else ()
         ctx = HookContext(engine=self.engine.name, pid=self.pid, state=self.outcome.state or "",
                           generation=self.generation, op_id=self.op_id,
                           image_dir=self.image_dir(), deadline_wall=self.deadline_wall,
                           undo_capture=undo_capture,
-                          extra_env=tuple(sorted(self.hook_env.items())), stop=self.stop)
+                          extra_env=tuple(sorted(self.hook_env.items())), stop=self.stop,
+                          criu_action_scripts=scripts)
         runs: list[p.HookRun] = []
         # said before they run (the journal's "hook" records come when they end): what a
         # person following the operation sees running

@@ -89,9 +89,10 @@ def claim(config: ControllerConfig) -> Claim:
 def check(config: ControllerConfig) -> list[str]:
     """What ``claim`` would refuse, found without changing anything (``ckptctl serve
     --check``): the state and image directories (there and private, or creatable), the hooks
-    directory and every hook in it, the endpoint's folder, CURVE key files. Returns what it
+    directory and every hook in it, the CRIU action scripts, the endpoint's folder, CURVE key
+    files. Returns what it
     looked at, a line each; raises the ``ConfigError`` ``claim`` would."""
-    from ckpt_controller.controller.hooks import POINTS, find_hooks
+    from ckpt_controller.controller.hooks import POINTS, action_scripts, find_hooks
 
     seen = []
     for key, path in (("controller.state_dir", config.state_dir),
@@ -120,6 +121,9 @@ def check(config: ControllerConfig) -> list[str]:
         hooks = {point: find_hooks(config.hooks_dir, point) for point in POINTS}
         seen.append(f"controller.hooks_dir {config.hooks_dir}: " + (", ".join(
             f"{point} {len(found)}" for point, found in hooks.items() if found) or "no hooks"))
+    if config.criu_action_scripts:
+        seen.append("controller.criu_action_scripts: "
+                    + ", ".join(action_scripts(config.criu_action_scripts)))
     socket_path = _endpoint_file(config)
     if socket_path is not None:
         if not socket_path.parent.is_dir():

@@ -111,6 +111,26 @@ def test_the_environment_contract(tmp_path):
     assert (c.image_dir.stat().st_mode & 0o777) == 0o700
 
 
+def test_crtools_script_action_only_where_the_moment_is_crius(tmp_path, monkeypatch):
+    """CRIU's post-dump runs with the tree frozen, its post-restore with the tree stopped:
+    none of our points is there, so only ``dump`` (CRIU's pre-dump moment) says an action,
+    also when the controller's own environment had one; the CRIU action scripts go to the
+    points where the shipped hooks run CRIU."""
+    import dataclasses
+
+    from ckpt_controller.controller.hooks import hook_env
+
+    monkeypatch.setenv("CRTOOLS_SCRIPT_ACTION", "post-restore")  # a controller run by CRIU
+    c = dataclasses.replace(ctx(tmp_path), criu_action_scripts=("/a/one", "/b/two"))
+    for point in ("pre-prepare", "post-drain", "post-release", "dump", "post-dump",
+                  "pre-restore", "post-restore", "post-resume", "on-fail"):
+        env = hook_env(point, c)
+        assert env.get("CRTOOLS_SCRIPT_ACTION") == ("pre-dump" if point == "dump" else None)
+        assert env["CRTOOLS_INIT_PID"] == str(c.pid)
+        scripts = env.get("CKPT_CRIU_ACTION_SCRIPTS")
+        assert scripts == ("/a/one\n/b/two" if point in ("dump", "pre-restore") else None)
+
+
 def test_an_operations_own_hook_settings_reach_its_hooks_and_only_known_ones_pass(tmp_path):
     """``OperationCommand.hook_env`` (a migration's stop-and-stay dump) is added to the hooks'
     environment; a key outside ``values.HookEnvKey`` or a value with a shell's characters is
