@@ -12,6 +12,7 @@ back into the same class on the other side. Neighbours: ``protocol`` carries err
     |   +-- ImageError                 a CRIU image is damaged or not what was promised
     |   +-- EtcdRefusedError           etcd answered a fleet request with an error
     |   +-- UnsupportedError           the engine cannot do what was asked (says what it can)
+    |   +-- CompatibilityError         an image needs what this host differs in (manifest)
     +-- ProtocolError          exit 2  a frame broke the wire contract
     |   +-- VersionMismatchError       the peer speaks another protocol version
     |   +-- DamagedRecordError         a fleet record in etcd cannot be read (names the key)
@@ -147,6 +148,13 @@ class UnsupportedError(UsageError):
     no such step (vLLM's ``/checkpoint/prepare`` keeps the weights, cannot escalate a ``wait``
     it began, and cannot leave FAILED). ``details``: ``api`` (what the engine is driven
     through), ``can`` (what it can do) and ``change`` (what to ask for instead)."""
+
+
+class CompatibilityError(UsageError):
+    """Raised before a restore (or a migration's restore) when its image's manifest records
+    what this host differs in (CRIU, kernel, CPU, the engine's files, the model...); nothing
+    was restored. ``details['differences']`` lists each (``field``, ``image``, ``here``);
+    restore it where it matches, or accept the fields named (``--accept``)."""
 
 
 class ProtocolError(CkptError):

@@ -221,7 +221,14 @@ def operation_params(args: argparse.Namespace) -> dict:
         params["reason"] = args.reason
     if args.op == OperationKind.RESTORE:
         params["image"] = args.image
+        if getattr(args, "accept", None):
+            params["accept"] = args.accept
     return params
+
+
+def field_list(text: str) -> list[str]:
+    """``a,b,c`` as a list (the controller says which names it does not know)."""
+    return [f.strip() for f in text.split(",") if f.strip()]
 
 
 # ---------------------------------------------------------------- human output

@@ -27,6 +27,7 @@ from ckpt_controller.cli.common import (
     LIMIT_HELP,
     age,
     arg_type,
+    field_list,
     operation_params,
     prepare_opts,
     table,
@@ -136,6 +137,9 @@ def _select_opts(sp: argparse.ArgumentParser) -> None:
 def _one_engine_to_opts(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("engine", metavar="ENGINE", help="the engine's name")
     sp.add_argument("--to", required=True, metavar="NODE", help="the node it moves to")
+    sp.add_argument("--accept", metavar="FIELD,...", type=field_list, default=[],
+                    help="restore on the target although the image's manifest differs from "
+                         "it in these fields (kernel, criu, cpu, ...: docs/controller.md)")
 
 
 
@@ -222,6 +226,8 @@ def _migrate(args: argparse.Namespace) -> int:
     params = {k: v for k, v in (("drain", args.drain), ("drain_timeout_s", args.drain_timeout),
                                 ("level", args.level), ("deadline_s", args.deadline))
               if v is not None}
+    if args.accept:
+        params["accept"] = args.accept
     op_id = args.op_id or f"fleet-{kind.kind}-{uuid.uuid4().hex[:12]}"
     def announce(op) -> None:
         if not args.json:

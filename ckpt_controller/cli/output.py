@@ -49,6 +49,7 @@ WALL_TIMES: dict[str, dict[str, str]] = {
     "StepEnd": {"started": "started_at", "ended": "ended_at"},
     "Migration": {"step_started": "step_started_at"},
     "ImageInfo": {"wall": "changed_at"},
+    "Manifest": {"wall": "written_at"},
 }
 
 #: fields that go out under another name, where the Struct's own name would be ambiguous

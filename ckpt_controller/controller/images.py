@@ -151,12 +151,13 @@ class ImageStore:
         keep = self.keep if cmd.keep is None else cmd.keep
         if not cmd.prune:
             return p.ImagesReply(images=[i for e in engines for i in self.images(e, keep)],
-                                 keep=keep)
+                                 keep=keep, image_dir=str(self.image_dir))
         removed = self.prune(engines, keep, dry_run=cmd.dry_run)
         gone = {(i.engine, i.image) for i in removed} if cmd.dry_run else set()
         stayed = [i for e in engines for i in self.images(e, keep)
                   if (i.engine, i.image) not in gone]
-        return p.ImagesReply(images=stayed, removed=removed, keep=keep, dry_run=cmd.dry_run)
+        return p.ImagesReply(images=stayed, removed=removed, keep=keep, dry_run=cmd.dry_run,
+                             image_dir=str(self.image_dir))
 
     def prune(self, engines: Iterable[str], keep: int | None = None,
               dry_run: bool = False) -> list[p.ImageInfo]:

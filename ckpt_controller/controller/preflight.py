@@ -11,7 +11,8 @@ an engine that does not answer when pre-restore hooks are installed: they may br
 back from an image; one whose command says its process is ``absent`` (a migration's adopt) is
 not asked at all. ``choose_images`` gives a restore the image of each engine: the one the
 operator named, else the newest one a capture dumped at the engine's generation; an older one
-must be named. A refusal here raises, and the controller turns it into a refused request:
+must be named; ``check_images`` refuses one whose manifest records what this host differs in
+(``manifest``). A refusal here raises, and the controller turns it into a refused request:
 nothing journaled, counted as refused. Neighbours: ``service`` calls both before it journals an
 operation; ``journal`` (the capture records); ``hooks`` (which points have hooks).
 """
@@ -138,3 +139,18 @@ def choose_images(config: ControllerConfig, journal: Journal, cmd: p.OperationCo
         else:
             images[engine] = None
     return images
+
+
+def check_images(config: ControllerConfig, cmd: p.OperationCommand,
+                 images: dict[str, str | None]) -> None:
+    """Refuse a restore whose image's manifest records what this host differs in
+    (``manifest.check``: ``CompatibilityError``, exit 2), before any hook or CRIU runs;
+    ``cmd.accept`` names the fields accepted."""
+    from ckpt_controller.controller import manifest
+    from ckpt_controller.controller.images import folder_name
+
+    for engine, image in images.items():
+        if image is not None:
+            manifest.check(config.image_dir / engine / folder_name(image), engine, image,
+                           cmd.accept)
+

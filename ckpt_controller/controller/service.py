@@ -296,6 +296,7 @@ class Controller:
             statuses = preflight.ask(self.config, cmd, engines, links)
             images = (preflight.choose_images(self.config, self.journal, cmd, statuses)
                       if cmd.kind == OperationKind.RESTORE else {})
+            preflight.check_images(self.config, cmd, images)  # before any CRIU runs
             params = {k: v for k, v in msgspec.to_builtins(cmd).items()
                       if k not in ("call_id", "version", "op_id", "kind", "engines")}
             self.journal.begin(cmd.op_id, cmd.kind, engines, params)

@@ -32,7 +32,8 @@ from ckpt_controller import protocol as p
 from ckpt_controller.controller.config import ControllerConfig, PrepareDefaults
 from ckpt_controller.controller.hooks import (CRIU_POINTS, HookContext, action_scripts,
                                                find_hooks, run_point)
-from ckpt_controller.controller.images import remove_if_empty
+from ckpt_controller.controller import manifest
+from ckpt_controller.controller.images import folder_bytes, remove_if_empty
 from ckpt_controller.controller.links import KNOWN_FRESH_S, AgentLink, AgentLinks
 from ckpt_controller.controller.outcome import StepOutcome
 from ckpt_controller.controller.policy import hook_failed
@@ -91,6 +92,8 @@ class EngineSession:
         #: gone, and pre-restore hooks may bring it back): its hooks run without asking again
         self.unanswered = False
         self._image_dir: Path | None = None
+        #: the engine's facts for the image's manifest (read before the dump hooks run)
+        self._engine_facts: tuple[dict, dict] = ({}, {})
         #: the operation's own hook settings (``OperationCommand.hook_env``)
         self.hook_env: dict[str, str] = {}
         #: asked after re-wake, before the engine is admitted again; raising fails the
@@ -339,6 +342,8 @@ class EngineSession:
 
         def dump() -> None:
             end[0] = time.time() + self.remaining(self.config.deadlines.capture)
+            if self.has_hooks(HookPoint.DUMP):  # read while the process is there to read
+                self._engine_facts = self._read_engine_facts()
             ran[0] = self.hooks(HookPoint.DUMP, until_wall=end[0])
             if time.time() >= end[0]:
                 raise DeadlineError("capture deadline passed after the dump hooks",
@@ -358,8 +363,29 @@ class EngineSession:
                                  f"[controller] require_dump = true", engine=self.engine.name,
                                  hooks_dir=str(self.config.hooks_dir))
 
+    def _read_engine_facts(self) -> tuple[dict, dict]:
+        """What the image's manifest says of the engine (``manifest.engine_facts``)."""
+        try:
+            files = self.client.status().reload_files
+        except CkptError as err:  # policy: the dump says whether the engine is there
+            log.warning("%s: no status before the dump: %s", self.engine.name, err)
+            files = {}
+        return manifest.engine_facts(self.pid, self.engine.kind, files)
+
+    def _write_manifest(self) -> None:
+        """What a restore of this image needs of its host, beside it (``manifest``)."""
+        folder = self.image_dir()
+        try:
+            manifest.write(folder, self.engine.name, self.op_id, *self._engine_facts,
+                           image_bytes=folder_bytes(folder))
+        except OSError as err:  # policy: the image stands; a restore of it goes unchecked
+            log.error("%s: the manifest of image %s could not be written (%s): a restore "
+                      "of it is not checked", self.engine.name, self.op_id, err)
+
     def _captured(self, dumped: bool) -> None:
         """A good capture: in the outcome, the journal and the metrics."""
+        if dumped:
+            self._write_manifest()
         self.outcome.dumped, self.outcome.image = dumped, self.op_id if dumped else None
         # a good capture only: what a later restore chooses its image by (``service``)
         self.record("capture", {"dumped": dumped, "generation": self.generation,

@@ -19,7 +19,7 @@ from ckpt_controller.errors import CkptError
 from ckpt_controller.vocab import OperationKind
 
 #: what a fleet operation's parameters may give a node-local one
-PASSED_ON = ("drain", "drain_timeout_s", "on_deadline", "level", "deadline_s")
+PASSED_ON = ("drain", "drain_timeout_s", "on_deadline", "level", "deadline_s", "accept")
 
 
 def run(controller, op_id: str, kind: OperationKind, engine: str, params: dict,

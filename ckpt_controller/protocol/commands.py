@@ -186,6 +186,9 @@ class OperationCommand(Command, kw_only=True):
     #: engine comes from its image), so none is asked its status first (a refused connection
     #: took half a second to tell); their pre-restore hooks bring them back
     absent: bool = False
+    #: restore: the fields of the image's manifest an operator accepts differing here
+    #: (``controller.manifest.CHECKED``: kernel, criu, cpu, ...)
+    accept: Annotated[list[Text], Meta(max_length=32)] = []
 
 
 class HistoryCommand(Command, kw_only=True):

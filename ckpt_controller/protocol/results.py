@@ -316,6 +316,8 @@ class ImagesReply(msgspec.Struct, kw_only=True, tag=True):
     removed: list[ImageInfo] = []
     keep: int
     dry_run: bool = False
+    #: where they are: ``<image_dir>/<engine>/<image>`` (None: a controller older than this)
+    image_dir: str | None = None
 
 
 class CompactReply(msgspec.Struct, kw_only=True, tag=True):

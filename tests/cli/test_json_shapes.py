@@ -351,6 +351,23 @@ def test_engine_and_keys_documents(spawn_reference, tmp_path):
     assert Path(keys["public"]).is_file()
 
 
+def test_image_manifest_document(spawn_reference, tmp_path):
+    """``images inspect FOLDER`` reads an image's manifest where it lies (no controller):
+    here one written of a live reference engine, as a capture writes it."""
+    import os
+
+    from ckpt_controller.controller import manifest
+
+    eng = spawn_reference("jsm")
+    folder = tmp_path / "jsm" / "op-9"
+    folder.mkdir(parents=True)
+    checked, info = manifest.engine_facts(eng.pid, "native", {})
+    manifest.write(folder, "jsm", "op-9", checked, info, image_bytes=1)
+    doc = parsed(ckptctl("images", "inspect", str(folder), "--json"), "image-manifest")
+    assert doc["restores_here"] is True and doc["manifest"]["info"]["pid"] == eng.pid
+    assert doc["here"]["kernel"] == os.uname().release
+
+
 # ---------------------------------------------------------------- the fleet (etcd)
 
 

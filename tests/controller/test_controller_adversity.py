@@ -195,11 +195,13 @@ def test_a_restarted_controller_still_reports_the_last_cycle_and_image(spawn_eng
     assert out.returncode == 0, out.stdout + out.stderr
     before = scrape(ctl.info["metrics_port"])
     stamp = values(before, "ckpt_last_successful_cycle_timestamp_seconds")
-    assert values(before, "ckpt_image_bytes") == {(("engine", "m1"),): 4096}
+    op = json.loads(out.stdout)["op_id"]  # its image: 4096 bytes and the capture's manifest
+    size = 4096 + (ipc_dir / "state" / "images" / "m1" / op / "ckpt-manifest.json").stat().st_size
+    assert values(before, "ckpt_image_bytes") == {(("engine", "m1"),): size}
     ctl.stop()
     ctl = spawn_controller(config)
     after = scrape(ctl.info["metrics_port"])
-    assert values(after, "ckpt_image_bytes") == {(("engine", "m1"),): 4096}
+    assert values(after, "ckpt_image_bytes") == {(("engine", "m1"),): size}
     restarted = values(after, "ckpt_last_successful_cycle_timestamp_seconds")
     assert restarted.keys() == stamp.keys()
     assert abs(restarted[(("engine", "m1"),)] - stamp[(("engine", "m1"),)]) < 1.0

@@ -13,6 +13,7 @@ import urllib.request
 
 from ckpt_controller.controller.images import ImageStore
 from ckpt_controller.controller.journal import Journal
+from ckpt_controller.cli.common import human_bytes
 from support.config import engines_toml
 from support.hooks import write_hook
 from support.timing import wait_until
@@ -95,8 +96,11 @@ def test_images_of_a_served_controller_stay_within_keep(spawn_controller, ipc_di
         wait_until(lambda: sorted(p.name for p in folder.iterdir()) == ["c2", "c3"], 20,
                    "two images left")
         listed = images("list", "ir")
+        # the dump hook's 4096 bytes, and the manifest the capture wrote beside them
+        size = {c: 4096 + (folder / c / "ckpt-manifest.json").stat().st_size
+                for c in ("c2", "c3")}
         assert [(i["image"], i["dumped"], i["kept"], i["bytes"]) for i in listed["images"]] \
-            == [("c3", True, "newest", 4096), ("c2", True, "newest", 4096)]
+            == [("c3", True, "newest", size["c3"]), ("c2", True, "newest", size["c2"])]
         assert listed["keep"] == 2 and listed["removed"] == []
         # an operation that captured nothing leaves no folder, though its hooks ran
         assert ctl.ckptctl("prepare", "ir", "--op-id", "p1").returncode == 0
@@ -113,12 +117,12 @@ def test_images_of_a_served_controller_stay_within_keep(spawn_controller, ipc_di
         assert "c3" in table.stdout and "newest" in table.stdout, table.stdout
         # the disk they take: in status and the metrics
         status = json.loads(ctl.ckptctl("status", "--json").stdout)
-        assert status["engines"][0]["images_bytes"] == 4096
+        assert status["engines"][0]["images_bytes"] == size["c3"]
         wide = ctl.ckptctl("status", "-o", "wide").stdout
-        assert "IMAGES" in wide and "4.0 KiB" in wide, wide
+        assert "IMAGES" in wide and human_bytes(size["c3"]) in wide, wide
         url = f"http://127.0.0.1:{ctl.info['metrics_port']}/metrics"
         text = urllib.request.urlopen(url, timeout=10).read().decode()
-        assert 'ckpt_images_bytes{engine="ir"} 4096.0' in text
+        assert f'ckpt_images_bytes{{engine="ir"}} {float(size["c3"])}' in text
         # refused: an engine it does not know, a keep of 0
         bad = ctl.ckptctl("images", "list", "nosuch", "--json")
         assert bad.returncode == 2 and "nosuch" in bad.stdout

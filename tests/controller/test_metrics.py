@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import http.client
+import json
 import logging
 import math
 import re
@@ -572,7 +573,10 @@ def test_a_cycle_dates_the_engine_and_times_its_phases_per_engine(spawn_referenc
     count = values(samples, "ckpt_phase_duration_seconds_count")
     assert count[(("engine", "gc"), ("phase", "capture"))] == 1
     assert count[(("engine", "gc"), ("phase", "restore"))] == 1
-    assert values(samples, "ckpt_image_bytes") == {(("engine", "gc"),): 4096}
+    op = json.loads(out.stdout)["op_id"]  # its image: 4096 bytes and the capture's manifest
+    manifest = ipc_dir / "state" / "images" / "gc" / op / "ckpt-manifest.json"
+    assert values(samples, "ckpt_image_bytes") == {
+        (("engine", "gc"),): 4096 + manifest.stat().st_size}
     assert values(samples, "ckpt_engine_capture_deadline_seconds") == {
         (("engine", "gc"),): 600.0}  # [deadlines] capture, its default
     # every series of these counters is there (at 0 until counted): the dashboards'

@@ -314,7 +314,8 @@ class NodeMigration:
         try:
             restored = local.run(self.controller,
                                  local_ids(task.op_id, task.engine)[OperationKind.RESTORE],
-                                 OperationKind.RESTORE, task.engine, {},
+                                 OperationKind.RESTORE, task.engine,
+                                 {"accept": task.params.get("accept") or []},
                                  hook_env={"CKPT_CRIU_BESIDE": "1"}, absent=True)
         finally:
             self.arriving.discard(task.engine)

@@ -1,0 +1,129 @@
+"""An image's manifest (``controller.manifest``) without CRIU: the facts it records of this
+host and of a real engine process, what counts as a difference (a CPU extension missing, a
+model file changed, a version), what an operator accepts, a damaged manifest refused. The
+manifest of a real dump, and a restore refused and accepted: ``tests/hooks/test_criu_manifest.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from ckpt_controller.controller import manifest
+from ckpt_controller.errors import CompatibilityError, UsageError
+
+
+@pytest.fixture
+def image(tmp_path):
+    """An image folder whose manifest describes this test process, with one model file."""
+    model = tmp_path / "weights.safetensors"
+    model.write_bytes(os.urandom(4096))
+    folder = tmp_path / "e1" / "op-1"
+    folder.mkdir(parents=True)
+    checked, info = manifest.engine_facts(os.getpid(), "native", {"weights": str(model)})
+    manifest.write(folder, "e1", "op-1", checked, info, image_bytes=123)
+    return folder, model
+
+
+def test_the_manifest_records_the_host_and_the_engine(image):
+    folder, model = image
+    found = manifest.read(folder)
+    c = found.checked
+    assert set(manifest.CHECKED) <= set(c)
+    assert c["kernel"] == os.uname().release and c["arch"] == os.uname().machine
+    assert c["engine_kind"] == "native"
+    assert c["python"] == sys.version.split()[0]  # asked of this process's interpreter
+    assert c["torch"] is not None  # the project's venv has torch
+    assert c["model"] == {str(model): manifest.sha256(model)}
+    argv = Path(f"/proc/{os.getpid()}/cmdline").read_bytes().decode().split("\0")[:-1]
+    assert found.info["pid"] == os.getpid() and found.info["argv"] == argv[:64]
+    assert found.info["image_bytes"] == 123 and found.info["exe"] == os.path.realpath(
+        sys.executable)
+    assert abs(found.wall - time.time()) < 60
+    # here and now, nothing differs
+    assert manifest.differences(found, manifest.here(found)) == []
+    assert manifest.check(folder, "e1", "op-1") is not None
+
+
+def rewrite(folder, **checked) -> None:
+    path = folder / manifest.FILE
+    doc = json.loads(path.read_text())
+    doc["checked"].update(checked)
+    path.write_text(json.dumps(doc))
+
+
+def test_each_difference_is_named_and_only_the_accepted_ones_pass(image):
+    folder, model = image
+    found = manifest.read(folder)
+    rewrite(folder, kernel="0.0.1-elsewhere", cpu_isa=found.checked["cpu_isa"] + ["amx_fake"],
+            torch="0.0.1")
+    model.write_bytes(os.urandom(4096))  # the model file changed since the capture
+    with pytest.raises(CompatibilityError) as caught:
+        manifest.check(folder, "e1", "op-1")
+    err = caught.value
+    assert err.exit_code == 2
+    fields = [d["field"] for d in err.details["differences"]]
+    assert fields == ["kernel", "cpu_isa", "torch", "model"], fields
+    cpu = err.details["differences"][1]
+    assert cpu["missing"] == ["amx_fake"]
+    assert "this CPU lacks amx_fake" in err.message and "0.0.1-elsewhere" in err.message
+    assert "--accept cpu_isa,kernel,model,torch" in err.details["change"]
+    with pytest.raises(CompatibilityError) as caught:
+        manifest.check(folder, "e1", "op-1", accept=["kernel", "cpu_isa", "torch"])
+    assert [d["field"] for d in caught.value.details["differences"]] == ["model"]
+    assert manifest.check(folder, "e1", "op-1", accept=["kernel", "cpu_isa", "torch", "model"])
+    with pytest.raises(UsageError) as caught:
+        manifest.check(folder, "e1", "op-1", accept=["kernal"])
+    assert "kernal" in caught.value.message
+
+
+def test_an_extra_cpu_extension_here_is_no_difference(image):
+    folder, _ = image
+    found = manifest.read(folder)
+    rewrite(folder, cpu_isa=found.checked["cpu_isa"][:1])
+    assert manifest.check(folder, "e1", "op-1") is not None
+
+
+def test_a_model_file_touched_but_the_same_keeps_matching(image):
+    folder, model = image
+    os.utime(model, ns=(time.time_ns(), time.time_ns() - 10**9))  # times differ: read again
+    assert manifest.check(folder, "e1", "op-1") is not None
+    model.unlink()
+    with pytest.raises(CompatibilityError) as caught:
+        manifest.check(folder, "e1", "op-1")
+    assert "missing or unreadable here" in caught.value.message
+
+
+@pytest.mark.parametrize("content", [b"not json", b"[" * 50_000 + b"]" * 50_000,
+                                     b'{"engine": 3}', b""])
+def test_a_damaged_manifest_is_refused_not_ignored(image, content):
+    folder, _ = image
+    (folder / manifest.FILE).write_bytes(content)
+    with pytest.raises(CompatibilityError) as caught:
+        manifest.check(folder, "e1", "op-1")
+    assert manifest.FILE in caught.value.message
+
+
+def test_an_image_without_a_manifest_is_restored_unchecked(tmp_path):
+    assert manifest.check(tmp_path, "e1", "op-old") is None
+
+
+def test_a_manifest_from_a_later_format_keeps_its_known_fields(image):
+    folder, _ = image
+    doc = json.loads((folder / manifest.FILE).read_text())
+    doc["checked"]["a_future_field"] = "x"
+    doc["a_future_key"] = {"y": 1}
+    (folder / manifest.FILE).write_text(json.dumps(doc))
+    assert manifest.check(folder, "e1", "op-1") is not None
+    assert msgspec.json.decode((folder / manifest.FILE).read_bytes())["a_future_key"]
+
+
+def test_no_interpreter_facts_for_an_executable_that_is_no_python(tmp_path):
+    assert manifest.interpreter_facts("/bin/sh") == {"python": None, "torch": None,
+                                                     "vllm": None}
+    assert manifest.interpreter_facts(str(tmp_path / "python-gone"))["python"] is None
