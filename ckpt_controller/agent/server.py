@@ -319,6 +319,22 @@ class Agent(RpcServer):
             self._current = op
         self._handoff = (op, cmd)  # one at most: the next operation is busy until it ends
 
+    def prepare_at_start(self, cmd: p.PrepareCommand) -> p.PrepareReply:
+        """A prepare the engine runs itself before it serves (``--prepare-on-startup``: it
+        starts PREPARED, as vLLM's ``--checkpoint-prepare-on-startup``), on the calling
+        thread; an operation asked meanwhile is refused as busy, as any other would be."""
+        op = _Op(cmd.op_id, Trigger.PREPARE)
+        with self._ops_lock:
+            if self._current is not None:
+                raise BusyError(f"engine {self.name} is busy with {self._current.kind}",
+                                engine=self.name, holder=self._current.op_id)
+            self._current = op
+        try:
+            return self.operations.prepare(cmd)
+        finally:
+            with self._ops_lock:
+                self._current = None
+
     def wake_by(self) -> float | None:
         return self._live_due if self._current is not None else None
 

@@ -71,6 +71,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                          "at once with OverloadedError (retryable; default 256)")
     sp.add_argument("--heartbeat", type=duration, default=0.5, metavar="S",
                     help="agent heartbeat interval (default 0.5)")
+    sp.add_argument("--prepare-on-startup", action="store_true",
+                    help="start PREPARED (KV cache released, as vLLM's "
+                         "--checkpoint-prepare-on-startup): serve after a restore; a capture "
+                         "of it is a snapshot to restore from")
     add_curve_server_args(sp)
     add_log_args(sp)
 
@@ -151,6 +155,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_blocks=args.kv_blocks, block_size=args.block_size, max_batch=args.max_batch,
         max_waiting=args.max_waiting,
         heartbeat_interval_s=args.heartbeat, curve=curve_server(args),
+        prepare_on_startup=args.prepare_on_startup,
     ), notifier=notifier)
     return 0
 

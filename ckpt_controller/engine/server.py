@@ -77,6 +77,9 @@ class EngineOptions:
     heartbeat_interval_s: float = 0.5
     #: CURVE keys for a tcp:// control endpoint (``security.CurveServer``)
     curve: object | None = None
+    #: start PREPARED (KV cache released, as vLLM's ``--checkpoint-prepare-on-startup``): a
+    #: capture of it is a snapshot that restores serve from
+    prepare_on_startup: bool = False
 
 
 #: outputs queued per client before any is dropped (about 100 bytes each)
@@ -217,7 +220,8 @@ class ReferenceEngine(EngineHooks):
                 "weights": str(self.weights_path), "weight_bytes": cfg.weight_bytes(),
                 "kv_bytes": self.pool.kv.nbytes, "vocab_size": cfg.vocab_size,
                 "max_seq_len": cfg.max_seq_len, "dtype": cfg.dtype,
-                "max_batch": self.opts.max_batch, "max_waiting": self.opts.max_waiting}
+                "max_batch": self.opts.max_batch, "max_waiting": self.opts.max_waiting,
+                "state": self.agent.lifecycle.state.value}
 
     def wait(self) -> None:
         while not self._stop.wait(0.5):
@@ -476,6 +480,11 @@ def serve(opts: EngineOptions, ready: Callable[[dict], None] | None = None,
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     engine = ReferenceEngine(opts).start()
     stop = StopSignals()  # the main thread does the cleanup
+    if opts.prepare_on_startup:  # before the ready line: it says the engine is PREPARED
+        from ckpt_controller.protocol import PrepareCommand
+
+        engine.agent.prepare_at_start(PrepareCommand(
+            call_id=0, op_id=f"{opts.name}-startup", level=None, tags=["kv_cache"]))
     (ready or (lambda info: print(json.dumps(info), flush=True)))(engine.info())
     if notifier is not None:
         notifier.ready(f"engine {opts.name} serving on {opts.api}",

@@ -459,3 +459,31 @@ def test_a_socket_file_is_removed_only_when_nobody_listens_there(tmp_path):
         remove_stale_ipc("ipc://@abstract")
         remove_stale_ipc(None)
         assert not stale.exists() and live.is_socket() and plain.read_text() == "not a socket"
+
+
+def test_an_engine_started_prepared_serves_after_a_restore(spawn_reference, spawn_controller):
+    """``--prepare-on-startup``: PREPARED before its ready line (its KV cache released, as
+    vLLM's ``--checkpoint-prepare-on-startup``), refusing requests as retryable; a controller
+    takes it over as PREPARED, and after ``restore`` it answers what an engine started
+    normally answers."""
+    from support.config import engines_toml
+
+    plain = spawn_reference("pso")
+    with EngineClient(plain.api) as api:
+        want = api.generate([9, 8, 7], 16).token_ids
+    eng = spawn_reference("psp", "--prepare-on-startup")
+    assert eng.info["state"] == "prepared"
+    with EngineClient(eng.api) as api:
+        with pytest.raises(RejectedError) as caught:
+            api.generate([9, 8, 7], 16)
+        assert caught.value.retryable
+    ctl = spawn_controller(engines_toml(eng))
+    status = json.loads(ctl.ckptctl("status", "--json").stdout)["engines"][0]["status"]
+    assert (status["state"], status["released_tags"], status["generation"]) == \
+        ("prepared", ["kv_cache"], 0)
+    out = ctl.ckptctl("restore", "psp", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    with EngineClient(eng.api) as api:
+        assert api.generate([9, 8, 7], 16).token_ids == want
+    status = json.loads(ctl.ckptctl("status", "--json").stdout)["engines"][0]["status"]
+    assert (status["state"], status["generation"]) == ("running", 1)
