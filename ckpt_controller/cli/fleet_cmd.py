@@ -184,6 +184,9 @@ def _image_opts(sp: argparse.ArgumentParser) -> None:
 
     sp.add_argument("--image", metavar="OP_ID", type=arg_type(OP_ID),
                     help="restore the image this node-local operation id dumped")
+    sp.add_argument("--accept", metavar="FIELD,...", type=field_list, default=[],
+                    help="restore although the image's manifest differs from its node in "
+                         "these fields (kernel, criu, cpu, ...: docs/controller.md)")
 
 
 def _submitted(op_id: str, submit, announce, follow):

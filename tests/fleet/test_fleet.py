@@ -944,3 +944,20 @@ def test_changed_since_gives_only_what_was_written_after_the_revision(etcd):
         assert [(kv.key, kv.value) for kv in kvs] == [("/t/engines/a", b"2"),
                                                        ("/t/engines/c", b"1")]
         assert after == rev + 2
+
+
+def test_an_engine_started_prepared_is_published_prepared_and_restored_by_the_fleet(
+        etcd, nodes, spawn_reference):
+    """A reference engine started PREPARED (``--prepare-on-startup``, as vLLM's
+    ``--checkpoint-prepare-on-startup``) is its node's as any other: published PREPARED, and
+    a ``fleet restore`` brings it to RUNNING on its node."""
+    eng = spawn_reference("sp0", "--prepare-on-startup")
+    nodes("n1", node_toml(etcd, "n1", [eng]))
+    wait_until(lambda: engines_of(fleet_json(etcd)[1]).get("sp0", {}).get("state")
+               == "prepared", what="sp0 published PREPARED")
+    r = fleet(etcd, "restore", "sp0", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [(p["status"], p["state"]) for p in json.loads(r.stdout)["parts"]] == [
+        ("succeeded", "running")]
+    wait_until(lambda: engines_of(fleet_json(etcd)[1])["sp0"]["state"] == "running",
+               what="sp0 published RUNNING")
