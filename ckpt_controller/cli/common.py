@@ -231,6 +231,15 @@ def field_list(text: str) -> list[str]:
     return [f.strip() for f in text.split(",") if f.strip()]
 
 
+def add_accept_arg(sp: argparse.ArgumentParser, host: str) -> None:
+    """``--accept FIELD,...``: the fields of an image's manifest a restore on ``host`` (as a
+    person reads it) may differ in."""
+    sp.add_argument("--accept", metavar="FIELD,...", type=field_list, default=[],
+                    help=f"restore although the image's manifest differs from {host} in these "
+                         "fields (kernel, criu, cpu_isa, ..., or manifest for a damaged one: "
+                         "`ckptctl images inspect` shows them; docs/controller.md)")
+
+
 # ---------------------------------------------------------------- human output
 
 

@@ -24,7 +24,7 @@ from ckpt_controller.cli.common import (
     arg_type,
     controller_client,
     duration,
-    field_list,
+    add_accept_arg,
     goes_on_if_interrupted,
     human_bytes,
     op_id,
@@ -93,10 +93,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
             sp.add_argument("--image", metavar="OP_ID", type=op_id,
                             help="restore the image operation OP_ID dumped (default: the one of "
                                  "the engine's generation; an older one must be named here)")
-            sp.add_argument("--accept", metavar="FIELD,...", type=field_list, default=[],
-                            help="restore although the image's manifest differs from this "
-                                 "host in these fields (kernel, criu, cpu, ...: `ckptctl "
-                                 "images inspect` shows them; docs/controller.md)")
+            add_accept_arg(sp, "this host")
 
     sp = sub.add_parser(
         "status", help="each engine's state as its agent reports it, as a table",

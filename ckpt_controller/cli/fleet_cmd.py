@@ -25,9 +25,9 @@ from ckpt_controller import values
 from ckpt_controller.cli.common import (
     EXIT_CODES,
     LIMIT_HELP,
+    add_accept_arg,
     age,
     arg_type,
-    field_list,
     operation_params,
     prepare_opts,
     table,
@@ -137,9 +137,7 @@ def _select_opts(sp: argparse.ArgumentParser) -> None:
 def _one_engine_to_opts(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("engine", metavar="ENGINE", help="the engine's name")
     sp.add_argument("--to", required=True, metavar="NODE", help="the node it moves to")
-    sp.add_argument("--accept", metavar="FIELD,...", type=field_list, default=[],
-                    help="restore on the target although the image's manifest differs from "
-                         "it in these fields (kernel, criu, cpu, ...: docs/controller.md)")
+    add_accept_arg(sp, "the target")
 
 
 
@@ -184,9 +182,7 @@ def _image_opts(sp: argparse.ArgumentParser) -> None:
 
     sp.add_argument("--image", metavar="OP_ID", type=arg_type(OP_ID),
                     help="restore the image this node-local operation id dumped")
-    sp.add_argument("--accept", metavar="FIELD,...", type=field_list, default=[],
-                    help="restore although the image's manifest differs from its node in "
-                         "these fields (kernel, criu, cpu, ...: docs/controller.md)")
+    add_accept_arg(sp, "its node")
 
 
 def _submitted(op_id: str, submit, announce, follow):

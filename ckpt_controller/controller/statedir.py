@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from ckpt_controller.controller.config import ControllerConfig, key_error
 from ckpt_controller.endpoints import listening
 from ckpt_controller.errors import ConfigError
 from ckpt_controller.security import private_dir
+
+log = logging.getLogger("ckpt_controller.controller")
 
 LOCK_NAME = "controller.lock"
 
@@ -70,6 +73,18 @@ def claim(config: ControllerConfig) -> Claim:
             raise key_error(config, "controller.hooks_dir", f"{config.hooks_dir} {what}; create "
                             "it (hooks live in <hooks_dir>/<point>/) or leave the key out",
                             path=str(config.hooks_dir))
+        from ckpt_controller.controller.hooks import action_scripts, crtools_readers
+
+        # CRIU runs them as root: refused at start, not at the first dump
+        action_scripts(config.criu_action_scripts)
+        try:
+            readers = crtools_readers(config.hooks_dir)
+        except ConfigError:  # policy: an unsafe hook is refused when its point runs
+            readers = []
+        for path in readers:
+            log.warning("hook %s reads CRTOOLS_SCRIPT_ACTION, which only the dump point sets "
+                        "now: a script for CRIU's own moments goes in "
+                        "controller.criu_action_scripts (docs/hooks.md)", path)
         socket_path = _endpoint_file(config)
         endpoint_fd = _lock_endpoint(config, socket_path) if socket_path is not None else None
     except BaseException:  # policy: a refused start holds nothing
@@ -90,9 +105,10 @@ def check(config: ControllerConfig) -> list[str]:
     """What ``claim`` would refuse, found without changing anything (``ckptctl serve
     --check``): the state and image directories (there and private, or creatable), the hooks
     directory and every hook in it, the CRIU action scripts, the endpoint's folder, CURVE key
-    files. Returns what it
-    looked at, a line each; raises the ``ConfigError`` ``claim`` would."""
-    from ckpt_controller.controller.hooks import POINTS, action_scripts, find_hooks
+    files. Returns what it looked at, a line each; raises the ``ConfigError`` ``claim``
+    would."""
+    from ckpt_controller.controller.hooks import (POINTS, action_scripts, crtools_readers,
+                                                  find_hooks)
 
     seen = []
     for key, path in (("controller.state_dir", config.state_dir),
@@ -121,6 +137,9 @@ def check(config: ControllerConfig) -> list[str]:
         hooks = {point: find_hooks(config.hooks_dir, point) for point in POINTS}
         seen.append(f"controller.hooks_dir {config.hooks_dir}: " + (", ".join(
             f"{point} {len(found)}" for point, found in hooks.items() if found) or "no hooks"))
+        seen += [f"{path}: reads CRTOOLS_SCRIPT_ACTION, which only the dump point sets now "
+                 "(a script for CRIU's own moments goes in controller.criu_action_scripts)"
+                 for path in crtools_readers(config.hooks_dir)]
     if config.criu_action_scripts:
         seen.append("controller.criu_action_scripts: "
                     + ", ".join(action_scripts(config.criu_action_scripts)))

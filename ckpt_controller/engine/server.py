@@ -480,17 +480,17 @@ def serve(opts: EngineOptions, ready: Callable[[dict], None] | None = None,
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     engine = ReferenceEngine(opts).start()
     stop = StopSignals()  # the main thread does the cleanup
-    if opts.prepare_on_startup:  # before the ready line: it says the engine is PREPARED
-        from ckpt_controller.protocol import PrepareCommand
-
-        engine.agent.prepare_at_start(PrepareCommand(
-            call_id=0, op_id=f"{opts.name}-startup", level=None, tags=["kv_cache"]))
-    (ready or (lambda info: print(json.dumps(info), flush=True)))(engine.info())
-    if notifier is not None:
-        notifier.ready(f"engine {opts.name} serving on {opts.api}",
-                       last_round=lambda: engine.agent.last_round,
-                       rounds_within=engine.agent.rounds_within)
     try:
+        if opts.prepare_on_startup:  # before the ready line: it says the engine is PREPARED
+            from ckpt_controller.protocol import PrepareCommand
+
+            engine.agent.prepare_at_start(PrepareCommand(
+                call_id=0, op_id=f"{opts.name}-startup", level=None, tags=["kv_cache"]))
+        (ready or (lambda info: print(json.dumps(info), flush=True)))(engine.info())
+        if notifier is not None:
+            notifier.ready(f"engine {opts.name} serving on {opts.api}",
+                           last_round=lambda: engine.agent.last_round,
+                           rounds_within=engine.agent.rounds_within)
         stop.wait()
     finally:
         if notifier is not None:

@@ -121,6 +121,8 @@ def test_crtools_script_action_only_where_the_moment_is_crius(tmp_path, monkeypa
     from ckpt_controller.controller.hooks import hook_env
 
     monkeypatch.setenv("CRTOOLS_SCRIPT_ACTION", "post-restore")  # a controller run by CRIU
+    # scripts no check saw, in the controller's environment: never handed on
+    monkeypatch.setenv("CKPT_CRIU_ACTION_SCRIPTS", "/tmp/not-checked")
     c = dataclasses.replace(ctx(tmp_path), criu_action_scripts=("/a/one", "/b/two"))
     for point in ("pre-prepare", "post-drain", "post-release", "dump", "post-dump",
                   "pre-restore", "post-restore", "post-resume", "on-fail"):
@@ -129,6 +131,20 @@ def test_crtools_script_action_only_where_the_moment_is_crius(tmp_path, monkeypa
         assert env["CRTOOLS_INIT_PID"] == str(c.pid)
         scripts = env.get("CKPT_CRIU_ACTION_SCRIPTS")
         assert scripts == ("/a/one\n/b/two" if point in ("dump", "pre-restore") else None)
+    c = dataclasses.replace(c, criu_action_scripts=())
+    assert "CKPT_CRIU_ACTION_SCRIPTS" not in hook_env("dump", c)
+
+
+def test_an_action_script_path_with_a_line_break_is_refused(tmp_path):
+    from ckpt_controller.controller.hooks import action_scripts
+
+    odd = tmp_path / "a\nb"
+    odd.write_text("#!/bin/sh\n")
+    odd.chmod(0o755)
+    with pytest.raises(ConfigError) as caught:
+        action_scripts([odd])
+    assert "criu_action_scripts[0]" in caught.value.message and "line break" in \
+        caught.value.message
 
 
 def test_an_operations_own_hook_settings_reach_its_hooks_and_only_known_ones_pass(tmp_path):
@@ -449,3 +465,14 @@ def test_a_hooks_end_is_seen_when_it_happens_not_at_the_next_poll(tmp_path, monk
         proc.kill()
     assert procutil.ended_within(proc, scaled(10)) is True and proc.returncode == -9
     assert polled == []
+
+
+def test_a_hook_that_reads_crtools_script_action_where_it_is_no_longer_set_is_named(tmp_path):
+    from ckpt_controller.controller.hooks import crtools_readers
+
+    hooks = tmp_path / "hooks"
+    write_hook(hooks, "dump", "10-criu-like", 'echo "$CRTOOLS_SCRIPT_ACTION"')  # still set
+    old = write_hook(hooks, "post-dump", "10-old", '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ]')
+    write_hook(hooks, "post-dump", "20-plain", "exit 0")
+    assert crtools_readers(hooks) == [old]
+

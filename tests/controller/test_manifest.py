@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,34 +17,50 @@ import pytest
 
 from ckpt_controller.controller import manifest
 from ckpt_controller.errors import CompatibilityError, UsageError
+from support.timing import wait_until
 
 
 @pytest.fixture
-def image(tmp_path):
-    """An image folder whose manifest describes this test process, with one model file."""
+def engine(spawn_reference):
+    """A real engine process (it maps torch's libraries from this venv's site-packages)."""
+    return spawn_reference("mf")
+
+
+def write_image(tmp_path, pid: int):
+    """An image folder whose manifest describes process ``pid``, with one model file."""
     model = tmp_path / "weights.safetensors"
     model.write_bytes(os.urandom(4096))
     folder = tmp_path / "e1" / "op-1"
     folder.mkdir(parents=True)
-    checked, info = manifest.engine_facts(os.getpid(), "native", {"weights": str(model)})
+    checked, info = manifest.engine_facts(pid, "native", {"weights": str(model)})
     manifest.write(folder, "e1", "op-1", checked, info, image_bytes=123)
     return folder, model
 
 
-def test_the_manifest_records_the_host_and_the_engine(image):
-    folder, model = image
+@pytest.fixture
+def image(tmp_path):
+    """``write_image`` of this test's own process."""
+    return write_image(tmp_path, os.getpid())
+
+
+def test_the_manifest_records_the_host_and_the_engine(tmp_path, engine):
+    import torch
+
+    folder, model = write_image(tmp_path, engine.pid)
     found = manifest.read(folder)
     c = found.checked
     assert set(manifest.CHECKED) <= set(c)
     assert c["kernel"] == os.uname().release and c["arch"] == os.uname().machine
     assert c["engine_kind"] == "native"
-    assert c["python"] == sys.version.split()[0]  # asked of this process's interpreter
-    assert c["torch"] is not None  # the project's venv has torch
+    # read from the site-packages folder the engine maps torch from: nothing was run
+    assert c["python"] == [f"{sys.version_info[0]}.{sys.version_info[1]}"]
+    assert c["torch"] == [torch.__version__] and c["vllm"] is None
+    assert found.info["site_packages"] == [str(Path(torch.__file__).parents[1])]
     assert c["model"] == {str(model): manifest.sha256(model)}
-    argv = Path(f"/proc/{os.getpid()}/cmdline").read_bytes().decode().split("\0")[:-1]
-    assert found.info["pid"] == os.getpid() and found.info["argv"] == argv[:64]
-    assert found.info["image_bytes"] == 123 and found.info["exe"] == os.path.realpath(
-        sys.executable)
+    argv = Path(f"/proc/{engine.pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    assert found.info["pid"] == engine.pid and found.info["argv"] == argv[:64]
+    assert found.info["image_bytes"] == 123
+    assert found.info["exe"] == os.readlink(f"/proc/{engine.pid}/exe")
     assert abs(found.wall - time.time()) < 60
     # here and now, nothing differs
     assert manifest.differences(found, manifest.here(found)) == []
@@ -107,6 +124,8 @@ def test_a_damaged_manifest_is_refused_not_ignored(image, content):
     with pytest.raises(CompatibilityError) as caught:
         manifest.check(folder, "e1", "op-1")
     assert manifest.FILE in caught.value.message
+    assert "--accept manifest" in caught.value.details["change"]
+    assert manifest.check(folder, "e1", "op-1", accept=["manifest"]) is None  # unchecked
 
 
 def test_an_image_without_a_manifest_is_restored_unchecked(tmp_path):
@@ -123,7 +142,25 @@ def test_a_manifest_from_a_later_format_keeps_its_known_fields(image):
     assert msgspec.json.decode((folder / manifest.FILE).read_bytes())["a_future_key"]
 
 
-def test_no_interpreter_facts_for_an_executable_that_is_no_python(tmp_path):
-    assert manifest.interpreter_facts("/bin/sh") == {"python": None, "torch": None,
-                                                     "vllm": None}
-    assert manifest.interpreter_facts(str(tmp_path / "python-gone"))["python"] is None
+def test_nothing_a_path_names_is_run_or_read_without_end(tmp_path):
+    """The controller runs as root: an engine (or a manifest from elsewhere) naming a FIFO,
+    a device or the kernel's files gets no digest, at once; a command line naming a program
+    runs nothing."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero", "/proc/kcore", "/proc/self/status", tmp_path / "gone"):
+        assert manifest.sha256(path) is None, path
+    trap = tmp_path / "python3"
+    trap.write_text(f"#!/bin/sh\ntouch {tmp_path / 'ran'}\n")
+    trap.chmod(0o755)
+    proc = subprocess.Popen(["bash", "-c", f"exec -a {trap} sleep 30"])
+    try:
+        wait_until(lambda: Path(f"/proc/{proc.pid}/cmdline").read_bytes().startswith(
+            str(trap).encode()), 10, "the renamed process")
+        checked, info = manifest.engine_facts(proc.pid, "native", {"w": str(fifo)})
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (tmp_path / "ran").exists()
+    assert checked["model"] == {str(fifo): None} and checked["python"] is None
+    assert info["site_packages"] == [] and info["argv"][0] == str(trap)

@@ -21,10 +21,9 @@ import pytest
 from ckpt_controller.agent import AgentClient
 from ckpt_controller.endpoints import free_port
 from ckpt_controller.engine.client import EngineClient
-from ckpt_controller.errors import OperationError
 from support import ROOT
 from support.config import engines_toml
-from support.criu import CRIU, criu_missing, required
+from support.criu import CRIU, criu_missing, required, tcp_engine
 from support.hooks import CRIU_HOOKS, link_hook, link_hooks
 from support.processes import kill_naming, pids_naming
 from support.timing import deadline_in, scaled
@@ -34,20 +33,6 @@ _reason = required(criu_missing(), "the CRIU tests")
 # the restored copies are found by their command line, which a forked engine lacks
 pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""),
               pytest.mark.exec_engines]
-
-
-def tcp_engine(spawn_reference, name: str):
-    """A reference engine on two free TCP ports. A port found free may be taken before the
-    engine binds it (another test's outgoing connection draws from the same range): then it
-    starts again on two others, up to three times."""
-    for attempt in range(3):
-        api, ctl = free_port(), free_port()
-        try:
-            return spawn_reference(name, api=f"tcp://127.0.0.1:{api}",
-                                   control=f"tcp://127.0.0.1:{ctl}")
-        except OperationError as err:
-            if "Address already in use" not in str(err.details) or attempt == 2:
-                raise
 
 
 def dump_directly(pid: int, images: Path, timeout_s: float = 300) -> dict[str, str]:

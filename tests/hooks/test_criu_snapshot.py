@@ -11,11 +11,9 @@ import json
 import psutil
 import pytest
 
-from ckpt_controller.endpoints import free_port
 from ckpt_controller.engine.client import EngineClient
-from ckpt_controller.errors import OperationError
 from support.config import engines_toml
-from support.criu import criu_missing, required
+from support.criu import criu_missing, required, tcp_engine
 from support.hooks import CRIU_HOOKS, link_hooks
 from support.processes import kill_naming
 from support.timing import scaled, wait_until
@@ -25,18 +23,6 @@ pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""),
               pytest.mark.exec_engines]
 
 PROMPT = [7, 3, 9, 1]
-
-
-def tcp_engine(spawn_reference, name: str, *extra: str):
-    """A reference engine on two free TCP ports (CRIU cannot dump an ipc:// connection to a
-    peer outside the tree), started again on two others if a port was taken meanwhile."""
-    for attempt in range(3):
-        try:
-            return spawn_reference(name, *extra, api=f"tcp://127.0.0.1:{free_port()}",
-                                   control=f"tcp://127.0.0.1:{free_port()}")
-        except OperationError as err:
-            if "Address already in use" not in str(err.details) or attempt == 2:
-                raise
 
 
 def test_one_capture_of_an_engine_started_prepared_restores_again_and_again(

@@ -48,3 +48,22 @@ def required(reason: str | None, what: str) -> str | None:
     if reason is not None and os.environ.get("CKPT_REQUIRE_CRIU") == "1":
         raise RuntimeError(f"CKPT_REQUIRE_CRIU=1, but {what} cannot run: {reason}")
     return reason
+
+
+def tcp_engine(spawn_reference, name: str, *extra: str):
+    """A reference engine (``spawn_reference``, with ``extra`` flags) on two free TCP ports:
+    CRIU cannot dump a unix-socket connection to a peer outside the tree, while ZMQ peers
+    reconnect to TCP ones. A port found free may be taken before the engine binds it
+    (another test's outgoing connection draws from the same range): then it starts again on
+    two others, up to three times."""
+    from ckpt_controller.endpoints import free_port
+    from ckpt_controller.errors import OperationError
+
+    for attempt in range(3):
+        try:
+            return spawn_reference(name, *extra, api=f"tcp://127.0.0.1:{free_port()}",
+                                   control=f"tcp://127.0.0.1:{free_port()}")
+        except OperationError as err:
+            if "Address already in use" not in str(err.details) or attempt == 2:
+                raise
+

@@ -6,6 +6,7 @@ cannot do (``native.cannot``), refused before anything moves. Against loopback H
 from __future__ import annotations
 
 import json
+import time
 from http.server import BaseHTTPRequestHandler
 
 import pytest
@@ -70,8 +71,9 @@ def server():
 def test_the_api_comes_from_the_servers_openapi_paths(server, paths, wanted, expect):
     http = server({"/openapi.json": openapi(*paths, "/v1/completions"),
                    "/version": (200, {"version": "0.34.0"})})
-    api, dev, detail = choose_api(http, wanted)
+    api, dev, detail, present = choose_api(http, wanted)
     assert (api, dev) == expect
+    assert present == ("/pause" in paths)  # the dev-mode API is there, used or not
     assert detail.startswith("vLLM 0.34.0, ")
 
 
@@ -160,3 +162,67 @@ def test_what_it_cannot_do_is_refused_or_goes_through_the_dev_mode_api():
     assert both.via is EngineApi.VLLM_DEV
     both.check_prepare(cmd(level=None, tags=["kv_cache"], drain="abort"))
     assert both.via is EngineApi.VLLM_CHECKPOINT
+
+
+class SlowDrain(BaseHTTPRequestHandler):
+    """A stand-in of vLLM's /checkpoint API whose drain takes ``DRAIN_S`` (not vLLM)."""
+
+    DRAIN_S = 1.5
+    began: float | None = None
+
+    def log_message(self, *a) -> None:
+        pass
+
+    def _send(self, status: int, body: dict) -> None:
+        raw = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _state(self) -> str:
+        if SlowDrain.began is None:
+            return "running"
+        return "preparing" if time.monotonic() - SlowDrain.began < self.DRAIN_S else "prepared"
+
+    def do_GET(self) -> None:
+        if self.path == "/checkpoint/status":
+            state = self._state()
+            self._send(200 if state == "prepared" else 503, {"state": state})
+        elif self.path == "/v1/models":
+            self._send(200, {"data": [{"id": "m"}]})
+        elif self.path == "/metrics":
+            raw = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+        else:
+            self._send(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path.startswith("/checkpoint/prepare"):
+            SlowDrain.began = time.monotonic()
+            self._send(200, {"state": "preparing"})
+        elif self.path == "/v1/completions":
+            self._send(200, {"choices": [{"text": " same", "finish_reason": "length"}]})
+        else:
+            self._send(404, {"detail": "Not Found"})
+
+
+def test_a_wait_drain_runs_to_its_own_deadline_not_a_step_timeout():
+    """The drain is bounded by the drain deadline the operator gave (here 30 s), never by the
+    sidecar's per-call timeout (here 0.3 s): a vLLM draining for 1.5 s is waited for."""
+    from ckpt_controller.clock import Clock, Deadline
+
+    SlowDrain.began = None
+    server = LocalHttp(SlowDrain)
+    try:
+        engine = CheckpointApiEngine(VllmHttp(server.url), step_timeout_s=0.3, tick_s=0.05)
+        command = cmd(level=None, tags=["kv_cache"], on_deadline="fail", drain_timeout_s=30.0)
+        engine.check_prepare(command)
+        report = engine.drain(command, Deadline.after(None, Clock()), lambda progress: None)
+        assert report.mode == "wait" and report.drain_s >= SlowDrain.DRAIN_S
+    finally:
+        server.close()

@@ -14,6 +14,7 @@ lifecycle), ``docs/vllm.md`` (the behaviours seen on a real server).
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -22,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_controller.errors import EngineError, UsageError
+from ckpt_controller.errors import EngineError, UsageError, described
 from ckpt_controller.vocab import CheckpointState
 
 #: HTTP statuses a server sends for "not now, try again" (newer vLLM while paused)
@@ -145,6 +146,9 @@ class VllmHttp:
             raise EngineError(f"vLLM at {self.url} did not answer {method} {path}: {reason}",
                               url=self.url, path=path, unreachable=True,
                               refused=isinstance(reason, ConnectionRefusedError)) from None
+        except http.client.HTTPException as err:  # policy: not HTTP (a cut answer): typed
+            raise EngineError(f"vLLM at {self.url} answered {method} {path} with no HTTP "
+                              f"answer: {described(err)}", url=self.url, path=path) from None
 
     # ------------------------------------------------------------------ state
 

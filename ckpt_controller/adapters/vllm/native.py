@@ -7,8 +7,8 @@ its own lifecycle there (RUNNING, PREPARING, PREPARED, RESTORING, FAILED, as our
 what we add on top of it: the drain deadline, hooks between the steps, the journal, the golden
 check, metrics. Each operation is checked before anything moves (``check_prepare``): what
 the checkpoint API cannot do goes through the dev-mode API when the server has that too
-(said in the log and in the engine's status), and is refused with ``UnsupportedError`` when
-it has not. What the checkpoint API cannot do:
+(said in the log; the engine's status names the second API), and is refused with
+``UnsupportedError`` when it has not. What the checkpoint API cannot do:
 
 - release the weights (a level, or tags other than ``kv_cache``): vLLM's prepare releases
   its KV cache and keeps the weights on the GPU;
@@ -73,9 +73,14 @@ class CheckpointApiEngine(VllmEngine):
     server has the dev-mode API too (used, and said so, for what ``/checkpoint`` cannot do).
     """
 
-    def __init__(self, http: VllmHttp, *, dev: bool = False, **kwargs) -> None:
+    def __init__(self, http: VllmHttp, *, dev: bool = False, dev_present: bool | None = None,
+                 **kwargs) -> None:
+        """``dev``: operations may go through the dev-mode API; ``dev_present``: the server
+        has it (default ``dev``), so a vLLM left paused or asleep by it is found at start
+        even where ``--api checkpoint`` keeps operations off it."""
         super().__init__(http, **kwargs)
         self.dev = dev
+        self.dev_present = dev if dev_present is None else dev_present
         #: the API the current operation goes through (``check_prepare`` chooses)
         self.via = EngineApi.VLLM_CHECKPOINT
         self._before: dict[str, int] = {}
@@ -127,13 +132,16 @@ class CheckpointApiEngine(VllmEngine):
         if answer.http_status != 200:
             self._released = []
             self._save()
-            raise EngineError(f"vLLM refused /checkpoint/prepare: {answer.error}",
+            raise EngineError(f"vLLM refused /checkpoint/prepare: "
+                              f"{answer.error or f'it is {answer.state}'}",
                               url=self.http.url, vllm_state=answer.state,
                               http_status=answer.http_status)
         policy = DrainPolicy(cmd, deadline, url=self.http.url)
         limit = policy.drain_deadline if mode is DrainMode.WAIT else deadline
+        # abort and keep end at once in vLLM: without an operation deadline, at most this long
+        unbounded = limit.remaining() is None
         while answer.state is S.PREPARING:
-            if limit.passed() or time.monotonic() - start > self.step_timeout_s:
+            if limit.passed() or (unbounded and time.monotonic() - start > self.step_timeout_s):
                 # the op's deadline (exit 3), or a wait's with on_deadline fail: vLLM cannot
                 # stop the drain it began, so the prepare fails and the rollback waits for it
                 policy.escalate(lambda: self.http.metrics().in_flight)
@@ -145,7 +153,9 @@ class CheckpointApiEngine(VllmEngine):
             raise _went(answer, "while preparing", self.http.url)
         after = self.http.metrics()
         self._metrics = after
-        self._kept = after.in_flight if mode is DrainMode.KEEP else 0
+        # what vLLM still holds now is kept, whatever the mode: after a wait, the requests
+        # queued without KV blocks stay queued through the checkpoint (PAUSED_NEW)
+        self._kept = after.in_flight
         self._save()
         return DrainReport(
             mode=cmd.drain, in_flight_at_start=before.in_flight,
@@ -227,7 +237,7 @@ class CheckpointApiEngine(VllmEngine):
         or beside a sidecar that died; FAILED with vLLM's own error."""
         answer = self._settled(self.http.checkpoint_status(timeout_s=self.http.timeout_s))
         if answer.state is S.RUNNING:
-            return super().found_out_of_service() if self.dev else self._serve_on()
+            return super().found_out_of_service() if self.dev_present else self._serve_on()
         if answer.state is S.FAILED:
             return S.FAILED, str(_failed_in_vllm(answer, self.http.url))
         self._adopt()

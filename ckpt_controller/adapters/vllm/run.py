@@ -36,10 +36,10 @@ log = logging.getLogger("ckpt_controller.vllm")
 API_CHOICES = ("auto", "checkpoint", "dev")
 
 
-def choose_api(http: VllmHttp, wanted: str = "auto") -> tuple[EngineApi, bool, str]:
+def choose_api(http: VllmHttp, wanted: str = "auto") -> tuple[EngineApi, bool, str, bool]:
     """The API a sidecar drives ``http``'s server through, whether the dev-mode API is there
-    to do what /checkpoint cannot, and a line saying so; ``UsageError`` when the server has
-    neither (or not the one ``wanted``)."""
+    to do what /checkpoint cannot, a line saying so, and whether the server has the dev-mode
+    API at all; ``UsageError`` when the server has neither (or not the one ``wanted``)."""
     found = http.apis()
     version = f"vLLM {found.version}" if found.version else "vLLM (version not given)"
     if wanted not in API_CHOICES:
@@ -48,10 +48,10 @@ def choose_api(http: VllmHttp, wanted: str = "auto") -> tuple[EngineApi, bool, s
     dev = found.dev and wanted in ("auto", "dev")
     if checkpoint:
         return EngineApi.VLLM_CHECKPOINT, dev, version + ", /checkpoint/*" + (
-            "; its dev-mode API for what /checkpoint cannot do" if dev else "")
+            "; its dev-mode API for what /checkpoint cannot do" if dev else ""), found.dev
     if dev:
         return EngineApi.VLLM_DEV, True, version + ", dev-mode API" + (
-            " (its /checkpoint/* left aside: --api dev)" if found.checkpoint else "")
+            " (its /checkpoint/* left aside: --api dev)" if found.checkpoint else ""), True
     raise UsageError(
         f"{version} at {http.url} serves " + (
             "neither /checkpoint/* nor the dev-mode API" if wanted == "auto" else
@@ -78,7 +78,7 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
     http = VllmHttp(url, timeout_s=timeout_s)
     if not http.healthy(timeout_s=5.0):
         raise UnreachableError(f"no vLLM server answers at {http.url}/health", url=http.url)
-    driven, dev, detail = choose_api(http, api)
+    driven, dev, detail, dev_present = choose_api(http, api)
     pid_of: "int | None | Callable[[], int | None]" = pid
     if engine_is_parent:
         pid_of = parent_host_pid
@@ -90,7 +90,7 @@ def serve(url: str, *, name: str, control: str | None, pid: int | None,
     options = dict(pid=pid_of, golden_prompt=golden_prompt, golden_tokens=golden_tokens,
                    verify_weights=verify_weights, step_timeout_s=max(timeout_s, 60.0),
                    state=state)
-    engine = (CheckpointApiEngine(http, dev=dev, **options)
+    engine = (CheckpointApiEngine(http, dev=dev, dev_present=dev_present, **options)
               if driven is EngineApi.VLLM_CHECKPOINT else VllmEngine(http, **options)).start()
     # never claim RUNNING for an engine that is not serving: FAILED says why (a restore
     # resumes and wakes it); a vLLM found prepared (started so, or its sidecar restarted)
