@@ -51,6 +51,7 @@ def test_a_failed_engine_says_why_in_status_and_describe(spawn_controller, agent
     assert f"Reason:        {why} (operation bad-1)" in text, text
     assert "Recover:       ckptctl restore ds" in text
     assert "control:     ipc://" in text and "(answered)" in text
+    assert "API:           embedded\n" in text, text  # how its agent drives it
     ops = text.split("Last operations:")[1].split("Last error:")[0]
     assert ops.index("bad-1") < ops.index("ok-1") and "cycle  failed" in ops, ops
     (err,) = [line for line in text.splitlines() if line.startswith("Last error:")]

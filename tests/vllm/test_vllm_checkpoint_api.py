@@ -137,6 +137,10 @@ def test_a_cycle_drains_real_requests_through_vllms_checkpoint_api(
         status = status_of(client)
         assert status.state == "running" and status.generation == 1
         assert status.api == "vllm-checkpoint" and "vLLM 0.34.0" in status.api_detail
+    page = ctl.ckptctl("describe", "vc").stdout
+    assert "API:           vllm-checkpoint (vLLM 0.34.0, /checkpoint/*)" in page, page
+    wide = ctl.ckptctl("status", "-o", "wide").stdout
+    assert "vllm-checkpoint" in wide, wide
     # nothing lost: every request ended with a finish reason
     assert all(o[0] in ("length", "abort") for o in outcomes.values()), outcomes
     assert late_outcomes[0][0] == "length", late_outcomes
