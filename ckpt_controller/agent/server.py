@@ -283,6 +283,7 @@ class Agent(RpcServer):
             endpoints={**self.endpoints, "control": self.endpoint},
             reload_files=self.memory.reload_files(),
             api=self.api, api_detail=self.api_detail,
+            released_level=getattr(self.memory, "released_level", None),
         )
 
     # ------------------------------------------------------------------ operations

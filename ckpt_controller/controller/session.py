@@ -46,6 +46,7 @@ from ckpt_controller.vocab import (
     OperationKind,
     OutcomeStatus,
     PrepareStep,
+    ReleaseLevel,
     RestoreStep,
 )
 
@@ -364,9 +365,13 @@ class EngineSession:
                                  hooks_dir=str(self.config.hooks_dir))
 
     def _read_engine_facts(self) -> tuple[dict, dict]:
-        """What the image's manifest says of the engine (``manifest.engine_facts``)."""
+        """What the image's manifest says of the engine (``manifest.engine_facts``): the
+        model files only when a restore of it reads them (weights discarded, level 2; at
+        levels 0 and 1 the weights are in the image)."""
         try:
-            files = self.client.status().reload_files
+            status = self.client.status()
+            files = status.reload_files if status.released_level == ReleaseLevel.DISCARD \
+                else {}
         except CkptError as err:  # policy: the dump says whether the engine is there
             log.warning("%s: no status before the dump: %s", self.engine.name, err)
             files = {}

@@ -154,6 +154,11 @@ class MemoryRegistry:
         released = dict(self._released)
         return [t for t in dict(self._tags) if t in released]
 
+    @property
+    def released_level(self) -> ReleaseLevel | None:
+        """The level of the release in force (None: nothing released, or tags named)."""
+        return self._released_level
+
     def registered_bytes(self) -> dict[str, int]:
         """Tag -> bytes of its distinct storages (as registered, also while released)."""
         return {name: tag.nbytes for name, tag in dict(self._tags).items()}

@@ -132,6 +132,9 @@ class StatusReply(msgspec.Struct, kw_only=True, tag=True):
     api: EngineApi | None = None
     #: more of it, as a person reads it (the engine's version, a second API and what for)
     api_detail: str | None = None
+    #: the level of the release in force (2: a re-wake reads ``reload_files``); None:
+    #: nothing released, tags named, or an agent that does not say
+    released_level: ReleaseLevel | None = None
 
 
 class PrepareReply(msgspec.Struct, kw_only=True, tag=True):

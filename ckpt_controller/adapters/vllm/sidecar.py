@@ -254,6 +254,10 @@ class VllmEngine(EngineHooks):
     def released_tags(self) -> list[str]:
         return list(self._released)
 
+    @property
+    def released_level(self) -> ReleaseLevel | None:
+        return self._level
+
     def registered_bytes(self) -> dict[str, int]:
         return {}  # vLLM does not tell; the memory reports measure the process tree
 
