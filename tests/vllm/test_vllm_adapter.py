@@ -578,6 +578,9 @@ def test_each_sample_config_works_as_written_for_a_vllm_engine(where, text, vllm
     if "controller" not in conf:  # a sample of other tables: the controller's defaults but its
         # endpoint (the default one is shared by every controller of this user)
         local = f'[controller]\nendpoint = "ipc://{ipc_dir}/ctl.sock"\n' + local
+    elif "endpoint" not in conf["controller"]:  # a [controller] sample of other keys: the same
+        local = local.replace("[controller]\n",
+                              f'[controller]\nendpoint = "ipc://{ipc_dir}/ctl.sock"\n', 1)
     for key in ("state_dir", "hooks_dir", "image_dir"):
         local = _set(local, key, f'"{ipc_dir / key}"')
     (ipc_dir / "hooks_dir").mkdir()
