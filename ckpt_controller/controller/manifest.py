@@ -65,6 +65,19 @@ _KERNELS = ("/proc/", "/sys/", "/dev/")
 #: the CPU flags that are instruction-set extensions a process may use
 _ISA = re.compile(r"(sse\d\w*|ssse3|avx\w*|amx\w*|fma|f16c|bmi\d|aes|sha_ni|vaes|vpclmulqdq|"
                   r"gfni|adx|movbe|popcnt)")
+#: the type of each known field: a manifest from elsewhere (another node's, a damaged one)
+#: with another is refused as a whole, never half read
+_TYPES: dict[str, dict[str, Any]] = {
+    "checked": {**{f: str | None for f in ("criu", "kernel", "arch", "cpu", "engine_kind",
+                                            "engine_exe", "cuda_driver")},
+                **{f: list[str] | None for f in ("cpu_isa", "python", "torch", "vllm",
+                                                 "gpus")},
+                "model": dict[str, str | None]},
+    "info": {"exe": str | None, "site_packages": list[str],
+             "model_files": dict[str, dict[str, int] | None]},
+}
+
+
 class Manifest(msgspec.Struct, kw_only=True):
     format: int = FORMAT
     engine: str
@@ -289,10 +302,16 @@ def read(folder: Path) -> Manifest | None:
         raise CompatibilityError(f"{folder / FILE}: cannot be read: {err}",
                                  path=str(folder / FILE)) from None
     try:
-        return msgspec.json.decode(raw, type=Manifest)
+        found = msgspec.json.decode(raw, type=Manifest)
+        for group, types in _TYPES.items():
+            facts = getattr(found, group)
+            for name, kind in types.items():
+                if name in facts:
+                    facts[name] = msgspec.convert(facts[name], kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as err:  # policy: damaged: refused
         raise CompatibilityError(f"{folder / FILE}: not a manifest: {err}",
                                  path=str(folder / FILE)) from None
+    return found
 
 
 def here(manifest: Manifest) -> dict[str, Any]:
@@ -309,8 +328,8 @@ def here(manifest: Manifest) -> dict[str, Any]:
     models = {}
     for path, digest in (manifest.checked.get("model") or {}).items():
         was, key = (info.get("model_files") or {}).get(path), _stat_key(path)
-        same = was is not None and key is not None and \
-            (key[1], key[2], key[3]) == (was["bytes"], was["mtime_ns"], was["ctime_ns"])
+        same = was is not None and key is not None and (key[1], key[2], key[3]) == (
+            was.get("bytes"), was.get("mtime_ns"), was.get("ctime_ns"))
         models[path] = digest if same else sha256(path)
     checked["model"] = models
     return checked

@@ -78,7 +78,7 @@ def test_each_difference_is_named_and_only_the_accepted_ones_pass(image):
     folder, model = image
     found = manifest.read(folder)
     rewrite(folder, kernel="0.0.1-elsewhere", cpu_isa=found.checked["cpu_isa"] + ["amx_fake"],
-            torch="0.0.1")
+            torch=["0.0.1"])
     model.write_bytes(os.urandom(4096))  # the model file changed since the capture
     with pytest.raises(CompatibilityError) as caught:
         manifest.check(folder, "e1", "op-1")
@@ -126,6 +126,23 @@ def test_a_damaged_manifest_is_refused_not_ignored(image, content):
     assert manifest.FILE in caught.value.message
     assert "--accept manifest" in caught.value.details["change"]
     assert manifest.check(folder, "e1", "op-1", accept=["manifest"]) is None  # unchecked
+
+
+@pytest.mark.parametrize("group, field, value", [
+    ("checked", "model", [1, 2]), ("checked", "cpu_isa", 5), ("checked", "kernel", 3),
+    ("info", "site_packages", 5), ("info", "exe", 7), ("info", "model_files", {"/x": 3}),
+])
+def test_a_manifest_whose_fields_have_other_types_is_refused_as_damaged(image, group, field,
+                                                                         value):
+    """A manifest from elsewhere is read whole or not at all: a field of another type (a
+    list where a map was) is a damaged manifest, never a crash in the middle of a check."""
+    folder, _ = image
+    doc = json.loads((folder / manifest.FILE).read_text())
+    doc[group][field] = value
+    (folder / manifest.FILE).write_text(json.dumps(doc))
+    with pytest.raises(CompatibilityError) as caught:
+        manifest.check(folder, "e1", "op-1")
+    assert "not a manifest" in caught.value.message, caught.value.message
 
 
 def test_an_image_without_a_manifest_is_restored_unchecked(tmp_path):
