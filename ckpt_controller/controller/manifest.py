@@ -51,6 +51,8 @@ log = logging.getLogger("ckpt_controller.images")
 
 FILE = "ckpt-manifest.json"
 FORMAT = 1
+#: the largest manifest read (one is a few KiB)
+MAX_BYTES = 1 << 20
 #: the facts a restore is refused on, unless accepted (``--accept``)
 CHECKED = ("criu", "kernel", "arch", "cpu", "cpu_isa", "engine_kind", "engine_exe", "python",
            "torch", "vllm", "cuda_driver", "gpus", "model")
@@ -294,11 +296,13 @@ def write(folder: Path, engine: str, image: str, engine_checked: dict, engine_in
 def read(folder: Path) -> Manifest | None:
     """The manifest in ``folder``; None when there is none; ``CompatibilityError`` when it
     cannot be read (a damaged manifest is no promise)."""
+    from ckpt_controller.files import UnfitFileError, read_small
+
     try:
-        raw = (folder / FILE).read_bytes()
+        raw = read_small(folder / FILE, MAX_BYTES)  # a FIFO there is refused, not waited on
     except FileNotFoundError:
         return None
-    except OSError as err:  # policy: there but unreadable: refused, saying so
+    except (OSError, UnfitFileError) as err:  # policy: there but unfit: refused, saying so
         raise CompatibilityError(f"{folder / FILE}: cannot be read: {err}",
                                  path=str(folder / FILE)) from None
     try:

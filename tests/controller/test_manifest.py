@@ -145,6 +145,19 @@ def test_a_manifest_whose_fields_have_other_types_is_refused_as_damaged(image, g
     assert "not a manifest" in caught.value.message, caught.value.message
 
 
+def test_a_manifest_that_is_a_fifo_or_too_large_is_refused_at_once(image):
+    folder, _ = image
+    (folder / manifest.FILE).unlink()
+    os.mkfifo(folder / manifest.FILE)  # read whole, it would block for ever
+    with pytest.raises(CompatibilityError) as caught:
+        manifest.check(folder, "e1", "op-1")
+    assert "not a regular file" in caught.value.message
+    (folder / manifest.FILE).unlink()
+    (folder / manifest.FILE).write_bytes(b" " * (manifest.MAX_BYTES + 1))
+    with pytest.raises(CompatibilityError):
+        manifest.check(folder, "e1", "op-1")
+
+
 def test_an_image_without_a_manifest_is_restored_unchecked(tmp_path):
     assert manifest.check(tmp_path, "e1", "op-old") is None
 
